@@ -1,0 +1,42 @@
+# LibTorch for the library side, and one precompiled header that every LibTorch target reuses.
+find_package(Torch REQUIRED)
+find_package(Threads REQUIRED)
+
+# Debian's libtorch-dev (1.13) lacks torch/csrc/distributed/autograd/context/context.h, which
+# c10d's reducer.hpp includes. Official LibTorch and pip wheels ship it; only when it is missing do
+# we add a shim directory that declares the two names reducer.hpp uses.
+set(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM OFF)
+foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
+  if(EXISTS "${dir}/torch/csrc/distributed/autograd/context/context.h")
+    set(_ctorch_has_context ON)
+  endif()
+endforeach()
+if(NOT _ctorch_has_context)
+  set(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM ON)
+  message(STATUS "ctorch: LibTorch lacks distributed/autograd/context/context.h; using the shim")
+endif()
+
+# Interface target carrying LibTorch and the shim include directory.
+add_library(ctorch_torch_deps INTERFACE)
+target_link_libraries(ctorch_torch_deps INTERFACE ${TORCH_LIBRARIES} Threads::Threads)
+if(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM)
+  target_include_directories(ctorch_torch_deps INTERFACE
+    $<BUILD_INTERFACE:${CMAKE_SOURCE_DIR}/trainer/shim>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/ctorch/shim>)
+endif()
+
+# The precompiled header: <torch/torch.h> plus the c10d headers the library uses. Targets call
+# ctorch_use_torch_pch(<target>) to reuse it instead of parsing LibTorch again (~10-20 s per TU).
+option(CTORCH_USE_PCH "Use a precompiled header for LibTorch" ON)
+add_library(ctorch_torch_pch STATIC ${CMAKE_SOURCE_DIR}/cmake/pch_anchor.cpp)
+target_link_libraries(ctorch_torch_pch PUBLIC ctorch_torch_deps)
+if(CTORCH_USE_PCH)
+  target_precompile_headers(ctorch_torch_pch PRIVATE ${CMAKE_SOURCE_DIR}/cmake/torch_pch.hpp)
+endif()
+
+function(ctorch_use_torch_pch target)
+  target_link_libraries(${target} PRIVATE ctorch_torch_deps)
+  if(CTORCH_USE_PCH)
+    target_precompile_headers(${target} REUSE_FROM ctorch_torch_pch)
+  endif()
+endfunction()

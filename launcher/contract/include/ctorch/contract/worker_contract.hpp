@@ -1,0 +1,127 @@
+// The worker contract: everything ctorchrun and a worker agree on, and nothing else.
+// Environment variable names (exactly torchrun's), exit codes, the error-file schema and the agent
+// store key prefix. Owned by the launcher, included by the LibTorch library; header-only, no deps.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace ctorch::contract {
+
+// ---- Environment variables a worker receives (torchrun's names) ---------------------------------
+namespace env {
+inline constexpr const char* kRank = "RANK";
+inline constexpr const char* kLocalRank = "LOCAL_RANK";
+inline constexpr const char* kGroupRank = "GROUP_RANK";
+inline constexpr const char* kRoleRank = "ROLE_RANK";
+inline constexpr const char* kRoleName = "ROLE_NAME";
+inline constexpr const char* kLocalWorldSize = "LOCAL_WORLD_SIZE";
+inline constexpr const char* kWorldSize = "WORLD_SIZE";
+inline constexpr const char* kRoleWorldSize = "ROLE_WORLD_SIZE";
+inline constexpr const char* kGroupWorldSize = "GROUP_WORLD_SIZE";
+inline constexpr const char* kMasterAddr = "MASTER_ADDR";
+inline constexpr const char* kMasterPort = "MASTER_PORT";
+inline constexpr const char* kRestartCount = "TORCHELASTIC_RESTART_COUNT";
+inline constexpr const char* kMaxRestarts = "TORCHELASTIC_MAX_RESTARTS";
+inline constexpr const char* kRunId = "TORCHELASTIC_RUN_ID";
+inline constexpr const char* kUseAgentStore = "TORCHELASTIC_USE_AGENT_STORE";
+inline constexpr const char* kErrorFile = "TORCHELASTIC_ERROR_FILE";
+inline constexpr const char* kNcclAsyncErrorHandling = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
+
+// Slurm variables read by the library when a worker is started by plain `srun` (no launcher).
+inline constexpr const char* kSlurmProcId = "SLURM_PROCID";
+inline constexpr const char* kSlurmNTasks = "SLURM_NTASKS";
+inline constexpr const char* kSlurmLocalId = "SLURM_LOCALID";
+inline constexpr const char* kSlurmNTasksPerNode = "SLURM_NTASKS_PER_NODE";
+inline constexpr const char* kSlurmTasksPerNode = "SLURM_TASKS_PER_NODE";
+inline constexpr const char* kSlurmStepNodeList = "SLURM_STEP_NODELIST";
+inline constexpr const char* kSlurmJobNodeList = "SLURM_JOB_NODELIST";
+inline constexpr const char* kSlurmJobId = "SLURM_JOB_ID";
+inline constexpr const char* kSlurmStepId = "SLURM_STEP_ID";
+inline constexpr const char* kSlurmNodeId = "SLURM_NODEID";
+inline constexpr const char* kSlurmNNodes = "SLURM_NNODES";
+} // namespace env
+
+// One line of documentation per variable; `ctorchrun --help` prints this table.
+struct VariableDoc {
+  const char* name;
+  const char* meaning;
+};
+
+inline constexpr VariableDoc kWorkerVariables[] = {
+    {env::kRank, "global rank of the worker (0 .. WORLD_SIZE-1)"},
+    {env::kLocalRank, "rank of the worker on its node (0 .. LOCAL_WORLD_SIZE-1)"},
+    {env::kGroupRank, "rank of the worker's node (the agent) in the rendezvous"},
+    {env::kRoleRank, "rank among workers of the same role (equals RANK: one role)"},
+    {env::kRoleName, "the --role value (default: default)"},
+    {env::kLocalWorldSize, "number of workers on this node (--nproc-per-node)"},
+    {env::kWorldSize, "total number of workers in the job"},
+    {env::kRoleWorldSize, "number of workers of this role (equals WORLD_SIZE)"},
+    {env::kGroupWorldSize, "number of nodes (agents) in the rendezvous"},
+    {env::kMasterAddr, "host of the c10d TCPStore the workers use"},
+    {env::kMasterPort, "port of that TCPStore"},
+    {env::kRestartCount, "how many times the worker group has been restarted"},
+    {env::kMaxRestarts, "the --max-restarts value"},
+    {env::kRunId, "the --rdzv-id value (the job id)"},
+    {env::kUseAgentStore, "True: the store at MASTER_ADDR:MASTER_PORT is hosted by the agent"},
+    {env::kErrorFile, "JSON file where the worker may record its fatal error (see below)"},
+    {env::kNcclAsyncErrorHandling, "1 unless already set"},
+    {env::kOmpNumThreads, "1 when unset and more than one worker runs on the node"},
+};
+
+// ---- The agent store ------------------------------------------------------------------------------
+// With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
+// hosts at MASTER_ADDR:MASTER_PORT and uses this key prefix, exactly as Python's
+// torch.distributed.rendezvous does, so C++ and Python workers see the store the same way.
+inline std::string agentStorePrefix(std::int64_t restartCount) {
+  return "/worker/attempt_" + std::to_string(restartCount);
+}
+
+// "True"/"true"/"1" mean yes, as Python's `os.environ.get(...) == str(True)` plus common spellings.
+inline bool isTruthy(std::string_view v) {
+  return v == "True" || v == "true" || v == "TRUE" || v == "1" || v == "yes";
+}
+
+// ---- Slurm port rule ------------------------------------------------------------------------------
+// Under Slurm without an explicit MASTER_PORT (plain `srun` workers) or rendezvous port
+// (`srun ctorchrun`), the port is derived from the job id so that every task of the job computes
+// the same one and concurrent jobs on a node rarely collide: 20000 + (SLURM_JOB_ID mod 12000).
+// The range 20000-31999 stays below Linux's default ephemeral range (32768-60999).
+inline constexpr int kSlurmPortBase = 20000;
+inline constexpr int kSlurmPortSpan = 12000;
+inline constexpr int slurmDerivedPort(std::uint64_t jobId) {
+  return kSlurmPortBase + static_cast<int>(jobId % kSlurmPortSpan);
+}
+
+// ---- Exit codes ------------------------------------------------------------------------------------
+// ctorchrun exits with 0 when every worker succeeded; otherwise with the root-cause worker's own
+// code (128+N when it died of signal N). Its own failures use the codes below.
+inline constexpr int kExitSuccess = 0;
+inline constexpr int kExitFailure = 1;          // generic failure inside the launcher
+inline constexpr int kExitUsage = 2;            // bad command line or environment
+inline constexpr int kExitRendezvousFailed = 3; // rendezvous timed out / store unreachable
+inline constexpr int kExitCannotExecute = 126;  // program exists but cannot be executed
+inline constexpr int kExitNotFound = 127;       // program not found
+inline constexpr int kExitSignalBase = 128;     // 128 + signal number
+
+// A worker that stopped on request (SIGTERM / SIGUSR1, e.g. Slurm preemption) after writing its
+// snapshot exits with this code (EX_TEMPFAIL: "try again later"); the job can be requeued.
+inline constexpr int kExitPreempted = 75;
+
+inline constexpr int exitCodeForSignal(int signo) { return kExitSignalBase + signo; }
+
+// ---- The error file (torchrun's JSON schema) --------------------------------------------------------
+// {"message": {"message": "<Type>: <what>", "extraInfo": {"py_callstack": "<text>",
+//                                                          "timestamp": "<unix seconds>"}}}
+// torchrun also accepts {"message": "<text>"}. The library writes the first form
+// (ctorch::recordError); the launcher reads both and shows the message in its failure summary.
+namespace error_file {
+inline constexpr const char* kMessage = "message";
+inline constexpr const char* kExtraInfo = "extraInfo";
+inline constexpr const char* kCallstack = "py_callstack";
+inline constexpr const char* kTimestamp = "timestamp";
+} // namespace error_file
+
+} // namespace ctorch::contract

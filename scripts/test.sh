@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what is missing, builds, runs every test with CTest.
+# Extra arguments go to ctest (e.g. scripts/test.sh -R ddp, scripts/test.sh -L launcher).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${CTORCH_BUILD_DIR:-$root/build}
+"$root/scripts/setup.sh"
+"$root/scripts/build.sh"
+cd "$build"
+start=$(date +%s)
+status=0
+ctest --output-on-failure --parallel "${CTORCH_TEST_JOBS:-$(nproc)}" --timeout 600 "$@" || status=$?
+echo "tests: $(( $(date +%s) - start )) s"
+exit $status

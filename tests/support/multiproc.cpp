@@ -1,0 +1,311 @@
+#include "multiproc.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+
+extern char** environ;
+
+namespace ctorch::test {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::map<std::string, WorkerFn>& registry() {
+  static std::map<std::string, WorkerFn> workers;
+  return workers;
+}
+
+[[noreturn]] void throwErrno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+fs::path tempRoot() {
+  const char* t = std::getenv("TMPDIR");
+  return fs::path(t && *t ? t : "/tmp");
+}
+
+} // namespace
+
+WorkerRegistrar::WorkerRegistrar(const char* name, WorkerFn fn) {
+  registry().emplace(name, std::move(fn));
+}
+
+std::optional<int> maybeRunWorker(int argc, char** argv) {
+  if (argc < 3 || std::string(argv[1]) != "--ctorch-worker") return std::nullopt;
+  auto it = registry().find(argv[2]);
+  if (it == registry().end()) {
+    std::cerr << "no test worker named '" << argv[2] << "'\n";
+    return 2;
+  }
+  std::vector<std::string> args(argv + 3, argv + argc);
+  try {
+    return it->second(args);
+  } catch (const std::exception& e) {
+    std::cerr << "worker '" << argv[2] << "' failed: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+std::string ProcessResult::describe() const {
+  std::ostringstream os;
+  if (timedOut) os << "timed out after " << elapsed.count() << " ms";
+  else if (termSignal) os << "signal " << termSignal << " (" << strsignal(termSignal) << ")";
+  else os << "exit " << exitCode;
+  return os.str();
+}
+
+Process::Process(const SpawnOptions& options) {
+  if (options.argv.empty()) throw std::invalid_argument("Process: empty argv");
+  static std::atomic<int> counter{0};
+  outputPath_ = tempRoot() / ("ctorch-test-out-" + std::to_string(::getpid()) + "-" +
+                              std::to_string(counter++) + ".log");
+  int outFd = ::open(outputPath_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
+  if (outFd < 0) throwErrno("open " + outputPath_.string());
+
+  // Build the environment before fork (no allocation in the child).
+  std::map<std::string, std::string> envMap;
+  for (char** e = environ; *e; ++e) {
+    std::string kv(*e);
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) envMap[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  for (const auto& k : options.unsetEnv) envMap.erase(k);
+  for (const auto& [k, v] : options.setEnv) envMap[k] = v;
+  std::vector<std::string> envStrings;
+  for (const auto& [k, v] : envMap) envStrings.push_back(k + "=" + v);
+  std::vector<char*> envp, argvp;
+  for (auto& s : envStrings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argvCopy = options.argv;
+  for (auto& s : argvCopy) argvp.push_back(s.data());
+  argvp.push_back(nullptr);
+  std::string cwd = options.cwd ? options.cwd->string() : std::string();
+  pid_t parent = ::getpid();
+
+  start_ = std::chrono::steady_clock::now();
+  deadline_ = start_ + options.timeout;
+  pid_ = ::fork();
+  if (pid_ < 0) {
+    ::close(outFd);
+    throwErrno("fork");
+  }
+  if (pid_ == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    ::dup2(outFd, STDOUT_FILENO);
+    ::dup2(outFd, STDERR_FILENO);
+    int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(127);
+    // Restore default signal dispositions that a test framework may have changed.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execvpe(argvp[0], argvp.data(), envp.data());
+    const char msg[] = "exec failed\n";
+    [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    ::_exit(127);
+  }
+  ::setpgid(pid_, pid_);  // also from the parent, to avoid the race with signalGroup()
+  ::close(outFd);
+}
+
+Process::~Process() {
+  if (!reaped_ && pid_ > 0) {
+    ::kill(-pid_, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+  std::error_code ec;
+  fs::remove(outputPath_, ec);
+}
+
+bool Process::running() {
+  if (reaped_) return false;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    reaped_ = true;
+    result_.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start_);
+    if (WIFEXITED(status)) result_.exitCode = WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) result_.termSignal = WTERMSIG(status);
+    // Make sure nothing the child started in its group outlives it.
+    ::kill(-pid_, SIGKILL);
+    return false;
+  }
+  return true;
+}
+
+void Process::signalGroup(int signo) {
+  if (!reaped_) ::kill(-pid_, signo);
+}
+
+ProcessResult Process::wait() {
+  while (running()) {
+    if (std::chrono::steady_clock::now() >= deadline_) {
+      result_.timedOut = true;
+      ::kill(-pid_, SIGKILL);
+      ::kill(pid_, SIGKILL);
+      int status = 0;
+      while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+      }
+      reaped_ = true;
+      result_.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - start_);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  result_.output = outputSoFar();
+  return result_;
+}
+
+std::string Process::outputSoFar() const {
+  return readFile(outputPath_);
+}
+
+ProcessResult run(const SpawnOptions& options) {
+  Process p(options);
+  return p.wait();
+}
+
+std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options) {
+  const int port = options.masterPort ? options.masterPort : freePort();
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::vector<std::unique_ptr<Process>> procs;
+  for (int rank = 0; rank < options.worldSize; ++rank) {
+    SpawnOptions so;
+    so.argv = {selfExe().string(), "--ctorch-worker", options.worker};
+    so.argv.insert(so.argv.end(), options.args.begin(), options.args.end());
+    so.timeout = options.timeout;
+    // Start from a clean slate: the test itself may run under a launcher or Slurm.
+    so.unsetEnv = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+                   "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+                   "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_NNODES"};
+    if (options.torchrunEnv) {
+      so.setEnv = {{"RANK", std::to_string(rank)},
+                   {"LOCAL_RANK", std::to_string(rank)},
+                   {"WORLD_SIZE", std::to_string(options.worldSize)},
+                   {"LOCAL_WORLD_SIZE", std::to_string(options.worldSize)},
+                   {"GROUP_RANK", "0"},
+                   {"MASTER_ADDR", options.masterAddr},
+                   {"MASTER_PORT", std::to_string(port)}};
+    }
+    so.setEnv["OMP_NUM_THREADS"] = "1";
+    for (const auto& [k, v] : options.env) so.setEnv[k] = v;
+    if (auto it = options.rankEnv.find(rank); it != options.rankEnv.end())
+      for (const auto& [k, v] : it->second) so.setEnv[k] = v;
+    procs.push_back(std::make_unique<Process>(so));
+  }
+  // Wait for all; if any rank fails, give the others a short grace (they may be blocked in a
+  // collective with it) and then kill them, so a failing test never waits for the full timeout.
+  std::vector<ProcessResult> results(procs.size());
+  std::vector<bool> done(procs.size(), false);
+  std::optional<std::chrono::steady_clock::time_point> failDeadline;
+  size_t remaining = procs.size();
+  while (remaining > 0) {
+    auto now = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < procs.size(); ++i) {
+      if (done[i]) continue;
+      bool expired = now >= deadline || (failDeadline && now >= *failDeadline);
+      if (!procs[i]->running() || expired) {
+        if (expired && procs[i]->running()) procs[i]->signalGroup(SIGKILL);
+        results[i] = procs[i]->wait();
+        if (expired && results[i].termSignal == SIGKILL) results[i].timedOut = true;
+        done[i] = true;
+        --remaining;
+        if (!results[i].ok() && !failDeadline)
+          failDeadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return results;
+}
+
+void requireAllOk(const std::vector<ProcessResult>& results) {
+  bool allOk = true;
+  std::ostringstream os;
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (!results[r].ok()) allOk = false;
+    os << "---- rank " << r << ": " << results[r].describe() << " ----\n" << results[r].output << "\n";
+  }
+  INFO(os.str());
+  REQUIRE(allOk);
+}
+
+fs::path selfExe() {
+  return fs::read_symlink("/proc/self/exe");
+}
+
+int freePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throwErrno("socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    throwErrno("bind 127.0.0.1:0");
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TempDir::TempDir(const std::string& tag) {
+  std::string templ = (tempRoot() / (tag + "-XXXXXX")).string();
+  if (!::mkdtemp(templ.data())) throwErrno("mkdtemp " + templ);
+  path_ = templ;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+std::string readFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+void writeFile(const fs::path& path, const std::string& content) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+  out << content;
+}
+
+} // namespace ctorch::test

@@ -1,0 +1,138 @@
+// Test support: real multi-process tests without fixed ports.
+// A test binary re-executes itself as N worker processes (`--ctorch-worker <name> args...`),
+// each with the torchrun worker environment, captures their output and reaps them within a
+// deadline (killing the whole process group on timeout). No LibTorch here.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::test {
+
+// ---- Workers registered in a test binary ----------------------------------------------------------
+using WorkerFn = std::function<int(const std::vector<std::string>& args)>;
+
+struct WorkerRegistrar {
+  WorkerRegistrar(const char* name, WorkerFn fn);
+};
+
+// Defines a worker entry point runnable as `<test-binary> --ctorch-worker NAME args...`.
+// The body returns the process exit code; an escaping exception prints it and exits 1.
+#define CTORCH_TEST_WORKER(NAME)                                                              \
+  static int ctorch_test_worker_##NAME(const std::vector<std::string>& args);                 \
+  static ::ctorch::test::WorkerRegistrar ctorch_test_worker_reg_##NAME(#NAME,                 \
+                                                                       ctorch_test_worker_##NAME); \
+  static int ctorch_test_worker_##NAME([[maybe_unused]] const std::vector<std::string>& args)
+
+// Called by the test main: runs the worker named in argv if asked to, returns its exit code.
+std::optional<int> maybeRunWorker(int argc, char** argv);
+
+// ---- Processes -------------------------------------------------------------------------------------
+struct ProcessResult {
+  int exitCode = -1;       // exit status when the process exited normally, else -1
+  int termSignal = 0;      // signal that killed it, else 0
+  bool timedOut = false;   // killed by us at the deadline
+  std::string output;      // stdout and stderr, interleaved as written
+  std::chrono::milliseconds elapsed{0};
+
+  bool ok() const { return !timedOut && termSignal == 0 && exitCode == 0; }
+  // A one-line description for assertion messages: "exit 3", "signal 9 (Killed)", "timed out".
+  std::string describe() const;
+};
+
+struct SpawnOptions {
+  std::vector<std::string> argv;                     // argv[0] is the program (path or name on PATH)
+  std::map<std::string, std::string> setEnv;         // added to / overriding the inherited environment
+  std::vector<std::string> unsetEnv;                 // removed from the inherited environment
+  std::optional<std::filesystem::path> cwd;
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+};
+
+// A child running in its own process group, dying with us (PR_SET_PDEATHSIG), output to a file.
+class Process {
+ public:
+  explicit Process(const SpawnOptions& options);
+  ~Process();  // kills the process group and reaps if still running
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  int pid() const { return pid_; }
+  bool running();
+  // Sends `signo` to the child's process group.
+  void signalGroup(int signo);
+  // Waits until exit or until the deadline set by SpawnOptions::timeout (then SIGKILLs the group).
+  ProcessResult wait();
+  // Current content of the output file (for tests that watch progress).
+  std::string outputSoFar() const;
+
+ private:
+  int pid_ = -1;
+  bool reaped_ = false;
+  ProcessResult result_;
+  std::filesystem::path outputPath_;
+  std::chrono::steady_clock::time_point start_, deadline_;
+};
+
+// Runs a command to completion (see SpawnOptions::timeout).
+ProcessResult run(const SpawnOptions& options);
+
+// ---- Multi-rank runs of this very binary ------------------------------------------------------------
+struct WorkerGroupOptions {
+  std::string worker;                             // name given to CTORCH_TEST_WORKER
+  int worldSize = 2;
+  std::vector<std::string> args;                  // passed to every rank
+  std::map<std::string, std::string> env;         // extra environment for every rank
+  // Per-rank environment on top of the above (rank -> vars).
+  std::map<int, std::map<std::string, std::string>> rankEnv;
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  // If false, no RANK/WORLD_SIZE/... are set (the worker sees only `env`).
+  bool torchrunEnv = true;
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 0;                             // 0: a free port is chosen
+};
+
+// Starts worldSize processes of this binary running `worker` with the torchrun environment
+// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT), all
+// sharing one deadline; on the first timeout every rank is killed. Results are in rank order.
+std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options);
+
+// Fails the current test (Catch2 REQUIRE) unless every rank exited 0; prints their output if not.
+void requireAllOk(const std::vector<ProcessResult>& results);
+
+// ---- Small utilities ---------------------------------------------------------------------------------
+std::filesystem::path selfExe();
+// A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0). Prefer letting the server
+// bind port 0 itself where the API allows it.
+int freePort();
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its content on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "ctorch-test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::string readFile(const std::filesystem::path& path);
+void writeFile(const std::filesystem::path& path, const std::string& content);
+
+} // namespace ctorch::test
+
+// Skips the rest of a test case, reported by CTest as "Not Run (skipped)" (the test properties set
+// SKIP_REGULAR_EXPRESSION to CTORCH_SKIPPED). Catch2 v2 has no SKIP of its own.
+#define CTORCH_SKIP(reason)                   \
+  do {                                        \
+    WARN("CTORCH_SKIPPED: " << reason);       \
+    return;                                   \
+  } while (false)
