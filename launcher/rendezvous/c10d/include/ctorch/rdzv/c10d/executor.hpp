@@ -1,0 +1,97 @@
+// The one place where the c10d rendezvous does I/O: reads the shared state from a store, asks a
+// decision function (decisions.hpp) what to do, compare-and-sets the new state, sleeps, repeats.
+// The store and the clock are small interfaces, so the same executor runs against the native
+// TCPStore client in ctorchrun and against an in-memory map with a virtual clock in tests.
+#pragma once
+
+#include "ctorch/rdzv/c10d/decisions.hpp"
+#include "ctorch/rdzv/c10d/settings.hpp"
+#include "ctorch/rdzv/c10d/state.hpp"
+
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace ctorch::rdzv::c10d {
+
+// The part of c10d's Store the rendezvous needs. Implementations throw on connection errors
+// (the executor lets those through: the agent decides what a lost store means).
+class CasStore {
+ public:
+  virtual ~CasStore() = default;
+  // c10d compareSet: if the value at `key` equals `expected` (a missing key equals ""), store
+  // `desired`. Returns the value stored afterwards (for a missing key and a non-empty `expected`,
+  // c10d returns `expected` and stores nothing).
+  virtual std::string compareSet(const std::string& key, const std::string& expected,
+                                 const std::string& desired) = 0;
+  // The value at `key` (blocking until it exists, as c10d's get).
+  virtual std::string get(const std::string& key) = 0;
+};
+
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  virtual Timestamp now() = 0;                               // wall clock, shared in the state
+  virtual std::chrono::steady_clock::time_point steadyNow() = 0;  // local deadlines
+  virtual void sleepFor(std::chrono::milliseconds d) = 0;
+};
+
+// std::chrono::system_clock / steady_clock / this_thread::sleep_for.
+Clock& systemClock();
+
+struct ExecutorOptions {
+  // How often a waiting node reads the state again (torch: 1 s). A failed compare-and-set
+  // retries at once with the value it returned.
+  std::chrono::milliseconds pollInterval{100};
+  // Receives one line per state change this node made or saw ("joined round 3 ..."), if set.
+  std::function<void(const std::string&)> log;
+};
+
+class Executor {
+ public:
+  // `self.previousRank` is managed here (set after each completed round).
+  Executor(CasStore& store, Settings settings, NodeInfo self, Clock& clock = systemClock(),
+           ExecutorOptions options = {});
+
+  // Leaves the previous round if any, joins the next and blocks until it is complete.
+  // Throws RendezvousTimeout / RendezvousClosed / RendezvousGracefulExit / RendezvousStateError.
+  RoundResult nextRound();
+  // One heartbeat if due (call at least every keepAliveInterval / 2) and removal of expired
+  // nodes; then how the current round is doing.
+  RoundAssessment keepAlive();
+  // Read-only look at the current round.
+  RoundAssessment assess();
+  // Nodes waiting to join while there is room (torch's num_nodes_waiting).
+  int numNodesWaiting();
+  // Marks the rendezvous closed for everyone (shutdown after success). Throws RendezvousTimeout.
+  void close();
+  // Takes this node out of the current round (graceful leave without closing the rendezvous).
+  void leave();
+
+  const NodeInfo& self() const { return self_; }
+  const Settings& settings() const { return settings_; }
+  const std::optional<RoundResult>& lastRound() const { return lastRound_; }
+  // The state as last read or written (for logs and tests).
+  const std::optional<State>& lastState() const { return state_; }
+
+ private:
+  using DecideFn = Decision (*)(const std::optional<State>&, const NodeView&);
+  Decision run(DecideFn decide, std::chrono::milliseconds timeout, bool resetDeadlineOnSpareExit = false);
+  void read();
+  void ensureKey();
+  void log(const std::string& line) const;
+
+  CasStore& store_;
+  Settings settings_;
+  NodeInfo self_;
+  Clock& clock_;
+  ExecutorOptions options_;
+  std::string key_;
+  bool keyReady_ = false;
+  std::string raw_;                 // the store value last seen (the compare-and-set token)
+  std::optional<State> state_;
+  std::optional<RoundResult> lastRound_;
+};
+
+} // namespace ctorch::rdzv::c10d

@@ -1,0 +1,208 @@
+#include "ctorch/rdzv/c10d/settings.hpp"
+
+#include "ctorch/rdzv/c10d/errors.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+namespace ctorch::rdzv::c10d {
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+std::string seconds(milliseconds ms) {
+  std::ostringstream os;
+  os << static_cast<double>(ms.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+[[noreturn]] void bad(const std::string& what) { throw RendezvousConfigError(what); }
+
+// Seconds, decimals allowed ("30", "0.5"); strictly positive.
+milliseconds parseSeconds(const std::string& key, const std::string& value) {
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || !std::isfinite(v))
+    bad("--rdzv-conf " + key + "='" + value + "' is not a number of seconds");
+  if (v <= 0) bad("--rdzv-conf " + key + "='" + value + "' must be positive");
+  if (v > 1e9) bad("--rdzv-conf " + key + "='" + value + "' is too large");
+  auto ms = static_cast<long long>(std::llround(v * 1000.0));
+  if (ms < 1) bad("--rdzv-conf " + key + "='" + value + "' is below one millisecond");
+  return milliseconds(ms);
+}
+
+int parseCount(const std::string& key, const std::string& value) {
+  std::size_t used = 0;
+  long v = 0;
+  try {
+    v = std::stol(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty()) bad("--rdzv-conf " + key + "='" + value + "' is not a whole number");
+  if (v < 1 || v > 1000000) bad("--rdzv-conf " + key + "='" + value + "' must be between 1 and 1000000");
+  return static_cast<int>(v);
+}
+
+// torch's RendezvousParameters.get_as_bool spellings.
+bool parseBool(const std::string& key, const std::string& value) {
+  std::string v;
+  for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y") return true;
+  if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n") return false;
+  bad("--rdzv-conf " + key + "='" + value + "' is not a boolean (use true or false)");
+}
+
+} // namespace
+
+void Settings::validate() const {
+  if (runId.empty()) bad("the rendezvous id (--rdzv-id) must not be empty");
+  for (char c : runId)
+    if (std::iscntrl(static_cast<unsigned char>(c)))
+      bad("the rendezvous id (--rdzv-id) must not contain control characters");
+  if (minNodes < 1) bad("the minimum number of nodes (" + std::to_string(minNodes) + ") must be at least 1");
+  if (maxNodes < minNodes)
+    bad("the maximum number of nodes (" + std::to_string(maxNodes) +
+        ") must not be below the minimum (" + std::to_string(minNodes) + ")");
+  const std::pair<const char*, milliseconds> times[] = {
+      {"join_timeout", joinTimeout},           {"last_call_timeout", lastCallTimeout},
+      {"close_timeout", closeTimeout},         {"heartbeat_timeout", heartbeatTimeout},
+      {"read_timeout", readTimeout},           {"keep_alive_interval", keepAliveInterval}};
+  for (const auto& [name, value] : times)
+    if (value.count() <= 0) bad(std::string(name) + " (" + seconds(value) + ") must be positive");
+  if (keepAliveMaxAttempt < 1)
+    bad("keep_alive_max_attempt (" + std::to_string(keepAliveMaxAttempt) + ") must be at least 1");
+}
+
+const std::vector<std::string>& rdzvConfKeys() {
+  static const std::vector<std::string> keys = {
+      "join_timeout",        "last_call_timeout",      "close_timeout", "heartbeat_timeout",
+      "read_timeout",        "keep_alive_interval",    "heartbeat",     "keep_alive_max_attempt",
+      "is_host",             "store_type"};
+  return keys;
+}
+
+RdzvConf parseRdzvConf(std::string_view text) {
+  RdzvConf conf;
+  text = trim(text);
+  if (text.empty()) return conf;
+  std::set<std::string> seen;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t comma = text.find(',', start);
+    std::string_view item = trim(text.substr(start, comma == std::string_view::npos ? std::string_view::npos
+                                                                                     : comma - start));
+    start = comma == std::string_view::npos ? text.size() + 1 : comma + 1;
+    std::size_t eq = item.find('=');
+    if (eq == std::string_view::npos)
+      bad("--rdzv-conf entry '" + std::string(item) + "' is not key=value");
+    std::string key(trim(item.substr(0, eq)));
+    std::string value(trim(item.substr(eq + 1)));
+    std::replace(key.begin(), key.end(), '-', '_');
+    if (key.empty()) bad("--rdzv-conf entry '" + std::string(item) + "' has no key");
+    const auto& keys = rdzvConfKeys();
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+      std::string known;
+      for (const auto& k : keys) known += (known.empty() ? "" : ", ") + k;
+      bad("--rdzv-conf key '" + key + "' is unknown (known: " + known + ")");
+    }
+    if (value.empty()) bad("--rdzv-conf " + key + " has no value");
+    std::string canonical = key == "heartbeat" ? "keep_alive_interval" : key;
+    if (!seen.insert(canonical).second) bad("--rdzv-conf " + key + " is given twice");
+
+    if (key == "join_timeout") conf.joinTimeout = parseSeconds(key, value);
+    else if (key == "last_call_timeout") conf.lastCallTimeout = parseSeconds(key, value);
+    else if (key == "close_timeout") conf.closeTimeout = parseSeconds(key, value);
+    else if (key == "heartbeat_timeout") conf.heartbeatTimeout = parseSeconds(key, value);
+    else if (key == "read_timeout") conf.readTimeout = parseSeconds(key, value);
+    else if (key == "keep_alive_interval" || key == "heartbeat") conf.keepAliveInterval = parseSeconds(key, value);
+    else if (key == "keep_alive_max_attempt") conf.keepAliveMaxAttempt = parseCount(key, value);
+    else if (key == "is_host") conf.isHost = parseBool(key, value);
+    else if (key == "store_type") {
+      std::string v;
+      for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+      if (v != "tcp") bad("--rdzv-conf store_type='" + value + "' is not supported (only tcp)");
+    }
+  }
+  return conf;
+}
+
+Settings makeSettings(std::string runId, int minNodes, int maxNodes, const RdzvConf& conf) {
+  Settings s;
+  s.runId = std::move(runId);
+  s.minNodes = minNodes;
+  s.maxNodes = maxNodes;
+  if (conf.joinTimeout) s.joinTimeout = *conf.joinTimeout;
+  if (conf.lastCallTimeout) s.lastCallTimeout = *conf.lastCallTimeout;
+  if (conf.closeTimeout) s.closeTimeout = *conf.closeTimeout;
+  if (conf.heartbeatTimeout) s.heartbeatTimeout = *conf.heartbeatTimeout;
+  if (conf.readTimeout) s.readTimeout = *conf.readTimeout;
+  if (conf.keepAliveInterval) s.keepAliveInterval = *conf.keepAliveInterval;
+  if (conf.keepAliveMaxAttempt) s.keepAliveMaxAttempt = *conf.keepAliveMaxAttempt;
+  s.validate();
+  return s;
+}
+
+Endpoint parseEndpoint(std::string_view text, int defaultPort) {
+  std::string_view original = text;
+  text = trim(text);
+  Endpoint e;
+  e.port = defaultPort;
+  if (text.empty()) {
+    e.host = "localhost";
+    return e;
+  }
+  std::string_view host = text, port;
+  if (text.front() == '[') {  // [v6] or [v6]:port
+    auto close = text.find(']');
+    if (close == std::string_view::npos)
+      bad("rendezvous endpoint '" + std::string(original) + "' has '[' without ']'");
+    host = text.substr(1, close - 1);
+    std::string_view rest = text.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') bad("rendezvous endpoint '" + std::string(original) + "' is not [host]:port");
+      port = rest.substr(1);
+      if (port.empty()) bad("rendezvous endpoint '" + std::string(original) + "' has an empty port");
+    }
+  } else {
+    auto colon = text.rfind(':');
+    if (colon != std::string_view::npos) {
+      if (text.find(':') != colon)  // a bare IPv6 address: no port (torch would misparse it)
+        bad("rendezvous endpoint '" + std::string(original) + "': write an IPv6 address as [addr]:port");
+      host = text.substr(0, colon);
+      port = text.substr(colon + 1);
+      if (port.empty()) bad("rendezvous endpoint '" + std::string(original) + "' has an empty port");
+    }
+  }
+  if (host.empty()) bad("rendezvous endpoint '" + std::string(original) + "' has no host");
+  for (char c : host)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == ':'))
+      bad("rendezvous endpoint '" + std::string(original) + "': host '" + std::string(host) +
+          "' is not a host name or an IP address");
+  if (!port.empty()) {
+    bool digits = port.size() <= 5;
+    for (char c : port) digits = digits && std::isdigit(static_cast<unsigned char>(c));
+    int p = digits ? std::stoi(std::string(port)) : -1;
+    if (!digits || p > 65535)
+      bad("rendezvous endpoint '" + std::string(original) + "': port '" + std::string(port) +
+          "' must be a number between 0 and 65535");
+    e.port = p;
+  }
+  e.host = std::string(host);
+  return e;
+}
+
+} // namespace ctorch::rdzv::c10d

@@ -1,0 +1,182 @@
+#include "ctorch/rdzv/c10d/state.hpp"
+
+#include "ctorch/rdzv/c10d/errors.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace ctorch::rdzv::c10d {
+
+using nlohmann::json;
+
+std::string stateKey(std::string_view runId) {
+  // torch keeps its pickled state at "torch.rendezvous.<run id>"; a different key keeps a Python
+  // agent pointed at the same store from misreading ours (and the other way round).
+  return "ctorchrun.rendezvous." + std::string(runId);
+}
+
+const Participant* State::participant(std::string_view id) const {
+  for (const auto& p : participants)
+    if (p.node.id == id) return &p;
+  return nullptr;
+}
+
+bool State::inWaitList(std::string_view id) const {
+  return std::find(waitList.begin(), waitList.end(), id) != waitList.end();
+}
+
+bool State::inRedundancyList(std::string_view id) const {
+  return std::find(redundancyList.begin(), redundancyList.end(), id) != redundancyList.end();
+}
+
+bool State::operator==(const State& o) const {
+  return runId == o.runId && round == o.round && complete == o.complete && closed == o.closed &&
+         lastCallDeadline == o.lastCallDeadline && nextJoinSeq == o.nextJoinSeq &&
+         participants == o.participants && waitList == o.waitList &&
+         redundancyList == o.redundancyList && heartbeats == o.heartbeats;
+}
+
+State freshState(std::string runId) {
+  State s;
+  s.runId = std::move(runId);
+  return s;
+}
+
+std::string makeNodeId(std::string_view host, long pid, int localId) {
+  return std::string(host) + "_" + std::to_string(pid) + "_" + std::to_string(localId);
+}
+
+namespace {
+
+json optionalInt(const std::optional<int>& v) { return v ? json(*v) : json(nullptr); }
+
+json encodeNode(const Participant& p) {
+  return json{{"id", p.node.id},
+              {"host", p.node.host},
+              {"addr", p.node.addr},
+              {"nproc", p.node.nproc},
+              {"requested_rank", optionalInt(p.node.requestedRank)},
+              {"previous_rank", optionalInt(p.node.previousRank)},
+              {"join_seq", p.joinSeq},
+              {"rank", p.rank}};
+}
+
+[[noreturn]] void corrupt(const std::string& why) {
+  throw RendezvousStateError("the rendezvous state in the store is unusable: " + why);
+}
+
+const json& field(const json& obj, const char* name, const std::string& where) {
+  auto it = obj.find(name);
+  if (it == obj.end()) corrupt(where + " has no '" + name + "'");
+  return *it;
+}
+
+template <typename T>
+T get(const json& obj, const char* name, const std::string& where) {
+  const json& v = field(obj, name, where);
+  try {
+    return v.get<T>();
+  } catch (const json::exception&) {
+    corrupt(where + "." + name + " has the wrong type (" + v.dump() + ")");
+  }
+}
+
+std::optional<int> getOptionalInt(const json& obj, const char* name, const std::string& where) {
+  const json& v = field(obj, name, where);
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_number_integer()) corrupt(where + "." + name + " is not an integer (" + v.dump() + ")");
+  return v.get<int>();
+}
+
+} // namespace
+
+std::string encodeState(const State& s) {
+  json participants = json::array();
+  for (const auto& p : s.participants) participants.push_back(encodeNode(p));
+  json heartbeats = json::object();
+  for (const auto& [id, t] : s.heartbeats) heartbeats[id] = t.time_since_epoch().count();
+  json j = {{"format", kStateFormat},
+            {"version", kStateVersion},
+            {"run_id", s.runId},
+            {"round", s.round},
+            {"complete", s.complete},
+            {"closed", s.closed},
+            {"last_call_deadline_ms",
+             s.lastCallDeadline ? json(s.lastCallDeadline->time_since_epoch().count()) : json(nullptr)},
+            {"next_join_seq", s.nextJoinSeq},
+            {"participants", participants},
+            {"wait_list", s.waitList},
+            {"redundancy_list", s.redundancyList},
+            {"heartbeats_ms", heartbeats}};
+  return j.dump();
+}
+
+State decodeState(std::string_view text) {
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    std::string head(text.substr(0, 60));
+    corrupt("not JSON ('" + head + (text.size() > 60 ? "...'" : "'") + ")");
+  }
+  if (!j.is_object()) corrupt("not a JSON object");
+  const std::string top = "state";
+  auto format = get<std::string>(j, "format", top);
+  if (format != kStateFormat) corrupt("format '" + format + "' is not '" + kStateFormat + "'");
+  auto version = get<int>(j, "version", top);
+  if (version > kStateVersion)
+    throw RendezvousStateError("the rendezvous state has format version " + std::to_string(version) +
+                               ", newer than this ctorchrun understands (" +
+                               std::to_string(kStateVersion) +
+                               "): run the same ctorchrun version on every node");
+  if (version < 1) corrupt("version " + std::to_string(version) + " is invalid");
+
+  State s;
+  s.runId = get<std::string>(j, "run_id", top);
+  s.round = get<std::int64_t>(j, "round", top);
+  s.complete = get<bool>(j, "complete", top);
+  s.closed = get<bool>(j, "closed", top);
+  const json& deadline = field(j, "last_call_deadline_ms", top);
+  if (!deadline.is_null()) {
+    if (!deadline.is_number_integer()) corrupt("last_call_deadline_ms is not an integer");
+    s.lastCallDeadline = Timestamp(std::chrono::milliseconds(deadline.get<std::int64_t>()));
+  }
+  s.nextJoinSeq = get<std::int64_t>(j, "next_join_seq", top);
+  const json& participants = field(j, "participants", top);
+  if (!participants.is_array()) corrupt("participants is not an array");
+  for (std::size_t i = 0; i < participants.size(); ++i) {
+    const json& pj = participants[i];
+    std::string where = "participants[" + std::to_string(i) + "]";
+    if (!pj.is_object()) corrupt(where + " is not an object");
+    Participant p;
+    p.node.id = get<std::string>(pj, "id", where);
+    p.node.host = get<std::string>(pj, "host", where);
+    p.node.addr = get<std::string>(pj, "addr", where);
+    p.node.nproc = get<int>(pj, "nproc", where);
+    p.node.requestedRank = getOptionalInt(pj, "requested_rank", where);
+    p.node.previousRank = getOptionalInt(pj, "previous_rank", where);
+    p.joinSeq = get<std::int64_t>(pj, "join_seq", where);
+    p.rank = get<int>(pj, "rank", where);
+    if (p.node.id.empty()) corrupt(where + " has an empty id");
+    if (p.node.nproc < 1) corrupt(where + " has nproc " + std::to_string(p.node.nproc));
+    if (s.isParticipant(p.node.id)) corrupt("node '" + p.node.id + "' is a participant twice");
+    s.participants.push_back(std::move(p));
+  }
+  s.waitList = get<std::vector<std::string>>(j, "wait_list", top);
+  s.redundancyList = get<std::vector<std::string>>(j, "redundancy_list", top);
+  const json& heartbeats = field(j, "heartbeats_ms", top);
+  if (!heartbeats.is_object()) corrupt("heartbeats_ms is not an object");
+  for (const auto& [id, t] : heartbeats.items()) {
+    if (!t.is_number_integer()) corrupt("heartbeats_ms['" + id + "'] is not an integer");
+    s.heartbeats[id] = Timestamp(std::chrono::milliseconds(t.get<std::int64_t>()));
+  }
+  return s;
+}
+
+std::optional<State> decodeStoreValue(std::string_view value) {
+  if (value == kNoStateSentinel) return std::nullopt;
+  return decodeState(value);
+}
+
+} // namespace ctorch::rdzv::c10d

@@ -1,0 +1,448 @@
+// Simulation of several agents running the real Executor against an in-memory compare-and-set
+// map, on a virtual clock: time advances only when every agent sleeps, so a 600 s join timeout
+// takes microseconds and every run is deterministic in virtual time. Agents are threads; a
+// "killed" agent simply stops (no heartbeat, no goodbye).
+#include <catch2/catch.hpp>
+
+#include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/rdzv/c10d/executor.hpp"
+
+#include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <cstdio>
+#include <cstdlib>
+
+using namespace ctorch::rdzv::c10d;
+using namespace std::chrono_literals;
+using std::chrono::milliseconds;
+
+namespace Catch {
+template <>
+struct StringMaker<std::chrono::milliseconds> {
+  static std::string convert(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
+};
+template <>
+struct StringMaker<std::chrono::seconds> {
+  static std::string convert(std::chrono::seconds s) { return std::to_string(s.count()) + " s"; }
+};
+} // namespace Catch
+
+namespace {
+
+// ---- an in-memory store with c10d's compareSet semantics ------------------------------------------------
+class MemStore final : public CasStore {
+ public:
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    auto it = map_.find(key);
+    if (it == map_.end()) {
+      if (!expected.empty()) return expected;
+      map_[key] = desired;
+      return desired;
+    }
+    if (it->second == expected) it->second = desired;
+    return it->second;
+  }
+  std::string get(const std::string& key) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    auto it = map_.find(key);
+    if (it == map_.end()) throw std::runtime_error("get of missing key " + key + " would block forever");
+    return it->second;
+  }
+  std::set<std::string> keys() const {
+    std::lock_guard<std::mutex> l(m_);
+    std::set<std::string> k;
+    for (const auto& [key, v] : map_) k.insert(key);
+    return k;
+  }
+  long ops() const {
+    std::lock_guard<std::mutex> l(m_);
+    return ops_;
+  }
+
+ private:
+  mutable std::mutex m_;
+  std::map<std::string, std::string> map_;
+  long ops_ = 0;
+};
+
+// ---- virtual time ----------------------------------------------------------------------------------------
+class VirtualClock final : public Clock {
+ public:
+  Timestamp now() override {
+    std::lock_guard<std::mutex> l(m_);
+    return kEpoch + now_;
+  }
+  std::chrono::steady_clock::time_point steadyNow() override {
+    std::lock_guard<std::mutex> l(m_);
+    return std::chrono::steady_clock::time_point(now_);
+  }
+  milliseconds elapsed() {
+    std::lock_guard<std::mutex> l(m_);
+    return now_;
+  }
+  void sleepFor(milliseconds d) override {
+    std::unique_lock<std::mutex> l(m_);
+    const long ticket = nextTicket_++;
+    sleepers_.insert({now_ + std::max(d, 0ms), ticket});
+    --running_;
+    advanceIfIdle();
+    cv_.wait(l, [&] { return woken_.count(ticket) > 0; });
+    woken_.erase(ticket);
+  }
+  // Call before starting a thread that uses this clock, and when it ends.
+  void enter() {
+    std::lock_guard<std::mutex> l(m_);
+    ++running_;
+  }
+  void leave() {
+    std::lock_guard<std::mutex> l(m_);
+    --running_;
+    advanceIfIdle();
+  }
+
+ private:
+  void advanceIfIdle() {
+    if (running_ > 0 || sleepers_.empty()) return;
+    now_ = std::max(now_, sleepers_.begin()->first);
+    while (!sleepers_.empty() && sleepers_.begin()->first <= now_) {
+      woken_.insert(sleepers_.begin()->second);
+      ++running_;
+      sleepers_.erase(sleepers_.begin());
+    }
+    cv_.notify_all();
+  }
+
+  static constexpr Timestamp kEpoch{milliseconds(1'700'000'000'000)};
+  std::mutex m_;
+  std::condition_variable cv_;
+  milliseconds now_{0};
+  int running_ = 0;
+  long nextTicket_ = 0;
+  std::set<std::pair<milliseconds, long>> sleepers_;
+  std::set<long> woken_;
+};
+
+// ---- agents ----------------------------------------------------------------------------------------------
+struct AgentLog {
+  std::vector<RoundResult> rounds;
+  std::vector<milliseconds> roundTimes;  // virtual time each round completed for this agent
+  std::vector<std::pair<milliseconds, RoundAssessment>> events;  // non-healthy assessments seen
+  std::string error;                     // exception that ended the agent, if any
+  milliseconds errorTime{0};
+};
+
+NodeInfo simNode(const std::string& host, int nproc = 1, std::optional<int> requested = std::nullopt) {
+  NodeInfo n;
+  n.id = makeNodeId(host, 1000, 0);
+  n.host = host;
+  n.addr = host + ".lab";
+  n.nproc = nproc;
+  n.requestedRank = requested;
+  return n;
+}
+
+Settings simSettings(const std::string& runId, int minNodes, int maxNodes) {
+  Settings s;
+  s.runId = runId;
+  s.minNodes = minNodes;
+  s.maxNodes = maxNodes;
+  return s;
+}
+
+// What an agent does: start after `startAt`, rendezvous, then "train" in 1 s steps (heartbeat and
+// look at the round at every step boundary), re-rendezvous when the round changes, until
+// `stopAt` (normal end) or `dieAt` (killed: it just stops).
+struct Script {
+  milliseconds startAt{0};
+  milliseconds stopAt{200s};
+  std::optional<milliseconds> dieAt;
+  std::optional<milliseconds> failAt;  // re-rendezvous once, as after a local worker failure
+  int maxRounds = 10;
+};
+
+class Simulation {
+ public:
+  // The test thread counts as running until wait(): no virtual time passes while agents are
+  // still being started.
+  Simulation() { clock_.enter(); }
+  ~Simulation() { wait(); }
+
+  void agent(const std::string& name, Settings settings, NodeInfo self, Script script) {
+    AgentLog* log = &logs_[name];  // std::map references stay valid; no lookups from threads
+    clock_.enter();
+    threads_.emplace_back([this, log, settings, self, script] {
+      try {
+        run(*log, settings, self, script);
+      } catch (const std::exception& e) {
+        log->error = e.what();
+        log->errorTime = clock_.elapsed();
+      }
+      clock_.leave();
+    });
+  }
+  void wait() {
+    if (!started_) {
+      started_ = true;
+      clock_.leave();
+    }
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+  AgentLog& log(const std::string& name) { return logs_.at(name); }
+  MemStore& store() { return store_; }
+
+ private:
+  void run(AgentLog& log, const Settings& settings, const NodeInfo& self, const Script& script) {
+    clock_.sleepFor(script.startAt);
+    ExecutorOptions eo;
+    if (std::getenv("SIM_DEBUG"))
+      eo.log = [this, self](const std::string& line) {
+        std::printf("%8lld ms %s: %s\n", static_cast<long long>(clock_.elapsed().count()), self.host.c_str(), line.c_str());
+      };
+    Executor ex(store_, settings, self, clock_, eo);
+    auto dead = [&] { return script.dieAt && clock_.elapsed() >= *script.dieAt; };
+    auto failAt = script.failAt;
+    for (int r = 0; r < script.maxRounds; ++r) {
+      log.rounds.push_back(ex.nextRound());
+      log.roundTimes.push_back(clock_.elapsed());
+      for (;;) {
+        clock_.sleepFor(1s);  // one training step
+        if (dead()) return;
+        if (clock_.elapsed() >= script.stopAt) return;
+        if (failAt && clock_.elapsed() >= *failAt) {
+          failAt.reset();
+          break;
+        }
+        auto a = ex.keepAlive();
+        if (a.status == RoundStatus::Healthy) continue;
+        log.events.push_back({clock_.elapsed(), a});
+        break;  // re-rendezvous
+      }
+    }
+  }
+
+  VirtualClock clock_;
+  MemStore store_;
+  std::map<std::string, AgentLog> logs_;
+  std::vector<std::thread> threads_;
+  bool started_ = false;
+};
+
+void requireNoError(Simulation& sim, const std::vector<std::string>& names) {
+  for (const auto& n : names) {
+    INFO(n << ": " << sim.log(n).error);
+    REQUIRE(sim.log(n).error.empty());
+  }
+}
+
+} // namespace
+
+TEST_CASE("rendezvous simulation: 8 agents with mixed nproc and some requested ranks agree", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 8, 8);
+  std::vector<std::string> names;
+  for (int i = 0; i < 8; ++i) {
+    std::string name = "h" + std::to_string(i);
+    names.push_back(name);
+    std::optional<int> requested;
+    if (i == 5) requested = 0;  // e.g. the Slurm head node
+    if (i == 2) requested = 7;
+    sim.agent(name, s, simNode(name, 1 + i % 3, requested),
+              Script{.startAt = milliseconds(37 * (7 - i)), .stopAt = 3s});
+  }
+  sim.wait();
+  requireNoError(sim, names);
+
+  std::set<int> nodeRanks;
+  std::map<int, RoundResult> byRank;
+  int worldSize = 0;
+  for (int i = 0; i < 8; ++i) {
+    const auto& r = sim.log(names[i]).rounds.at(0);
+    CHECK(r.round == 0);
+    CHECK(r.nodeCount == 8);
+    nodeRanks.insert(r.nodeRank);
+    byRank[r.nodeRank] = r;
+    worldSize += 1 + i % 3;
+  }
+  CHECK(nodeRanks.size() == 8);
+  CHECK(sim.log("h5").rounds[0].nodeRank == 0);
+  CHECK(sim.log("h2").rounds[0].nodeRank == 7);
+  // Everyone agrees on the whole table, and global ranks are prefix sums in node-rank order.
+  int base = 0;
+  for (const auto& [rank, r] : byRank) {
+    CHECK(r.worldSize == worldSize);
+    CHECK(r.rankBase == base);
+    CHECK(r.participantIds == byRank.begin()->second.participantIds);
+    base += r.localWorldSize;
+  }
+  // min == max: the round closes as the 8th node arrives (the last one starts at 259 ms).
+  for (const auto& n : names) CHECK(sim.log(n).roundTimes[0] < 1s);
+}
+
+TEST_CASE("rendezvous simulation: elastic 2:4 with three agents closes at the end of the last call", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 2, 4);
+  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 40s});
+  sim.agent("b", s, simNode("b"), Script{.startAt = 1s, .stopAt = 40s});
+  sim.agent("c", s, simNode("c"), Script{.startAt = 5s, .stopAt = 40s});
+  sim.wait();
+  requireNoError(sim, {"a", "b", "c"});
+  for (const char* n : {"a", "b", "c"}) {
+    const auto& r = sim.log(n).rounds.at(0);
+    CHECK(r.nodeCount == 3);
+    // The last call opened when b (the 2nd) joined at 1 s; it lasts 30 s.
+    CHECK(sim.log(n).roundTimes[0] >= 31s);
+    CHECK(sim.log(n).roundTimes[0] <= 32s);
+  }
+  CHECK(sim.log("a").rounds[0].nodeRank == 0);  // join order
+  CHECK(sim.log("b").rounds[0].nodeRank == 1);
+  CHECK(sim.log("c").rounds[0].nodeRank == 2);
+}
+
+TEST_CASE("rendezvous simulation: a late joiner triggers a new round at the next step boundary", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 2, 3);
+  sim.agent("a", s, simNode("a", 2), Script{.startAt = 0s, .stopAt = 80s});
+  sim.agent("b", s, simNode("b", 2), Script{.startAt = 0s, .stopAt = 80s});
+  sim.agent("c", s, simNode("c", 4), Script{.startAt = 50s, .stopAt = 80s});
+  sim.wait();
+  requireNoError(sim, {"a", "b", "c"});
+  auto& a = sim.log("a");
+  REQUIRE(a.rounds.size() == 2);
+  auto& b = sim.log("b");
+  REQUIRE(a.events.size() == 1);
+  REQUIRE(b.events.size() == 1);
+  // Whoever looks first sees c waiting; the other may instead see the first one leave to re-form.
+  CHECK((a.events[0].second.status == RoundStatus::NodesWaiting ||
+         b.events[0].second.status == RoundStatus::NodesWaiting));
+  for (auto* log : {&a, &b}) {
+    auto status = log->events[0].second.status;
+    CHECK((status == RoundStatus::NodesWaiting || status == RoundStatus::PeerLost));
+    CHECK(log->events[0].first <= 52s);  // at a step boundary right after c arrived at 50 s
+  }
+  const auto& r1 = sim.log("c").rounds.at(0);
+  CHECK(r1.round == 1);
+  CHECK(r1.nodeCount == 3);
+  CHECK(r1.nodeRank == 2);  // the newcomer goes last ...
+  CHECK(r1.rankBase == 4);
+  CHECK(r1.worldSize == 8);
+  CHECK(a.rounds[1].nodeRank == a.rounds[0].nodeRank);  // ... the others keep their ranks
+  CHECK(sim.log("b").rounds[1].nodeRank == sim.log("b").rounds[0].nodeRank);
+  CHECK(sim.log("c").roundTimes[0] <= 53s);  // 3 = max: no last call needed
+}
+
+TEST_CASE("rendezvous simulation: a killed agent is noticed and the survivors re-form without it", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 2, 3);
+  s.lastCallTimeout = 5s;
+  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 90s});
+  sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 90s, .dieAt = 20s});
+  sim.agent("c", s, simNode("c"), Script{.startAt = 0s, .stopAt = 90s});
+  sim.wait();
+  requireNoError(sim, {"a", "c"});
+  for (const char* n : {"a", "c"}) {
+    auto& log = sim.log(n);
+    REQUIRE(log.rounds.size() == 2);
+    REQUIRE(!log.events.empty());
+    CHECK(log.events[0].second.status == RoundStatus::PeerLost);
+    // The first to notice sees b gone; the other may also see the first leave to re-form.
+    const auto& lost = log.events[0].second.nodes;
+    CHECK(std::find(lost.begin(), lost.end(), simNode("b").id) != lost.end());
+    // b's last heartbeat was at most 5 s before it died at 20 s; expiry 15 s; a step is 1 s.
+    CHECK(log.events[0].first <= 20s + 15s + 1s);
+    CHECK(log.events[0].first > 15s + 15s);
+    CHECK(log.rounds[1].nodeCount == 2);
+    CHECK(log.rounds[1].worldSize == 2);
+  }
+  // Ranks stay dense; a survivor whose old rank still exists keeps it (threads join in any order).
+  std::set<int> ranks;
+  for (const char* n : {"a", "c"}) {
+    const auto& rounds = sim.log(n).rounds;
+    ranks.insert(rounds[1].nodeRank);
+    if (rounds[0].nodeRank < 2) CHECK(rounds[1].nodeRank == rounds[0].nodeRank);
+  }
+  CHECK(ranks == std::set<int>{0, 1});
+}
+
+TEST_CASE("rendezvous simulation: below min the survivor fails clearly after join_timeout", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 2, 2);
+  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 2000s});
+  sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 2000s, .dieAt = 10s});
+  sim.wait();
+  auto& a = sim.log("a");
+  REQUIRE(a.events.size() == 1);
+  CHECK(a.events[0].second.status == RoundStatus::PeerLost);
+  INFO(a.error);
+  CHECK_THAT(a.error, Catch::Contains("'job' timed out after 600 s") && Catch::Contains("at least 2"));
+  CHECK(a.errorTime >= a.events[0].first + 600s);
+  CHECK(a.errorTime <= a.events[0].first + 600s + kRollbackPeriod + 1s);
+  // a took itself out before failing: nothing of it is left in the round.
+  auto state = decodeStoreValue(sim.store().get(stateKey("job")));
+  REQUIRE(state);
+  CHECK_FALSE(state->isParticipant(simNode("a").id));
+}
+
+TEST_CASE("rendezvous simulation: a re-rendezvous by one node restarts the others", "[rendezvous]") {
+  // A worker failure on node a: its agent re-rendezvous at once; b must follow (torchrun restarts
+  // the workers on every node).
+  Simulation sim;
+  auto s = simSettings("job", 2, 2);
+  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 30s, .failAt = 10s});
+  sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 30s});
+  sim.wait();
+  requireNoError(sim, {"a", "b"});
+  auto& b = sim.log("b");
+  REQUIRE(b.events.size() == 1);
+  CHECK(b.events[0].second.status == RoundStatus::PeerLost);
+  CHECK(b.events[0].first <= 12s);
+  for (const char* n : {"a", "b"}) {
+    REQUIRE(sim.log(n).rounds.size() == 2);
+    CHECK(sim.log(n).rounds[1].round == 1);
+    CHECK(sim.log(n).rounds[1].nodeRank == sim.log(n).rounds[0].nodeRank);
+  }
+}
+
+TEST_CASE("rendezvous simulation: two run ids on one store never mix", "[rendezvous]") {
+  Simulation sim;
+  auto s1 = simSettings("job-1", 2, 3), s2 = simSettings("job-2", 2, 3);
+  s1.lastCallTimeout = s2.lastCallTimeout = 2s;
+  sim.agent("x1", s1, simNode("x1"), Script{.startAt = 0s, .stopAt = 5s});
+  sim.agent("y1", s2, simNode("y1"), Script{.startAt = 0s, .stopAt = 5s});
+  sim.agent("x2", s1, simNode("x2"), Script{.startAt = 100ms, .stopAt = 5s});
+  sim.agent("y2", s2, simNode("y2"), Script{.startAt = 200ms, .stopAt = 5s});
+  sim.wait();
+  requireNoError(sim, {"x1", "x2", "y1", "y2"});
+  for (const char* n : {"x1", "x2"}) {
+    const auto& ids = sim.log(n).rounds.at(0).participantIds;
+    CHECK(ids == std::vector<std::string>{simNode("x1").id, simNode("x2").id});
+  }
+  for (const char* n : {"y1", "y2"}) {
+    const auto& ids = sim.log(n).rounds.at(0).participantIds;
+    CHECK(ids == std::vector<std::string>{simNode("y1").id, simNode("y2").id});
+  }
+  CHECK(sim.store().keys() == std::set<std::string>{stateKey("job-1"), stateKey("job-2")});
+}
+
+TEST_CASE("rendezvous simulation: after close a newcomer fails with RendezvousClosed", "[rendezvous]") {
+  VirtualClock clock;
+  MemStore store;
+  auto s = simSettings("job", 1, 1);
+  clock.enter();
+  Executor a(store, s, simNode("a"), clock);
+  auto r = a.nextRound();
+  CHECK(r.nodeCount == 1);
+  a.close();
+  Executor late(store, s, simNode("z"), clock);
+  CHECK_THROWS_AS(late.nextRound(), RendezvousClosed);
+  CHECK(a.assess().status == RoundStatus::Closed);
+  clock.leave();
+}

@@ -1,0 +1,213 @@
+// The rendezvous state's JSON encoding, --rdzv-conf / --rdzv-endpoint parsing and the "is this
+// agent the store host" rule.
+#include <catch2/catch.hpp>
+
+#include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/rdzv/c10d/settings.hpp"
+#include "ctorch/rdzv/c10d/state.hpp"
+#include "ctorch/rdzv/c10d/store_host.hpp"
+
+#include <nlohmann/json.hpp>
+
+using namespace ctorch::rdzv::c10d;
+using namespace std::chrono_literals;
+
+namespace {
+
+State sampleState() {
+  State s = freshState("job-42");
+  s.round = 7;
+  s.complete = true;
+  s.nextJoinSeq = 12;
+  s.lastCallDeadline = Timestamp(1'700'000'030'000ms);
+  NodeInfo a{"hostA_11_0", "hostA", "10.0.0.1", 4, 0, std::nullopt};
+  NodeInfo b{"hostB_22_0", "hostB", "fe80::1", 2, std::nullopt, 1};
+  s.participants = {{a, 10, 0}, {b, 11, 1}};
+  s.waitList = {"hostC_33_0"};
+  s.redundancyList = {"hostD_44_1"};
+  s.heartbeats = {{a.id, Timestamp(1'700'000'000'000ms)}, {b.id, Timestamp(1'700'000'000'500ms)},
+                  {"hostC_33_0", Timestamp(1'700'000'001'000ms)}, {"hostD_44_1", Timestamp(1'700'000'002'000ms)}};
+  return s;
+}
+
+} // namespace
+
+// ---- state encoding ---------------------------------------------------------------------------------
+TEST_CASE("rendezvous state: JSON round trip keeps every field", "[rendezvous]") {
+  State s = sampleState();
+  std::string text = encodeState(s);
+  State back = decodeState(text);
+  CHECK(back == s);
+  CHECK(encodeState(back) == text);  // deterministic bytes: compare-and-set tokens are stable
+  State fresh = freshState("x");
+  CHECK(decodeState(encodeState(fresh)) == fresh);
+  // Control: the comparison sees a difference.
+  back.participants[1].node.nproc = 3;
+  CHECK(back != s);
+}
+
+TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvous]") {
+  auto j = nlohmann::json::parse(encodeState(sampleState()));
+  CHECK(j["format"] == "ctorchrun-rdzv");
+  CHECK(j["version"] == 1);
+  CHECK(j["run_id"] == "job-42");
+  CHECK(j["round"] == 7);
+  CHECK(j["complete"] == true);
+  CHECK(j["closed"] == false);
+  CHECK(j["last_call_deadline_ms"] == 1'700'000'030'000LL);
+  CHECK(j["next_join_seq"] == 12);
+  CHECK(j["participants"][0]["id"] == "hostA_11_0");
+  CHECK(j["participants"][0]["addr"] == "10.0.0.1");
+  CHECK(j["participants"][0]["nproc"] == 4);
+  CHECK(j["participants"][0]["requested_rank"] == 0);
+  CHECK(j["participants"][0]["previous_rank"].is_null());
+  CHECK(j["participants"][1]["rank"] == 1);
+  CHECK(j["participants"][1]["join_seq"] == 11);
+  CHECK(j["wait_list"] == nlohmann::json::array({"hostC_33_0"}));
+  CHECK(j["redundancy_list"] == nlohmann::json::array({"hostD_44_1"}));
+  CHECK(j["heartbeats_ms"]["hostB_22_0"] == 1'700'000'000'500LL);
+}
+
+TEST_CASE("rendezvous state: the sentinel means no state", "[rendezvous]") {
+  CHECK_FALSE(decodeStoreValue(kNoStateSentinel).has_value());
+  CHECK(decodeStoreValue(encodeState(sampleState())) == sampleState());
+}
+
+TEST_CASE("rendezvous state: unusable values are refused with the reason", "[rendezvous]") {
+  CHECK_THROWS_WITH(decodeState("gAR9lC4="), Catch::Contains("not JSON") && Catch::Contains("gAR9lC4="));
+  CHECK_THROWS_AS(decodeState("[1,2]"), RendezvousStateError);
+  CHECK_THROWS_WITH(decodeState(R"({"format":"other","version":1})"), Catch::Contains("format 'other'"));
+  auto j = nlohmann::json::parse(encodeState(sampleState()));
+  j["version"] = 2;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 2") && Catch::Contains("newer") &&
+                                               Catch::Contains("same ctorchrun version"));
+  j = nlohmann::json::parse(encodeState(sampleState()));
+  j.erase("round");
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'round'"));
+  j = nlohmann::json::parse(encodeState(sampleState()));
+  j["participants"][0]["nproc"] = "four";
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("participants[0].nproc"));
+  j = nlohmann::json::parse(encodeState(sampleState()));
+  j["participants"][1]["id"] = "hostA_11_0";
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("participant twice"));
+}
+
+TEST_CASE("rendezvous state: node ids look like torch's node descriptors", "[rendezvous]") {
+  CHECK(makeNodeId("n1", 1234, 0) == "n1_1234_0");
+}
+
+// ---- --rdzv-conf ----------------------------------------------------------------------------------------
+TEST_CASE("rdzv-conf: every key is parsed and applied over the defaults", "[rendezvous]") {
+  auto conf = parseRdzvConf(
+      "join_timeout=900, last_call_timeout=0.5,close_timeout=10,heartbeat_timeout=2,read_timeout=20,"
+      "keep_alive_interval=1.5,keep_alive_max_attempt=4,is_host=false,store_type=TCP");
+  CHECK(conf.joinTimeout == 900s);
+  CHECK(conf.lastCallTimeout == 500ms);
+  CHECK(conf.isHost == false);
+  Settings s = makeSettings("job", 2, 4, conf);
+  CHECK(s.runId == "job");
+  CHECK(s.minNodes == 2);
+  CHECK(s.maxNodes == 4);
+  CHECK(s.joinTimeout == 900s);
+  CHECK(s.lastCallTimeout == 500ms);
+  CHECK(s.closeTimeout == 10s);
+  CHECK(s.heartbeatTimeout == 2s);
+  CHECK(s.readTimeout == 20s);
+  CHECK(s.keepAliveInterval == 1500ms);
+  CHECK(s.keepAliveMaxAttempt == 4);
+  CHECK(s.heartbeatExpiry() == 6s);
+
+  Settings d = makeSettings("job", 1, 1, parseRdzvConf(""));
+  CHECK(d.joinTimeout == 600s);
+  CHECK(d.lastCallTimeout == 30s);
+  CHECK_FALSE(parseRdzvConf("  ").isHost.has_value());
+}
+
+TEST_CASE("rdzv-conf: heartbeat and dashed spellings are accepted", "[rendezvous]") {
+  CHECK(parseRdzvConf("heartbeat=2").keepAliveInterval == 2s);
+  CHECK(parseRdzvConf("join-timeout=5").joinTimeout == 5s);
+  for (const char* yes : {"1", "true", "True", "t", "yes", "Y"}) CHECK(parseRdzvConf(std::string("is_host=") + yes).isHost == true);
+  for (const char* no : {"0", "false", "F", "no", "n"}) CHECK(parseRdzvConf(std::string("is_host=") + no).isHost == false);
+}
+
+TEST_CASE("rdzv-conf: bad entries fail with one line naming the key and value", "[rendezvous]") {
+  CHECK_THROWS_WITH(parseRdzvConf("join_timeout=abc"), "--rdzv-conf join_timeout='abc' is not a number of seconds");
+  CHECK_THROWS_WITH(parseRdzvConf("join_timeout=-3"), "--rdzv-conf join_timeout='-3' must be positive");
+  CHECK_THROWS_WITH(parseRdzvConf("last_call_timeout=0"), Catch::Contains("last_call_timeout='0'"));
+  CHECK_THROWS_WITH(parseRdzvConf("joint_timeout=5"),
+                    Catch::StartsWith("--rdzv-conf key 'joint_timeout' is unknown (known: join_timeout"));
+  CHECK_THROWS_WITH(parseRdzvConf("is_host=maybe"), Catch::Contains("is_host='maybe' is not a boolean"));
+  CHECK_THROWS_WITH(parseRdzvConf("keep_alive_max_attempt=2.5"), Catch::Contains("'2.5' is not a whole number"));
+  CHECK_THROWS_WITH(parseRdzvConf("keep_alive_max_attempt=0"), Catch::Contains("must be between 1"));
+  CHECK_THROWS_WITH(parseRdzvConf("join_timeout"), "--rdzv-conf entry 'join_timeout' is not key=value");
+  CHECK_THROWS_WITH(parseRdzvConf("join_timeout="), "--rdzv-conf join_timeout has no value");
+  CHECK_THROWS_WITH(parseRdzvConf("=5"), Catch::Contains("has no key"));
+  CHECK_THROWS_WITH(parseRdzvConf("heartbeat=1,keep_alive_interval=2"), Catch::Contains("given twice"));
+  CHECK_THROWS_WITH(parseRdzvConf("store_type=file"), Catch::Contains("store_type='file' is not supported"));
+  CHECK_THROWS_WITH(parseRdzvConf("join_timeout=5,,close_timeout=1"), Catch::Contains("entry '' is not key=value"));
+  CHECK_THROWS_AS(parseRdzvConf("read_timeout=nan"), RendezvousConfigError);
+  for (const char* bad : {"join_timeout=1e99", "read_timeout=0.0001"}) CHECK_THROWS_AS(parseRdzvConf(bad), RendezvousConfigError);
+}
+
+TEST_CASE("rdzv settings: invalid node counts and run ids are refused", "[rendezvous]") {
+  CHECK_THROWS_WITH(makeSettings("", 1, 1, {}), Catch::Contains("--rdzv-id"));
+  CHECK_THROWS_WITH(makeSettings("j", 0, 1, {}), Catch::Contains("minimum number of nodes (0)"));
+  CHECK_THROWS_WITH(makeSettings("j", 3, 2, {}), Catch::Contains("maximum number of nodes (2)"));
+  CHECK_NOTHROW(makeSettings("j", 2, 2, {}));
+}
+
+// ---- --rdzv-endpoint ------------------------------------------------------------------------------------
+TEST_CASE("rdzv endpoint: host and port as torchrun parses them", "[rendezvous]") {
+  auto e = parseEndpoint("head:29500");
+  CHECK(e.host == "head");
+  CHECK(e.port == 29500);
+  CHECK(parseEndpoint("head").port == 29400);
+  CHECK(parseEndpoint("10.1.2.3:0").port == 0);
+  CHECK(parseEndpoint("").host == "localhost");
+  CHECK(parseEndpoint(" node-01.cluster ").host == "node-01.cluster");
+  auto v6 = parseEndpoint("[fe80::1]:1234");
+  CHECK(v6.host == "fe80::1");
+  CHECK(v6.port == 1234);
+  CHECK(parseEndpoint("[::1]").port == 29400);
+  CHECK_THROWS_WITH(parseEndpoint("head:http"), Catch::Contains("port 'http'"));
+  CHECK_THROWS_WITH(parseEndpoint("head:70000"), Catch::Contains("between 0 and 65535"));
+  CHECK_THROWS_WITH(parseEndpoint("head:"), Catch::Contains("empty port"));
+  CHECK_THROWS_WITH(parseEndpoint("he ad:1"), Catch::Contains("'he ad'"));
+  CHECK_THROWS_WITH(parseEndpoint("fe80::1"), Catch::Contains("[addr]:port"));
+  CHECK_THROWS_AS(parseEndpoint("[::1"), RendezvousConfigError);
+  CHECK_THROWS_AS(parseEndpoint(":29400"), RendezvousConfigError);
+}
+
+// ---- store host ------------------------------------------------------------------------------------------
+TEST_CASE("store host: own address or name hosts and is_host overrides", "[rendezvous]") {
+  LocalIdentity me{"n1", "n1.cluster", {"127.0.0.1", "10.9.0.1", "fe80::1"}};
+  CHECK(decideStoreHost("10.9.0.1", std::nullopt, me, {}).isHost);
+  CHECK_FALSE(decideStoreHost("10.9.0.2", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("n1", std::nullopt, me, {"10.9.0.1"}).isHost);
+  CHECK(decideStoreHost("N1.Cluster", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("head", std::nullopt, me, {"10.9.0.1"}).isHost);  // an alias of this machine
+  CHECK_FALSE(decideStoreHost("n2", std::nullopt, me, {"10.9.0.2"}).isHost);
+  CHECK_FALSE(decideStoreHost("n2", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("localhost", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("127.0.0.1", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("::1", std::nullopt, me, {}).isHost);
+  CHECK(decideStoreHost("fe80:0:0::1", std::nullopt, me, {}).isHost);  // same address, other spelling
+  CHECK(decideStoreHost("n1", std::nullopt, LocalIdentity{"other", "", {}}, {"127.0.1.1"}).isHost);
+
+  auto forced = decideStoreHost("10.9.0.2", true, me, {});
+  CHECK(forced.isHost);
+  CHECK(forced.explicitChoice);
+  auto refused = decideStoreHost("10.9.0.1", false, me, {});
+  CHECK_FALSE(refused.isHost);
+  CHECK_THAT(refused.reason, Catch::Contains("is_host=false"));
+  CHECK_THAT(decideStoreHost("n2", std::nullopt, me, {}).reason, Catch::Contains("does not resolve"));
+}
+
+TEST_CASE("store host: this machine's identity includes its loopback address", "[rendezvous]") {
+  auto me = discoverLocalIdentity();
+  CHECK_FALSE(me.hostname.empty());
+  CHECK(std::find(me.addresses.begin(), me.addresses.end(), "127.0.0.1") != me.addresses.end());
+  CHECK(decideStoreHost(me.hostname, std::nullopt, me, resolveHost(me.hostname)).isHost);
+  CHECK(resolveHost("localhost").size() >= 1);
+  CHECK(resolveHost("no-such-host.invalid").empty());
+}
