@@ -42,11 +42,13 @@ cmd_check() {
   exit 0
 }
 
-# A TCP port nobody listens on, outside the ephemeral range, not handed to another lab.
+# A TCP port nobody listens on, below Linux's ephemeral range (32768-60999, where a client's
+# outgoing connection could take it before the daemon binds) and below the range of
+# contract::slurmDerivedPort (20000-31999), not handed to another lab.
 free_port() {
   local p tries
   for tries in $(seq 1 500); do
-    p=$((40000 + RANDOM % 20000))
+    p=$((10000 + RANDOM % 10000))
     if ! ss -Htln "sport = :$p" 2>/dev/null | grep -q . &&
        ! grep -qx "$p" "$STATE_ROOT"/*/ports 2>/dev/null; then
       echo "$p"
@@ -92,8 +94,9 @@ cmd_up() {
   p=$(sed -n 's/^LAB_PREFIX=//p' <<<"$lab")
   s=$(sed -n 's/^LAB_SUBNET=//p' <<<"$lab")
   local dir
-  # munged insists that every directory above its socket is searchable by all (711).
-  dir=$(mktemp -d "${TMPDIR:-/tmp}/ctorch-slurm.XXXXXX")
+  # munged insists that every directory above its socket is searchable by all (711), so not
+  # $TMPDIR (often private); the nodes share this filesystem anyway.
+  dir=$(mktemp -d "${CTORCH_LAB_TMP:-/tmp}/ctorch-slurm.XXXXXX")
   chmod 711 "$dir"
   echo "$p" >"$dir/lab"
   # netns.sh down (and its owner watcher) stops this cluster first.
