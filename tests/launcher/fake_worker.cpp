@@ -13,9 +13,10 @@
 //   spawn-tree MARK              a child that itself starts a setsid'd grandchild, then both sleep
 //   error-file MESSAGE           write TORCHELASTIC_ERROR_FILE in torchrun's JSON schema
 //   lines N WIDTH                N lines of WIDTH characters as fast as possible (rank-stamped)
-//   stamp TAG                    print "STAMP TAG <CLOCK_REALTIME ns>"
+//   stamp TAG                    print "STAMP TAG <CLOCK_REALTIME ns>" ("{restart}" expands too)
 //   if-rank R                    run the next command only on RANK R
 //   if-restart-below K           run the next command only while TORCHELASTIC_RESTART_COUNT < K
+//                                (conditions chain: "if-rank 0 if-restart-below 1 exit 3")
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -58,9 +59,11 @@ std::string envOr(const char* name, const std::string& fallback) {
 }
 
 std::string expand(std::string text) {
-  std::string rank = envOr("RANK", "?");
-  for (auto p = text.find("{rank}"); p != std::string::npos; p = text.find("{rank}"))
-    text.replace(p, 6, rank);
+  for (auto [key, var] : {std::pair<std::string, const char*>{"{rank}", "RANK"},
+                          std::pair<std::string, const char*>{"{restart}", "TORCHELASTIC_RESTART_COUNT"}}) {
+    std::string value = envOr(var, "?");
+    for (auto p = text.find(key); p != std::string::npos; p = text.find(key)) text.replace(p, key.size(), value);
+  }
   return text;
 }
 
@@ -121,12 +124,15 @@ int main(int argc, char** argv) {
     };
     bool skip = skipNext;
     skipNext = false;
+    // Conditions chain: "if-rank 0 if-restart-below 1 exit 3" needs both.
     if (cmd == "if-rank") {
-      skipNext = envOr("RANK", "-1") != arg();
+      std::string rank = arg();
+      skipNext = skip || envOr("RANK", "-1") != rank;
       continue;
     }
     if (cmd == "if-restart-below") {
-      skipNext = std::atoi(envOr("TORCHELASTIC_RESTART_COUNT", "0").c_str()) >= std::atoi(arg().c_str());
+      int below = std::atoi(arg().c_str());
+      skipNext = skip || std::atoi(envOr("TORCHELASTIC_RESTART_COUNT", "0").c_str()) >= below;
       continue;
     }
     if (cmd == "print") {
@@ -217,7 +223,7 @@ int main(int argc, char** argv) {
     } else if (cmd == "stamp") {
       std::string tag = arg();
       if (!skip) {
-        std::printf("STAMP %s %lld\n", tag.c_str(), nowNs());
+        std::printf("STAMP %s %lld\n", expand(tag).c_str(), nowNs());
         std::fflush(stdout);
       }
     } else {

@@ -124,6 +124,51 @@ TEST_CASE("e2e contract: PET_ variables configure ctorchrun like flags") {
   CHECK(envByRank(r.output).size() == 3);
 }
 
+TEST_CASE("e2e contract: two static nodes on loopback: node ranks and global ranks") {
+  int port = test::freePort();
+  auto node = [&](int rank) {
+    return ctorchrunSpawn(args({"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc-per-node", "2",
+                                "--master-addr", "127.0.0.1", "--master-port", std::to_string(port)},
+                               {"env"}));
+  };
+  test::Process second(node(1));  // starts first and waits for node 0's store
+  test::Process first(node(0));
+  auto r1 = second.wait();
+  auto r0 = first.wait();
+  INFO("node 0: " << r0.output << "\nnode 1: " << r1.output);
+  REQUIRE(r0.ok());
+  REQUIRE(r1.ok());
+  for (auto [out, nodeRank] : {std::pair<std::string, int>{r0.output, 0}, {r1.output, 1}}) {
+    // Several nodes: the console prefix carries the host and the global rank.
+    std::map<int, std::map<std::string, std::string>> env;
+    for (const auto& line : linesWith(out, "[")) {
+      auto colon = line.find(":default");
+      auto close = line.find("]:ENV ");
+      if (colon == std::string::npos || close == std::string::npos) continue;
+      int rank = std::stoi(line.substr(colon + 8, close - colon - 8));
+      auto kv = line.substr(close + 6);
+      env[rank][kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    }
+    REQUIRE(env.size() == 2);
+    for (auto& [rank, e] : env) {
+      CHECK(rank / 2 == nodeRank);
+      CHECK(e["RANK"] == std::to_string(rank));
+      CHECK(e["LOCAL_RANK"] == std::to_string(rank % 2));
+      CHECK(e["GROUP_RANK"] == std::to_string(nodeRank));
+      CHECK(e["WORLD_SIZE"] == "4");
+      CHECK(e["GROUP_WORLD_SIZE"] == "2");
+      CHECK(e["MASTER_PORT"] == std::to_string(port));
+    }
+  }
+}
+
+TEST_CASE("e2e contract: -m runs a Python module under PYTHON_EXEC") {
+  auto r = runCtorchrun({"--standalone", "--nproc-per-node", "2", "-m", "platform"});
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(linesWith(r.output, "[default1]:Linux").size() == 1);
+}
+
 // ---- Restarts and exit codes -------------------------------------------------------------------------
 
 TEST_CASE("e2e restart: the whole group restarts until it succeeds / in every mode") {

@@ -45,7 +45,11 @@ int launch(int argc, char** argv) {
   // signalfd, never delivered; the workers get the mask we started with.
   std::vector<int> handled = config.signalsToHandle;
   handled.push_back(SIGCHLD);
-  sigset_t original = blockSignals(handled);
+  // SIGPIPE is blocked, not ignored: a closed console gives EPIPE instead of killing the agent,
+  // and workers (which start with the original mask) keep the default disposition.
+  std::vector<int> blocked = handled;
+  blocked.push_back(SIGPIPE);
+  sigset_t original = blockSignals(blocked);
   // Orphaned grandchildren come to us, not to init, so nothing escapes being reaped.
   ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
 

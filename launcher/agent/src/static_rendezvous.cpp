@@ -3,6 +3,9 @@
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
+#include "log.hpp"
+
+#include <poll.h>
 
 #include <cerrno>
 
@@ -42,19 +45,66 @@ StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(s
 
 StaticRendezvous::~StaticRendezvous() = default;
 
-RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
-  if (options_.nodeRank != 0 && !storeChecked_) {
-    // Nothing to agree on, but starting workers before node 0's store exists only moves the
-    // failure into every worker: wait for it here, bounded.
+namespace {
+
+void checkCancel(int cancelFd, const char* what) {
+  if (cancelFd < 0) return;
+  pollfd p{cancelFd, POLLIN, 0};
+  if (::poll(&p, 1, 0) > 0) throw RendezvousInterrupted(std::string("interrupted while ") + what);
+}
+
+} // namespace
+
+void StaticRendezvous::connect(std::chrono::steady_clock::time_point deadline, int cancelFd) {
+  // Short tries, so that a signal to the agent (cancelFd) is noticed while node 0 is not up yet.
+  std::string lastError;
+  for (;;) {
+    checkCancel(cancelFd, "waiting for node 0's store");
     try {
       store::TcpStoreClientOptions co;
-      co.timeout = std::min(request.timeout, options_.joinTimeout);
-      store::TcpStoreClient probe(options_.masterAddr, static_cast<std::uint16_t>(port_), co);
+      co.timeout = std::chrono::milliseconds(500);
+      client_ = std::make_unique<store::TcpStoreClient>(
+          options_.nodeRank == 0 ? std::string("127.0.0.1") : options_.masterAddr,
+          static_cast<std::uint16_t>(port_), co);
+      return;
     } catch (const store::StoreError& e) {
-      throw RendezvousTimeout("node 0's store at " + options_.masterAddr + ":" +
-                              std::to_string(port_) + " did not answer: " + e.what());
+      lastError = e.what();
     }
-    storeChecked_ = true;
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw RendezvousTimeout("node 0's store at " + options_.masterAddr + ":" + std::to_string(port_) +
+                              " did not answer in time: " + lastError);
+  }
+}
+
+void StaticRendezvous::barrier(const std::string& name, std::chrono::steady_clock::time_point deadline,
+                               int cancelFd) {
+  const std::string base = "ctorchrun/static/" + options_.runId + "/" + name;
+  if (client_->add(base, 1) == options_.numNodes) client_->set(base + "/done", store::toBytes("1"));
+  for (;;) {
+    checkCancel(cancelFd, ("in the " + name + " barrier").c_str());
+    try {
+      client_->wait({base + "/done"}, std::chrono::milliseconds(200));
+      return;
+    } catch (const store::StoreTimeout&) {
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::int64_t arrived = client_->add(base, 0);
+      throw RendezvousTimeout("static rendezvous: only " + std::to_string(arrived) + " of " +
+                              std::to_string(options_.numNodes) + " nodes reached the " + name +
+                              " barrier in time (run id " + options_.runId + ")");
+    }
+  }
+}
+
+RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
+  if (options_.numNodes > 1 && round_ == 0) {
+    auto deadline = std::chrono::steady_clock::now() + std::min(request.timeout, options_.joinTimeout);
+    try {
+      if (!client_) connect(deadline, request.cancelFd);
+      barrier("start", deadline, request.cancelFd);
+    } catch (const store::StoreError& e) {
+      throw RendezvousError(std::string("static rendezvous: ") + e.what());
+    }
   }
   RendezvousInfo info;
   info.runId = options_.runId;
@@ -72,6 +122,19 @@ RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
   return info;
 }
 
-void StaticRendezvous::shutdown() { server_.reset(); }
+void StaticRendezvous::exitBarrier(std::chrono::milliseconds timeout) {
+  if (options_.numNodes <= 1 || !client_) return;
+  try {
+    barrier("exit", std::chrono::steady_clock::now() + timeout, -1);
+  } catch (const std::exception& e) {
+    // The workers succeeded; a peer that is late or gone does not change this node's result.
+    log("rendezvous").warn("exit barrier: {}", e.what());
+  }
+}
+
+void StaticRendezvous::shutdown() {
+  client_.reset();
+  server_.reset();
+}
 
 } // namespace ctorch::launcher
