@@ -30,6 +30,7 @@ StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(s
   store::TcpStoreServerOptions so;
   so.host = options_.bindHost;
   so.port = static_cast<std::uint16_t>(options_.masterPort);
+  so.debugLog = [](const std::string& message) { log("store").debug("{}", message); };
   try {
     server_ = std::make_unique<store::TcpStoreServer>(so);
   } catch (const store::StoreBindError& e) {
