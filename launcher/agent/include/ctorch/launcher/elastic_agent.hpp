@@ -1,0 +1,82 @@
+// ElasticAgent: the restart policy and the event loop. For every attempt it asks the rendezvous
+// for a round, starts the local workers through the ProcessContext, and then only waits — on the
+// context's fd, the signal fd, a timerfd for the grace period and the rendezvous' event fd (epoll,
+// no sleeping or polling) — feeding what happens to a GroupMonitor and doing what it says. It ends
+// with 0, the root-cause worker's own exit code, or 128+N after signal N.
+#pragma once
+
+#include "ctorch/launcher/failure_summary.hpp"
+#include "ctorch/launcher/group_monitor.hpp"
+#include "ctorch/launcher/launch_config.hpp"
+#include "ctorch/launcher/process_context.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
+#include "ctorch/launcher/signals.hpp"
+#include "ctorch/launcher/worker_logs.hpp"
+
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::launcher {
+
+struct AgentOptions {
+  // The environment workers inherit (before the contract variables); default: the agent's own.
+  std::optional<std::vector<std::string>> baseEnvironment;
+  std::chrono::milliseconds rendezvousTimeout{std::chrono::minutes(10)};
+  std::chrono::milliseconds exitBarrierTimeout{std::chrono::minutes(5)};
+  // The agent is a child subreaper (ctorchrun is): reap orphans that reach it on SIGCHLD, which
+  // must then be among the SignalSource's signals.
+  bool reapOrphans = false;
+  // Where the failure summary goes (stderr by default).
+  std::function<void(const std::string&)> printSummary;
+};
+
+class ElasticAgent {
+ public:
+  struct Attempt {
+    int restartCount = 0;
+    RendezvousInfo rendezvous;
+    std::map<int, pid_t> pids;
+    GroupOutcome outcome;
+  };
+
+  ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendezvous, ProcessContext& processes,
+               WorkerLogs& logs, SignalSource& signals, AgentOptions options = {});
+  ~ElasticAgent();
+  ElasticAgent(const ElasticAgent&) = delete;
+  ElasticAgent& operator=(const ElasticAgent&) = delete;
+
+  // Runs until the job succeeds, fails for good, or a signal stops it; returns the exit code.
+  int run();
+
+  const std::vector<Attempt>& attempts() const { return attempts_; }
+  const std::optional<FailureReport>& failureReport() const { return report_; }
+
+ private:
+  std::vector<WorkerLaunch> buildLaunches(const RendezvousInfo& info, int restartCount,
+                                          std::vector<WorkerLogs::WorkerFiles>& files);
+  GroupOutcome monitor();
+  void apply(const MonitorActions& actions);
+  void reapOrphans();
+  FailureReport makeReport(const GroupOutcome& outcome, const RendezvousInfo& info, int restartCount,
+                           const std::vector<WorkerLogs::WorkerFiles>& files) const;
+  std::optional<int> pendingStopSignal();
+
+  const LaunchConfig& config_;
+  RendezvousHandler& rendezvous_;
+  ProcessContext& processes_;
+  WorkerLogs& logs_;
+  SignalSource& signals_;
+  AgentOptions options_;
+  int timerFd_ = -1;
+  int epollFd_ = -1;
+  bool warnedOmp_ = false;
+  bool stopNoted_ = false;
+  std::optional<GroupMonitor> monitor_;
+  std::vector<Attempt> attempts_;
+  std::optional<FailureReport> report_;
+};
+
+} // namespace ctorch::launcher

@@ -1,0 +1,52 @@
+// The launcher's small exception tree. Every error carries the exit code ctorchrun ends with, and
+// a one-line message that quotes the bad value and says what to do; only main() catches them.
+#pragma once
+
+#include "ctorch/contract/worker_contract.hpp"
+
+#include <stdexcept>
+#include <string>
+
+namespace ctorch::launcher {
+
+class LauncherError : public std::runtime_error {
+ public:
+  LauncherError(const std::string& what, int exitCode = contract::kExitFailure)
+      : std::runtime_error(what), exitCode_(exitCode) {}
+  int exitCode() const { return exitCode_; }
+
+ private:
+  int exitCode_;
+};
+
+// Bad command line, bad PET_* variable, impossible combination.
+class UsageError : public LauncherError {
+ public:
+  explicit UsageError(const std::string& what) : LauncherError(what, contract::kExitUsage) {}
+};
+
+// The training program is missing (127) or cannot be executed (126).
+class ProgramError : public LauncherError {
+ public:
+  ProgramError(const std::string& what, int exitCode) : LauncherError(what, exitCode) {}
+};
+
+// The rendezvous failed: store unreachable, timed out, or the port is taken.
+class RendezvousError : public LauncherError {
+ public:
+  explicit RendezvousError(const std::string& what)
+      : LauncherError(what, contract::kExitRendezvousFailed) {}
+};
+
+class RendezvousTimeout : public RendezvousError {
+ public:
+  using RendezvousError::RendezvousError;
+};
+
+// A rendezvous gave up because the agent was asked to stop (a signal arrived while waiting).
+class RendezvousInterrupted : public RendezvousError {
+ public:
+  using RendezvousError::RendezvousError;
+};
+
+} // namespace ctorch::launcher

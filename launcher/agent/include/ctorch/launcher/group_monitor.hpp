@@ -1,0 +1,72 @@
+// The agent's policy for one running worker group, as a pure state machine: events in (a worker
+// exited, a signal arrived, the grace period ended, the rendezvous reported something), actions
+// out (signal the workers, kill them, arm the grace timer), and at the end the outcome that
+// decides between success, restart, re-rendezvous and exit. No processes, clocks or I/O here.
+#pragma once
+
+#include "ctorch/launcher/process_context.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::launcher {
+
+struct MonitorActions {
+  std::optional<int> signalWorkers;                    // send this signal to every worker group
+  bool killWorkers = false;                            // SIGKILL every worker tree now
+  std::optional<std::chrono::milliseconds> armGrace;   // start the grace timer
+};
+
+struct GroupOutcome {
+  enum class Kind {
+    Succeeded,        // every worker exited 0
+    Failed,           // a worker failed (here or, reported by the rendezvous, on another node)
+    Interrupted,      // the agent received a signal
+    Rerendezvous,     // membership changed: restart without counting a failure
+    RendezvousFailed, // the rendezvous gave up
+  };
+  Kind kind = Kind::Succeeded;
+  std::vector<WorkerExit> failures;  // failed on their own, in observed order: [0] is the root cause
+  std::vector<WorkerExit> stopped;   // exited after the agent began stopping the group
+  int signal = 0;                    // Interrupted
+  std::string reason;                // RemoteFailure / membership / rendezvous text
+};
+
+class GroupMonitor {
+ public:
+  GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout);
+
+  MonitorActions onWorkerExit(const WorkerExit& exit);
+  // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
+  // supervisor) precedes it failed on its own and is listed as a failure, not as stopped.
+  void noteStopSent(std::chrono::system_clock::time_point time) { stopSentAt_ = time; }
+  MonitorActions onSignal(int signo);
+  MonitorActions onGraceExpired();
+  MonitorActions onRendezvousEvent(const RendezvousEvent& event);
+
+  // Called once the process context reports that every worker process is gone.
+  GroupOutcome outcome() const;
+
+  bool stopping() const { return reason_ != Reason::None; }
+  int exitedCount() const { return exited_; }
+
+ private:
+  enum class Reason { None, Failure, Signal, Membership, RemoteFailure, RendezvousFailed };
+  MonitorActions beginStop(Reason reason, int signo);
+
+  int numWorkers_;
+  std::chrono::milliseconds shutdownTimeout_;
+  Reason reason_ = Reason::None;
+  int signal_ = 0;
+  int exited_ = 0;
+  bool killed_ = false;
+  std::string detail_;
+  std::optional<std::chrono::system_clock::time_point> stopSentAt_;
+  std::vector<WorkerExit> failures_;
+  std::vector<WorkerExit> stopped_;
+};
+
+} // namespace ctorch::launcher

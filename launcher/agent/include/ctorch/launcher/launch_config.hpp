@@ -1,0 +1,138 @@
+// LaunchConfig: everything ctorchrun was asked to do, validated once. The command line (cli.hpp)
+// produces RawOptions — the strings as typed or taken from PET_* variables — and
+// makeLaunchConfig() turns them into this struct or throws UsageError/ProgramError naming the bad
+// value. Everything downstream (rendezvous, agent, logs) trusts it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ctorch::launcher {
+
+// Which of a worker's streams a --redirects / --tee value selects (torchrun's Std flags).
+enum class StdStreams : std::uint8_t { None = 0, Out = 1, Err = 2, All = 3 };
+
+inline bool hasOut(StdStreams s) { return (static_cast<int>(s) & 1) != 0; }
+inline bool hasErr(StdStreams s) { return (static_cast<int>(s) & 2) != 0; }
+
+// A parsed --redirects / --tee value: "3" (every local rank) or "0:3,1:1" (per local rank).
+struct StdSpec {
+  StdStreams all = StdStreams::None;
+  std::map<int, StdStreams> perRank;
+  bool mapped = false;  // true for the per-rank form
+  StdStreams forRank(int localRank) const;
+  // Throws UsageError naming `flag` and the value.
+  static StdSpec parse(const std::string& value, const std::string& flag);
+};
+
+struct LaunchConfig {
+  // --- Nodes and workers
+  int minNodes = 1;
+  int maxNodes = 1;
+  int nprocPerNode = 1;
+  std::string nprocSource;        // "2", or how gpu/cpu/auto was resolved
+  bool standalone = false;
+  std::optional<int> nodeRank;    // --node-rank when given
+
+  // --- Rendezvous
+  std::string rdzvBackend = "static";  // "static", "standalone", or a registered backend
+  std::string rdzvEndpointHost;        // static: the master address
+  int rdzvEndpointPort = 29500;        // static: the master port
+  std::string rdzvId = "none";
+  std::vector<std::pair<std::string, std::string>> rdzvConf;
+  std::string localAddr;
+
+  // --- Restarts and signals
+  int maxRestarts = 0;
+  std::chrono::milliseconds monitorInterval{100};  // accepted for compatibility; unused
+  std::chrono::milliseconds shutdownTimeout{std::chrono::seconds(30)};
+  std::vector<int> signalsToHandle;
+
+  // --- Workers
+  std::string role = "default";
+  std::string program;                  // as given
+  std::vector<std::string> programArgs; // untouched
+  std::string executable;               // resolved path that is executed
+  std::vector<std::string> workerArgv;  // argv of every worker (interpreter + program + args)
+  bool usesPython = false;
+
+  // --- Logs
+  std::optional<std::filesystem::path> logDir;
+  StdSpec redirects;
+  StdSpec tee;
+  std::optional<std::set<int>> localRanksFilter;
+  std::string logLevel;  // empty: SPDLOG_LEVEL, else info
+
+  // --- This machine
+  std::string hostname;
+
+  bool elastic() const { return minNodes != maxNodes; }
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
+EnvLookup processEnvironment();
+
+// The strings the user gave (command line over PET_* over defaults).
+struct RawOptions {
+  std::string nnodes = "1";
+  std::string nprocPerNode = "1";
+  bool standalone = false;
+  std::optional<std::string> nodeRank;
+  std::string masterAddr = "127.0.0.1";
+  std::string masterPort = "29500";
+  std::string rdzvBackend = "static";
+  std::string rdzvEndpoint;
+  std::string rdzvId = "none";
+  std::string rdzvConf;
+  std::string maxRestarts = "0";
+  std::string monitorInterval = "0.1";
+  std::string role = "default";
+  std::string logDir;
+  std::string redirects = "0";
+  std::string tee = "0";
+  std::string localRanksFilter;
+  std::string localAddr;
+  std::string shutdownTimeout = "30";
+  std::string signalsToHandle = "SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2";
+  bool module = false;
+  bool noPython = false;
+  bool runPath = false;
+  std::string logLevel;
+  std::vector<std::string> command;  // training_program [args...]
+  std::vector<std::string> givenFlags;  // long names given explicitly (for warnings)
+};
+
+// Things the machine answers (for --nproc-per-node gpu/cpu/auto); injectable for tests.
+struct MachineProbe {
+  std::function<int()> visibleGpus;
+  std::function<int()> cpuCount;
+  std::function<std::string()> hostname;
+  static MachineProbe real(const EnvLookup& env);
+};
+
+// Validates everything; throws UsageError / ProgramError with one line naming the bad value.
+LaunchConfig makeLaunchConfig(const RawOptions& raw, const EnvLookup& env, const MachineProbe& probe);
+
+// ---- The pieces, exposed for unit tests ------------------------------------------------------------
+std::pair<int, int> parseNnodes(const std::string& value);
+int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source = nullptr);
+int parsePort(const std::string& value, const std::string& flag);
+std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& value);
+std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string& value);
+std::set<int> parseRanksFilter(const std::string& value);
+std::vector<int> parseSignals(const std::string& value);
+std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag);
+int parseNonNegative(const std::string& value, const std::string& flag);
+
+// Resolves `name` like execvp would (PATH search when it has no '/'); nullopt when not found.
+std::optional<std::filesystem::path> findExecutable(const std::string& name, const EnvLookup& env);
+
+} // namespace ctorch::launcher

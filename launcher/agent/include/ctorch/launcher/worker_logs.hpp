@@ -1,0 +1,121 @@
+// Worker output and the log directory. Console lines get torchrun's "[<role><rank>]:" prefix
+// ("[<host>:<role><rank>]:" with several nodes) and are written whole, so lines of different
+// workers never interleave mid-line. --redirects sends a stream to its file only, --tee to the
+// console and the file, --local-ranks-filter hides other ranks from the console. Files live in
+// <log-dir>/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log, next to the error.json that
+// TORCHELASTIC_ERROR_FILE points to (a temporary <log-dir> when none is given).
+#pragma once
+
+#include "ctorch/launcher/launch_config.hpp"
+#include "ctorch/launcher/process_context.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ctorch::launcher {
+
+// Splits a byte stream into lines; pure (unit-tested).
+class LineSplitter {
+ public:
+  explicit LineSplitter(std::size_t maxLine = 64 * 1024) : maxLine_(maxLine) {}
+  // Appends data; calls emit(line) for every complete line (without '\n'). A line longer than
+  // maxLine is emitted in maxLine pieces.
+  template <typename Emit>
+  void feed(std::string_view data, Emit&& emit) {
+    while (!data.empty()) {
+      std::size_t nl = data.find('\n');
+      std::size_t take = nl == std::string_view::npos ? data.size() : nl;
+      if (pending_.size() + take >= maxLine_ && nl == std::string_view::npos) {
+        std::size_t room = maxLine_ - pending_.size();
+        pending_.append(data.substr(0, room));
+        emit(std::string_view(pending_));
+        pending_.clear();
+        data.remove_prefix(room);
+        continue;
+      }
+      pending_.append(data.substr(0, take));
+      if (nl == std::string_view::npos) return;
+      emit(std::string_view(pending_));
+      pending_.clear();
+      data.remove_prefix(nl + 1);
+    }
+  }
+  // Emits what is left (a last line without '\n').
+  template <typename Emit>
+  void finish(Emit&& emit) {
+    if (!pending_.empty()) emit(std::string_view(pending_));
+    pending_.clear();
+  }
+  bool empty() const { return pending_.empty(); }
+
+ private:
+  std::size_t maxLine_;
+  std::string pending_;
+};
+
+// How one stream of one local rank is routed (pure decision from the flags).
+struct StreamRoute {
+  bool console = true;  // prefixed lines to the agent's stdout/stderr
+  bool file = false;    // <rank dir>/{stdout,stderr}.log
+};
+StreamRoute routeFor(const LaunchConfig& config, int localRank, Stream stream);
+
+std::string consolePrefix(const std::string& role, int rank, const std::string& host, bool multiNode);
+
+class WorkerLogs : public OutputSink {
+ public:
+  struct WorkerFiles {
+    OutputSpec out;
+    OutputSpec err;
+    std::filesystem::path rankDir;
+    std::filesystem::path errorFile;
+  };
+
+  // consoleOut/consoleErr: where prefixed worker lines go (the agent's stdout and stderr).
+  explicit WorkerLogs(const LaunchConfig& config, int consoleOut = 1, int consoleErr = 2);
+  ~WorkerLogs() override;
+  WorkerLogs(const WorkerLogs&) = delete;
+  WorkerLogs& operator=(const WorkerLogs&) = delete;
+
+  // Creates (afresh) <base>/<run_id>/attempt_<attempt>/<local_rank>/ for every local worker.
+  std::vector<WorkerFiles> beginAttempt(const RendezvousInfo& info, int attempt);
+  // Flushes unfinished lines and closes tee files.
+  void endAttempt();
+
+  void onOutput(int localRank, Stream stream, std::string_view data) override;
+  void onClosed(int localRank, Stream stream) override;
+
+  const std::filesystem::path& baseDir() const { return base_; }
+  bool temporary() const { return temporary_; }
+  // A temporary log directory is removed at destruction unless kept (e.g. after a failure).
+  void keep() { keep_ = true; }
+
+ private:
+  struct Channel {
+    bool console = false;
+    int teeFd = -1;
+    LineSplitter lines;
+  };
+  struct RankState {
+    std::string prefix;
+    Channel out;
+    Channel err;
+  };
+  Channel& channel(int localRank, Stream stream);
+  void writeConsole(Stream stream, const std::string& text);
+  void closeChannel(Channel& c, Stream stream, const std::string& prefix);
+
+  const LaunchConfig& config_;
+  int consoleOut_;
+  int consoleErr_;
+  std::filesystem::path base_;
+  bool temporary_ = false;
+  bool keep_ = false;
+  std::vector<RankState> ranks_;
+  std::string batch_;
+};
+
+} // namespace ctorch::launcher

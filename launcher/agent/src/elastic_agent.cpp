@@ -1,0 +1,337 @@
+#include "ctorch/launcher/elastic_agent.hpp"
+
+#include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/launcher/errors.hpp"
+#include "ctorch/launcher/worker_env.hpp"
+#include "log.hpp"
+
+#include <sys/epoll.h>
+#include <sys/timerfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <system_error>
+
+namespace ctorch::launcher {
+
+namespace {
+
+constexpr std::uint64_t kProcessesTag = 1;
+constexpr std::uint64_t kSignalsTag = 2;
+constexpr std::uint64_t kTimerTag = 3;
+constexpr std::uint64_t kRendezvousTag = 4;
+
+[[noreturn]] void throwErrno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+void writeStderr(const std::string& text) {
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    ssize_t n = ::write(STDERR_FILENO, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+
+} // namespace
+
+ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendezvous,
+                           ProcessContext& processes, WorkerLogs& logs, SignalSource& signals,
+                           AgentOptions options)
+    : config_(config),
+      rendezvous_(rendezvous),
+      processes_(processes),
+      logs_(logs),
+      signals_(signals),
+      options_(std::move(options)) {
+  if (!options_.baseEnvironment) options_.baseEnvironment = currentEnvironment();
+  if (!options_.printSummary) options_.printSummary = writeStderr;
+  timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+  if (timerFd_ < 0) throwErrno("timerfd_create");
+  epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epollFd_ < 0) throwErrno("epoll_create1");
+  auto add = [&](int fd, std::uint64_t tag) {
+    if (fd < 0) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = tag;
+    if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, fd, &ev) != 0) throwErrno("epoll_ctl");
+  };
+  add(processes_.fd(), kProcessesTag);
+  add(signals_.fd(), kSignalsTag);
+  add(timerFd_, kTimerTag);
+  add(rendezvous_.eventFd(), kRendezvousTag);
+}
+
+ElasticAgent::~ElasticAgent() {
+  ::close(epollFd_);
+  ::close(timerFd_);
+}
+
+std::vector<WorkerLaunch> ElasticAgent::buildLaunches(const RendezvousInfo& info, int restartCount,
+                                                      std::vector<WorkerLogs::WorkerFiles>& files) {
+  files = logs_.beginAttempt(info, restartCount);
+  const auto& base = *options_.baseEnvironment;
+  bool omp = shouldDefaultOmpThreads(base, info.localNproc());
+  if (omp && !warnedOmp_) {
+    log("agent").warn(
+        "setting OMP_NUM_THREADS=1 for each worker to avoid overloading the machine "
+        "({} workers on this node); set it yourself to tune",
+        info.localNproc());
+    warnedOmp_ = true;
+  }
+  std::vector<WorkerLaunch> launches;
+  for (int lr = 0; lr < info.localNproc(); ++lr) {
+    const auto& f = files[static_cast<std::size_t>(lr)];
+    WorkerLaunch w;
+    w.localRank = lr;
+    w.globalRank = info.globalRank(lr);
+    w.executable = config_.executable;
+    w.argv = config_.workerArgv;
+    w.env = workerEnvironment(
+        base, contractVariables(config_, info, lr, restartCount, f.errorFile.string()), omp);
+    w.out = f.out;
+    w.err = f.err;
+    launches.push_back(std::move(w));
+  }
+  return launches;
+}
+
+void ElasticAgent::apply(const MonitorActions& a) {
+  if (a.signalWorkers) {
+    log("agent").debug("sending {} to every worker", signalName(*a.signalWorkers));
+    if (monitor_ && !stopNoted_) {
+      monitor_->noteStopSent(std::chrono::system_clock::now());
+      stopNoted_ = true;
+    }
+    processes_.signalAll(*a.signalWorkers);
+  }
+  if (a.killWorkers) {
+    log("agent").warn("grace period over: killing the remaining workers (SIGKILL)");
+    processes_.killAll();
+  }
+  if (a.armGrace) {
+    itimerspec spec{};
+    auto ms = std::max<long long>(a.armGrace->count(), 1);
+    spec.it_value.tv_sec = ms / 1000;
+    spec.it_value.tv_nsec = (ms % 1000) * 1000000;
+    if (::timerfd_settime(timerFd_, 0, &spec, nullptr) != 0) throwErrno("timerfd_settime");
+  }
+}
+
+void ElasticAgent::reapOrphans() {
+  // Descendants whose supervisor was killed come to us (we are a subreaper). Supervisors are
+  // reaped by the process context; if we get one first, the context copes (ECHILD).
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(-1, &status, WNOHANG);
+    if (r > 0) {
+      log("agent").debug("reaped orphan process {}", r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    return;
+  }
+}
+
+std::optional<int> ElasticAgent::pendingStopSignal() {
+  while (auto s = signals_.take()) {
+    if (*s == SIGCHLD) {
+      if (options_.reapOrphans) reapOrphans();
+      continue;
+    }
+    return s;
+  }
+  return std::nullopt;
+}
+
+GroupOutcome ElasticAgent::monitor() {
+  GroupMonitor& mon = *monitor_;
+  epoll_event events[16];
+  for (;;) {
+    if (processes_.finished()) break;
+    int n = ::epoll_wait(epollFd_, events, 16, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throwErrno("epoll_wait");
+    }
+    for (int i = 0; i < n; ++i) {
+      switch (events[i].data.u64) {
+        case kProcessesTag:
+          for (const auto& e : processes_.process()) {
+            auto& l = log("agent");
+            if (e.status.success())
+              l.info("worker rank {} (local {}, pid {}) finished", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid);
+            else if (mon.stopping())
+              l.info("worker rank {} (local {}, pid {}) stopped: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
+            else
+              l.error("worker rank {} (local {}, pid {}) failed: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
+            apply(mon.onWorkerExit(e));
+          }
+          break;
+        case kSignalsTag:
+          while (auto s = signals_.take()) {
+            if (*s == SIGCHLD) {
+              if (options_.reapOrphans) reapOrphans();
+              continue;
+            }
+            log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
+            apply(mon.onSignal(*s));
+          }
+          break;
+        case kTimerTag: {
+          std::uint64_t expirations = 0;
+          if (::read(timerFd_, &expirations, sizeof expirations) > 0) apply(mon.onGraceExpired());
+          break;
+        }
+        case kRendezvousTag:
+          while (auto ev = rendezvous_.takeEvent()) {
+            log("agent").warn("rendezvous: {}", ev->reason);
+            apply(mon.onRendezvousEvent(*ev));
+          }
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  itimerspec off{};
+  ::timerfd_settime(timerFd_, 0, &off, nullptr);
+  return mon.outcome();
+}
+
+FailureReport ElasticAgent::makeReport(const GroupOutcome& outcome, const RendezvousInfo& info,
+                                       int restartCount,
+                                       const std::vector<WorkerLogs::WorkerFiles>& files) const {
+  FailureReport r;
+  r.program = config_.program;
+  r.runId = info.runId;
+  r.attempt = restartCount;
+  r.maxRestarts = config_.maxRestarts;
+  r.numWorkers = info.worldSize;
+  r.stoppedByAgent = static_cast<int>(outcome.stopped.size());
+  const std::string& host = info.nodeHosts.empty() || info.nodeHosts[static_cast<std::size_t>(info.nodeRank)].empty()
+                                ? config_.hostname
+                                : info.nodeHosts[static_cast<std::size_t>(info.nodeRank)];
+  for (const auto& e : outcome.failures) {
+    FailureRecord f;
+    f.globalRank = info.globalRank(e.localRank);
+    f.localRank = e.localRank;
+    f.host = host;
+    f.pid = e.pid;
+    f.status = e.status;
+    f.time = e.time;
+    if (static_cast<std::size_t>(e.localRank) < files.size()) {
+      f.errorFile = files[static_cast<std::size_t>(e.localRank)].errorFile;
+      f.error = readErrorFile(f.errorFile);
+    }
+    r.failures.push_back(std::move(f));
+  }
+  return r;
+}
+
+int ElasticAgent::run() {
+  int restartCount = 0;
+  auto& l = log("agent");
+  for (;;) {
+    if (auto s = pendingStopSignal()) {
+      l.warn("received {} between attempts: not restarting", signalName(*s));
+      rendezvous_.shutdown();
+      return contract::exitCodeForSignal(*s);
+    }
+
+    RendezvousRequest req;
+    req.localNproc = config_.nprocPerNode;
+    req.timeout = options_.rendezvousTimeout;
+    req.cancelFd = signals_.fd();
+    RendezvousInfo info;
+    try {
+      info = rendezvous_.next(req);
+    } catch (const RendezvousInterrupted&) {
+      auto s = pendingStopSignal();
+      rendezvous_.shutdown();
+      return s ? contract::exitCodeForSignal(*s) : contract::kExitRendezvousFailed;
+    }
+    l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round,
+           info.nodeRank, info.numNodes, info.worldSize, info.storeHost, info.storePort);
+
+    std::vector<WorkerLogs::WorkerFiles> files;
+    auto launches = buildLaunches(info, restartCount, files);
+    Attempt attempt;
+    attempt.restartCount = restartCount;
+    attempt.rendezvous = info;
+    attempts_.push_back(attempt);
+    monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout);
+    stopNoted_ = false;
+    processes_.start(launches);
+    attempts_.back().pids = processes_.pids();
+    l.info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(),
+           config_.program, restartCount + 1, restartCount, config_.maxRestarts);
+
+    GroupOutcome outcome = monitor();
+    attempts_.back().pids = processes_.pids();
+    attempts_.back().outcome = outcome;
+    logs_.endAttempt();
+
+    switch (outcome.kind) {
+      case GroupOutcome::Kind::Succeeded:
+        l.info("all {} worker(s) finished successfully", launches.size());
+        rendezvous_.exitBarrier(options_.exitBarrierTimeout);
+        rendezvous_.shutdown();
+        return contract::kExitSuccess;
+
+      case GroupOutcome::Kind::Interrupted:
+        l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
+               outcome.stopped.size() + outcome.failures.size());
+        if (!outcome.failures.empty()) {
+          report_ = makeReport(outcome, info, restartCount, files);
+          options_.printSummary(formatFailureSummary(*report_));
+          logs_.keep();
+        }
+        rendezvous_.shutdown();
+        return contract::exitCodeForSignal(outcome.signal);
+
+      case GroupOutcome::Kind::Rerendezvous:
+        l.warn("membership changed ({}): restarting the workers without counting a failure",
+               outcome.reason);
+        continue;
+
+      case GroupOutcome::Kind::RendezvousFailed:
+        l.error("rendezvous failed: {}", outcome.reason);
+        rendezvous_.shutdown();
+        return contract::kExitRendezvousFailed;
+
+      case GroupOutcome::Kind::Failed: {
+        std::string why = outcome.failures.empty()
+                              ? outcome.reason
+                              : "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
+                                    " " + outcome.failures[0].status.describe();
+        if (restartCount < config_.maxRestarts) {
+          ++restartCount;
+          l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
+                 config_.maxRestarts);
+          rendezvous_.reportFailure(why);
+          continue;
+        }
+        report_ = makeReport(outcome, info, restartCount, files);
+        options_.printSummary(formatFailureSummary(*report_));
+        logs_.keep();
+        if (config_.maxRestarts > 0)
+          l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
+        rendezvous_.reportFailure(why);
+        rendezvous_.shutdown();
+        if (outcome.failures.empty()) return contract::kExitFailure;
+        int code = outcome.failures.front().status.asExitCode();
+        return code == 0 ? contract::kExitFailure : code;
+      }
+    }
+  }
+}
+
+} // namespace ctorch::launcher

@@ -1,0 +1,105 @@
+#include "ctorch/launcher/group_monitor.hpp"
+
+#include <csignal>
+
+namespace ctorch::launcher {
+
+GroupMonitor::GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout)
+    : numWorkers_(numWorkers), shutdownTimeout_(shutdownTimeout) {}
+
+MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
+  reason_ = reason;
+  MonitorActions a;
+  a.signalWorkers = signo;
+  a.armGrace = shutdownTimeout_;
+  return a;
+}
+
+MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
+  ++exited_;
+  if (stopping()) {
+    bool failedBeforeStop = !e.status.success() && reason_ == Reason::Failure &&
+                            (!stopSentAt_ || e.time < *stopSentAt_);
+    (failedBeforeStop ? failures_ : stopped_).push_back(e);
+    return {};
+  }
+  if (e.status.success()) return {};  // the others keep going; the group ends when all are done
+  failures_.push_back(e);
+  // torchrun's policy: the first failure stops the whole local group (SIGTERM, grace, SIGKILL).
+  return beginStop(Reason::Failure, SIGTERM);
+}
+
+MonitorActions GroupMonitor::onSignal(int signo) {
+  if (reason_ == Reason::Signal) {
+    // A second signal while stopping: the user means it, do not wait for the grace period.
+    MonitorActions a;
+    if (!killed_) {
+      killed_ = true;
+      a.killWorkers = true;
+    }
+    return a;
+  }
+  signal_ = signo;
+  if (stopping()) {
+    // Already stopping (after a failure): forward it anyway, the outcome is now an interruption.
+    reason_ = Reason::Signal;
+    MonitorActions a;
+    a.signalWorkers = signo;
+    return a;
+  }
+  return beginStop(Reason::Signal, signo);
+}
+
+MonitorActions GroupMonitor::onGraceExpired() {
+  MonitorActions a;
+  if (stopping() && !killed_) {
+    killed_ = true;
+    a.killWorkers = true;
+  }
+  return a;
+}
+
+MonitorActions GroupMonitor::onRendezvousEvent(const RendezvousEvent& event) {
+  if (stopping()) return {};
+  detail_ = event.reason;
+  switch (event.kind) {
+    case RendezvousEventKind::MembershipChanged:
+      return beginStop(Reason::Membership, SIGTERM);
+    case RendezvousEventKind::RemoteFailure:
+      return beginStop(Reason::RemoteFailure, SIGTERM);
+    case RendezvousEventKind::Failed:
+      return beginStop(Reason::RendezvousFailed, SIGTERM);
+  }
+  return {};
+}
+
+GroupOutcome GroupMonitor::outcome() const {
+  GroupOutcome o;
+  o.failures = failures_;
+  o.stopped = stopped_;
+  o.signal = signal_;
+  o.reason = detail_;
+  switch (reason_) {
+    case Reason::None:
+      // Everything ended on its own: success, unless a worker vanished without an exit status.
+      o.kind = exited_ >= numWorkers_ ? GroupOutcome::Kind::Succeeded : GroupOutcome::Kind::Failed;
+      if (o.kind == GroupOutcome::Kind::Failed) o.reason = "workers vanished without an exit status";
+      break;
+    case Reason::Failure:
+    case Reason::RemoteFailure:
+      o.kind = GroupOutcome::Kind::Failed;
+      break;
+    case Reason::Signal:
+      o.kind = GroupOutcome::Kind::Interrupted;
+      break;
+    case Reason::Membership:
+      o.kind = GroupOutcome::Kind::Rerendezvous;
+      break;
+    case Reason::RendezvousFailed:
+      o.kind = GroupOutcome::Kind::RendezvousFailed;
+      break;
+  }
+  return o;
+}
+
+} // namespace ctorch::launcher

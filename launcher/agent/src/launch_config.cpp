@@ -1,0 +1,460 @@
+#include "ctorch/launcher/launch_config.hpp"
+
+#include "ctorch/launcher/errors.hpp"
+#include "ctorch/launcher/exit_status.hpp"
+#include "ctorch/launcher/machine.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+namespace ctorch::launcher {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+std::string trim(const std::string& s) {
+  std::size_t a = s.find_first_not_of(" \t");
+  if (a == std::string::npos) return "";
+  std::size_t b = s.find_last_not_of(" \t");
+  return s.substr(a, b - a + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  for (;;) {
+    std::size_t p = s.find(sep, start);
+    out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
+    if (p == std::string::npos) break;
+    start = p + 1;
+  }
+  return out;
+}
+
+// Strict decimal integer in [lo, hi]; nullopt otherwise.
+std::optional<long long> toInt(const std::string& text, long long lo, long long hi) {
+  std::string s = trim(text);
+  if (s.empty() || s.size() > 18) return std::nullopt;
+  std::size_t i = (s[0] == '-' || s[0] == '+') ? 1 : 0;
+  if (i == s.size()) return std::nullopt;
+  for (std::size_t j = i; j < s.size(); ++j)
+    if (!std::isdigit(static_cast<unsigned char>(s[j]))) return std::nullopt;
+  long long v = std::stoll(s);
+  if (v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+bool isExecutableFile(const fs::path& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
+}
+
+std::string randomRunId() {
+  // A UUID4-shaped id, as torchrun's --standalone uses.
+  std::random_device rd;
+  std::mt19937_64 gen((static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+                      static_cast<std::uint64_t>(::getpid()));
+  const char* hex = "0123456789abcdef";
+  std::string id;
+  for (int i = 0; i < 32; ++i) {
+    if (i == 8 || i == 12 || i == 16 || i == 20) id += '-';
+    int v = static_cast<int>(gen() & 15);
+    if (i == 12) v = 4;
+    if (i == 16) v = 8 + (v & 3);
+    id += hex[v];
+  }
+  return id;
+}
+
+bool endsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+const char* kLogLevels[] = {"trace", "debug", "info", "warn", "warning", "error", "critical", "off"};
+
+} // namespace
+
+EnvLookup processEnvironment() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+MachineProbe MachineProbe::real(const EnvLookup& env) {
+  MachineProbe p;
+  p.visibleGpus = [env] { return visibleGpuCount(countNvidiaDevices(), env("CUDA_VISIBLE_DEVICES")); };
+  p.cpuCount = [] { return onlineCpuCount(); };
+  p.hostname = [] { return hostName(); };
+  return p;
+}
+
+StdStreams StdSpec::forRank(int localRank) const {
+  if (!mapped) return all;
+  auto it = perRank.find(localRank);
+  return it == perRank.end() ? StdStreams::None : it->second;
+}
+
+StdSpec StdSpec::parse(const std::string& value, const std::string& flag) {
+  auto bad = [&](const std::string& why) {
+    return UsageError(flag + " " + quote(value) + ": " + why +
+                      " (expected 0-3, or local_rank:value pairs such as 0:3,1:1; "
+                      "1 = stdout, 2 = stderr, 3 = both)");
+  };
+  StdSpec spec;
+  std::string v = trim(value);
+  if (v.find(':') == std::string::npos) {
+    auto n = toInt(v, 0, 3);
+    if (!n) throw bad("not a value between 0 and 3");
+    spec.all = static_cast<StdStreams>(*n);
+    return spec;
+  }
+  spec.mapped = true;
+  for (const auto& item : split(v, ',')) {
+    auto colon = item.find(':');
+    if (colon == std::string::npos) throw bad(quote(item) + " is not local_rank:value");
+    auto rank = toInt(item.substr(0, colon), 0, 1 << 20);
+    auto val = toInt(item.substr(colon + 1), 0, 3);
+    if (!rank || !val) throw bad(quote(item) + " is not local_rank:value");
+    if (spec.perRank.count(static_cast<int>(*rank)))
+      throw bad("local rank " + std::to_string(*rank) + " is given twice");
+    spec.perRank[static_cast<int>(*rank)] = static_cast<StdStreams>(*val);
+  }
+  return spec;
+}
+
+std::pair<int, int> parseNnodes(const std::string& value) {
+  auto bad = [&](const std::string& why) {
+    return UsageError("--nnodes " + quote(value) + ": " + why + " (expected N or MIN:MAX)");
+  };
+  std::string v = trim(value);
+  auto colon = v.find(':');
+  if (colon == std::string::npos) {
+    auto n = toInt(v, 1, 1000000);
+    if (!n) throw bad("not a positive number of nodes");
+    return {static_cast<int>(*n), static_cast<int>(*n)};
+  }
+  auto lo = toInt(v.substr(0, colon), 1, 1000000);
+  auto hi = toInt(v.substr(colon + 1), 1, 1000000);
+  if (!lo || !hi) throw bad("MIN and MAX must be positive numbers");
+  if (*lo > *hi) throw bad("MIN (" + std::to_string(*lo) + ") is larger than MAX (" +
+                           std::to_string(*hi) + ")");
+  return {static_cast<int>(*lo), static_cast<int>(*hi)};
+}
+
+int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source) {
+  std::string v = trim(value);
+  std::string lower = v;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  if (lower == "gpu" || lower == "auto") {
+    int n = probe.visibleGpus ? probe.visibleGpus() : 0;
+    if (n > 0) {
+      if (source) *source = std::to_string(n) + " (" + lower + ": visible NVIDIA GPUs)";
+      return n;
+    }
+    if (lower == "gpu")
+      throw UsageError("--nproc-per-node 'gpu': no NVIDIA GPU is visible on this machine "
+                       "(no /proc/driver/nvidia/gpus or /dev/nvidiaN, or CUDA_VISIBLE_DEVICES "
+                       "hides them); give a number instead");
+    int c = probe.cpuCount ? probe.cpuCount() : 1;
+    if (source) *source = std::to_string(c) + " (auto: no GPU, CPU count)";
+    return c;
+  }
+  if (lower == "cpu") {
+    int c = probe.cpuCount ? probe.cpuCount() : 1;
+    if (source) *source = std::to_string(c) + " (cpu: CPU count)";
+    return c;
+  }
+  auto n = toInt(v, std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
+  if (!n)
+    throw UsageError("--nproc-per-node " + quote(value) +
+                     ": not a number of workers, 'gpu', 'cpu' or 'auto'");
+  if (*n < 1) throw UsageError("--nproc-per-node " + quote(value) + ": needs at least 1 worker");
+  if (*n > 4096) throw UsageError("--nproc-per-node " + quote(value) + ": more than 4096 workers on one node");
+  if (source) *source = std::to_string(*n);
+  return static_cast<int>(*n);
+}
+
+int parsePort(const std::string& value, const std::string& flag) {
+  auto n = toInt(value, std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
+  if (!n) throw UsageError(flag + " " + quote(value) + ": not a port number");
+  if (*n < 0 || *n > 65535)
+    throw UsageError(flag + " " + quote(value) + ": port out of range (0-65535)");
+  return static_cast<int>(*n);
+}
+
+std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& value) {
+  std::string v = trim(value);
+  if (v.empty()) return {"", std::nullopt};
+  std::string host;
+  std::string rest;
+  if (v[0] == '[') {  // [IPv6]:port
+    auto close = v.find(']');
+    if (close == std::string::npos)
+      throw UsageError("--rdzv-endpoint " + quote(value) + ": unbalanced '[' in IPv6 address");
+    host = v.substr(1, close - 1);
+    rest = v.substr(close + 1);
+    if (!rest.empty() && rest[0] != ':')
+      throw UsageError("--rdzv-endpoint " + quote(value) + ": expected HOST[:PORT]");
+  } else {
+    auto colon = v.rfind(':');
+    if (colon != std::string::npos && v.find(':') == colon) {
+      host = v.substr(0, colon);
+      rest = v.substr(colon);
+    } else {
+      host = v;
+    }
+  }
+  if (host.empty()) throw UsageError("--rdzv-endpoint " + quote(value) + ": missing host");
+  if (rest.empty()) return {host, std::nullopt};
+  return {host, parsePort(rest.substr(1), "--rdzv-endpoint port")};
+}
+
+std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string& value) {
+  std::vector<std::pair<std::string, std::string>> out;
+  if (trim(value).empty()) return out;
+  for (const auto& item : split(value, ',')) {
+    auto eq = item.find('=');
+    std::string key = eq == std::string::npos ? "" : trim(item.substr(0, eq));
+    std::string val = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
+    if (eq == std::string::npos || key.empty() || val.empty())
+      throw UsageError("--rdzv-conf " + quote(value) + ": " + quote(item) +
+                       " is not key=value (expected key1=value1,key2=value2,...)");
+    for (const auto& kv : out)
+      if (kv.first == key)
+        throw UsageError("--rdzv-conf " + quote(value) + ": key " + quote(key) + " is given twice");
+    out.emplace_back(key, val);
+  }
+  return out;
+}
+
+std::set<int> parseRanksFilter(const std::string& value) {
+  std::set<int> ranks;
+  for (const auto& item : split(value, ',')) {
+    auto n = toInt(item, 0, 1 << 20);
+    if (!n)
+      throw UsageError("--local-ranks-filter " + quote(value) + ": " + quote(item) +
+                       " is not a local rank (expected a comma-separated list such as 0,1,2)");
+    ranks.insert(static_cast<int>(*n));
+  }
+  return ranks;
+}
+
+std::vector<int> parseSignals(const std::string& value) {
+  std::vector<int> out;
+  for (const auto& item : split(value, ',')) {
+    if (trim(item).empty()) continue;
+    int s = parseSignal(item);
+    if (s < 0)
+      throw UsageError("--signals-to-handle " + quote(value) + ": " + quote(trim(item)) +
+                       " is not a signal name or number");
+    if (s == SIGKILL || s == SIGSTOP || s == SIGCHLD)
+      throw UsageError("--signals-to-handle " + quote(value) + ": " + signalName(s) +
+                       " cannot be handled or forwarded");
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  return out;
+}
+
+std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag) {
+  std::string v = trim(value);
+  char* end = nullptr;
+  errno = 0;
+  double s = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(s))
+    throw UsageError(flag + " " + quote(value) + ": not a number of seconds");
+  if (s < 0) throw UsageError(flag + " " + quote(value) + ": must not be negative");
+  if (s > 1e7) throw UsageError(flag + " " + quote(value) + ": too large");
+  return std::chrono::milliseconds(static_cast<long long>(std::llround(s * 1000.0)));
+}
+
+int parseNonNegative(const std::string& value, const std::string& flag) {
+  auto n = toInt(value, std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
+  if (!n) throw UsageError(flag + " " + quote(value) + ": not a whole number");
+  if (*n < 0) throw UsageError(flag + " " + quote(value) + ": must not be negative");
+  return static_cast<int>(*n);
+}
+
+std::optional<fs::path> findExecutable(const std::string& name, const EnvLookup& env) {
+  if (name.empty()) return std::nullopt;
+  if (name.find('/') != std::string::npos) {
+    std::error_code ec;
+    if (fs::exists(name, ec)) return fs::path(name);
+    return std::nullopt;
+  }
+  std::string path = env("PATH").value_or("/usr/local/bin:/usr/bin:/bin");
+  std::optional<fs::path> nonExecutable;
+  for (const auto& dir : split(path, ':')) {
+    fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
+    std::error_code ec;
+    if (!fs::exists(candidate, ec)) continue;
+    if (isExecutableFile(candidate)) return candidate;
+    if (!nonExecutable && fs::is_regular_file(candidate, ec)) nonExecutable = candidate;
+  }
+  return nonExecutable;  // execvp reports EACCES for these: so do we
+}
+
+LaunchConfig makeLaunchConfig(const RawOptions& raw, const EnvLookup& env, const MachineProbe& probe) {
+  LaunchConfig c;
+  c.hostname = probe.hostname ? probe.hostname() : hostName();
+
+  // --- the program (checked first: without it nothing else matters)
+  std::vector<std::string> command = raw.command;
+  if (!command.empty() && command.front() == "--") command.erase(command.begin());
+  if (command.empty())
+    throw UsageError("missing the training program (usage: ctorchrun [options] training_program "
+                     "[program args...]; see --help)");
+  if (command.front().size() > 1 && command.front()[0] == '-' && !raw.module)
+    throw UsageError("unknown option " + quote(command.front()) + " (see --help)");
+  c.program = command.front();
+  c.programArgs.assign(command.begin() + 1, command.end());
+  if (raw.module && raw.noPython)
+    throw UsageError("--module and --no-python cannot be used together: a module needs the "
+                     "Python interpreter");
+
+  c.usesPython = !raw.noPython && (raw.module || raw.runPath || endsWith(c.program, ".py"));
+  if (c.usesPython) {
+    std::string python = env("PYTHON_EXEC").value_or("python3");
+    auto interp = findExecutable(python, env);
+    if (!interp)
+      throw ProgramError("Python interpreter " + quote(python) + " not found (needed for " +
+                             quote(c.program) + "; set PYTHON_EXEC or use --no-python)",
+                         contract::kExitNotFound);
+    if (!isExecutableFile(*interp))
+      throw ProgramError("Python interpreter " + quote(interp->string()) + " is not executable",
+                         contract::kExitCannotExecute);
+    c.executable = interp->string();
+    c.workerArgv = {python, "-u"};
+    if (raw.module) {
+      c.workerArgv.push_back("-m");
+    } else {
+      std::error_code ec;
+      if (!fs::exists(c.program, ec))
+        throw ProgramError("training script " + quote(c.program) + " not found",
+                           contract::kExitNotFound);
+    }
+    c.workerArgv.push_back(c.program);
+  } else {
+    auto exe = findExecutable(c.program, env);
+    if (!exe)
+      throw ProgramError("training program " + quote(c.program) + " not found" +
+                             (c.program.find('/') == std::string::npos ? " on PATH" : ""),
+                         contract::kExitNotFound);
+    std::error_code ec;
+    if (fs::is_directory(*exe, ec))
+      throw ProgramError("training program " + quote(c.program) + " is a directory",
+                         contract::kExitCannotExecute);
+    if (!isExecutableFile(*exe))
+      throw ProgramError("training program " + quote(c.program) +
+                             " is not executable (permission denied; chmod +x it, or run a "
+                             "script through its interpreter)",
+                         contract::kExitCannotExecute);
+    c.executable = exe->string();
+    c.workerArgv = {c.program};
+  }
+  c.workerArgv.insert(c.workerArgv.end(), c.programArgs.begin(), c.programArgs.end());
+
+  // --- nodes and workers
+  std::tie(c.minNodes, c.maxNodes) = parseNnodes(raw.nnodes);
+  c.nprocPerNode = parseNproc(raw.nprocPerNode, probe, &c.nprocSource);
+  c.standalone = raw.standalone;
+  if (raw.nodeRank) {
+    int r = parseNonNegative(*raw.nodeRank, "--node-rank");
+    c.nodeRank = r;
+  }
+
+  // --- rendezvous
+  c.rdzvConf = parseRdzvConf(raw.rdzvConf);
+  c.localAddr = trim(raw.localAddr);
+  if (c.standalone) {
+    if (c.maxNodes != 1)
+      throw UsageError("--standalone runs a single node, but --nnodes " + quote(raw.nnodes) +
+                       " asks for more");
+    if (c.nodeRank && *c.nodeRank != 0)
+      throw UsageError("--standalone runs a single node, but --node-rank is " +
+                       std::to_string(*c.nodeRank));
+    c.rdzvBackend = "standalone";
+    c.rdzvEndpointHost = "127.0.0.1";
+    c.rdzvEndpointPort = 0;
+    c.rdzvId = randomRunId();
+  } else {
+    c.rdzvBackend = trim(raw.rdzvBackend);
+    c.rdzvId = trim(raw.rdzvId).empty() ? "none" : trim(raw.rdzvId);
+    const auto& torchrunBackends = torchrunRendezvousBackends();
+    bool known = std::find(torchrunBackends.begin(), torchrunBackends.end(), c.rdzvBackend) !=
+                 torchrunBackends.end();
+    if (!rendezvousBackendAvailable(c.rdzvBackend)) {
+      std::string available;
+      for (const auto& b : availableRendezvousBackends()) available += (available.empty() ? "" : ", ") + b;
+      if (known)
+        throw UsageError("--rdzv-backend " + quote(c.rdzvBackend) +
+                         " is not available in this ctorchrun (available: " + available +
+                         "; for one node use --standalone)");
+      throw UsageError("unknown --rdzv-backend " + quote(c.rdzvBackend) + " (available: " +
+                       available + ")");
+    }
+    auto [host, port] = parseEndpoint(raw.rdzvEndpoint);
+    if (c.rdzvBackend == "static") {
+      c.rdzvEndpointHost = host.empty() ? trim(raw.masterAddr) : host;
+      c.rdzvEndpointPort = port ? *port : parsePort(raw.masterPort, "--master-port");
+      if (c.rdzvEndpointHost.empty()) throw UsageError("--master-addr '': empty address");
+      if (c.elastic())
+        throw UsageError("--nnodes " + quote(raw.nnodes) +
+                         ": the static rendezvous needs a fixed number of nodes (elastic MIN:MAX "
+                         "needs --rdzv-backend c10d)");
+      int rank = c.nodeRank.value_or(0);
+      if (rank >= c.maxNodes)
+        throw UsageError("--node-rank " + std::to_string(rank) + " is out of range for --nnodes " +
+                         std::to_string(c.maxNodes) + " (node ranks are 0.." +
+                         std::to_string(c.maxNodes - 1) + ")");
+      if (c.maxNodes > 1 && c.rdzvEndpointPort == 0)
+        throw UsageError("--master-port 0: several nodes must agree on a fixed port");
+    } else {
+      c.rdzvEndpointHost = host;
+      c.rdzvEndpointPort = port.value_or(29400);
+    }
+  }
+
+  // --- restarts and signals
+  c.maxRestarts = parseNonNegative(raw.maxRestarts, "--max-restarts");
+  c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
+  c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
+  c.signalsToHandle = parseSignals(raw.signalsToHandle);
+
+  // --- workers and logs
+  c.role = trim(raw.role);
+  if (c.role.empty()) throw UsageError("--role '': the role name must not be empty");
+  if (!trim(raw.logDir).empty()) c.logDir = fs::path(trim(raw.logDir));
+  c.redirects = StdSpec::parse(raw.redirects, "--redirects");
+  c.tee = StdSpec::parse(raw.tee, "--tee");
+  if (!trim(raw.localRanksFilter).empty()) c.localRanksFilter = parseRanksFilter(raw.localRanksFilter);
+
+  // Empty: SPDLOG_LEVEL (spdlog's own syntax, applied by main) or info.
+  std::string level = trim(raw.logLevel);
+  std::transform(level.begin(), level.end(), level.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (!level.empty() &&
+      std::find(std::begin(kLogLevels), std::end(kLogLevels), level) == std::end(kLogLevels))
+    throw UsageError("--log-level " + quote(raw.logLevel) +
+                     ": expected trace, debug, info, warn, error, critical or off");
+  if (level == "warning") level = "warn";
+  c.logLevel = level;
+  return c;
+}
+
+} // namespace ctorch::launcher

@@ -1,0 +1,174 @@
+#include "ctorch/launcher/worker_logs.hpp"
+
+#include "ctorch/launcher/errors.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+namespace ctorch::launcher {
+
+namespace fs = std::filesystem;
+
+StreamRoute routeFor(const LaunchConfig& c, int localRank, Stream stream) {
+  auto has = [&](const StdSpec& spec) {
+    StdStreams s = spec.forRank(localRank);
+    return stream == Stream::Stdout ? hasOut(s) : hasErr(s);
+  };
+  bool redirect = has(c.redirects);
+  bool tee = has(c.tee);
+  bool hidden = c.localRanksFilter && !c.localRanksFilter->count(localRank);
+  StreamRoute r;
+  r.file = redirect || tee;  // tee is "into the file and onto the console", as torchrun
+  r.console = !hidden && (tee || !redirect);
+  return r;
+}
+
+std::string consolePrefix(const std::string& role, int rank, const std::string& host, bool multiNode) {
+  if (multiNode && !host.empty()) return "[" + host + ":" + role + std::to_string(rank) + "]:";
+  return "[" + role + std::to_string(rank) + "]:";
+}
+
+WorkerLogs::WorkerLogs(const LaunchConfig& config, int consoleOut, int consoleErr)
+    : config_(config), consoleOut_(consoleOut), consoleErr_(consoleErr) {
+  std::error_code ec;
+  if (config.logDir) {
+    base_ = *config.logDir;
+    fs::create_directories(base_, ec);
+    if (ec) throw UsageError("--log-dir '" + base_.string() + "': cannot create it: " + ec.message());
+  } else {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = (fs::path(tmp && *tmp ? tmp : "/tmp") / "ctorchrun_XXXXXX").string();
+    if (!::mkdtemp(templ.data()))
+      throw LauncherError("cannot create a temporary log directory " + templ + ": " +
+                          std::strerror(errno));
+    base_ = templ;
+    temporary_ = true;
+  }
+}
+
+WorkerLogs::~WorkerLogs() {
+  endAttempt();
+  if (temporary_ && !keep_) {
+    std::error_code ec;
+    fs::remove_all(base_, ec);
+  }
+}
+
+std::vector<WorkerLogs::WorkerFiles> WorkerLogs::beginAttempt(const RendezvousInfo& info, int attempt) {
+  endAttempt();
+  fs::path attemptDir = base_ / info.runId / ("attempt_" + std::to_string(attempt));
+  std::error_code ec;
+  fs::remove_all(attemptDir, ec);  // a re-rendezvous reuses the attempt number, as torchrun
+  fs::create_directories(attemptDir, ec);
+  if (ec) throw LauncherError("cannot create log directory " + attemptDir.string() + ": " + ec.message());
+
+  const int n = info.localNproc();
+  std::vector<WorkerFiles> files(static_cast<std::size_t>(n));
+  ranks_.clear();
+  ranks_.resize(static_cast<std::size_t>(n));
+  const std::string& host = info.nodeHosts.empty() ? config_.hostname
+                                                   : info.nodeHosts[static_cast<std::size_t>(info.nodeRank)];
+  for (int lr = 0; lr < n; ++lr) {
+    auto& f = files[static_cast<std::size_t>(lr)];
+    auto& st = ranks_[static_cast<std::size_t>(lr)];
+    f.rankDir = attemptDir / std::to_string(lr);
+    fs::create_directories(f.rankDir, ec);
+    if (ec) throw LauncherError("cannot create log directory " + f.rankDir.string() + ": " + ec.message());
+    f.errorFile = f.rankDir / "error.json";
+    st.prefix = consolePrefix(config_.role, info.globalRank(lr), host.empty() ? config_.hostname : host,
+                              info.numNodes > 1);
+    for (Stream s : {Stream::Stdout, Stream::Stderr}) {
+      StreamRoute route = routeFor(config_, lr, s);
+      OutputSpec& spec = s == Stream::Stdout ? f.out : f.err;
+      Channel& ch = s == Stream::Stdout ? st.out : st.err;
+      fs::path file = f.rankDir / (s == Stream::Stdout ? "stdout.log" : "stderr.log");
+      spec.toAgent = route.console;
+      if (route.file) spec.file = file;
+      ch.console = route.console;
+      if (route.console && route.file) {
+        ch.teeFd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
+        if (ch.teeFd < 0)
+          throw LauncherError("cannot open log file " + file.string() + ": " + std::strerror(errno));
+      }
+    }
+  }
+  return files;
+}
+
+WorkerLogs::Channel& WorkerLogs::channel(int localRank, Stream stream) {
+  auto& st = ranks_.at(static_cast<std::size_t>(localRank));
+  return stream == Stream::Stdout ? st.out : st.err;
+}
+
+namespace {
+
+void writeAll(int fd, const char* data, std::size_t size) {
+  while (size > 0) {
+    ssize_t n = ::write(fd, data, size);
+    if (n > 0) {
+      data += n;
+      size -= static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) {
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, 1000);
+      continue;
+    }
+    return;  // the console went away (closed pipe): drop the output, keep the workers running
+  }
+}
+
+} // namespace
+
+void WorkerLogs::writeConsole(Stream stream, const std::string& text) {
+  if (text.empty()) return;
+  writeAll(stream == Stream::Stdout ? consoleOut_ : consoleErr_, text.data(), text.size());
+}
+
+void WorkerLogs::onOutput(int localRank, Stream stream, std::string_view data) {
+  if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
+  Channel& ch = channel(localRank, stream);
+  if (ch.teeFd >= 0) writeAll(ch.teeFd, data.data(), data.size());
+  if (!ch.console) return;
+  const std::string& prefix = ranks_[static_cast<std::size_t>(localRank)].prefix;
+  // All complete lines of this chunk go out in one write: whole lines, never a partial one.
+  batch_.clear();
+  ch.lines.feed(data, [&](std::string_view line) {
+    batch_.append(prefix).append(line).push_back('\n');
+  });
+  writeConsole(stream, batch_);
+}
+
+void WorkerLogs::closeChannel(Channel& ch, Stream stream, const std::string& prefix) {
+  if (ch.console) {
+    batch_.clear();
+    ch.lines.finish([&](std::string_view line) { batch_.append(prefix).append(line).push_back('\n'); });
+    writeConsole(stream, batch_);
+  }
+  if (ch.teeFd >= 0) {
+    ::close(ch.teeFd);
+    ch.teeFd = -1;
+  }
+}
+
+void WorkerLogs::onClosed(int localRank, Stream stream) {
+  if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
+  closeChannel(channel(localRank, stream), stream, ranks_[static_cast<std::size_t>(localRank)].prefix);
+}
+
+void WorkerLogs::endAttempt() {
+  for (auto& st : ranks_) {
+    closeChannel(st.out, Stream::Stdout, st.prefix);
+    closeChannel(st.err, Stream::Stderr, st.prefix);
+  }
+}
+
+} // namespace ctorch::launcher

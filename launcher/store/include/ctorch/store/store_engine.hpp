@@ -1,0 +1,57 @@
+// The TCPStore server's state and semantics without any I/O: keys, queues, waiters and (legacy)
+// watchers. The server feeds it parsed requests and sends the replies it produces; tests drive it
+// directly. Where the two c10d backends differ, the libuv backend (PyTorch's default) is followed,
+// except that waiters are woken only when a key really appears (see execute()).
+#pragma once
+
+#include "ctorch/store/tcp_store_protocol.hpp"
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace ctorch::store {
+
+class StoreEngine {
+ public:
+  using ConnId = std::uint64_t;
+  struct Reply {
+    ConnId conn;
+    protocol::Bytes bytes;
+  };
+
+  // Runs one request of connection `conn`; replies (to it, or to connections whose wait ends or
+  // whose watched key changes) are appended to `out`. Throws std::invalid_argument when the
+  // request cannot be served (e.g. ADD on a non-integer value): the server then drops `conn`,
+  // as both c10d backends do.
+  void execute(ConnId conn, const protocol::Request& request, std::vector<Reply>& out);
+
+  // Forgets a closed connection's waits and watches.
+  void disconnect(ConnId conn);
+
+  std::size_t numKeys() const { return data_.size(); }
+  std::optional<protocol::Bytes> peek(const std::string& key) const;
+  // Connections blocked in WAIT (or a blocking queue pop / barrier).
+  std::size_t waitingConnections() const { return awaiting_.size(); }
+
+ private:
+  bool present(const std::string& key) const;
+  void store(const std::string& key, protocol::Bytes value, std::vector<Reply>& out);
+  void wakeAll(const std::string& key, std::vector<Reply>& out);
+  void wakeOne(const std::string& key, std::vector<Reply>& out);
+  void clearWait(ConnId conn);
+  void notifyWatchers(const std::string& key, protocol::WatchResponse kind,
+                      const protocol::Bytes& oldValue, const protocol::Bytes& newValue,
+                      std::vector<Reply>& out);
+
+  std::unordered_map<std::string, protocol::Bytes> data_;
+  std::unordered_map<std::string, std::deque<protocol::Bytes>> queues_;
+  std::unordered_map<std::string, std::vector<ConnId>> waiters_;   // key -> waiting connections
+  std::unordered_map<ConnId, std::size_t> awaiting_;               // connection -> keys missing
+  std::unordered_map<std::string, std::vector<ConnId>> watchers_;  // key -> watching connections
+};
+
+} // namespace ctorch::store

@@ -1,0 +1,80 @@
+// A client of the c10d TCPStore protocol (this library's server, or PyTorch's own), speaking
+// either generation: validated (PyTorch >= 2.2, the default) or legacy (LibTorch/PyTorch 1.13).
+// Blocking calls, one connection, thread-safe. Keys get c10d::TCPStore's "/" prefix by default so
+// that a key set here is the key a Python or LibTorch client sees under the same name.
+#pragma once
+
+#include "ctorch/store/store.hpp"
+#include "ctorch/store/tcp_store_protocol.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::store {
+
+struct TcpStoreClientOptions {
+  // Bound on connecting (retrying while the server is not up yet), on get() and on wait() without
+  // an explicit timeout; c10d's default is 300 s.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  protocol::Generation generation = protocol::Generation::Validated;
+  std::string keyPrefix = "/";
+};
+
+class TcpStoreClient : public Store {
+ public:
+  TcpStoreClient(std::string host, std::uint16_t port, TcpStoreClientOptions options = {});
+  ~TcpStoreClient() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  std::int64_t add(const std::string& key, std::int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  void wait(const std::vector<std::string>& keys) { wait(keys, options_.timeout); }
+  bool check(const std::vector<std::string>& keys) override;
+  bool deleteKey(const std::string& key) override;
+  std::int64_t numKeys() override;
+
+  void append(const std::string& key, const Bytes& value);
+  std::vector<Bytes> multiGet(const std::vector<std::string>& keys);
+  void multiSet(const std::vector<std::string>& keys, const std::vector<Bytes>& values);
+
+  // Validated protocol only.
+  void ping();
+  void queuePush(const std::string& key, const Bytes& value);
+  // Pops the front of a queue; with `block` waits for an element (up to the timeout), else returns
+  // nullopt when the queue is empty.
+  std::optional<Bytes> queuePop(const std::string& key, bool block);
+  std::int64_t queueLen(const std::string& key);
+
+  const std::string& host() const { return host_; }
+  std::uint16_t port() const { return port_; }
+
+ private:
+  std::string k(const std::string& key) const { return options_.keyPrefix + key; }
+  void send(const protocol::Request& request);
+  void recvRaw(void* data, std::size_t size);
+  template <typename T>
+  T recvValue() {
+    T v{};
+    recvRaw(&v, sizeof v);
+    return v;
+  }
+  Bytes recvBytes();
+  void doWait(const std::vector<std::string>& prefixedKeys, std::chrono::milliseconds timeout);
+  void requireValidated(const char* what) const;
+  void ensureUsable() const;
+
+  std::string host_;
+  std::uint16_t port_;
+  TcpStoreClientOptions options_;
+  int fd_ = -1;
+  bool broken_ = false;
+  mutable std::mutex mutex_;
+};
+
+} // namespace ctorch::store

@@ -1,0 +1,150 @@
+#include "socket_util.hpp"
+
+#include "ctorch/store/store.hpp"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ctorch::store::detail {
+
+void throwErrno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.release();
+  }
+  return *this;
+}
+
+void setNonBlocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throwErrno("fcntl(O_NONBLOCK)");
+}
+
+void setNoDelay(int fd) {
+  int one = 1;
+  // Requests are small and latency-bound (c10d sets TCP_NODELAY too); failure is harmless.
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+namespace {
+
+int remainingMs(std::chrono::steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                    std::chrono::steady_clock::now());
+  if (left.count() <= 0) return 0;
+  return left.count() > 1000000000 ? 1000000000 : static_cast<int>(left.count());
+}
+
+} // namespace
+
+bool waitReadable(int fd, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, remainingMs(deadline));
+    if (r > 0) return true;
+    if (r == 0) return false;
+    if (errno != EINTR) throwErrno("poll");
+  }
+}
+
+Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string service = std::to_string(port);
+  int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0)
+    throw StoreConnectionError("cannot resolve store host '" + host + "': " + ::gai_strerror(rc));
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  int lastErr = ECONNREFUSED;
+  Fd result;
+  for (addrinfo* a = res; a && !result; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+    if (!fd) {
+      lastErr = errno;
+      continue;
+    }
+    if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        lastErr = errno;
+        continue;
+      }
+      pollfd p{fd.get(), POLLOUT, 0};
+      int r;
+      do {
+        r = ::poll(&p, 1, remainingMs(deadline));
+      } while (r < 0 && errno == EINTR);
+      if (r <= 0) {
+        lastErr = r == 0 ? ETIMEDOUT : errno;
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        lastErr = err;
+        continue;
+      }
+    }
+    int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+    setNoDelay(fd.get());
+    result = std::move(fd);
+  }
+  ::freeaddrinfo(res);
+  if (!result) {
+    errno = lastErr;
+    throwErrno("connect to " + host + ":" + service);
+  }
+  return result;
+}
+
+void sendAll(int fd, const void* data, std::size_t size) {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  while (size > 0) {
+    ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw StoreConnectionError(std::string("store connection lost while sending: ") +
+                                 std::strerror(errno));
+    }
+    p += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+void recvAll(int fd, void* data, std::size_t size, std::chrono::steady_clock::time_point deadline) {
+  auto* p = static_cast<std::uint8_t*>(data);
+  while (size > 0) {
+    if (!waitReadable(fd, deadline)) throw StoreTimeout("store reply timed out");
+    ssize_t n = ::recv(fd, p, size, 0);
+    if (n == 0) throw StoreConnectionError("store closed the connection");
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      throw StoreConnectionError(std::string("store connection lost while receiving: ") +
+                                 std::strerror(errno));
+    }
+    p += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+} // namespace ctorch::store::detail

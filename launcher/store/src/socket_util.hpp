@@ -1,0 +1,49 @@
+// Small POSIX socket helpers shared by the store server and client (internal).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <system_error>
+
+namespace ctorch::store::detail {
+
+[[noreturn]] void throwErrno(const std::string& what);
+
+// Owns a file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd();
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+void setNonBlocking(int fd);
+void setNoDelay(int fd);
+
+// Connects to host:port, trying every resolved address; throws std::system_error.
+Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
+
+// Blocking full send/receive with a deadline (steady clock). Throw StoreConnectionError on EOF or
+// error, StoreTimeout at the deadline.
+void sendAll(int fd, const void* data, std::size_t size);
+void recvAll(int fd, void* data, std::size_t size, std::chrono::steady_clock::time_point deadline);
+// Waits until fd is readable; false at the deadline.
+bool waitReadable(int fd, std::chrono::steady_clock::time_point deadline);
+
+} // namespace ctorch::store::detail

@@ -1,0 +1,302 @@
+#include "ctorch/store/store_engine.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace ctorch::store {
+
+using protocol::Bytes;
+using protocol::CheckResponse;
+using protocol::Op;
+using protocol::WaitResponse;
+using protocol::WatchResponse;
+using protocol::Writer;
+
+namespace {
+
+// c10d stores counters as decimal text and parses them with std::stoll.
+std::int64_t parseCounter(const std::string& key, const Bytes& value) {
+  std::string text(value.begin(), value.end());
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (end == text.c_str() || errno == ERANGE)
+    throw std::invalid_argument("ADD on key '" + key + "' whose value '" + text +
+                                "' is not an integer");
+  return static_cast<std::int64_t>(v);
+}
+
+Bytes counterBytes(std::int64_t v) {
+  std::string s = std::to_string(v);
+  return Bytes(s.begin(), s.end());
+}
+
+Bytes u8Reply(std::uint8_t v) { return Writer().u8(v).take(); }
+
+} // namespace
+
+std::optional<Bytes> StoreEngine::peek(const std::string& key) const {
+  auto it = data_.find(key);
+  if (it == data_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool StoreEngine::present(const std::string& key) const {
+  if (data_.count(key)) return true;
+  auto q = queues_.find(key);
+  return q != queues_.end() && !q->second.empty();
+}
+
+void StoreEngine::wakeAll(const std::string& key, std::vector<Reply>& out) {
+  auto it = waiters_.find(key);
+  if (it == waiters_.end()) return;
+  for (ConnId c : it->second) {
+    auto a = awaiting_.find(c);
+    if (a == awaiting_.end()) continue;
+    if (--a->second == 0) {
+      awaiting_.erase(a);
+      out.push_back({c, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+    }
+  }
+  waiters_.erase(it);
+}
+
+void StoreEngine::wakeOne(const std::string& key, std::vector<Reply>& out) {
+  auto it = waiters_.find(key);
+  if (it == waiters_.end()) return;
+  while (!it->second.empty()) {
+    ConnId c = it->second.front();
+    it->second.erase(it->second.begin());
+    auto a = awaiting_.find(c);
+    if (a == awaiting_.end()) continue;  // stale entry
+    if (--a->second == 0) {
+      awaiting_.erase(a);
+      out.push_back({c, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+    }
+    break;
+  }
+  if (it->second.empty()) waiters_.erase(it);
+}
+
+void StoreEngine::clearWait(ConnId conn) {
+  if (!awaiting_.erase(conn)) return;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove(v.begin(), v.end(), conn), v.end());
+    it = v.empty() ? waiters_.erase(it) : std::next(it);
+  }
+}
+
+void StoreEngine::disconnect(ConnId conn) {
+  clearWait(conn);
+  for (auto it = watchers_.begin(); it != watchers_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove(v.begin(), v.end(), conn), v.end());
+    it = v.empty() ? watchers_.erase(it) : std::next(it);
+  }
+}
+
+void StoreEngine::notifyWatchers(const std::string& key, WatchResponse kind, const Bytes& oldValue,
+                                 const Bytes& newValue, std::vector<Reply>& out) {
+  auto it = watchers_.find(key);
+  if (it == watchers_.end()) return;
+  for (ConnId c : it->second) {
+    Writer w;
+    w.u8(static_cast<std::uint8_t>(kind)).str(key).bytes(oldValue).bytes(newValue);
+    out.push_back({c, w.take()});
+  }
+}
+
+void StoreEngine::store(const std::string& key, Bytes value, std::vector<Reply>& out) {
+  auto it = data_.find(key);
+  if (it == data_.end()) {
+    if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyCreated, {}, value, out);
+    data_.emplace(key, std::move(value));
+  } else {
+    if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyUpdated, it->second, value, out);
+    it->second = std::move(value);
+  }
+  wakeAll(key, out);
+}
+
+void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  switch (q.op) {
+    case Op::Validate:
+      return;  // the handshake carries no reply
+
+    case Op::Ping:
+      out.push_back({conn, Writer().u32(q.nonce).take()});
+      return;
+
+    case Op::Set:
+      store(q.key, q.value, out);
+      return;
+
+    case Op::MultiSet:
+      for (std::size_t i = 0; i < q.keys.size(); ++i) store(q.keys[i], q.values[i], out);
+      return;
+
+    case Op::CompareSet: {
+      // c10d: a missing key matches an empty `expected`; otherwise the reply is `expected` itself
+      // ("lying" to the caller, as upstream notes). Waiters wake only if the key now exists.
+      auto it = data_.find(q.key);
+      if (it == data_.end()) {
+        if (q.value.empty()) {
+          store(q.key, q.desired, out);
+          out.push_back({conn, Writer().bytes(q.desired).take()});
+        } else {
+          out.push_back({conn, Writer().bytes(q.value).take()});
+        }
+      } else {
+        if (it->second == q.value) store(q.key, q.desired, out);
+        out.push_back({conn, Writer().bytes(data_.at(q.key)).take()});
+      }
+      return;
+    }
+
+    case Op::Get: {
+      auto it = data_.find(q.key);
+      out.push_back({conn, Writer().bytes(it == data_.end() ? Bytes{} : it->second).take()});
+      return;
+    }
+
+    case Op::MultiGet: {
+      Writer w;
+      for (const auto& k : q.keys) {
+        auto it = data_.find(k);
+        w.bytes(it == data_.end() ? Bytes{} : it->second);
+      }
+      out.push_back({conn, w.take()});
+      return;
+    }
+
+    case Op::Add: {
+      std::int64_t v = q.number;
+      auto it = data_.find(q.key);
+      if (it != data_.end()) v += parseCounter(q.key, it->second);
+      // The reply goes out before any wake-ups it causes, as in c10d.
+      out.push_back({conn, Writer().i64(v).take()});
+      store(q.key, counterBytes(v), out);
+      return;
+    }
+
+    case Op::Check: {
+      bool ready = std::all_of(q.keys.begin(), q.keys.end(),
+                               [this](const std::string& k) { return present(k); });
+      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(ready ? CheckResponse::Ready
+                                                                     : CheckResponse::NotReady))});
+      return;
+    }
+
+    case Op::Wait: {
+      clearWait(conn);  // one outstanding wait per connection
+      std::size_t missing = 0;
+      for (const auto& k : q.keys) {
+        if (!present(k)) {
+          waiters_[k].push_back(conn);
+          ++missing;
+        }
+      }
+      if (missing == 0) {
+        out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+      } else {
+        awaiting_[conn] = missing;
+      }
+      return;
+    }
+
+    case Op::CancelWait:
+      clearWait(conn);
+      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::WaitCanceled))});
+      return;
+
+    case Op::GetNumKeys:
+      out.push_back({conn, Writer().i64(static_cast<std::int64_t>(data_.size())).take()});
+      return;
+
+    case Op::DeleteKey: {
+      auto it = data_.find(q.key);
+      std::int64_t n = 0;
+      if (it != data_.end()) {
+        if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
+        data_.erase(it);
+        n = 1;
+      }
+      out.push_back({conn, Writer().i64(n).take()});
+      return;
+    }
+
+    case Op::WatchKey:
+      watchers_[q.key].push_back(conn);
+      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WatchResponse::CallbackRegistered))});
+      return;
+
+    case Op::Append: {
+      auto it = data_.find(q.key);
+      bool created = it == data_.end();
+      if (created) {
+        data_.emplace(q.key, q.value);
+      } else {
+        it->second.insert(it->second.end(), q.value.begin(), q.value.end());
+      }
+      if (watchers_.count(q.key))
+        notifyWatchers(q.key, created ? WatchResponse::KeyCreated : WatchResponse::KeyAppended, {},
+                       q.value, out);
+      wakeAll(q.key, out);
+      return;
+    }
+
+    case Op::QueuePush:
+      queues_[q.key].push_back(q.value);
+      wakeOne(q.key, out);
+      return;
+
+    case Op::QueuePop: {
+      auto& queue = queues_[q.key];
+      Writer w;
+      w.i64(static_cast<std::int64_t>(queue.size()));
+      if (!queue.empty()) {
+        w.bytes(queue.front());
+        queue.pop_front();
+      }
+      if (queue.empty()) queues_.erase(q.key);
+      out.push_back({conn, w.take()});
+      return;
+    }
+
+    case Op::QueueLen: {
+      auto it = queues_.find(q.key);
+      std::int64_t n = it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
+      out.push_back({conn, Writer().i64(n).take()});
+      return;
+    }
+
+    case Op::ListKeys: {
+      Writer w;
+      w.i64(static_cast<std::int64_t>(data_.size()));
+      for (const auto& kv : data_) w.str(kv.first);
+      out.push_back({conn, w.take()});
+      return;
+    }
+
+    case Op::Barrier: {
+      std::int64_t count = 1;
+      auto it = data_.find(q.key);
+      if (it != data_.end()) count = parseCounter(q.key, it->second) + 1;
+      data_[q.key] = counterBytes(count);
+      if (count >= q.number) {
+        wakeAll(q.key, out);
+        out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+      } else {
+        clearWait(conn);
+        waiters_[q.key].push_back(conn);
+        awaiting_[conn] = 1;
+      }
+      return;
+    }
+  }
+}
+
+} // namespace ctorch::store

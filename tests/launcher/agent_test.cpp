@@ -1,0 +1,366 @@
+// The agent's restart policy and event loop against a fake process context, a fake rendezvous and
+// fake signals: restarts, exhaustion, exit codes, the grace period, signals, rendezvous events.
+// Also the worker environment it builds. No processes are started here.
+#include <catch2/catch.hpp>
+
+#include "ctorch/launcher/cli.hpp"
+#include "ctorch/launcher/elastic_agent.hpp"
+#include "ctorch/launcher/logging.hpp"
+#include "ctorch/launcher/worker_env.hpp"
+#include "multiproc.hpp"
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <deque>
+#include <set>
+
+using namespace ctorch::launcher;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct FakeWorker {
+  std::optional<ExitStatus> exitAtStart;  // exits by itself right away
+  bool ignoreTerm = false;                // survives SIGTERM, dies on SIGKILL
+};
+
+class FakeProcessContext : public ProcessContext {
+ public:
+  using Script = std::function<std::vector<FakeWorker>(int attempt, int nworkers)>;
+  explicit FakeProcessContext(Script script) : script_(std::move(script)) {
+    fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  }
+  ~FakeProcessContext() override { ::close(fd_); }
+
+  void start(const std::vector<WorkerLaunch>& workers) override {
+    REQUIRE(finished());
+    launches.push_back(workers);
+    auto behaviour = script_(attempt_++, static_cast<int>(workers.size()));
+    live_.clear();
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      const auto& b = behaviour.at(i);
+      if (b.exitAtStart) {
+        queue(static_cast<int>(i), *b.exitAtStart);
+      } else {
+        live_[static_cast<int>(i)] = b;
+      }
+    }
+  }
+  int fd() const override { return fd_; }
+  std::vector<WorkerExit> process() override {
+    std::uint64_t v;
+    [[maybe_unused]] auto n = ::read(fd_, &v, sizeof v);
+    std::vector<WorkerExit> out(pending_.begin(), pending_.end());
+    pending_.clear();
+    return out;
+  }
+  void signalAll(int signo) override {
+    signals.push_back(signo);
+    for (auto it = live_.begin(); it != live_.end();) {
+      if (signo == SIGTERM && it->second.ignoreTerm) {
+        ++it;
+        continue;
+      }
+      queue(it->first, ExitStatus::killed(signo));
+      it = live_.erase(it);
+    }
+  }
+  void killAll() override {
+    ++kills;
+    for (auto& [rank, b] : live_) queue(rank, ExitStatus::killed(SIGKILL));
+    live_.clear();
+  }
+  bool finished() const override { return live_.empty() && pending_.empty(); }
+  std::map<int, pid_t> pids() const override { return {}; }
+
+  std::vector<std::vector<WorkerLaunch>> launches;
+  std::vector<int> signals;
+  int kills = 0;
+
+ private:
+  void queue(int rank, ExitStatus s) {
+    WorkerExit e;
+    e.localRank = rank;
+    e.pid = 100 + rank;
+    e.status = s;
+    e.time = std::chrono::system_clock::now();
+    pending_.push_back(e);
+    std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(fd_, &one, sizeof one);
+  }
+  Script script_;
+  int fd_;
+  int attempt_ = 0;
+  std::map<int, FakeWorker> live_;
+  std::deque<WorkerExit> pending_;
+};
+
+class FakeRendezvous : public RendezvousHandler {
+ public:
+  FakeRendezvous() { fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); }
+  ~FakeRendezvous() override { ::close(fd_); }
+  std::string backend() const override { return "fake"; }
+  RendezvousInfo next(const RendezvousRequest& r) override {
+    RendezvousInfo i;
+    i.runId = "fake-run";
+    i.round = rounds++;
+    i.numNodes = 1;
+    i.nprocPerNode = {r.localNproc};
+    i.computeRanks();
+    i.storeHost = "127.0.0.1";
+    i.storePort = 1234;
+    i.nodeHosts = {"fakehost"};
+    if (static_cast<std::size_t>(i.round) < eventsAfterRound.size() && eventsAfterRound[static_cast<std::size_t>(i.round)]) {
+      pending_.push_back(*eventsAfterRound[static_cast<std::size_t>(i.round)]);
+      std::uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(fd_, &one, sizeof one);
+    }
+    return i;
+  }
+  int eventFd() const override { return fd_; }
+  std::optional<RendezvousEvent> takeEvent() override {
+    std::uint64_t v;
+    [[maybe_unused]] auto n = ::read(fd_, &v, sizeof v);
+    if (pending_.empty()) return std::nullopt;
+    auto e = pending_.front();
+    pending_.pop_front();
+    return e;
+  }
+  void reportFailure(const std::string& why) override { failuresReported.push_back(why); }
+  void exitBarrier(std::chrono::milliseconds) override { ++barriers; }
+
+  int rounds = 0;
+  int barriers = 0;
+  std::vector<std::string> failuresReported;
+  std::vector<std::optional<RendezvousEvent>> eventsAfterRound;
+
+ private:
+  int fd_;
+  std::deque<RendezvousEvent> pending_;
+};
+
+class FakeSignals : public SignalSource {
+ public:
+  FakeSignals() { REQUIRE(::pipe2(p_, O_NONBLOCK | O_CLOEXEC) == 0); }
+  ~FakeSignals() override {
+    ::close(p_[0]);
+    ::close(p_[1]);
+  }
+  int fd() const override { return p_[0]; }
+  std::optional<int> take() override {
+    int s;
+    if (::read(p_[0], &s, sizeof s) == static_cast<ssize_t>(sizeof s)) return s;
+    return std::nullopt;
+  }
+  void raise(int s) { REQUIRE(::write(p_[1], &s, sizeof s) == static_cast<ssize_t>(sizeof s)); }
+
+ private:
+  int p_[2];
+};
+
+struct Fixture {
+  ctorch::test::TempDir logDir;
+  LaunchConfig config;
+  std::unique_ptr<WorkerLogs> logs;
+  FakeRendezvous rendezvous;
+  FakeSignals signals;
+  std::vector<std::string> summaries;
+
+  explicit Fixture(std::vector<std::string> extraArgs) {
+    setLogLevel("off");
+    std::vector<std::string> args = {"--log-dir", logDir.path().string()};
+    args.insert(args.end(), extraArgs.begin(), extraArgs.end());
+    args.push_back("/bin/true");
+    auto cl = parseCommandLine(args);
+    REQUIRE_FALSE(cl.exitNow);
+    MachineProbe p;
+    p.hostname = [] { return std::string("fakehost"); };
+    config = makeLaunchConfig(cl.options, processEnvironment(), p);
+    logs = std::make_unique<WorkerLogs>(config, -1, -1);
+  }
+
+  int run(FakeProcessContext& pc, ElasticAgent** keep = nullptr) {
+    AgentOptions o;
+    o.baseEnvironment = std::vector<std::string>{"PATH=/usr/bin", "HOME=/home/x"};
+    o.printSummary = [this](const std::string& s) { summaries.push_back(s); };
+    agent = std::make_unique<ElasticAgent>(config, rendezvous, pc, *logs, signals, o);
+    if (keep) *keep = agent.get();
+    return agent->run();
+  }
+  std::unique_ptr<ElasticAgent> agent;
+};
+
+std::string envValue(const WorkerLaunch& w, const std::string& key) {
+  for (const auto& e : w.env)
+    if (e.rfind(key + "=", 0) == 0) return e.substr(key.size() + 1);
+  return "<unset>";
+}
+
+std::vector<FakeWorker> allSucceed(int n) { return std::vector<FakeWorker>(static_cast<std::size_t>(n), FakeWorker{ExitStatus::exited(0)}); }
+
+} // namespace
+
+TEST_CASE("agent: every worker succeeds: exit 0 / one attempt / exit barrier passed") {
+  Fixture f({"--nproc-per-node", "3"});
+  FakeProcessContext pc([](int, int n) { return allSucceed(n); });
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.launches.size() == 1);
+  CHECK(pc.signals.empty());
+  CHECK(f.rendezvous.barriers == 1);
+  CHECK(f.summaries.empty());
+}
+
+TEST_CASE("agent: a failure restarts the whole group with TORCHELASTIC_RESTART_COUNT+1") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "3"});
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{ExitStatus::exited(5)}, {}};
+    return allSucceed(n);
+  });
+  CHECK(f.run(pc) == 0);
+  REQUIRE(pc.launches.size() == 2);
+  CHECK(pc.signals == std::vector<int>{SIGTERM});  // the healthy worker was stopped once
+  CHECK(envValue(pc.launches[0][1], "TORCHELASTIC_RESTART_COUNT") == "0");
+  CHECK(envValue(pc.launches[1][1], "TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(envValue(pc.launches[1][1], "TORCHELASTIC_MAX_RESTARTS") == "3");
+  CHECK(f.rendezvous.rounds == 2);
+  CHECK(f.rendezvous.failuresReported.size() == 1);
+  // A restart uses a fresh attempt directory for the error files.
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_ERROR_FILE").find("attempt_1") != std::string::npos);
+}
+
+TEST_CASE("agent: restarts exhausted: the root cause's own exit code and a summary") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "2"});
+  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(7)}}; });
+  CHECK(f.run(pc) == 7);
+  CHECK(pc.launches.size() == 3);
+  REQUIRE(f.summaries.size() == 1);
+  CHECK(f.summaries[0].find("attempt 3 of 3") != std::string::npos);
+  REQUIRE(f.agent->failureReport());
+  CHECK(f.agent->failureReport()->failures.at(0).globalRank == 1);
+}
+
+TEST_CASE("agent: a worker killed by a signal gives 128+N") {
+  Fixture f({"--nproc-per-node", "1"});
+  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{ExitStatus::killed(SIGSEGV)}}; });
+  CHECK(f.run(pc) == 139);
+}
+
+TEST_CASE("agent: a worker that ignores SIGTERM is killed when the grace period ends") {
+  Fixture f({"--nproc-per-node", "2", "--shutdown-timeout", "0.05"});
+  FakeProcessContext pc([](int, int) {
+    FakeWorker stubborn;
+    stubborn.ignoreTerm = true;
+    return std::vector<FakeWorker>{{ExitStatus::exited(3)}, stubborn};
+  });
+  auto start = std::chrono::steady_clock::now();
+  CHECK(f.run(pc) == 3);
+  CHECK(pc.kills == 1);
+  CHECK(std::chrono::steady_clock::now() - start < 30s);  // bounded by the grace, not forever
+  const auto& attempt = f.agent->attempts().at(0);
+  REQUIRE(attempt.outcome.stopped.size() == 1);
+  CHECK(attempt.outcome.stopped[0].status.signal == SIGKILL);
+}
+
+TEST_CASE("agent: a signal to the agent is forwarded / no restart / exit 128+N") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "5"});
+  FakeProcessContext pc([&f](int, int) {
+    f.signals.raise(SIGTERM);  // arrives while the workers run
+    return std::vector<FakeWorker>{{}, {}};
+  });
+  CHECK(f.run(pc) == 128 + SIGTERM);
+  CHECK(pc.launches.size() == 1);
+  CHECK(pc.signals == std::vector<int>{SIGTERM});
+}
+
+TEST_CASE("agent: SIGINT is forwarded as SIGINT") {
+  Fixture f({"--nproc-per-node", "1"});
+  FakeProcessContext pc([&f](int, int) {
+    f.signals.raise(SIGINT);
+    return std::vector<FakeWorker>{{}};
+  });
+  CHECK(f.run(pc) == 130);
+  CHECK(pc.signals == std::vector<int>{SIGINT});
+}
+
+TEST_CASE("agent: a membership change re-rendezvous without counting a restart") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "0"});
+  f.rendezvous.eventsAfterRound = {RendezvousEvent{RendezvousEventKind::MembershipChanged, "a node joined"}};
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}, {}};  // running when the event comes
+    return allSucceed(n);
+  });
+  CHECK(f.run(pc) == 0);
+  REQUIRE(pc.launches.size() == 2);
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "0");
+}
+
+TEST_CASE("agent: a failure on another node counts as a restart") {
+  Fixture f({"--nproc-per-node", "1", "--max-restarts", "1"});
+  f.rendezvous.eventsAfterRound = {RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 2 failed"}};
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}};
+    return allSucceed(n);
+  });
+  CHECK(f.run(pc) == 0);
+  REQUIRE(pc.launches.size() == 2);
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "1");
+}
+
+TEST_CASE("agent: the worker environment is torchrun's") {
+  Fixture f({"--nproc-per-node", "4", "--role", "trainer", "--max-restarts", "2"});
+  FakeProcessContext pc([](int, int n) { return allSucceed(n); });
+  REQUIRE(f.run(pc) == 0);
+  const auto& ws = pc.launches.at(0);
+  REQUIRE(ws.size() == 4);
+  for (int r = 0; r < 4; ++r) {
+    const auto& w = ws[static_cast<std::size_t>(r)];
+    CHECK(envValue(w, "RANK") == std::to_string(r));
+    CHECK(envValue(w, "LOCAL_RANK") == std::to_string(r));
+    CHECK(envValue(w, "ROLE_RANK") == std::to_string(r));
+    CHECK(envValue(w, "GROUP_RANK") == "0");
+    CHECK(envValue(w, "ROLE_NAME") == "trainer");
+    CHECK(envValue(w, "LOCAL_WORLD_SIZE") == "4");
+    CHECK(envValue(w, "WORLD_SIZE") == "4");
+    CHECK(envValue(w, "ROLE_WORLD_SIZE") == "4");
+    CHECK(envValue(w, "GROUP_WORLD_SIZE") == "1");
+    CHECK(envValue(w, "MASTER_ADDR") == "127.0.0.1");
+    CHECK(envValue(w, "MASTER_PORT") == "1234");
+    CHECK(envValue(w, "TORCHELASTIC_RUN_ID") == "fake-run");
+    CHECK(envValue(w, "TORCHELASTIC_USE_AGENT_STORE") == "True");
+    CHECK(envValue(w, "TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
+    CHECK(envValue(w, "OMP_NUM_THREADS") == "1");
+    CHECK(envValue(w, "PATH") == "/usr/bin");  // the agent's environment is inherited
+    CHECK(w.argv == std::vector<std::string>{"/bin/true"});
+  }
+}
+
+TEST_CASE("worker env: user settings win over defaults and contract variables win over inherited ones") {
+  RendezvousInfo info;
+  info.runId = "r";
+  info.numNodes = 2;
+  info.nodeRank = 1;
+  info.nprocPerNode = {3, 2};  // heterogeneous nodes: global ranks are prefix sums
+  info.computeRanks();
+  info.storeHost = "h";
+  info.storePort = 9;
+  LaunchConfig c;
+  auto vars = contractVariables(c, info, 1, 0, "/e.json");
+  CHECK(vars.at("RANK") == "4");
+  CHECK(vars.at("WORLD_SIZE") == "5");
+  CHECK(vars.at("LOCAL_WORLD_SIZE") == "2");
+  std::vector<std::string> base = {"RANK=99", "OMP_NUM_THREADS=8", "NCCL_ASYNC_ERROR_HANDLING=0", "X=1"};
+  CHECK_FALSE(shouldDefaultOmpThreads(base, 2));
+  auto env = workerEnvironment(base, vars, false);
+  std::set<std::string> s(env.begin(), env.end());
+  CHECK(s.count("RANK=4"));
+  CHECK_FALSE(s.count("RANK=99"));
+  CHECK(s.count("OMP_NUM_THREADS=8"));
+  CHECK(s.count("NCCL_ASYNC_ERROR_HANDLING=0"));
+  CHECK(s.count("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"));
+  CHECK(s.count("X=1"));
+  CHECK(shouldDefaultOmpThreads({"A=1"}, 2));
+  CHECK_FALSE(shouldDefaultOmpThreads({"A=1"}, 1));
+}

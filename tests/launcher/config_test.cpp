@@ -1,0 +1,256 @@
+// The command line and its validation, without starting anything: parsers, PET_* variables, the
+// program resolution, and every bad input the issue lists (one line naming the bad value).
+#include <catch2/catch.hpp>
+
+#include "ctorch/launcher/cli.hpp"
+#include "ctorch/launcher/errors.hpp"
+#include "ctorch/launcher/launch_config.hpp"
+#include "ctorch/launcher/machine.hpp"
+#include "launcher_test_util.hpp"
+
+#include <sys/stat.h>
+
+#include <csignal>
+
+using namespace ctorch::launcher;
+namespace lt = ctorch::launcher_test;
+
+namespace {
+
+MachineProbe fakeMachine(int gpus, int cpus = 8) {
+  MachineProbe p;
+  p.visibleGpus = [gpus] { return gpus; };
+  p.cpuCount = [cpus] { return cpus; };
+  p.hostname = [] { return std::string("testhost"); };
+  return p;
+}
+
+EnvLookup envOf(std::map<std::string, std::string> vars) {
+  return [vars](const std::string& k) -> std::optional<std::string> {
+    auto it = vars.find(k);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+LaunchConfig configFor(const std::vector<std::string>& args, std::map<std::string, std::string> env = {},
+                       int gpus = 0) {
+  if (!env.count("PATH")) env["PATH"] = "/usr/bin:/bin";
+  auto cl = parseCommandLine(args);
+  REQUIRE_FALSE(cl.exitNow);
+  return makeLaunchConfig(cl.options, envOf(env), fakeMachine(gpus));
+}
+
+// The message of the UsageError/ProgramError that `args` produce.
+std::string errorFor(const std::vector<std::string>& args, std::map<std::string, std::string> env = {},
+                     int gpus = 0) {
+  if (!env.count("PATH")) env["PATH"] = "/usr/bin:/bin";
+  auto cl = parseCommandLine(args);
+  if (cl.exitNow) return cl.message;
+  try {
+    makeLaunchConfig(cl.options, envOf(env), fakeMachine(gpus));
+  } catch (const LauncherError& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+} // namespace
+
+TEST_CASE("config: defaults match torchrun's") {
+  auto c = configFor({"/bin/true"});
+  CHECK(c.minNodes == 1);
+  CHECK(c.maxNodes == 1);
+  CHECK(c.nprocPerNode == 1);
+  CHECK(c.rdzvBackend == "static");
+  CHECK(c.rdzvEndpointHost == "127.0.0.1");
+  CHECK(c.rdzvEndpointPort == 29500);
+  CHECK(c.rdzvId == "none");
+  CHECK(c.maxRestarts == 0);
+  CHECK(c.role == "default");
+  CHECK(c.shutdownTimeout == std::chrono::seconds(30));
+  CHECK(c.signalsToHandle == std::vector<int>{SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2});
+  CHECK(c.workerArgv == std::vector<std::string>{"/bin/true"});
+  CHECK_FALSE(c.usesPython);
+}
+
+TEST_CASE("config: kebab-case / underscore spellings and PET_ variables are the same options") {
+  CHECK(configFor({"--nproc-per-node", "3", "/bin/true"}).nprocPerNode == 3);
+  CHECK(configFor({"--nproc_per_node", "3", "/bin/true"}).nprocPerNode == 3);
+  CHECK(configFor({"--nproc_per_node=4", "/bin/true"}).nprocPerNode == 4);
+  CHECK(configFor({"--max_restarts", "2", "--master_port", "1234", "/bin/true"}).maxRestarts == 2);
+  // PET_ variables are read by the command-line parser from the real environment.
+  ::setenv("PET_NPROC_PER_NODE", "5", 1);
+  ::setenv("PET_MAX_RESTARTS", "7", 1);
+  auto c = configFor({"/bin/true"});
+  CHECK(c.nprocPerNode == 5);
+  CHECK(c.maxRestarts == 7);
+  CHECK(configFor({"--nproc-per-node", "2", "/bin/true"}).nprocPerNode == 2);  // flag beats PET_
+  ::unsetenv("PET_NPROC_PER_NODE");
+  ::unsetenv("PET_MAX_RESTARTS");
+}
+
+TEST_CASE("config: everything after the program goes to it untouched") {
+  auto c = configFor({"--nproc-per-node", "2", "/bin/echo", "--nproc-per-node", "9", "-m", "--", "x"});
+  CHECK(c.nprocPerNode == 2);
+  CHECK(c.program == "/bin/echo");
+  CHECK(c.programArgs == std::vector<std::string>{"--nproc-per-node", "9", "-m", "--", "x"});
+  auto d = configFor({"--", "/bin/echo", "a"});
+  CHECK(d.program == "/bin/echo");
+}
+
+TEST_CASE("config: .py and -m run under PYTHON_EXEC with -u - --no-python executes directly") {
+  ctorch::test::TempDir dir;
+  auto script = (dir / "train.py").string();
+  ctorch::test::writeFile(script, "print(1)\n");
+  auto py = configFor({script, "--lr", "1"}, {{"PYTHON_EXEC", "/usr/bin/python3"}});
+  CHECK(py.usesPython);
+  CHECK(py.executable == "/usr/bin/python3");
+  CHECK(py.workerArgv == std::vector<std::string>{"/usr/bin/python3", "-u", script, "--lr", "1"});
+  auto mod = configFor({"-m", "pkg.train", "x"}, {{"PYTHON_EXEC", "/usr/bin/python3"}});
+  CHECK(mod.workerArgv == std::vector<std::string>{"/usr/bin/python3", "-u", "-m", "pkg.train", "x"});
+  ::chmod(script.c_str(), 0755);
+  auto direct = configFor({"--no-python", script});
+  CHECK_FALSE(direct.usesPython);
+  CHECK(direct.workerArgv == std::vector<std::string>{script});
+}
+
+TEST_CASE("config: --nproc-per-node gpu/cpu/auto") {
+  CHECK(configFor({"--nproc-per-node", "gpu", "/bin/true"}, {}, 4).nprocPerNode == 4);
+  CHECK(configFor({"--nproc-per-node", "auto", "/bin/true"}, {}, 2).nprocPerNode == 2);
+  CHECK(configFor({"--nproc-per-node", "auto", "/bin/true"}, {}, 0).nprocPerNode == 8);  // CPUs
+  CHECK(configFor({"--nproc-per-node", "cpu", "/bin/true"}, {}, 4).nprocPerNode == 8);
+}
+
+TEST_CASE("config: visible GPU counting follows CUDA_VISIBLE_DEVICES like CUDA") {
+  CHECK(visibleGpuCount(4, std::nullopt) == 4);
+  CHECK(visibleGpuCount(4, std::string("0,2")) == 2);
+  CHECK(visibleGpuCount(4, std::string("")) == 0);
+  CHECK(visibleGpuCount(4, std::string("1,7,2")) == 1);  // stops at the invalid 7
+  CHECK(visibleGpuCount(4, std::string("-1")) == 0);
+  CHECK(visibleGpuCount(2, std::string("GPU-1234,GPU-5678")) == 2);
+  CHECK(visibleGpuCount(0, std::string("0,1")) == 0);
+  ctorch::test::TempDir proc, dev;
+  std::filesystem::create_directories(proc.path() / "driver/nvidia/gpus/0000:01:00.0");
+  std::filesystem::create_directories(proc.path() / "driver/nvidia/gpus/0000:02:00.0");
+  CHECK(countNvidiaDevices(proc.path(), dev.path()) == 2);
+  ctorch::test::TempDir noProc;
+  ctorch::test::writeFile(dev / "nvidia0", "");
+  ctorch::test::writeFile(dev / "nvidiactl", "");
+  CHECK(countNvidiaDevices(noProc.path(), dev.path()) == 1);
+}
+
+TEST_CASE("config: standalone picks a random run id and a free port") {
+  auto a = configFor({"--standalone", "/bin/true"});
+  auto b = configFor({"--standalone", "/bin/true"});
+  CHECK(a.rdzvBackend == "standalone");
+  CHECK(a.rdzvEndpointPort == 0);
+  CHECK(a.rdzvId.size() == 36);
+  CHECK(a.rdzvId != b.rdzvId);
+}
+
+TEST_CASE("config: --redirects/--tee values / --local-ranks-filter / --rdzv-conf") {
+  auto c = configFor({"-r", "0:3,1:1", "-t", "2", "--local-ranks-filter", "0,2",
+                      "--rdzv-conf", "join_timeout=5, is_host=1", "/bin/true"});
+  CHECK(c.redirects.forRank(0) == StdStreams::All);
+  CHECK(c.redirects.forRank(1) == StdStreams::Out);
+  CHECK(c.redirects.forRank(5) == StdStreams::None);
+  CHECK(c.tee.forRank(3) == StdStreams::Err);
+  CHECK(*c.localRanksFilter == std::set<int>{0, 2});
+  CHECK(c.rdzvConf == std::vector<std::pair<std::string, std::string>>{{"join_timeout", "5"}, {"is_host", "1"}});
+}
+
+TEST_CASE("config: static multi-node ranks and endpoint") {
+  auto c = configFor({"--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port",
+                      "4000", "/bin/true"});
+  CHECK(c.maxNodes == 2);
+  CHECK(*c.nodeRank == 1);
+  CHECK(c.rdzvEndpointHost == "10.0.0.1");
+  CHECK(c.rdzvEndpointPort == 4000);
+  auto e = configFor({"--rdzv-endpoint", "[::1]:4100", "/bin/true"});
+  CHECK(e.rdzvEndpointHost == "::1");
+  CHECK(e.rdzvEndpointPort == 4100);
+}
+
+// ---- Bad input: one line naming the bad value --------------------------------------------------
+
+TEST_CASE("config bad input: each gives an error that quotes the bad value") {
+  struct Case {
+    std::vector<std::string> args;
+    std::string mustContain;
+  };
+  std::vector<Case> cases = {
+      {{"--nnodes", "3:1", "/bin/true"}, "'3:1'"},
+      {{"--nnodes", "x", "/bin/true"}, "'x'"},
+      {{"--nproc-per-node", "0", "/bin/true"}, "'0'"},
+      {{"--nproc-per-node", "abc", "/bin/true"}, "'abc'"},
+      {{"--nproc-per-node", "-2", "/bin/true"}, "'-2'"},
+      {{"--nproc-per-node", "gpu", "/bin/true"}, "'gpu'"},
+      {{"--master-port", "70000", "/bin/true"}, "'70000'"},
+      {{"--master-port", "-1", "/bin/true"}, "'-1'"},
+      {{"--master-port", "http", "/bin/true"}, "'http'"},
+      {{"--rdzv-endpoint", "host:99999", "/bin/true"}, "'99999'"},
+      {{"--rdzv-backend", "zookeeper", "/bin/true"}, "'zookeeper'"},
+      {{"--rdzv-backend", "etcd", "/bin/true"}, "'etcd'"},
+      {{"--rdzv-conf", "join_timeout", "/bin/true"}, "'join_timeout'"},
+      {{"--rdzv-conf", "a=1,=2", "/bin/true"}, "'=2'"},
+      {{"--redirects", "7", "/bin/true"}, "'7'"},
+      {{"--tee", "0:x", "/bin/true"}, "'0:x'"},
+      {{"--local-ranks-filter", "0,a", "/bin/true"}, "'a'"},
+      {{"--signals-to-handle", "SIGFOO", "/bin/true"}, "'SIGFOO'"},
+      {{"--signals-to-handle", "SIGKILL", "/bin/true"}, "SIGKILL"},
+      {{"--shutdown-timeout", "soon", "/bin/true"}, "'soon'"},
+      {{"--max-restarts", "-1", "/bin/true"}, "'-1'"},
+      {{"--node-rank", "2", "--nnodes", "2", "/bin/true"}, "--node-rank 2"},
+      {{"--nnodes", "1:2", "/bin/true"}, "'1:2'"},
+      {{"--standalone", "--nnodes", "2", "/bin/true"}, "'2'"},
+      {{"--bogus", "/bin/true"}, "'--bogus'"},
+      {{"--nproc-per-node", "2"}, "missing the training program"},
+      {{"/definitely/not/here"}, "'/definitely/not/here'"},
+      {{"no-such-program-xyz"}, "'no-such-program-xyz'"},
+      {{"-m", "--no-python", "mod"}, "--module and --no-python"},
+      {{"--log-level", "loud", "/bin/true"}, "'loud'"},
+  };
+  for (const auto& c : cases) {
+    std::string msg = errorFor(c.args);
+    INFO("args: " << Catch::Detail::stringify(c.args) << "\nmessage: " << msg);
+    CHECK(msg != "<no error>");
+    CHECK(msg.find(c.mustContain) != std::string::npos);
+    auto trimmed = msg;
+    while (!trimmed.empty() && trimmed.back() == '\n') trimmed.pop_back();
+    CHECK(trimmed.find('\n') == std::string::npos);  // one line
+  }
+}
+
+TEST_CASE("config bad input: a program that is not executable is a ProgramError with 126") {
+  ctorch::test::TempDir dir;
+  auto p = (dir / "prog").string();
+  ctorch::test::writeFile(p, "#!/bin/sh\n");
+  ::chmod(p.c_str(), 0644);
+  auto cl = parseCommandLine({p});
+  try {
+    makeLaunchConfig(cl.options, envOf({{"PATH", "/usr/bin"}}), fakeMachine(0));
+    FAIL("no error");
+  } catch (const ProgramError& e) {
+    CHECK(e.exitCode() == 126);
+    CHECK(std::string(e.what()).find("not executable") != std::string::npos);
+  }
+  auto missing = parseCommandLine({(dir / "nope").string()});
+  try {
+    makeLaunchConfig(missing.options, envOf({{"PATH", "/usr/bin"}}), fakeMachine(0));
+    FAIL("no error");
+  } catch (const ProgramError& e) {
+    CHECK(e.exitCode() == 127);
+  }
+}
+
+TEST_CASE("config: --help ends with the exit codes and the worker contract") {
+  auto cl = parseCommandLine({"--help"});
+  REQUIRE(cl.exitNow);
+  CHECK(cl.exitCode == 0);
+  CHECK(cl.message.find("root-cause worker") != std::string::npos);
+  for (const auto& v : ctorch::contract::kWorkerVariables) CHECK(cl.message.find(v.name) != std::string::npos);
+  auto contractAt = cl.message.find("Worker contract");
+  REQUIRE(contractAt != std::string::npos);
+  CHECK(cl.message.find("--nnodes") < contractAt);  // the contract comes last
+}

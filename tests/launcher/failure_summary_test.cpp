@@ -1,0 +1,77 @@
+// Error files in torchrun's schema (both forms) and the failure summary table.
+#include <catch2/catch.hpp>
+
+#include "ctorch/launcher/failure_summary.hpp"
+#include "multiproc.hpp"
+
+#include <csignal>
+
+using namespace ctorch::launcher;
+
+TEST_CASE("failure summary: error files in both torchrun forms / and broken ones") {
+  ctorch::test::TempDir dir;
+  auto full = dir / "full.json";
+  ctorch::test::writeFile(full, R"({"message": {"message": "RuntimeError: boom\nsecond line",
+      "extraInfo": {"py_callstack": "Traceback:\n  line 1", "timestamp": "1700000000"}}})");
+  auto e = readErrorFile(full);
+  REQUIRE(e);
+  CHECK(e->message == "RuntimeError: boom\nsecond line");
+  CHECK(e->callstack == "Traceback:\n  line 1");
+  REQUIRE(e->timestamp);
+  CHECK(std::chrono::system_clock::to_time_t(*e->timestamp) == 1700000000);
+  auto simple = dir / "simple.json";
+  ctorch::test::writeFile(simple, R"({"message": "plain text"})");
+  CHECK(readErrorFile(simple)->message == "plain text");
+  auto broken = dir / "broken.json";
+  ctorch::test::writeFile(broken, R"({"message": {"mess)");
+  CHECK_FALSE(readErrorFile(broken));
+  CHECK_FALSE(readErrorFile(dir / "missing.json"));
+}
+
+TEST_CASE("failure summary: table with the root cause first and marked") {
+  FailureReport r;
+  r.program = "train";
+  r.runId = "job1";
+  r.attempt = 2;
+  r.maxRestarts = 2;
+  r.numWorkers = 4;
+  r.stoppedByAgent = 2;
+  FailureRecord a;
+  a.globalRank = 3;
+  a.localRank = 3;
+  a.host = "nodeA";
+  a.pid = 4321;
+  a.status = ExitStatus::killed(SIGSEGV);
+  a.errorFile = "/tmp/x/error.json";
+  a.error = ErrorFileInfo{"ValueError: bad shape", "frame 1\nframe 2", std::nullopt};
+  FailureRecord b;
+  b.globalRank = 1;
+  b.localRank = 1;
+  b.host = "nodeA";
+  b.pid = 4319;
+  b.status = ExitStatus::exited(7);
+  r.failures = {a, b};
+  std::string s = formatFailureSummary(r);
+  INFO(s);
+  CHECK(s.find("train FAILED: 2 of 4 workers failed (attempt 3 of 3, run id job1)") != std::string::npos);
+  CHECK(s.find("2 stopped by ctorchrun") != std::string::npos);
+  CHECK(s.find("3*") != std::string::npos);
+  CHECK(s.find("signal 11 (SIGSEGV)") != std::string::npos);
+  CHECK(s.find("ValueError: bad shape") != std::string::npos);
+  CHECK(s.find("exit 7") != std::string::npos);
+  CHECK(s.find("root cause (first failure observed): rank 3") != std::string::npos);
+  CHECK(s.find("      frame 2") != std::string::npos);
+  CHECK(s.find("4321") < s.find("4319"));  // observed order
+}
+
+TEST_CASE("exit status: exit codes and descriptions") {
+  CHECK(ExitStatus::exited(3).asExitCode() == 3);
+  CHECK(ExitStatus::killed(SIGKILL).asExitCode() == 137);
+  CHECK(ExitStatus::killed(SIGSEGV).describe() == "signal 11 (SIGSEGV)");
+  CHECK((ExitStatus{0, 0, ENOENT}).asExitCode() == 127);
+  CHECK((ExitStatus{0, 0, EACCES}).asExitCode() == 126);
+  CHECK(parseSignal("term") == SIGTERM);
+  CHECK(parseSignal("SIGUSR1") == SIGUSR1);
+  CHECK(parseSignal("9") == 9);
+  CHECK(parseSignal("SIGNOPE") == -1);
+}

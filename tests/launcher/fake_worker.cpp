@@ -1,0 +1,236 @@
+// fake_worker: a stand-in training program for the launcher tests (no LibTorch). Its arguments are
+// a small script run left to right:
+//   print TEXT | eprint TEXT     a line on stdout / stderr ("{rank}" is replaced by RANK)
+//   env                          the worker contract variables as "ENV KEY=VALUE" lines
+//   exit CODE                    exit with CODE
+//   signal NAME                  raise a signal (SEGV, ABRT, KILL, TERM, ... or a number)
+//   sleep MS                     sleep
+//   hang                         sleep until killed
+//   ignore-term                  ignore SIGTERM from now on
+//   trap-term CODE               on SIGTERM print "got SIGTERM" and exit CODE
+//   spawn MARK [setsid]          start a grandchild that sleeps, tagged CTORCH_TEST_MARK=MARK
+//                                (setsid: in its own session, out of the worker's process group)
+//   spawn-tree MARK              a child that itself starts a setsid'd grandchild, then both sleep
+//   error-file MESSAGE           write TORCHELASTIC_ERROR_FILE in torchrun's JSON schema
+//   lines N WIDTH                N lines of WIDTH characters as fast as possible (rank-stamped)
+//   stamp TAG                    print "STAMP TAG <CLOCK_REALTIME ns>" ("{restart}" expands too)
+//   if-rank R                    run the next command only on RANK R
+//   if-restart-below K           run the next command only while TORCHELASTIC_RESTART_COUNT < K
+//                                (conditions chain: "if-rank 0 if-restart-below 1 exit 3")
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+const char* kContract[] = {"RANK",
+                           "LOCAL_RANK",
+                           "GROUP_RANK",
+                           "ROLE_RANK",
+                           "ROLE_NAME",
+                           "LOCAL_WORLD_SIZE",
+                           "WORLD_SIZE",
+                           "ROLE_WORLD_SIZE",
+                           "GROUP_WORLD_SIZE",
+                           "MASTER_ADDR",
+                           "MASTER_PORT",
+                           "TORCHELASTIC_RESTART_COUNT",
+                           "TORCHELASTIC_MAX_RESTARTS",
+                           "TORCHELASTIC_RUN_ID",
+                           "TORCHELASTIC_USE_AGENT_STORE",
+                           "TORCHELASTIC_ERROR_FILE",
+                           "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                           "NCCL_ASYNC_ERROR_HANDLING",
+                           "OMP_NUM_THREADS"};
+
+std::string envOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+std::string expand(std::string text) {
+  for (auto [key, var] : {std::pair<std::string, const char*>{"{rank}", "RANK"},
+                          std::pair<std::string, const char*>{"{restart}", "TORCHELASTIC_RESTART_COUNT"}}) {
+    std::string value = envOr(var, "?");
+    for (auto p = text.find(key); p != std::string::npos; p = text.find(key)) text.replace(p, key.size(), value);
+  }
+  return text;
+}
+
+int signalNumber(const std::string& name) {
+  std::string n = name.rfind("SIG", 0) == 0 ? name.substr(3) : name;
+  struct {
+    const char* name;
+    int number;
+  } table[] = {{"SEGV", SIGSEGV}, {"ABRT", SIGABRT}, {"KILL", SIGKILL}, {"TERM", SIGTERM},
+               {"INT", SIGINT},   {"HUP", SIGHUP},   {"USR1", SIGUSR1}, {"USR2", SIGUSR2},
+               {"QUIT", SIGQUIT}, {"BUS", SIGBUS},   {"FPE", SIGFPE}};
+  for (const auto& t : table)
+    if (n == t.name) return t.number;
+  return std::atoi(n.c_str());
+}
+
+int gTrapCode = 0;
+void onTerm(int) {
+  const char msg[] = "got SIGTERM\n";
+  [[maybe_unused]] ssize_t n = ::write(STDOUT_FILENO, msg, sizeof msg - 1);
+  _exit(gTrapCode);
+}
+
+long long nowNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+[[noreturn]] void sleepForever() {
+  for (;;) ::pause();
+}
+
+// A tagged process that just sleeps; the tag is in its environment so tests can find it in /proc.
+void spawnSleeper(const std::string& mark, bool newSession) {
+  pid_t p = ::fork();
+  if (p == 0) {
+    if (newSession) ::setsid();
+    ::setenv("CTORCH_TEST_MARK", mark.c_str(), 1);
+    ::execlp("sleep", "sleep", "3600", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  bool skipNext = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& cmd = args[i];
+    auto arg = [&]() -> std::string {
+      if (i + 1 >= args.size()) {
+        std::fprintf(stderr, "fake_worker: '%s' needs an argument\n", cmd.c_str());
+        std::exit(2);
+      }
+      return args[++i];
+    };
+    bool skip = skipNext;
+    skipNext = false;
+    // Conditions chain: "if-rank 0 if-restart-below 1 exit 3" needs both.
+    if (cmd == "if-rank") {
+      std::string rank = arg();
+      skipNext = skip || envOr("RANK", "-1") != rank;
+      continue;
+    }
+    if (cmd == "if-restart-below") {
+      int below = std::atoi(arg().c_str());
+      skipNext = skip || std::atoi(envOr("TORCHELASTIC_RESTART_COUNT", "0").c_str()) >= below;
+      continue;
+    }
+    if (cmd == "print") {
+      std::string t = arg();
+      if (!skip) std::printf("%s\n", expand(t).c_str());
+    } else if (cmd == "eprint") {
+      std::string t = arg();
+      if (!skip) std::fprintf(stderr, "%s\n", expand(t).c_str());
+    } else if (cmd == "env") {
+      if (!skip)
+        for (const char* k : kContract) {
+          const char* v = std::getenv(k);
+          std::printf("ENV %s=%s\n", k, v ? v : "<unset>");
+        }
+    } else if (cmd == "exit") {
+      int code = std::atoi(arg().c_str());
+      if (!skip) {
+        std::fflush(nullptr);
+        std::exit(code);
+      }
+    } else if (cmd == "signal") {
+      int s = signalNumber(arg());
+      if (!skip) {
+        std::fflush(nullptr);
+        ::signal(s, SIG_DFL);
+        ::raise(s);
+        ::pause();
+      }
+    } else if (cmd == "sleep") {
+      int ms = std::atoi(arg().c_str());
+      if (!skip) {
+        std::fflush(nullptr);
+        ::usleep(static_cast<useconds_t>(ms) * 1000);
+      }
+    } else if (cmd == "hang") {
+      if (!skip) {
+        std::fflush(nullptr);
+        sleepForever();
+      }
+    } else if (cmd == "ignore-term") {
+      if (!skip) ::signal(SIGTERM, SIG_IGN);
+    } else if (cmd == "trap-term") {
+      int code = std::atoi(arg().c_str());
+      if (!skip) {
+        gTrapCode = code;
+        ::signal(SIGTERM, onTerm);
+      }
+    } else if (cmd == "spawn") {
+      std::string mark = arg();
+      bool setsid = i + 1 < args.size() && args[i + 1] == "setsid";
+      if (setsid) ++i;
+      if (!skip) spawnSleeper(mark, setsid);
+    } else if (cmd == "spawn-tree") {
+      std::string mark = arg();
+      if (!skip) {
+        pid_t p = ::fork();
+        if (p == 0) {
+          ::setenv("CTORCH_TEST_MARK", mark.c_str(), 1);
+          spawnSleeper(mark, true);
+          sleepForever();
+        }
+      }
+    } else if (cmd == "error-file") {
+      std::string msg = arg();
+      if (!skip) {
+        std::string path = envOr("TORCHELASTIC_ERROR_FILE", "");
+        std::ofstream f(path);
+        f << "{\"message\": {\"message\": \"" << msg << "\", \"extraInfo\": {\"py_callstack\": "
+          << "\"fake_worker: frame 1\\nfake_worker: frame 2\", \"timestamp\": \"" << nowNs() / 1000000000LL
+          << "\"}}}";
+      }
+    } else if (cmd == "lines") {
+      int n = std::atoi(arg().c_str());
+      int width = std::atoi(arg().c_str());
+      if (!skip) {
+        std::string rank = envOr("RANK", "?");
+        for (int k = 0; k < n; ++k) {
+          std::string head = "L r" + rank + " n" + std::to_string(k) + " ";
+          std::string line = head + std::string(width > static_cast<int>(head.size() + 4) ? width - head.size() - 4 : 1, static_cast<char>('a' + std::atoi(rank.c_str()) % 26)) + " END";
+          // Written with several small writes on purpose: the launcher must still not split it.
+          std::fwrite(line.data(), 1, line.size() / 2, stdout);
+          std::fflush(stdout);
+          std::fwrite(line.data() + line.size() / 2, 1, line.size() - line.size() / 2, stdout);
+          std::fputc('\n', stdout);
+        }
+        std::fflush(stdout);
+      }
+    } else if (cmd == "stamp") {
+      std::string tag = arg();
+      if (!skip) {
+        std::printf("STAMP %s %lld\n", expand(tag).c_str(), nowNs());
+        std::fflush(stdout);
+      }
+    } else {
+      std::fprintf(stderr, "fake_worker: unknown command '%s'\n", cmd.c_str());
+      return 2;
+    }
+  }
+  std::fflush(nullptr);
+  return 0;
+}

@@ -1,0 +1,130 @@
+// The agent's policy as a pure state machine: no processes, no clock.
+#include <catch2/catch.hpp>
+
+#include "ctorch/launcher/group_monitor.hpp"
+
+#include <csignal>
+
+using namespace ctorch::launcher;
+using namespace std::chrono_literals;
+
+namespace {
+
+WorkerExit exitOf(int localRank, ExitStatus s, int atMs = 0) {
+  WorkerExit e;
+  e.localRank = localRank;
+  e.pid = 1000 + localRank;
+  e.status = s;
+  e.time = std::chrono::system_clock::time_point(std::chrono::milliseconds(atMs));
+  return e;
+}
+
+} // namespace
+
+TEST_CASE("group monitor: all workers succeed / nothing is signalled") {
+  GroupMonitor m(3, 5s);
+  for (int r = 0; r < 3; ++r) {
+    auto a = m.onWorkerExit(exitOf(r, ExitStatus::exited(0)));
+    CHECK_FALSE(a.signalWorkers);
+    CHECK_FALSE(a.killWorkers);
+  }
+  CHECK(m.outcome().kind == GroupOutcome::Kind::Succeeded);
+}
+
+TEST_CASE("group monitor: the first failure stops the others with SIGTERM and arms the grace") {
+  GroupMonitor m(3, 5s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(0)));
+  auto a = m.onWorkerExit(exitOf(2, ExitStatus::killed(SIGSEGV), 10));
+  REQUIRE(a.signalWorkers);
+  CHECK(*a.signalWorkers == SIGTERM);
+  REQUIRE(a.armGrace);
+  CHECK(*a.armGrace == 5s);
+  m.noteStopSent(std::chrono::system_clock::time_point(20ms));
+  auto b = m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGTERM), 30));
+  CHECK_FALSE(b.signalWorkers);  // no second stop
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Failed);
+  REQUIRE(o.failures.size() == 1);
+  CHECK(o.failures[0].localRank == 2);  // the root cause
+  REQUIRE(o.stopped.size() == 1);
+  CHECK(o.stopped[0].localRank == 1);
+}
+
+TEST_CASE("group monitor: a failure that happened before the stop was sent is a failure too") {
+  GroupMonitor m(3, 5s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(3), 10));
+  m.noteStopSent(std::chrono::system_clock::time_point(50ms));
+  m.onWorkerExit(exitOf(1, ExitStatus::exited(4), 12));   // died on its own, reported late
+  m.onWorkerExit(exitOf(2, ExitStatus::exited(143), 60)); // answered our SIGTERM
+  auto o = m.outcome();
+  REQUIRE(o.failures.size() == 2);
+  CHECK(o.failures[0].localRank == 0);  // still the root cause: observed first
+  CHECK(o.failures[1].localRank == 1);
+  CHECK(o.stopped.size() == 1);
+}
+
+TEST_CASE("group monitor: grace expiry kills once") {
+  GroupMonitor m(2, 1s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(1)));
+  CHECK(m.onGraceExpired().killWorkers);
+  CHECK_FALSE(m.onGraceExpired().killWorkers);
+}
+
+TEST_CASE("group monitor: grace expiry while running does nothing") {
+  GroupMonitor m(2, 1s);
+  CHECK_FALSE(m.onGraceExpired().killWorkers);
+}
+
+TEST_CASE("group monitor: a signal is forwarded as is - a second one kills - outcome interrupted") {
+  GroupMonitor m(2, 10s);
+  auto a = m.onSignal(SIGINT);
+  REQUIRE(a.signalWorkers);
+  CHECK(*a.signalWorkers == SIGINT);
+  CHECK(a.armGrace);
+  auto b = m.onSignal(SIGINT);
+  CHECK(b.killWorkers);
+  m.onWorkerExit(exitOf(0, ExitStatus::killed(SIGINT)));
+  m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL)));
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Interrupted);
+  CHECK(o.signal == SIGINT);
+  CHECK(o.failures.empty());
+}
+
+TEST_CASE("group monitor: a signal during a failure stop makes the outcome an interruption") {
+  GroupMonitor m(2, 10s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(2)));
+  auto a = m.onSignal(SIGTERM);
+  CHECK(a.signalWorkers);
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Interrupted);
+  CHECK(o.failures.size() == 1);
+}
+
+TEST_CASE("group monitor: rendezvous events") {
+  SECTION("membership change: re-rendezvous, not a failure") {
+    GroupMonitor m(2, 1s);
+    auto a = m.onRendezvousEvent({RendezvousEventKind::MembershipChanged, "node 3 joined"});
+    CHECK(a.signalWorkers);
+    CHECK(m.outcome().kind == GroupOutcome::Kind::Rerendezvous);
+  }
+  SECTION("remote failure: counted as a failure") {
+    GroupMonitor m(2, 1s);
+    m.onRendezvousEvent({RendezvousEventKind::RemoteFailure, "node 1 failed"});
+    auto o = m.outcome();
+    CHECK(o.kind == GroupOutcome::Kind::Failed);
+    CHECK(o.reason == "node 1 failed");
+  }
+  SECTION("the rendezvous gave up") {
+    GroupMonitor m(2, 1s);
+    m.onRendezvousEvent({RendezvousEventKind::Failed, "below min nodes"});
+    CHECK(m.outcome().kind == GroupOutcome::Kind::RendezvousFailed);
+  }
+  SECTION("events during a stop change nothing") {
+    GroupMonitor m(2, 1s);
+    m.onWorkerExit(exitOf(0, ExitStatus::exited(1)));
+    auto a = m.onRendezvousEvent({RendezvousEventKind::MembershipChanged, "x"});
+    CHECK_FALSE(a.signalWorkers);
+    CHECK(m.outcome().kind == GroupOutcome::Kind::Failed);
+  }
+}

@@ -1,0 +1,503 @@
+// ctorchrun end to end: the real binary with fake_worker (and Python workers) as real processes.
+// The contract for 1..4 workers, restarts in every mode, exit codes, signals and the grace period,
+// zero survivors after SIGKILL of the agent, logs, prefixes and interleaving, the failure summary,
+// every bad input, and the Python peer check against Debian's torchrun.
+#include <catch2/catch.hpp>
+
+#include "launcher_test_util.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <regex>
+#include <set>
+#include <sstream>
+
+using namespace ctorch;
+using namespace ctorch::launcher_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::vector<std::string> args(std::initializer_list<std::string> head, std::initializer_list<std::string> worker) {
+  std::vector<std::string> out(head);
+  out.push_back(fakeWorkerBin());
+  out.insert(out.end(), worker);
+  return out;
+}
+
+// Waits until `count` lines containing `text` appeared in the process output.
+bool waitForLines(test::Process& p, const std::string& text, int count, std::chrono::milliseconds deadline = 30s) {
+  return eventually(
+      [&] {
+        std::string out = p.outputSoFar();
+        int n = 0;
+        for (std::size_t pos = out.find(text); pos != std::string::npos; pos = out.find(text, pos + 1)) ++n;
+        return n >= count;
+      },
+      deadline);
+}
+
+std::size_t countOf(const std::string& hay, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// Guards against leftovers when an assertion fails half-way.
+struct MarkGuard {
+  std::string mark;
+  explicit MarkGuard(const std::string& tag) : mark(uniqueMark(tag)) {}
+  ~MarkGuard() { killMarked(mark); }
+};
+
+} // namespace
+
+// ---- The worker contract ------------------------------------------------------------------------
+
+TEST_CASE("e2e contract: every variable for 1 to 4 workers (standalone)") {
+  for (int n = 1; n <= 4; ++n) {
+    auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", std::to_string(n)}, {"env"}));
+    INFO("nproc " << n << ": " << r.describe() << "\n" << r.output);
+    REQUIRE(r.ok());
+    auto env = envByRank(r.output);
+    REQUIRE(env.size() == static_cast<std::size_t>(n));
+    std::set<std::string> ports, runIds;
+    for (int rank = 0; rank < n; ++rank) {
+      auto& e = env[rank];
+      CHECK(e["RANK"] == std::to_string(rank));
+      CHECK(e["LOCAL_RANK"] == std::to_string(rank));
+      CHECK(e["GROUP_RANK"] == "0");
+      CHECK(e["ROLE_RANK"] == std::to_string(rank));
+      CHECK(e["ROLE_NAME"] == "default");
+      CHECK(e["LOCAL_WORLD_SIZE"] == std::to_string(n));
+      CHECK(e["WORLD_SIZE"] == std::to_string(n));
+      CHECK(e["ROLE_WORLD_SIZE"] == std::to_string(n));
+      CHECK(e["GROUP_WORLD_SIZE"] == "1");
+      CHECK(e["MASTER_ADDR"] == "127.0.0.1");
+      CHECK(std::stoi(e["MASTER_PORT"]) > 0);
+      CHECK(e["TORCHELASTIC_RESTART_COUNT"] == "0");
+      CHECK(e["TORCHELASTIC_MAX_RESTARTS"] == "0");
+      CHECK(e["TORCHELASTIC_RUN_ID"].size() == 36);
+      CHECK(e["TORCHELASTIC_USE_AGENT_STORE"] == "True");
+      CHECK(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1");
+      CHECK(e["NCCL_ASYNC_ERROR_HANDLING"] == "1");
+      CHECK(e["OMP_NUM_THREADS"] == (n > 1 ? "1" : "<unset>"));
+      std::string suffix = "/" + e["TORCHELASTIC_RUN_ID"] + "/attempt_0/" + std::to_string(rank) + "/error.json";
+      CHECK(e["TORCHELASTIC_ERROR_FILE"].size() > suffix.size());
+      CHECK(e["TORCHELASTIC_ERROR_FILE"].compare(e["TORCHELASTIC_ERROR_FILE"].size() - suffix.size(), suffix.size(), suffix) == 0);
+      ports.insert(e["MASTER_PORT"]);
+      runIds.insert(e["TORCHELASTIC_RUN_ID"]);
+    }
+    CHECK(ports.size() == 1);
+    CHECK(runIds.size() == 1);
+  }
+}
+
+TEST_CASE("e2e contract: static master port / run id / role and an explicit OMP_NUM_THREADS") {
+  int port = test::freePort();
+  auto r = runCtorchrun(args({"--nproc-per-node", "2", "--master-port", std::to_string(port), "--rdzv-id",
+                              "job7", "--role", "trainer", "--max-restarts", "3"},
+                             {"env"}),
+                        {{"OMP_NUM_THREADS", "4"}});
+  INFO(r.output);
+  REQUIRE(r.ok());
+  auto env = envByRank(r.output, "trainer");
+  REQUIRE(env.size() == 2);
+  for (auto& [rank, e] : env) {
+    CHECK(e["MASTER_PORT"] == std::to_string(port));
+    CHECK(e["TORCHELASTIC_RUN_ID"] == "job7");
+    CHECK(e["ROLE_NAME"] == "trainer");
+    CHECK(e["TORCHELASTIC_MAX_RESTARTS"] == "3");
+    CHECK(e["OMP_NUM_THREADS"] == "4");
+  }
+}
+
+TEST_CASE("e2e contract: PET_ variables configure ctorchrun like flags") {
+  auto r = runCtorchrun(args({}, {"env"}), {{"PET_NPROC_PER_NODE", "3"}, {"PET_STANDALONE", "1"}});
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(envByRank(r.output).size() == 3);
+}
+
+TEST_CASE("e2e contract: two static nodes on loopback: node ranks and global ranks") {
+  int port = test::freePort();
+  auto node = [&](int rank) {
+    return ctorchrunSpawn(args({"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc-per-node", "2",
+                                "--master-addr", "127.0.0.1", "--master-port", std::to_string(port)},
+                               {"env"}));
+  };
+  test::Process second(node(1));  // starts first and waits for node 0's store
+  test::Process first(node(0));
+  auto r1 = second.wait();
+  auto r0 = first.wait();
+  INFO("node 0: " << r0.output << "\nnode 1: " << r1.output);
+  REQUIRE(r0.ok());
+  REQUIRE(r1.ok());
+  for (auto [out, nodeRank] : {std::pair<std::string, int>{r0.output, 0}, {r1.output, 1}}) {
+    // Several nodes: the console prefix carries the host and the global rank.
+    std::map<int, std::map<std::string, std::string>> env;
+    for (const auto& line : linesWith(out, "[")) {
+      auto colon = line.find(":default");
+      auto close = line.find("]:ENV ");
+      if (colon == std::string::npos || close == std::string::npos) continue;
+      int rank = std::stoi(line.substr(colon + 8, close - colon - 8));
+      auto kv = line.substr(close + 6);
+      env[rank][kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    }
+    REQUIRE(env.size() == 2);
+    for (auto& [rank, e] : env) {
+      CHECK(rank / 2 == nodeRank);
+      CHECK(e["RANK"] == std::to_string(rank));
+      CHECK(e["LOCAL_RANK"] == std::to_string(rank % 2));
+      CHECK(e["GROUP_RANK"] == std::to_string(nodeRank));
+      CHECK(e["WORLD_SIZE"] == "4");
+      CHECK(e["GROUP_WORLD_SIZE"] == "2");
+      CHECK(e["MASTER_PORT"] == std::to_string(port));
+    }
+  }
+}
+
+TEST_CASE("e2e contract: -m runs a Python module under PYTHON_EXEC") {
+  auto r = runCtorchrun({"--standalone", "--nproc-per-node", "2", "-m", "platform"});
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(linesWith(r.output, "[default1]:Linux").size() == 1);
+}
+
+// ---- Restarts and exit codes -------------------------------------------------------------------------
+
+TEST_CASE("e2e restart: the whole group restarts until it succeeds / in every mode") {
+  for (std::string mode : {"standalone", "static"}) {
+    std::vector<std::string> a = {"--nproc-per-node", "2", "--max-restarts", "3"};
+    if (mode == "standalone") a.push_back("--standalone");
+    else {
+      a.push_back("--master-port");
+      a.push_back(std::to_string(test::freePort()));
+    }
+    a.push_back(fakeWorkerBin());
+    for (std::string w : {"print", "attempt {rank}", "if-restart-below", "2", "exit", "3", "env"}) a.push_back(w);
+    auto r = runCtorchrun(a);
+    INFO(mode << ": " << r.describe() << "\n" << r.output);
+    CHECK(r.ok());
+    auto env = envByRank(r.output);  // only the last attempt gets past "exit 3"
+    REQUIRE(env.size() == 2);
+    CHECK(env[0]["TORCHELASTIC_RESTART_COUNT"] == "2");
+    CHECK(countOf(r.output, "restarting, restart") == 2);
+  }
+}
+
+TEST_CASE("e2e restart: exhausted restarts end with the root cause's exit code and a summary") {
+  auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", "3", "--max-restarts", "1"},
+                             {"if-rank", "2", "exit", "42", "hang"}));
+  INFO(r.output);
+  CHECK(r.exitCode == 42);
+  CHECK(r.output.find("FAILED: 1 of 3 workers failed (attempt 2 of 2") != std::string::npos);
+  CHECK(r.output.find("root cause (first failure observed): rank 2, exit 42") != std::string::npos);
+  CHECK(r.output.find("2 stopped by ctorchrun") != std::string::npos);
+}
+
+TEST_CASE("e2e exit codes: a worker's signal becomes 128+N / not a blanket 1") {
+  auto segv = runCtorchrun(args({"--standalone", "--nproc-per-node", "2"}, {"if-rank", "1", "signal", "SEGV", "hang"}));
+  INFO(segv.output);
+  CHECK(segv.exitCode == 128 + SIGSEGV);
+  CHECK(segv.output.find("signal 11 (SIGSEGV)") != std::string::npos);
+  auto abrt = runCtorchrun(args({"--standalone"}, {"signal", "ABRT"}));
+  CHECK(abrt.exitCode == 128 + SIGABRT);
+  auto code = runCtorchrun(args({"--standalone"}, {"exit", "7"}));
+  CHECK(code.exitCode == 7);
+}
+
+TEST_CASE("e2e error file: the worker's recorded message appears in the summary") {
+  auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", "2"},
+                             {"if-rank", "1", "error-file", "RuntimeError: boom at step 3", "if-rank", "1",
+                              "exit", "5", "hang"}));
+  INFO(r.output);
+  CHECK(r.exitCode == 5);
+  CHECK(r.output.find("RuntimeError: boom at step 3") != std::string::npos);
+  CHECK(r.output.find("fake_worker: frame 2") != std::string::npos);  // the traceback
+}
+
+// ---- Signals --------------------------------------------------------------------------------------
+
+TEST_CASE("e2e signals: SIGTERM / SIGINT and SIGUSR1 to ctorchrun reach every worker - exit 128+N") {
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) {
+    test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2", "--max-restarts", "3"},
+                                        {"trap-term", "0", "print", "ready", "hang"})));
+    REQUIRE(waitForLines(p, "]:ready", 2));
+    ::kill(p.pid(), sig);
+    auto r = p.wait();
+    INFO(strsignal(sig) << ": " << r.describe() << "\n" << r.output);
+    CHECK(r.exitCode == 128 + sig);
+    if (sig == SIGTERM) CHECK(countOf(r.output, "]:got SIGTERM") == 2);  // forwarded, handled
+    CHECK(countOf(r.output, "]:ready") == 2);  // not restarted
+  }
+}
+
+TEST_CASE("e2e signals: a worker ignoring SIGTERM is killed after --shutdown-timeout") {
+  test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "0.3"},
+                                      {"ignore-term", "print", "ready", "hang"})));
+  REQUIRE(waitForLines(p, "]:ready", 2));
+  auto sent = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  auto r = p.wait();
+  auto took = std::chrono::steady_clock::now() - sent;
+  INFO(r.output);
+  CHECK(r.exitCode == 128 + SIGTERM);
+  CHECK(took >= 250ms);  // the grace period was granted (it cannot end early)
+  CHECK(r.output.find("grace period over") != std::string::npos);
+}
+
+// ---- No orphans ---------------------------------------------------------------------------------
+
+TEST_CASE("e2e orphans: SIGKILL of ctorchrun leaves zero survivors (workers / grandchildren / setsid)") {
+  MarkGuard g("sigkill");
+  test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2"},
+                                      {"spawn", g.mark, "spawn", g.mark, "setsid", "spawn-tree", g.mark,
+                                       "print", "ready", "hang"}),
+                                 {{"CTORCH_TEST_MARK", g.mark}}));
+  REQUIRE(waitForLines(p, "]:ready", 2));
+  // Control: the marked tree exists (agent, 2 supervisors, 2 workers, 4 grandchildren each).
+  REQUIRE(eventually([&] { return processesMarked(g.mark).size() >= 13; }, 10s));
+  ::kill(p.pid(), SIGKILL);
+  auto r = p.wait();
+  CHECK(r.termSignal == SIGKILL);
+  bool none = eventually([&] { return processesMarked(g.mark).empty(); }, 20s);
+  INFO("survivors: " << Catch::Detail::stringify(processesMarked(g.mark)));
+  CHECK(none);
+}
+
+TEST_CASE("e2e orphans: a worker's leftovers are cleaned up on success and on failure") {
+  MarkGuard g("leftover");
+  auto ok = runCtorchrun(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "2"},
+                              {"spawn", g.mark, "setsid", "spawn", g.mark, "print", "done"}),
+                         {{"CTORCH_TEST_MARK", g.mark}});
+  INFO(ok.output);
+  CHECK(ok.ok());
+  CHECK(processesMarked(g.mark).empty());
+  auto bad = runCtorchrun(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "2"},
+                               {"spawn-tree", g.mark, "if-rank", "0", "exit", "4", "hang"}),
+                          {{"CTORCH_TEST_MARK", g.mark}});
+  CHECK(bad.exitCode == 4);
+  CHECK(processesMarked(g.mark).empty());
+}
+
+// ---- Logs -----------------------------------------------------------------------------------------
+
+TEST_CASE("e2e logs: prefixes / --tee / --redirects and the log directory layout") {
+  test::TempDir dir;
+  auto r = runCtorchrun(args({"--nproc-per-node", "2", "--master-port", std::to_string(test::freePort()),
+                              "--rdzv-id", "logjob", "--log-dir", dir.path().string(), "--tee", "1",
+                              "--redirects", "2"},
+                             {"print", "hello {rank}", "eprint", "problem {rank}"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("[default0]:hello 0\n") != std::string::npos);
+  CHECK(r.output.find("[default1]:hello 1\n") != std::string::npos);
+  CHECK(r.output.find("problem") == std::string::npos);  // stderr redirected: file only
+  for (int rank = 0; rank < 2; ++rank) {
+    auto rd = dir.path() / "logjob" / "attempt_0" / std::to_string(rank);
+    CHECK(test::readFile(rd / "stdout.log") == "hello " + std::to_string(rank) + "\n");
+    CHECK(test::readFile(rd / "stderr.log") == "problem " + std::to_string(rank) + "\n");
+  }
+}
+
+TEST_CASE("e2e logs: --local-ranks-filter shows only the chosen ranks") {
+  auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", "3", "--local-ranks-filter", "1"},
+                             {"print", "line {rank}"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("[default1]:line 1") != std::string::npos);
+  CHECK(r.output.find("line 0") == std::string::npos);
+  CHECK(r.output.find("line 2") == std::string::npos);
+}
+
+TEST_CASE("e2e logs: lines of four fast workers never interleave mid-line") {
+  const int kLines = 2000;
+  auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", "4"}, {"lines", std::to_string(kLines), "300"}));
+  REQUIRE(r.ok());
+  std::regex line(R"(\[default(\d)\]:L r(\d) n\d+ ([a-z])+ END)");
+  std::istringstream in(r.output);
+  std::string l;
+  int good = 0, bad = 0;
+  std::string firstBad;
+  while (std::getline(in, l)) {
+    if (l.rfind("[default", 0) != 0) continue;
+    std::smatch m;
+    if (std::regex_match(l, m, line) && m[1] == m[2]) {
+      ++good;
+    } else {
+      if (!bad) firstBad = l.substr(0, 200);
+      ++bad;
+    }
+  }
+  INFO("first malformed line: " << firstBad);
+  CHECK(bad == 0);
+  CHECK(good == 4 * kLines);
+}
+
+// ---- Bad input --------------------------------------------------------------------------------------
+
+TEST_CASE("e2e bad input: one line naming the value / non-zero exit / no hang / no stray process") {
+  MarkGuard g("badinput");
+  int busyPort = 0;
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(listener, 1) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len);
+  busyPort = ntohs(a.sin_port);
+  test::TempDir dir;
+  auto notExec = (dir / "not_executable").string();
+  test::writeFile(notExec, "#!/bin/sh\necho hi\n");
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string mustContain;
+    int exitCode;
+  };
+  std::vector<Case> cases = {
+      {{"--bogus-flag", "/bin/true"}, "'--bogus-flag'", 2},
+      {{"--nnodes", "3:1", "/bin/true"}, "'3:1'", 2},
+      {{"--nproc-per-node", "0", "/bin/true"}, "'0'", 2},
+      {{"--nproc-per-node", "abc", "/bin/true"}, "'abc'", 2},
+      {{"--master-port", "70000", "/bin/true"}, "'70000'", 2},
+      {{"--master-port", std::to_string(busyPort), "/bin/true"}, std::to_string(busyPort), 3},
+      {{"--rdzv-backend", "nosuch", "/bin/true"}, "'nosuch'", 2},
+      {{"--rdzv-conf", "timeout", "/bin/true"}, "'timeout'", 2},
+      {{"--nproc-per-node", "2"}, "missing the training program", 2},
+      {{notExec}, "not executable", 126},
+      {{(dir / "missing_prog").string()}, "not found", 127},
+      {{"--nnodes"}, "--nnodes", 2},
+  };
+  bool noGpu = true;
+  for (const char* p : {"/proc/driver/nvidia/gpus", "/dev/nvidia0"})
+    if (std::filesystem::exists(p)) noGpu = false;
+  if (noGpu) cases.push_back({{"--nproc-per-node", "gpu", "/bin/true"}, "'gpu'", 2});
+  else WARN("this machine has an NVIDIA GPU: the 'gpu with no GPU' case is covered by config_test only");
+
+  for (const auto& c : cases) {
+    auto r = runCtorchrun(c.args, {{"CTORCH_TEST_MARK", g.mark}}, 20s);
+    INFO("args " << Catch::Detail::stringify(c.args) << "\n" << r.describe() << "\n" << r.output);
+    CHECK_FALSE(r.timedOut);
+    CHECK(r.exitCode == c.exitCode);
+    std::string out = r.output;
+    while (!out.empty() && out.back() == '\n') out.pop_back();
+    CHECK(out.find('\n') == std::string::npos);  // exactly one line
+    CHECK(out.rfind("ctorchrun: error: ", 0) == 0);
+    CHECK(out.find(c.mustContain) != std::string::npos);
+    CHECK(out.find("terminate called") == std::string::npos);
+    CHECK(processesMarked(g.mark).empty());
+  }
+  ::close(listener);
+}
+
+TEST_CASE("e2e help and version") {
+  auto h = runCtorchrun({"--help"});
+  CHECK(h.ok());
+  CHECK(h.output.find("Worker contract") != std::string::npos);
+  CHECK(h.output.find("TORCHELASTIC_USE_AGENT_STORE") != std::string::npos);
+  auto v = runCtorchrun({"--version"});
+  CHECK(v.ok());
+  CHECK(v.output.rfind("ctorchrun ", 0) == 0);
+}
+
+TEST_CASE("e2e logging: the resolved configuration is logged once at start") {
+  auto r = runCtorchrun(args({"--log-level", "info", "--standalone", "--nproc-per-node", "2"}, {"print", "x"}));
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "[ctorchrun] [info] ctorchrun ") == 1);
+  CHECK(r.output.find("2 worker(s)") != std::string::npos);
+  // Without --log-level, SPDLOG_LEVEL decides.
+  auto so = ctorchrunSpawn({"--log-level", "info", "--standalone", fakeWorkerBin(), "print", "x"});
+  so.argv.erase(so.argv.begin() + 1, so.argv.begin() + 3);
+  so.setEnv["SPDLOG_LEVEL"] = "error";
+  auto envOnly = test::run(so);
+  INFO(envOnly.output);
+  CHECK(envOnly.ok());
+  CHECK(envOnly.output.find("[info]") == std::string::npos);
+  CHECK(envOnly.output.find("[default0]:x") != std::string::npos);
+}
+
+// ---- Python workers ---------------------------------------------------------------------------------
+
+TEST_CASE("e2e python: init_process_group gloo + all_reduce with 2 and 4 Python workers") {
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  for (int n : {2, 4}) {
+    auto r = runCtorchrun({"--standalone", "--nproc-per-node", std::to_string(n), dataDir() + "/gloo_allreduce.py"},
+                          {}, 180s);
+    INFO(r.describe() << "\n" << r.output);
+    REQUIRE(r.ok());
+    CHECK(countOf(r.output, "ALLREDUCE-OK") == static_cast<std::size_t>(n));
+  }
+}
+
+TEST_CASE("e2e python: a Python gloo job restarts after a crash and rejoins the store") {
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  test::TempDir dir;
+  auto script = (dir / "crash_once.py").string();
+  test::writeFile(script,
+                  "import os, sys\n"
+                  "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+                  "    sys.exit(17)\n"
+                  "exec(open(sys.argv[1]).read())\n");
+  auto r = runCtorchrun({"--standalone", "--nproc-per-node", "2", "--max-restarts", "1", script,
+                         dataDir() + "/gloo_allreduce.py"},
+                        {}, 180s);
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "ALLREDUCE-OK") == 2);
+}
+
+TEST_CASE("e2e python peer: same environment and same final parameters as Debian's torchrun") {
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  if (!std::filesystem::exists("/usr/bin/torchrun")) CTORCH_SKIP("/usr/bin/torchrun is not installed");
+  test::TempDir dir;
+  const std::string script = dataDir() + "/ddp_peer.py";
+  // Debian's torchrun 1.13 on Python 3.11 needs -r 1 -t 1 --log_dir (see notes/test-lab.md).
+  test::SpawnOptions peer;
+  peer.argv = {"/usr/bin/torchrun", "--nproc_per_node", "2", "--master_port", std::to_string(test::freePort()),
+               "-r", "1", "-t", "1", "--log_dir", (dir / "torchrun").string(), script};
+  peer.timeout = 240s;
+  peer.unsetEnv = {"OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NCCL_ASYNC_ERROR_HANDLING"};
+  auto theirs = test::run(peer);
+  INFO("torchrun: " << theirs.describe() << "\n" << theirs.output);
+  REQUIRE(theirs.ok());
+  auto ours = runCtorchrun({"--nproc-per-node", "2", "--master-port", std::to_string(test::freePort()), script}, {}, 240s);
+  INFO("ctorchrun: " << ours.describe() << "\n" << ours.output);
+  REQUIRE(ours.ok());
+
+  auto theirEnv = envByRank(theirs.output);
+  auto ourEnv = envByRank(ours.output);
+  REQUIRE(theirEnv.size() == 2);
+  REQUIRE(ourEnv.size() == 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (auto& [k, v] : theirEnv[rank]) {
+      if (k == "MASTER_PORT" || k == "TORCHELASTIC_RUN_ID" || k == "TORCHELASTIC_ERROR_FILE") continue;
+      INFO("rank " << rank << " " << k);
+      CHECK(ourEnv[rank][k] == v);
+    }
+    // The exceptions: a port of its own, and an error file in each launcher's log directory.
+    CHECK(ourEnv[rank]["TORCHELASTIC_ERROR_FILE"].find("/attempt_0/" + std::to_string(rank) + "/error.json") != std::string::npos);
+  }
+  auto params = [](const std::string& out) {
+    std::vector<std::string> p;
+    for (const auto& l : linesWith(out, "[default")) {
+      auto at = l.find("]:PARAMS ");
+      if (at != std::string::npos) p.push_back(l.substr(at + 2));
+    }
+    return p;
+  };
+  auto theirParams = params(theirs.output), ourParams = params(ours.output);
+  REQUIRE(theirParams.size() == 2);
+  REQUIRE(ourParams.size() == 2);
+  CHECK(theirParams[0] == theirParams[1]);  // DDP kept the replicas equal
+  CHECK(ourParams[0] == theirParams[0]);
+  CHECK(ourParams[1] == theirParams[1]);
+}

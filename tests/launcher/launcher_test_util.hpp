@@ -1,0 +1,48 @@
+// Helpers shared by the launcher tests: running ctorchrun and fake_worker, finding tagged
+// processes in /proc, and the Python peer.
+#pragma once
+
+#include "multiproc.hpp"
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::launcher_test {
+
+inline const char* ctorchrunBin() { return CTORCHRUN_BIN; }
+inline const char* fakeWorkerBin() { return FAKE_WORKER_BIN; }
+inline std::string dataDir() { return LAUNCHER_TEST_DATA; }
+inline const char* kSystemPython = "/usr/bin/python3";
+
+// Runs ctorchrun with `args`; the launcher's own logs are at warn level unless args say otherwise.
+test::ProcessResult runCtorchrun(const std::vector<std::string>& args,
+                                 const std::map<std::string, std::string>& env = {},
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+test::SpawnOptions ctorchrunSpawn(const std::vector<std::string>& args,
+                                  const std::map<std::string, std::string>& env = {},
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Processes whose environment holds CTORCH_TEST_MARK=<mark> (zombies excluded).
+std::vector<int> processesMarked(const std::string& mark);
+// Kills them (cleanup after a failed test).
+void killMarked(const std::string& mark);
+std::string uniqueMark(const std::string& tag);
+
+// Lines of `output` that start with `prefix`.
+std::vector<std::string> linesWith(const std::string& output, const std::string& prefix);
+
+// "[default1]:ENV RANK=1" lines -> rank -> {KEY: VALUE}.
+std::map<int, std::map<std::string, std::string>> envByRank(const std::string& output,
+                                                            const std::string& role = "default");
+
+// Whether /usr/bin/python3 can import torch (cached).
+bool pythonHasTorch();
+
+// Polls `pred` every 5 ms until true or the deadline; returns its last value.
+bool eventually(const std::function<bool()>& pred, std::chrono::milliseconds deadline);
+
+} // namespace ctorch::launcher_test

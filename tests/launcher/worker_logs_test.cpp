@@ -1,0 +1,160 @@
+// Worker output routing without processes: line splitting, prefixes, --redirects/--tee/
+// --local-ranks-filter decisions, and the log directory layout.
+#include <catch2/catch.hpp>
+
+#include "ctorch/launcher/cli.hpp"
+#include "ctorch/launcher/worker_logs.hpp"
+#include "multiproc.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+using namespace ctorch::launcher;
+namespace fs = std::filesystem;
+
+namespace {
+
+LaunchConfig configFor(const std::vector<std::string>& args) {
+  auto cl = parseCommandLine(args);
+  REQUIRE_FALSE(cl.exitNow);
+  MachineProbe p;
+  p.hostname = [] { return std::string("host1"); };
+  return makeLaunchConfig(cl.options, processEnvironment(), p);
+}
+
+RendezvousInfo oneNode(int nproc, const std::string& runId = "job") {
+  RendezvousInfo i;
+  i.runId = runId;
+  i.numNodes = 1;
+  i.nprocPerNode = {nproc};
+  i.computeRanks();
+  i.nodeHosts = {"host1"};
+  return i;
+}
+
+std::string drain(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  return out;
+}
+
+struct Console {
+  int out[2];
+  int err[2];
+  Console() {
+    REQUIRE(::pipe2(out, O_NONBLOCK | O_CLOEXEC) == 0);
+    REQUIRE(::pipe2(err, O_NONBLOCK | O_CLOEXEC) == 0);
+  }
+  ~Console() {
+    for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+  }
+};
+
+} // namespace
+
+TEST_CASE("worker logs: the line splitter emits whole lines only") {
+  LineSplitter s;
+  std::vector<std::string> lines;
+  auto emit = [&](std::string_view l) { lines.emplace_back(l); };
+  s.feed("hel", emit);
+  CHECK(lines.empty());
+  s.feed("lo\nwor", emit);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0] == "hello");
+  s.feed("ld\n\nx", emit);
+  CHECK(lines == std::vector<std::string>{"hello", "world", ""});
+  s.finish(emit);
+  CHECK(lines.back() == "x");
+}
+
+TEST_CASE("worker logs: a line that never ends is emitted in bounded pieces") {
+  LineSplitter s(10);
+  std::vector<std::string> lines;
+  auto emit = [&](std::string_view l) { lines.emplace_back(l); };
+  s.feed(std::string(25, 'a'), emit);  // no newline: memory stays bounded
+  REQUIRE(lines.size() == 2);
+  CHECK(lines[0].size() == 10);
+  s.feed("\n", emit);
+  REQUIRE(lines.size() == 3);
+  CHECK(lines[2] == "aaaaa");
+}
+
+TEST_CASE("worker logs: torchrun's prefix / with the host when there are several nodes") {
+  CHECK(consolePrefix("default", 3, "h", false) == "[default3]:");
+  CHECK(consolePrefix("trainer", 12, "node7", true) == "[node7:trainer12]:");
+}
+
+TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter") {
+  auto c = configFor({"-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
+  auto out0 = routeFor(c, 0, Stream::Stdout);
+  CHECK((out0.file && !out0.console));  // redirected: file only
+  auto err0 = routeFor(c, 0, Stream::Stderr);
+  CHECK((!err0.file && !err0.console));  // rank 0 is filtered out and not redirected: nowhere
+  auto err2 = routeFor(c, 2, Stream::Stderr);
+  CHECK((err2.file && err2.console));  // tee: both
+  auto out2 = routeFor(c, 2, Stream::Stdout);
+  CHECK((!out2.file && out2.console));
+  auto d = configFor({"/bin/true"});
+  CHECK(routeFor(d, 0, Stream::Stdout).console);
+  CHECK_FALSE(routeFor(d, 0, Stream::Stdout).file);
+}
+
+TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and tee copies") {
+  ctorch::test::TempDir dir;
+  auto c = configFor({"--log-dir", dir.path().string(), "-t", "3", "/bin/true"});
+  Console con;
+  WorkerLogs logs(c, con.out[1], con.err[1]);
+  CHECK_FALSE(logs.temporary());
+  auto files = logs.beginAttempt(oneNode(2, "run42"), 1);
+  REQUIRE(files.size() == 2);
+  CHECK(files[1].rankDir == dir.path() / "run42" / "attempt_1" / "1");
+  CHECK(files[1].errorFile == dir.path() / "run42" / "attempt_1" / "1" / "error.json");
+  CHECK(files[0].out.toAgent);
+  REQUIRE(files[0].out.file);
+  logs.onOutput(0, Stream::Stdout, "first li");
+  logs.onOutput(1, Stream::Stdout, "other\n");
+  logs.onOutput(0, Stream::Stdout, "ne\nsecond");
+  logs.onOutput(1, Stream::Stderr, "oops\n");
+  logs.onClosed(0, Stream::Stdout);
+  logs.endAttempt();
+  CHECK(drain(con.out[0]) == "[default1]:other\n[default0]:first line\n[default0]:second\n");
+  CHECK(drain(con.err[0]) == "[default1]:oops\n");
+  // Files get the raw stream, without prefixes.
+  CHECK(ctorch::test::readFile(*files[0].out.file) == "first line\nsecond");
+  CHECK(ctorch::test::readFile(files[1].rankDir / "stderr.log") == "oops\n");
+}
+
+TEST_CASE("worker logs: a new attempt starts with a clean directory") {
+  ctorch::test::TempDir dir;
+  auto c = configFor({"--log-dir", dir.path().string(), "/bin/true"});
+  Console con;
+  WorkerLogs logs(c, con.out[1], con.err[1]);
+  auto f = logs.beginAttempt(oneNode(1), 0);
+  ctorch::test::writeFile(f[0].errorFile, "{}");
+  auto g = logs.beginAttempt(oneNode(1), 0);  // same attempt number (re-rendezvous)
+  CHECK_FALSE(fs::exists(g[0].errorFile));
+}
+
+TEST_CASE("worker logs: a temporary log directory is removed unless kept") {
+  auto c = configFor({"/bin/true"});
+  fs::path kept, removed;
+  {
+    WorkerLogs logs(c, -1, -1);
+    CHECK(logs.temporary());
+    removed = logs.baseDir();
+    logs.beginAttempt(oneNode(1), 0);
+  }
+  CHECK_FALSE(fs::exists(removed));
+  {
+    WorkerLogs logs(c, -1, -1);
+    kept = logs.baseDir();
+    logs.keep();
+  }
+  CHECK(fs::exists(kept));
+  fs::remove_all(kept);
+}
