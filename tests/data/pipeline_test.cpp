@@ -40,7 +40,7 @@ torch::Tensor referenceCropFlip(const torch::Tensor& image, const CropFlip& d, i
 
 }  // namespace
 
-TEST_CASE("transforms: crop/flip decisions are a pure function of seed, epoch and index", "[transforms]") {
+TEST_CASE("transforms: crop/flip decisions are a pure function of seed and epoch and index", "[transforms]") {
   RandomCropFlip a(AugmentOptions{.seed = 3, .padding = 4});
   RandomCropFlip b(AugmentOptions{.seed = 3, .padding = 4});
   std::set<int64_t> tops, lefts;
@@ -184,7 +184,7 @@ TEST_CASE("pipeline: bad indices and bad options are one-line errors", "[pipelin
   CHECK_THROWS_WITH(BatchLoader(p, {0}, LoaderOptions{.prefetch = 3}), Catch::Contains("prefetch 3"));
 }
 
-TEST_CASE("loader: background batches equal synchronous ones, with skip and drop-last", "[loader]") {
+TEST_CASE("loader: background batches equal synchronous ones with skip and drop-last", "[loader]") {
   auto p = pipeline(images(50), true);
   std::vector<int64_t> order(50);
   for (int64_t i = 0; i < 50; ++i) order[i] = (i * 17) % 50;  // a permutation, as a sampler gives
@@ -218,7 +218,7 @@ TEST_CASE("loader: background batches equal synchronous ones, with skip and drop
   CHECK_FALSE(torch::equal(a.next()->inputs, b.next()->inputs));
 }
 
-TEST_CASE("loader: a preparation error reaches the consumer at its batch, then the loader ends", "[loader][errors]") {
+TEST_CASE("loader: a preparation error reaches the consumer at its batch and then the loader ends", "[loader][errors]") {
   auto p = pipeline(images(20), false);
   std::vector<int64_t> order{0, 1, 2, 3, 4, 5, 99, 6, 7, 8};  // 99 is in the 4th batch of 2
   for (int prefetch : {0, 1, 2}) {

@@ -157,7 +157,7 @@ TEST_CASE("idx: wrong magic numbers say expected versus found", "[idx][errors]")
   CHECK_THAT(m, Catch::Contains((dir / "text").string()) && Catch::Contains("not an IDX file"));
 }
 
-TEST_CASE("idx: truncated data, truncated header, trailing bytes are errors with the sizes", "[idx][errors]") {
+TEST_CASE("idx: truncated data or header and trailing bytes are errors with the sizes", "[idx][errors]") {
   TempDir dir;
   // Header says 5 images of 4x3 = 60 bytes; only 48 follow.
   writeFile(dir / "short", idxBytes(2051, {5, 4, 3}, imagePixels(4, 4, 3)));
@@ -237,7 +237,7 @@ TEST_CASE("cifar10: batches read in order with CHW layout", "[cifar]") {
   CHECK(test.inputs()[2][1][0][5].item<int>() == (102 * 13 + 101 + 5) % 256);
 }
 
-TEST_CASE("cifar10: truncated batch, missing batch, bad label are one-line errors", "[cifar][errors]") {
+TEST_CASE("cifar10: truncated or missing batches and bad labels are one-line errors", "[cifar][errors]") {
   TempDir dir;
   for (int i = 1; i <= 5; ++i) {
     if (i != 3) writeFile(dir / ("data_batch_" + std::to_string(i) + ".bin"), cifarRecords(1));
@@ -279,7 +279,7 @@ TEST_CASE("fashion-mnist: the real data set loads with its known sizes and stati
   CHECK(test.info().normalization.has_value());
 }
 
-TEST_CASE("registry: names, validation errors, limits", "[registry][errors]") {
+TEST_CASE("registry: names and validation errors and limits", "[registry][errors]") {
   CHECK(datasetNames() == std::vector<std::string>{"fashion-mnist", "mnist", "cifar10",
                                                    "synthetic-regression", "synthetic-images"});
   auto m = errorOf<DataOptionsError>([] { loadDataset({.name = "imagenet"}); });
@@ -306,7 +306,7 @@ TEST_CASE("registry: names, validation errors, limits", "[registry][errors]") {
   CHECK(loadDataset({.name = "synthetic-images", .syntheticSize = 10}).size() == 10);
 }
 
-TEST_CASE("synthetic: deterministic from the seed, splits and seeds differ", "[synthetic]") {
+TEST_CASE("synthetic: deterministic from the seed while splits and seeds differ", "[synthetic]") {
   auto a = makeSyntheticRegression(64, 7);
   auto b = makeSyntheticRegression(64, 7);
   REQUIRE(a.inputs().sizes() == torch::IntArrayRef({64, 20}));

@@ -108,12 +108,20 @@ TEST_CASE("models: identical weights give identical outputs in C++ and in PyTorc
     ModelOptions options;
     std::vector<int64_t> input;
   };
-  std::vector<Case> cases = {
-      {{.name = "linear"}, {6, 20}},
-      {{.name = "mnist-cnn", .inChannels = 1, .numClasses = 10, .imageSize = 28}, {4, 1, 28, 28}},
-      {{.name = "simple-cnn", .inChannels = 3, .numClasses = 10, .imageSize = 32}, {4, 3, 32, 32}},
-      {{.name = "resnet18", .inChannels = 1, .numClasses = 10, .imageSize = 28}, {3, 1, 28, 28}},
+  auto makeCase = [](const std::string& name, int64_t channels, int64_t size, std::vector<int64_t> input) {
+    Case c;
+    c.options.name = name;
+    c.options.inChannels = channels;
+    c.options.numClasses = 10;
+    c.options.imageSize = size;
+    c.input = std::move(input);
+    return c;
   };
+  std::vector<Case> cases;
+  cases.push_back(makeCase("linear", 1, 28, {6, 20}));
+  cases.push_back(makeCase("mnist-cnn", 1, 28, {4, 1, 28, 28}));
+  cases.push_back(makeCase("simple-cnn", 3, 32, {4, 3, 32, 32}));
+  cases.push_back(makeCase("resnet18", 1, 28, {3, 1, 28, 28}));
   std::vector<std::string> argv = {"/usr/bin/python3",
                                    std::string(CTORCH_SOURCE_DIR) + "/tests/models/check_equivalence.py",
                                    dir.path().string()};
