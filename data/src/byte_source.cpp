@@ -12,6 +12,16 @@
 namespace ctorch::data::detail {
 namespace {
 gzFile handle(void* p) { return static_cast<gzFile>(p); }
+
+// zlib's message for the stream's last error, without the "<path>: " zlib puts in front of it.
+std::string zlibMessage(void* gz, const std::filesystem::path& path) {
+  int code = Z_OK;
+  const char* message = gzerror(handle(gz), &code);
+  std::string text = message && *message ? message : "unknown error";
+  const std::string prefix = path.string() + ": ";
+  if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
+  return text;
+}
 }  // namespace
 
 ByteSource::ByteSource(const std::filesystem::path& file) : path_(file) {
@@ -50,18 +60,15 @@ size_t ByteSource::read(void* dst, size_t n) {
     auto chunk = static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30));
     int got = gzread(handle(gz_), out + done, chunk);
     if (got < 0) {
-      int code = Z_OK;
-      const char* message = gzerror(handle(gz_), &code);
-      throw DataFileError(path_.string() + ": unreadable gzip data (zlib: " +
-                          (message && *message ? message : "unknown error") + ")");
+      throw DataFileError(path_.string() + ": unreadable gzip data (zlib: " + zlibMessage(gz_, path_) + ")");
     }
     if (got == 0) {
       // gzread returns 0 both at a clean end and when the stream stops before its trailer.
       int code = Z_OK;
-      const char* message = gzerror(handle(gz_), &code);
+      gzerror(handle(gz_), &code);
       if (code != Z_OK) {
         throw DataFileError(path_.string() + ": truncated or corrupt gzip data (zlib: " +
-                            (message && *message ? message : "unknown error") + ")");
+                            zlibMessage(gz_, path_) + ")");
       }
       break;
     }
