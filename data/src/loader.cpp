@@ -36,6 +36,21 @@ BatchLoader::BatchLoader(std::shared_ptr<const BatchPipeline> pipeline, std::vec
   }
 }
 
+namespace {
+std::vector<int64_t> indexVector(const torch::Tensor& indices) {
+  if (!indices.defined() || indices.dim() != 1 || indices.scalar_type() != torch::kLong) {
+    throw DataOptionsError("BatchLoader: indices must be a 1-D Long tensor");
+  }
+  auto cpu = indices.to(torch::kCPU).contiguous();
+  const int64_t* p = cpu.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + cpu.numel());
+}
+}  // namespace
+
+BatchLoader::BatchLoader(std::shared_ptr<const BatchPipeline> pipeline, const torch::Tensor& indices,
+                         LoaderOptions options)
+    : BatchLoader(std::move(pipeline), indexVector(indices), options) {}
+
 BatchLoader::~BatchLoader() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -212,6 +212,10 @@ TEST_CASE("loader: background batches equal synchronous ones with skip and drop-
       }
     }
   }
+  // A Long tensor of indices is the same as the vector.
+  BatchLoader fromTensor(p, torch::tensor(order), {.batchSize = 8, .epoch = 3, .prefetch = 1});
+  BatchLoader fromVector(p, order, {.batchSize = 8, .epoch = 3, .prefetch = 0});
+  CHECK(torch::equal(fromTensor.next()->inputs, fromVector.next()->inputs));
   // Control: another epoch's loader differs (augmentation), so the equality above can fail.
   BatchLoader a(p, order, {.batchSize = 50, .epoch = 3, .prefetch = 0});
   BatchLoader b(p, order, {.batchSize = 50, .epoch = 4, .prefetch = 1});
@@ -238,7 +242,7 @@ TEST_CASE("loader: destroying a loader mid-epoch stops its thread without hangin
     BatchLoader loader(p, order, {.batchSize = 4, .prefetch = 2});
     if (round % 2) REQUIRE(loader.next().has_value());
   }  // CTest's timeout catches a hang here
-  BatchLoader empty(p, {}, {.batchSize = 4, .prefetch = 1});
+  BatchLoader empty(p, std::vector<int64_t>{}, {.batchSize = 4, .prefetch = 1});
   CHECK(empty.numBatches() == 0);
   CHECK_FALSE(empty.next().has_value());
   BatchLoader skipped(p, order, {.batchSize = 4, .skipBatches = 1000, .prefetch = 1});

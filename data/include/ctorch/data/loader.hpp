@@ -31,6 +31,9 @@ class BatchLoader {
  public:
   BatchLoader(std::shared_ptr<const BatchPipeline> pipeline, std::vector<int64_t> indices,
               LoaderOptions options);
+  // The same, from a 1-D Long tensor of indices (copied).
+  BatchLoader(std::shared_ptr<const BatchPipeline> pipeline, const torch::Tensor& indices,
+              LoaderOptions options);
   ~BatchLoader();  // stops and joins the background thread
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
