@@ -122,21 +122,21 @@ int main(int argc, char** argv) {
     auto pipeline = std::make_shared<const data::BatchPipeline>(train, data::PipelineOptions{});
     auto order = shuffled(train->size(), 2);
     order.resize(static_cast<size_t>(trainBatches * 64));
-    std::printf("\nMNIST CNN training steps, batch 64, %lld batches, best of 3 (interleaved):\n",
+    std::printf("\nMNIST CNN training steps, batch 64, %lld batches, samples/s best of 3 (interleaved):\n",
                 static_cast<long long>(trainBatches));
-    std::vector<double> rate[2], wait[2];
+    std::vector<double> rate[2], wait[2], first[2];
     for (int round = 0; round < 3; ++round) {
       for (int prefetch : {0, 1}) {
         torch::AutoGradMode grad(true);
         data::BatchLoader loader(pipeline, order, {.batchSize = 64, .prefetch = prefetch});
         auto start = Clock::now();
-        Clock::duration waited{};
         int64_t samples = 0, batches = 0;
         while (true) {
           auto askedAt = Clock::now();
           auto b = loader.next();
-          waited += Clock::now() - askedAt;
           if (!b) break;
+          double us = 1e6 * seconds(Clock::now() - askedAt);
+          (batches == 0 ? first : wait)[prefetch].push_back(us);
           sgd.zero_grad();
           auto loss = torch::nll_loss(model->forward(b->inputs), b->targets);
           loss.backward();
@@ -145,12 +145,15 @@ int main(int argc, char** argv) {
           ++batches;
         }
         rate[prefetch].push_back(samples / seconds(Clock::now() - start));
-        wait[prefetch].push_back(1e6 * seconds(waited) / static_cast<double>(batches));
       }
     }
     for (int prefetch : {0, 1}) {
-      std::printf("  prefetch %d: %.0f samples/s, waiting %.1f us per batch in next()\n", prefetch,
-                  best(rate[prefetch], true), best(wait[prefetch], false));
+      auto& w = wait[prefetch];
+      std::sort(w.begin(), w.end());
+      std::printf("  prefetch %d: %.0f samples/s; time in next(): median %.1f us, 90th percentile %.1f us "
+                  "per batch, first batch %.1f us\n",
+                  prefetch, best(rate[prefetch], true), w[w.size() / 2], w[w.size() * 9 / 10],
+                  best(first[prefetch], false));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ctorch-data-bench: %s\n", e.what());
