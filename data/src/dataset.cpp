@@ -52,18 +52,27 @@ Normalization computeNormalization(const torch::Tensor& images) {
     throw DataOptionsError("computeNormalization needs images [N, C, ...] with N > 0");
   }
   torch::NoGradGuard noGrad;
-  // Double accumulation: 60,000 x 784 float values summed in float lose ~4 digits.
-  auto x = images.to(torch::kDouble);
-  if (images.scalar_type() == torch::kByte) x.div_(255.0);
-  auto perChannel = x.transpose(0, 1).reshape({images.size(1), -1});
-  auto mean = perChannel.mean(1);
-  auto std = perChannel.std(1, /*unbiased=*/false);
-  Normalization n;
-  for (int64_t c = 0; c < images.size(1); ++c) {
-    n.mean.push_back(mean[c].item<double>());
-    n.std.push_back(std[c].item<double>());
+  // Sums in double (60,000 x 784 values summed in float lose ~4 digits), a chunk at a time so that
+  // a double copy of the whole dataset never exists.
+  const int64_t n = images.size(0), channels = images.size(1);
+  constexpr int64_t kChunk = 4096;
+  auto sum = torch::zeros({channels}, torch::kDouble), squares = torch::zeros({channels}, torch::kDouble);
+  for (int64_t start = 0; start < n; start += kChunk) {
+    auto x = images.narrow(0, start, std::min(kChunk, n - start)).to(torch::kDouble);
+    if (images.scalar_type() == torch::kByte) x.div_(255.0);
+    auto perChannel = x.transpose(0, 1).reshape({channels, -1});
+    sum += perChannel.sum(1);
+    squares += perChannel.square().sum(1);
   }
-  return n;
+  const double count = static_cast<double>(images.numel() / channels);
+  auto mean = sum / count;
+  auto std = (squares / count - mean.square()).clamp_min(0).sqrt();
+  Normalization result;
+  for (int64_t c = 0; c < channels; ++c) {
+    result.mean.push_back(mean[c].item<double>());
+    result.std.push_back(std[c].item<double>());
+  }
+  return result;
 }
 
 InMemoryDataset::InMemoryDataset(torch::Tensor inputs, torch::Tensor targets, DatasetInfo info)
