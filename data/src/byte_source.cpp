@@ -1,0 +1,99 @@
+#include "byte_source.hpp"
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+
+#include <zlib.h>
+
+#include <ctorch/data/error.hpp>
+
+namespace ctorch::data::detail {
+namespace {
+gzFile handle(void* p) { return static_cast<gzFile>(p); }
+
+// zlib's message for the stream's last error, without the "<path>: " zlib puts in front of it.
+std::string zlibMessage(void* gz, const std::filesystem::path& path) {
+  int code = Z_OK;
+  const char* message = gzerror(handle(gz), &code);
+  std::string text = message && *message ? message : "unknown error";
+  const std::string prefix = path.string() + ": ";
+  if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
+  return text;
+}
+}  // namespace
+
+ByteSource::ByteSource(const std::filesystem::path& file) : path_(file) {
+  std::error_code ec;
+  auto status = std::filesystem::status(file, ec);
+  if (!std::filesystem::exists(status)) {
+    throw DataFileError(file.string() + ": missing file");
+  }
+  if (std::filesystem::is_directory(status)) {
+    throw DataFileError(file.string() + ": is a directory, expected a file");
+  }
+  {
+    // zlib reads a plain file transparently; look at the magic ourselves to word errors right.
+    std::ifstream probe(file, std::ios::binary);
+    unsigned char magic[2] = {0, 0};
+    probe.read(reinterpret_cast<char*>(magic), 2);
+    compressed_ = probe.gcount() == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+  }
+  errno = 0;
+  gz_ = gzopen(file.c_str(), "rb");
+  if (gz_ == nullptr) {
+    throw DataFileError(file.string() + ": cannot open: " +
+                        (errno ? std::strerror(errno) : "out of memory"));
+  }
+  gzbuffer(handle(gz_), 1 << 18);
+}
+
+ByteSource::~ByteSource() {
+  if (gz_ != nullptr) gzclose(handle(gz_));
+}
+
+size_t ByteSource::read(void* dst, size_t n) {
+  auto* out = static_cast<char*>(dst);
+  size_t done = 0;
+  while (done < n) {
+    auto chunk = static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30));
+    int got = gzread(handle(gz_), out + done, chunk);
+    if (got < 0) {
+      throw DataFileError(path_.string() + ": unreadable gzip data (zlib: " + zlibMessage(gz_, path_) + ")");
+    }
+    if (got == 0) {
+      // gzread returns 0 both at a clean end and when the stream stops before its trailer.
+      int code = Z_OK;
+      gzerror(handle(gz_), &code);
+      if (code != Z_OK) {
+        throw DataFileError(path_.string() + ": truncated or corrupt gzip data (zlib: " +
+                            zlibMessage(gz_, path_) + ")");
+      }
+      break;
+    }
+    done += static_cast<size_t>(got);
+  }
+  offset_ += done;
+  return done;
+}
+
+void ByteSource::readExactly(void* dst, size_t n, const std::string& what) {
+  uint64_t start = offset_;
+  size_t got = read(dst, n);
+  if (got != n) {
+    throw DataFormatError(path_.string() + ": truncated: " + what + " needs " + std::to_string(n) +
+                          " bytes at offset " + std::to_string(start) + ", found " +
+                          std::to_string(got));
+  }
+}
+
+bool ByteSource::atEnd() {
+  char c;
+  if (read(&c, 1) == 0) return true;
+  offset_ -= 1;
+  gzungetc(static_cast<unsigned char>(c), handle(gz_));
+  return false;
+}
+
+} // namespace ctorch::data::detail

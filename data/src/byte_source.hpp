@@ -1,0 +1,39 @@
+// Private: reads a file that may be gzip-compressed (zlib decides from the content), turning every
+// failure into a one-line DataFileError / DataFormatError that names the file.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace ctorch::data::detail {
+
+class ByteSource {
+ public:
+  // Throws DataFileError if the file is missing, a directory, or cannot be opened.
+  explicit ByteSource(const std::filesystem::path& file);
+  ~ByteSource();
+  ByteSource(const ByteSource&) = delete;
+  ByteSource& operator=(const ByteSource&) = delete;
+
+  // Reads up to n bytes into dst; returns fewer only at the end of the data. Throws DataFileError
+  // when the gzip stream is corrupt or ends before its trailer ("truncated gzip").
+  size_t read(void* dst, size_t n);
+  // Reads exactly n bytes or throws DataFormatError "truncated: <what> needs N bytes, found M".
+  void readExactly(void* dst, size_t n, const std::string& what);
+  // True if no byte is left (reads one byte to find out).
+  bool atEnd();
+  // Decompressed bytes read so far.
+  uint64_t offset() const { return offset_; }
+  bool compressed() const { return compressed_; }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  void* gz_ = nullptr;   // gzFile, kept out of this header
+  uint64_t offset_ = 0;
+  bool compressed_ = false;
+};
+
+} // namespace ctorch::data::detail

@@ -1,0 +1,35 @@
+// The common base of every model here, so a trainer and DistributedDataParallel can hold any of them
+// as one type, plus the state-dict helpers that make their weights readable from Python.
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+namespace ctorch::models {
+
+// What forward() returns, so a trainer picks the loss: cross entropy on logits, NLL on
+// log-probabilities, MSE on values.
+enum class ModelOutput { Logits, LogProbabilities, Values };
+
+class Model : public torch::nn::Module {
+ public:
+  using torch::nn::Module::Module;
+  virtual torch::Tensor forward(torch::Tensor input) = 0;
+  virtual ModelOutput output() const = 0;
+};
+
+// Parameters and buffers by their dotted names, in registration order: the keys of Python's
+// module.state_dict() for the same architecture.
+torch::OrderedDict<std::string, torch::Tensor> stateDict(const torch::nn::Module& module);
+
+// Writes stateDict(module) in torch.save's format: Python's torch.load(path) gives a dict of
+// tensors that load_state_dict accepts for the same architecture. Tensors are copied to the CPU.
+void saveStateDict(const torch::nn::Module& module, const std::filesystem::path& path);
+
+// Number of elements of all parameters (trainable or not).
+int64_t parameterCount(const torch::nn::Module& module);
+
+} // namespace ctorch::models

@@ -1,0 +1,28 @@
+#include <ctorch/models/simple_cnn.hpp>
+
+#include <torch/torch.h>
+
+namespace ctorch::models {
+
+namespace F = torch::nn::functional;
+
+SimpleConvNet::SimpleConvNet(int64_t inChannels, int64_t numClasses, int64_t imageSize)
+    : Model("SimpleConvNet") {
+  const int64_t s = ((imageSize - 4) / 2 - 4) / 2;
+  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(inChannels, 6, 5)));
+  conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 16, 5)));
+  fc1 = register_module("fc1", torch::nn::Linear(16 * s * s, 120));
+  fc2 = register_module("fc2", torch::nn::Linear(120, 84));
+  fc3 = register_module("fc3", torch::nn::Linear(84, numClasses));
+}
+
+torch::Tensor SimpleConvNet::forward(torch::Tensor x) {
+  x = F::max_pool2d(F::relu(conv1(x)), F::MaxPool2dFuncOptions(2));
+  x = F::max_pool2d(F::relu(conv2(x)), F::MaxPool2dFuncOptions(2));
+  x = torch::flatten(x, 1);
+  x = F::relu(fc1(x));
+  x = F::relu(fc2(x));
+  return fc3(x);
+}
+
+} // namespace ctorch::models
