@@ -193,33 +193,45 @@ TEST_CASE("a crash after any step of a write leaves a valid snapshot in the slot
   using Step = ctorch::SnapshotWriteStep;
   const Step steps[] = {Step::TempSynced, Step::Rotated, Step::PreviousLinked, Step::Renamed,
                         Step::DirectorySynced};
+  struct Run {
+    int keep;
+    Step step;
+    std::unique_ptr<TempDir> dir;
+    std::unique_ptr<ctorch::test::Process> process;
+  };
+  // All crashing writers run side by side, each in its own directory.
+  std::vector<Run> runs;
   for (int keep : {0, 1, 3}) {
     for (Step step : steps) {
       if (keep == 0 && (step == Step::Rotated || step == Step::PreviousLinked)) continue;  // no such step
-      const std::string name = ctorch::writeStepName(step);
-      INFO("keep " << keep << ", crash after " << name);
-      TempDir dir("snap-crash");
-      const auto path = dir / "snapshot.pt";
+      Run run{keep, step, std::make_unique<TempDir>("snap-crash"), nullptr};
       ctorch::test::SpawnOptions so;
       so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "crash_during_save",
-                 path.string(), std::to_string(keep), name};
+                 (run.dir->path() / "snapshot.pt").string(), std::to_string(keep),
+                 ctorch::writeStepName(step)};
       so.timeout = std::chrono::seconds(60);
-      const auto r = ctorch::test::run(so);
-      INFO(r.output);
-      REQUIRE(r.termSignal == SIGKILL);  // it really died mid-write
-
-      // The slot holds the old (2) or the new (3) snapshot, intact: the new one once renamed.
-      const bool renamed = step == Step::Renamed || step == Step::DirectorySynced;
-      REQUIRE(fs::exists(path));
-      CHECK(epochsIn(path) == (renamed ? 3 : 2));
-      auto found = ctorch::loadNewestValid(path);
-      REQUIRE(found.snapshot);
-      CHECK(found.skipped.empty());
-      CHECK(found.snapshot->epochsRun == (renamed ? 3 : 2));
-      // Every kept file is a valid snapshot too (at worst a duplicate of a neighbour).
-      for (const auto& f : ctorch::listSnapshotFiles(path)) CHECK_NOTHROW(ctorch::loadSnapshot(f));
-      if (keep > 0 && renamed) CHECK(epochsIn(dir / "snapshot.pt.1") == 2);
+      run.process = std::make_unique<ctorch::test::Process>(so);
+      runs.push_back(std::move(run));
     }
+  }
+  for (auto& run : runs) {
+    INFO("keep " << run.keep << ", crash after " << ctorch::writeStepName(run.step));
+    const auto r = run.process->wait();
+    INFO(r.output);
+    REQUIRE(r.termSignal == SIGKILL);  // it really died mid-write
+
+    // The slot holds the old (2) or the new (3) snapshot, intact: the new one once renamed.
+    const auto path = run.dir->path() / "snapshot.pt";
+    const bool renamed = run.step == Step::Renamed || run.step == Step::DirectorySynced;
+    REQUIRE(fs::exists(path));
+    CHECK(epochsIn(path) == (renamed ? 3 : 2));
+    auto found = ctorch::loadNewestValid(path);
+    REQUIRE(found.snapshot);
+    CHECK(found.skipped.empty());
+    CHECK(found.snapshot->epochsRun == (renamed ? 3 : 2));
+    // Every kept file is a valid snapshot too (at worst a duplicate of a neighbour).
+    for (const auto& f : ctorch::listSnapshotFiles(path)) CHECK_NOTHROW(ctorch::loadSnapshot(f));
+    if (run.keep > 0 && renamed) CHECK(epochsIn(run.dir->path() / "snapshot.pt.1") == 2);
   }
   // Control: the same worker without a crash finishes and leaves the new snapshot.
   TempDir dir("snap-nocrash");

@@ -70,26 +70,22 @@ const std::vector<std::int64_t>& DistributedSampler::indices() const {
 void DistributedSampler::ensureIndices() const {
   if (indicesValid_) return;
   const std::int64_t n = options_.datasetSize;
-  std::vector<std::int64_t> all;
+  const std::int64_t total = totalSize();
+  indices_.clear();
+  indices_.reserve(static_cast<std::size_t>(numSamples_));
+  // Padding repeats the list from its start (Python's indices[:pad] or repeated list); dropping
+  // keeps the first total_size. Either way position i of the padded list is list[i % n].
   if (options_.shuffle) {
     // Same generator, seeding and kernel as Python's torch.Generator().manual_seed(seed + epoch)
     // followed by torch.randperm(n, generator=g).
     auto gen = at::make_generator<at::CPUGeneratorImpl>(
         static_cast<std::uint64_t>(options_.seed) + static_cast<std::uint64_t>(epoch_));
-    at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+    const at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
     const auto* p = perm.data_ptr<std::int64_t>();
-    all.assign(p, p + n);
+    for (std::int64_t i = options_.rank; i < total; i += options_.worldSize) indices_.push_back(p[i % n]);
   } else {
-    all.resize(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
+    for (std::int64_t i = options_.rank; i < total; i += options_.worldSize) indices_.push_back(i % n);
   }
-  // Padding repeats the list from its start (Python's indices[:pad] or repeated list); dropping
-  // keeps the first total_size. Either way position i of the padded list is all[i % n].
-  const std::int64_t total = totalSize();
-  indices_.clear();
-  indices_.reserve(static_cast<std::size_t>(numSamples_));
-  for (std::int64_t i = options_.rank; i < total; i += options_.worldSize)
-    indices_.push_back(all[static_cast<std::size_t>(i % n)]);
   indicesValid_ = true;
 }
 

@@ -49,6 +49,11 @@ c10::IValue toPortable(const c10::IValue& v) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
     if (!t.defined()) return c10::IValue();
+    // Already a CPU tensor owning exactly its storage (what captureSnapshot makes): no copy.
+    if (t.device().is_cpu() && t.is_contiguous() && t.storage_offset() == 0 &&
+        t.storage().nbytes() == static_cast<std::size_t>(t.numel()) * t.element_size() &&
+        !t.requires_grad())
+      return t;
     return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous);
   }
   if (v.isGenericDict()) {

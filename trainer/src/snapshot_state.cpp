@@ -590,7 +590,8 @@ void restoreSnapshot(const Snapshot& snapshot, const TrainingObjects& objects,
                                          snapshot.optimizerState, problems);
   if (options.sampler && objects.sampler)
     if (auto d = samplerDifference(*objects.sampler, snapshot.sampler)) problems.push_back(*d);
-  if (!problems.empty()) throw SnapshotIncompatible(snapshot.source, problems);
+  if (!problems.empty())
+    throw SnapshotIncompatible(snapshot.source.empty() ? "(in memory)" : snapshot.source, problems);
 
   if (options.model) restoreModelState(*objects.model, snapshot.modelState);
   if (options.optimizer && objects.optimizer) applyOptimizerRestore(*objects.optimizer, optimizerPlan);

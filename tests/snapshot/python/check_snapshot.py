@@ -1,12 +1,12 @@
 #!/usr/bin/python3
 # The Python side of the snapshot interop tests (tests/snapshot/snapshot_python_test.cpp). Needs
 # Debian's python3-torch: run with /usr/bin/python3.
-#   check_snapshot.py inspect <snapshot>   open a C++ snapshot with torch.load and check it all
-#   check_snapshot.py resave <in> <out>    torch.load + torch.save (Python rewrites a snapshot)
-#   check_snapshot.py tamper <in> <out>    change EPOCHS_RUN without a new digest
-#   check_snapshot.py foreign <out>        a plain torch.save of something else
-#   check_snapshot.py legacy <out>         the pre-zip torch.save format
-#   check_snapshot.py module <out>         torch.save of a Python object (an nn.Module)
+#   check_snapshot.py inspect <snapshot>...          open C++ snapshots with torch.load, check it all
+#   check_snapshot.py rewrite <in> <resaved> <tampered>
+#                     torch.load + torch.save; and the same with EPOCHS_RUN changed (old digest)
+#   check_snapshot.py resave <in> <out>              torch.load + torch.save
+#   check_snapshot.py others <dir>                   foreign.pt (torch.save of another dict),
+#                     legacy.pt (pre-zip format), module.pt (a pickled nn.Module)
 import hashlib
 import struct
 import sys
@@ -177,21 +177,24 @@ def inspect(path):
 
 
 def main():
-    mode = sys.argv[1]
+    mode, args = sys.argv[1], sys.argv[2:]
     if mode == "inspect":
-        inspect(sys.argv[2])
-    elif mode == "resave":
-        torch.save(torch.load(sys.argv[2]), sys.argv[3])
-    elif mode == "tamper":
-        snap = torch.load(sys.argv[2])
+        for path in args:
+            inspect(path)
+    elif mode == "rewrite":
+        src, resaved, tampered = args
+        snap = torch.load(src)
+        torch.save(snap, resaved)
         snap["EPOCHS_RUN"] += 1
-        torch.save(snap, sys.argv[3])
-    elif mode == "foreign":
-        torch.save({"weights": torch.ones(3), "epoch": 3}, sys.argv[2])
-    elif mode == "legacy":
-        torch.save({"weights": torch.ones(3)}, sys.argv[2], _use_new_zipfile_serialization=False)
-    elif mode == "module":
-        torch.save(torch.nn.Linear(2, 2), sys.argv[2])
+        torch.save(snap, tampered)
+    elif mode == "resave":
+        torch.save(torch.load(args[0]), args[1])
+    elif mode == "others":
+        directory = args[0]
+        torch.save({"weights": torch.ones(3), "epoch": 3}, f"{directory}/foreign.pt")
+        torch.save({"weights": torch.ones(3)}, f"{directory}/legacy.pt",
+                   _use_new_zipfile_serialization=False)
+        torch.save(torch.nn.Linear(2, 2), f"{directory}/module.pt")
     else:
         raise SystemExit(f"unknown mode {mode}")
 
