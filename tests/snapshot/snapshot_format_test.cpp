@@ -99,6 +99,7 @@ TEST_CASE("encode and decode round trip every field", "[snapshot][format]") {
   CHECK(back.sampler->consumed == 7);
   CHECK(sameTensorBytes(back.rng.cpu, snap.rng.cpu));
   CHECK(back.rng.cpu.numel() == 5056);  // torch.get_rng_state() size
+  CHECK(back.rankRng.empty());
   CHECK(back.schedulerState.at("last_epoch").toInt() == 3);
   CHECK(back.schedulerState.at("gamma").toDouble() == 0.5);
   CHECK(back.userState.at("best_accuracy").toDouble() == 0.875);
@@ -417,6 +418,37 @@ TEST_CASE("restore refuses what does not fit and changes nothing", "[snapshot][r
   so.worldSize = 2;
   ctorch::DistributedSampler sampler2(so);
   CHECK_NOTHROW(ctorch::restoreSnapshot(snap, {same.ptr().get(), &sgd2, &sampler2}));
+}
+
+TEST_CASE("restore picks this rank's RNG state when every rank's was gathered", "[snapshot][restore]") {
+  auto stateAfterSeed = [](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    return ctorch::captureRngState();
+  };
+  auto drawAfterSeed = [](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    return torch::rand({6});
+  };
+  torch::nn::Linear model(2, 2);
+  auto snap = ctorch::captureSnapshot({model.ptr().get(), nullptr, nullptr}, identity(), {});
+  snap.rng = stateAfterSeed(100);
+  snap.rankRng = {stateAfterSeed(100), stateAfterSeed(101), stateAfterSeed(102)};
+  const auto back = ctorch::decodeSnapshot(encoded(snap), "mem");
+  REQUIRE(back.rankRng.size() == 3);
+  CHECK(sameTensorBytes(back.rankRng[2].cpu, snap.rankRng[2].cpu));
+
+  auto restoreAs = [&](std::int64_t rank) {
+    ctorch::RestoreOptions o;
+    o.rank = rank;
+    torch::manual_seed(7);  // something else entirely
+    ctorch::restoreSnapshot(back, {model.ptr().get(), nullptr, nullptr}, o);
+    return torch::rand({6});
+  };
+  CHECK(sameTensorBytes(restoreAs(1), drawAfterSeed(101)));
+  CHECK(sameTensorBytes(restoreAs(2), drawAfterSeed(102)));
+  CHECK(sameTensorBytes(restoreAs(-1), drawAfterSeed(100)));  // no rank given: the writer's
+  CHECK(sameTensorBytes(restoreAs(5), drawAfterSeed(100)));   // a rank the snapshot lacks
+  CHECK_FALSE(sameTensorBytes(drawAfterSeed(101), drawAfterSeed(100)));  // control
 }
 
 TEST_CASE("CPU RNG state round trips", "[snapshot][restore]") {

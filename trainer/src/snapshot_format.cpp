@@ -86,6 +86,15 @@ c10::impl::GenericDict portableDict(const ItemDict& d) {
   return out;
 }
 
+c10::impl::GenericDict rngDict(const RngState& r) {
+  auto d = newStringDict();
+  d.insert("cpu", r.cpu.defined() ? c10::IValue(r.cpu.to(at::kCPU).contiguous()) : c10::IValue());
+  c10::impl::GenericList cuda(c10::AnyType::get());
+  for (const auto& t : r.cuda) cuda.push_back(t.to(at::kCPU).contiguous());
+  d.insert("cuda", cuda);
+  return d;
+}
+
 std::string describeType(const c10::IValue& v) {
   if (v.isGenericDict()) {
     std::string keys;
@@ -295,11 +304,10 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
   } else {
     top.insert(kSamplerKey, c10::IValue());
   }
-  auto rng = newStringDict();
-  rng.insert("cpu", s.rng.cpu.defined() ? c10::IValue(s.rng.cpu.to(at::kCPU).contiguous()) : c10::IValue());
-  c10::impl::GenericList cuda(c10::AnyType::get());
-  for (const auto& t : s.rng.cuda) cuda.push_back(t.to(at::kCPU).contiguous());
-  rng.insert("cuda", cuda);
+  auto rng = rngDict(s.rng);
+  c10::impl::GenericList ranks(c10::AnyType::get());
+  for (const auto& r : s.rankRng) ranks.push_back(rngDict(r));
+  rng.insert("ranks", ranks);
   top.insert(kRngKey, rng);
   top.insert(kUserKey, portableDict(s.userState));
 
@@ -438,16 +446,26 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
     st.dropLast = cr.boolean(d, "drop_last", kSamplerKey);
     s.sampler = st;
   }
-  const auto rng = cr.dict(cr.get(topDict, kRngKey, "snapshot"), kRngKey);
-  const auto& cpu = cr.get(rng, "cpu", kRngKey);
-  if (cpu.isTensor()) s.rng.cpu = cpu.toTensor();
-  else if (!cpu.isNone()) cr.fail(std::string(kRngKey) + "['cpu'] is " + describeType(cpu));
-  const auto& cuda = cr.get(rng, "cuda", kRngKey);
-  if (!cuda.isList()) cr.fail(std::string(kRngKey) + "['cuda'] is " + describeType(cuda));
-  for (const auto& t : cuda.toListRef()) {
-    if (!t.isTensor()) cr.fail(std::string(kRngKey) + "['cuda'] holds " + describeType(t));
-    s.rng.cuda.push_back(t.toTensor());
-  }
+  auto readRng = [&](const c10::IValue& v, const std::string& where) {
+    const auto d = cr.dict(v, where);
+    RngState r;
+    const auto& cpu = cr.get(d, "cpu", where);
+    if (cpu.isTensor()) r.cpu = cpu.toTensor();
+    else if (!cpu.isNone()) cr.fail(where + "['cpu'] is " + describeType(cpu));
+    const auto& cuda = cr.get(d, "cuda", where);
+    if (!cuda.isList()) cr.fail(where + "['cuda'] is " + describeType(cuda));
+    for (const auto& t : cuda.toListRef()) {
+      if (!t.isTensor()) cr.fail(where + "['cuda'] holds " + describeType(t));
+      r.cuda.push_back(t.toTensor());
+    }
+    return r;
+  };
+  const auto& rngValue = cr.get(topDict, kRngKey, "snapshot");
+  s.rng = readRng(rngValue, kRngKey);
+  const auto& ranks = cr.get(cr.dict(rngValue, kRngKey), "ranks", kRngKey);
+  if (!ranks.isList()) cr.fail(std::string(kRngKey) + "['ranks'] is " + describeType(ranks));
+  for (std::size_t i = 0; i < ranks.toListRef().size(); ++i)
+    s.rankRng.push_back(readRng(ranks.toListRef()[i], std::string(kRngKey) + "['ranks'][" + std::to_string(i) + "]"));
   s.userState = cr.stringKeyed(cr.get(topDict, kUserKey, "snapshot"), kUserKey);
   return s;
 }

@@ -596,7 +596,10 @@ void restoreSnapshot(const Snapshot& snapshot, const TrainingObjects& objects,
   if (options.model) restoreModelState(*objects.model, snapshot.modelState);
   if (options.optimizer && objects.optimizer) applyOptimizerRestore(*objects.optimizer, optimizerPlan);
   if (options.sampler && objects.sampler) objects.sampler->loadState(*snapshot.sampler);
-  if (options.rng) restoreRngState(snapshot.rng);
+  if (options.rng) {
+    const bool own = options.rank >= 0 && options.rank < static_cast<std::int64_t>(snapshot.rankRng.size());
+    restoreRngState(own ? snapshot.rankRng[static_cast<std::size_t>(options.rank)] : snapshot.rng);
+  }
 }
 
 } // namespace ctorch

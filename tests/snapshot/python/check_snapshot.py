@@ -148,6 +148,7 @@ def inspect(path):
     torch.set_rng_state(snap["RNG_STATE"]["cpu"])
     check(torch.equal(torch.rand(5), user["rand_after_capture"]), "CPU RNG state")
     check(isinstance(snap["RNG_STATE"]["cuda"], list), "cuda states list")
+    check(snap["RNG_STATE"]["ranks"] == [], "per-rank RNG states (none gathered)")
 
     # Optimizer: a Python optimizer with other hyper-parameters takes the state (hyper-parameters
     # included) and takes step 3 like C++ did.

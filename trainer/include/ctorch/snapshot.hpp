@@ -117,7 +117,10 @@ struct Snapshot {
   std::int64_t stepInEpoch = 0;                         // STEP_IN_EPOCH: steps done in epochsRun
   std::int64_t globalStep = 0;                          // GLOBAL_STEP: steps since the start
   std::optional<SamplerState> sampler;                  // SAMPLER_STATE
-  RngState rng;                                         // RNG_STATE
+  RngState rng;                                         // RNG_STATE: the writer's (rank 0's)
+  // RNG_STATE["ranks"]: every rank's states, index = rank, when the trainer gathered them (ranks
+  // seeded differently, e.g. seed + rank, draw different streams); empty otherwise.
+  std::vector<RngState> rankRng;
   ItemDict userState = newItemDict();                   // USER_STATE: the trainer's own items
   std::filesystem::path source;                         // file it was loaded from (not stored)
 };
@@ -152,6 +155,9 @@ struct RestoreOptions {
   bool optimizer = true;
   bool rng = true;
   bool sampler = true;
+  // This process's rank: restores rankRng[rank] when the snapshot has it, else `rng` (also when
+  // the world size changed). -1: always `rng`.
+  std::int64_t rank = -1;
 };
 
 // Restores into `objects` in place: parameters and buffers (names, shapes and dtypes must match),
