@@ -4,7 +4,9 @@
 #include "ctorch/digest.hpp"
 #include "zip_check.hpp"
 
+#include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <algorithm>
 #include <cstring>
@@ -63,13 +65,10 @@ c10::IValue toPortable(const c10::IValue& v) {
     return out;
   }
   if (v.isList()) {
-    const auto l = v.toListRef();
-    if (!v.isTensorList() && std::none_of(l.begin(), l.end(), [](const c10::IValue& x) {
-          return x.isTensor() || x.isGenericDict() || x.isList() || x.isTuple();
-        }))
-      return v;
+    // Always a plain list: typed lists (List[int], List[float], ...) would be pickled through
+    // torch.jit._pickle.build_* functions, which torch.load(weights_only=True) refuses.
     c10::impl::GenericList out(c10::AnyType::get());
-    for (const auto& x : l) out.push_back(toPortable(x));
+    for (const auto& x : v.toListRef()) out.push_back(toPortable(x));
     return out;
   }
   if (v.isTuple()) {
@@ -88,11 +87,44 @@ c10::impl::GenericDict portableDict(const ItemDict& d) {
 
 c10::impl::GenericDict rngDict(const RngState& r) {
   auto d = newStringDict();
-  d.insert("cpu", r.cpu.defined() ? c10::IValue(r.cpu.to(at::kCPU).contiguous()) : c10::IValue());
+  d.insert("cpu", r.cpu.defined() ? toPortable(r.cpu) : c10::IValue());
   c10::impl::GenericList cuda(c10::AnyType::get());
-  for (const auto& t : r.cuda) cuda.push_back(t.to(at::kCPU).contiguous());
+  for (const auto& t : r.cuda) cuda.push_back(toPortable(t));
   d.insert("cuda", cuda);
   return d;
+}
+
+// torch::pickle_save's archive (Python's torch.save zip format), but with untagged containers:
+// pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
+// torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
+// tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
+std::vector<char> pickleArchive(const c10::IValue& top) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(top);
+  pickler.stop();
+  const auto& tensors = pickler.tensorData();
+  std::size_t total = pickled.size() + 4096;
+  for (const auto& t : tensors) total += t.storage().nbytes() + 128;
+  std::vector<char> archive;
+  archive.reserve(total);
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const char*>(p);
+    archive.insert(archive.end(), c, c + n);
+    return n;
+  });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
+    writer.writeRecord("data/" + std::to_string(i), t.storage().data(), t.storage().nbytes());
+  }
+  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
+  writer.writeEndOfFile();
+  return archive;
 }
 
 std::string describeType(const c10::IValue& v) {
@@ -282,7 +314,7 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
   c10::Dict<std::string, at::Tensor> model;
   for (const auto& e : s.modelState) {
     if (!e.value().defined()) throw std::invalid_argument("MODEL_STATE['" + e.key() + "'] is undefined");
-    model.insert(e.key(), e.value().detach().to(at::kCPU).contiguous());
+    model.insert(e.key(), toPortable(e.value()).toTensor());
   }
   top.insert(kModelKey, model);
   top.insert(kOptimizerTypeKey, s.optimizerType);
@@ -315,7 +347,7 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
   // it to `header` afterwards puts it into `top` too.
   s.header.contentDigest = contentDigest(top, "snapshot");
   header.insert(kDigestKey, s.header.contentDigest);
-  return torch::jit::pickle_save(top);
+  return pickleArchive(top);
 }
 
 // ---- Decoding ---------------------------------------------------------------------------------------

@@ -482,7 +482,7 @@ ItemDict captureOptimizerState(const torch::optim::Optimizer& optimizer, std::st
   for (const auto& group : optimizer.param_groups()) {
     auto g = newStringDict();
     captureGroupOptions(type, group.options(), g);
-    c10::List<std::int64_t> ids;
+    c10::impl::GenericList ids(c10::AnyType::get());  // a plain list, like Python's
     for (const auto& p : group.params()) {
       auto st = captureParamState(type, optimizer, p);
       if (!st.isNone()) states.insert(index, st);

@@ -8,8 +8,11 @@
 #   check_snapshot.py others <dir>                   foreign.pt (torch.save of another dict),
 #                     legacy.pt (pre-zip format), module.pt (a pickled nn.Module)
 import hashlib
+import pickle
+import pickletools
 import struct
 import sys
+import zipfile
 
 import torch
 
@@ -92,8 +95,30 @@ def check(cond, what):
         raise AssertionError(what)
 
 
+# What torch.load(weights_only=True) - the default since PyTorch 2.6 - lets a pickle reference.
+WEIGHTS_ONLY_GLOBALS = {"torch._utils _rebuild_tensor_v2", "collections OrderedDict"}
+
+
+def pickle_globals(path):
+    with zipfile.ZipFile(path) as z:
+        name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+        data = z.read(name)
+    return {str(arg) for op, arg, _ in pickletools.genops(data) if op.name in ("GLOBAL", "STACK_GLOBAL")}
+
+
 def inspect(path):
-    snap = torch.load(path)
+    # Only tensor rebuilds and plain containers: no torch.jit._pickle helpers, which the
+    # weights-only loader refuses.
+    extra = {g for g in pickle_globals(path)
+             if g not in WEIGHTS_ONLY_GLOBALS and not (g.startswith("torch ") and g.endswith("Storage"))}
+    check(not extra, f"globals a weights-only torch.load refuses: {sorted(extra)}")
+    try:
+        snap = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # PyTorch 1.13's weights-only loader lacks the BINFLOAT opcode (any float); later ones have it.
+        if "Unsupported operand 71" not in str(e):
+            raise
+        snap = torch.load(path, weights_only=False)
     keys = ["CTORCH_SNAPSHOT", "MODEL_STATE", "OPTIMIZER_TYPE", "OPTIMIZER_STATE",
             "LR_SCHEDULER_STATE", "EPOCHS_RUN", "STEP_IN_EPOCH", "GLOBAL_STEP", "SAMPLER_STATE",
             "RNG_STATE", "USER_STATE"]
