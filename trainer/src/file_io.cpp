@@ -60,18 +60,20 @@ std::vector<char> readWholeFile(const std::filesystem::path& path) {
   if (fd.get() < 0) throwErrno(errno, "open", path);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throwErrno(errno, "stat", path);
-  std::vector<char> data;
-  data.reserve(static_cast<std::size_t>(st.st_size));
-  char buffer[1 << 16];
+  // Read straight into a buffer of the size stat reports; grow if the file turns out longer.
+  std::vector<char> data(static_cast<std::size_t>(st.st_size) + 1);
+  std::size_t have = 0;
   for (;;) {
-    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+    if (have == data.size()) data.resize(data.size() * 2 + 4096);
+    const ssize_t n = ::read(fd.get(), data.data() + have, data.size() - have);
     if (n < 0) {
       if (errno == EINTR) continue;
       throwErrno(errno, "read", path);
     }
     if (n == 0) break;
-    data.insert(data.end(), buffer, buffer + n);
+    have += static_cast<std::size_t>(n);
   }
+  data.resize(have);
   return data;
 }
 

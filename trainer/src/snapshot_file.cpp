@@ -163,7 +163,7 @@ std::vector<fs::path> listSnapshotFiles(const fs::path& slot) {
   for (const auto& entry : fs::directory_iterator(directoryOf(slot), ec)) {
     const std::string name = entry.path().filename().string();
     if (name == base) found.emplace_back(0, slot);
-    else if (const long n = suffixNumber(name, base); n > 0) found.emplace_back(n, numbered(slot, static_cast<int>(n)));
+    else if (const long n = suffixNumber(name, base); n > 0) found.emplace_back(n, slot.parent_path() / name);
   }
   std::sort(found.begin(), found.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });

@@ -13,7 +13,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
+#include <functional>
 #include <mutex>
+#include <set>
 
 namespace ctorch {
 namespace {
