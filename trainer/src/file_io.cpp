@@ -1,0 +1,133 @@
+#include "file_io.hpp"
+
+#include <cerrno>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <system_error>
+#include <unistd.h>
+
+#include <atomic>
+
+namespace ctorch::detail {
+namespace {
+
+[[noreturn]] void throwErrno(int err, const std::string& what, const std::filesystem::path& p) {
+  throw std::system_error(err, std::generic_category(), what + " " + p.string());
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // Closes now so that a failing close (e.g. a deferred write error on NFS) is reported.
+  void close(const std::filesystem::path& p) {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throwErrno(errno, "close", p);
+  }
+
+ private:
+  int fd_;
+};
+
+void writeAll(int fd, const char* data, std::size_t size, const std::filesystem::path& p) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throwErrno(errno, "write", p);
+    }
+    data += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+void fsyncFd(int fd, const std::filesystem::path& p) {
+  while (::fsync(fd) != 0) {
+    if (errno != EINTR) throwErrno(errno, "fsync", p);
+  }
+}
+
+} // namespace
+
+std::vector<char> readWholeFile(const std::filesystem::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throwErrno(errno, "open", path);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throwErrno(errno, "stat", path);
+  // Read straight into a buffer of the size stat reports; grow if the file turns out longer.
+  std::vector<char> data(static_cast<std::size_t>(st.st_size) + 1);
+  std::size_t have = 0;
+  for (;;) {
+    if (have == data.size()) data.resize(data.size() * 2 + 4096);
+    const ssize_t n = ::read(fd.get(), data.data() + have, data.size() - have);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throwErrno(errno, "read", path);
+    }
+    if (n == 0) break;
+    have += static_cast<std::size_t>(n);
+  }
+  data.resize(have);
+  return data;
+}
+
+std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
+                                    const char* data, std::size_t size) {
+  static std::atomic<unsigned> counter{0};
+  std::filesystem::path tmp;
+  int raw = -1;
+  for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
+    tmp = dir / (prefix + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (raw < 0 && errno != EEXIST) throwErrno(errno, "create", tmp);
+  }
+  if (raw < 0) throwErrno(EEXIST, "create", tmp);
+  Fd fd(raw);
+  try {
+    writeAll(fd.get(), data, size, tmp);
+    fsyncFd(fd.get(), tmp);
+    fd.close(tmp);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  return tmp;
+}
+
+void fsyncDirectory(const std::filesystem::path& dir) {
+  Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) throwErrno(errno, "open directory", dir);
+  // Some file systems refuse fsync on directories (EINVAL); their metadata is then as durable as
+  // they make it, and there is nothing more a program can do.
+  while (::fsync(fd.get()) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EINVAL || errno == ENOTSUP) break;
+    throwErrno(errno, "fsync directory", dir);
+  }
+}
+
+void renameFile(const std::filesystem::path& from, const std::filesystem::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throwErrno(errno, "rename " + from.string() + " to", to);
+}
+
+void writeFileAtomically(const std::filesystem::path& path, const std::string& content) {
+  const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  const auto tmp = writeTempFile(dir, "." + path.filename().string() + ".tmp-", content.data(),
+                                 content.size());
+  try {
+    renameFile(tmp, path);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  fsyncDirectory(dir);
+}
+
+} // namespace ctorch::detail

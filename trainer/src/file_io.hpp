@@ -1,0 +1,26 @@
+// Small POSIX file helpers for durable writes (write fully, fsync file and directory, atomic
+// replace). Failures become std::system_error naming the path. Private to the library.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace ctorch::detail {
+
+// The whole content of `path`; throws std::system_error (ENOENT when missing).
+std::vector<char> readWholeFile(const std::filesystem::path& path);
+
+// Creates a new file `<dir>/<prefix><pid>-<n>` (O_EXCL), writes `size` bytes, fsyncs and closes
+// it. Removes it again if anything fails. Returns its path.
+std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
+                                    const char* data, std::size_t size);
+
+void fsyncDirectory(const std::filesystem::path& dir);
+void renameFile(const std::filesystem::path& from, const std::filesystem::path& to);
+
+// Temp file next to `path`, fsync, rename over `path`, fsync the directory.
+void writeFileAtomically(const std::filesystem::path& path, const std::string& content);
+
+} // namespace ctorch::detail

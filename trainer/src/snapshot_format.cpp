@@ -1,0 +1,505 @@
+// The snapshot file format: IValue layout, header, digest, and the checks on load.
+#include "ctorch/snapshot.hpp"
+
+#include "ctorch/digest.hpp"
+#include "zip_check.hpp"
+
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <sstream>
+
+namespace ctorch {
+namespace {
+
+// Top-level keys. MODEL_STATE and EPOCHS_RUN are the names of PyTorch's torchrun tutorial.
+constexpr const char* kHeaderKey = "CTORCH_SNAPSHOT";
+constexpr const char* kModelKey = "MODEL_STATE";
+constexpr const char* kOptimizerTypeKey = "OPTIMIZER_TYPE";
+constexpr const char* kOptimizerKey = "OPTIMIZER_STATE";
+constexpr const char* kSchedulerKey = "LR_SCHEDULER_STATE";
+constexpr const char* kEpochsRunKey = "EPOCHS_RUN";
+constexpr const char* kStepInEpochKey = "STEP_IN_EPOCH";
+constexpr const char* kGlobalStepKey = "GLOBAL_STEP";
+constexpr const char* kSamplerKey = "SAMPLER_STATE";
+constexpr const char* kRngKey = "RNG_STATE";
+constexpr const char* kUserKey = "USER_STATE";
+constexpr const char* kDigestKey = "content_digest";
+
+using Kind = SnapshotCorrupt::Kind;
+
+c10::impl::GenericDict newStringDict() {
+  return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+}
+
+std::string utcText(std::chrono::system_clock::time_point t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(t);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// Tensors the trainer put into its own dicts may live on a GPU or be views of something larger:
+// store contiguous CPU copies so that any reader (Python without CUDA too) gets exactly them.
+c10::IValue toPortable(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return c10::IValue();
+    // Already a CPU tensor owning exactly its storage (what captureSnapshot makes): no copy.
+    if (t.device().is_cpu() && t.is_contiguous() && t.storage_offset() == 0 &&
+        t.storage().nbytes() == static_cast<std::size_t>(t.numel()) * t.element_size() &&
+        !t.requires_grad())
+      return t;
+    return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous);
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), c10::AnyType::get());
+    for (const auto& e : d) out.insert(e.key(), toPortable(e.value()));
+    return out;
+  }
+  if (v.isList()) {
+    // Always a plain list: typed lists (List[int], List[float], ...) would be pickled through
+    // torch.jit._pickle.build_* functions, which torch.load(weights_only=True) refuses.
+    c10::impl::GenericList out(c10::AnyType::get());
+    for (const auto& x : v.toListRef()) out.push_back(toPortable(x));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const auto& x : v.toTupleRef().elements()) elements.push_back(toPortable(x));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+c10::impl::GenericDict portableDict(const ItemDict& d) {
+  auto out = newStringDict();
+  for (const auto& e : d) out.insert(e.key(), toPortable(e.value()));
+  return out;
+}
+
+c10::impl::GenericDict rngDict(const RngState& r) {
+  auto d = newStringDict();
+  d.insert("cpu", r.cpu.defined() ? toPortable(r.cpu) : c10::IValue());
+  c10::impl::GenericList cuda(c10::AnyType::get());
+  for (const auto& t : r.cuda) cuda.push_back(toPortable(t));
+  d.insert("cuda", cuda);
+  return d;
+}
+
+// torch::pickle_save's archive (Python's torch.save zip format), but with untagged containers:
+// pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
+// torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
+// tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
+std::vector<char> pickleArchive(const c10::IValue& top) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(top);
+  pickler.stop();
+  const auto& tensors = pickler.tensorData();
+  std::size_t total = pickled.size() + 4096;
+  for (const auto& t : tensors) total += t.storage().nbytes() + 128;
+  std::vector<char> archive;
+  archive.reserve(total);
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const char*>(p);
+    archive.insert(archive.end(), c, c + n);
+    return n;
+  });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
+    writer.writeRecord("data/" + std::to_string(i), t.storage().data(), t.storage().nbytes());
+  }
+  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
+  writer.writeEndOfFile();
+  return archive;
+}
+
+std::string describeType(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    std::string keys;
+    int n = 0;
+    for (const auto& e : v.toGenericDict()) {
+      if (n++ == 8) {
+        keys += ", ...";
+        break;
+      }
+      keys += (keys.empty() ? "" : ", ") +
+              (e.key().isString() ? e.key().toStringRef() : e.key().tagKind());
+    }
+    return "a dict with keys [" + keys + "]";
+  }
+  return "a " + v.tagKind();
+}
+
+// ---- Reading typed fields, each failure naming the entry ------------------------------------------
+class FieldReader {
+ public:
+  FieldReader(const std::filesystem::path& file, Kind kind) : file_(file), kind_(kind) {}
+
+  [[noreturn]] void fail(const std::string& detail) const {
+    throw SnapshotCorrupt(file_, kind_, detail);
+  }
+  const c10::IValue& get(const c10::impl::GenericDict& d, const std::string& key,
+                         const std::string& where) const {
+    auto it = d.find(key);
+    if (it == d.end()) fail(where + " has no '" + key + "' entry");
+    return it->value();
+  }
+  std::int64_t integer(const c10::impl::GenericDict& d, const std::string& key,
+                       const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isInt()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected an int");
+    return v.toInt();
+  }
+  bool boolean(const c10::impl::GenericDict& d, const std::string& key,
+               const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isBool()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected a bool");
+    return v.toBool();
+  }
+  std::string text(const c10::impl::GenericDict& d, const std::string& key,
+                   const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isString()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected a str");
+    return v.toStringRef();
+  }
+  c10::impl::GenericDict dict(const c10::IValue& v, const std::string& where) const {
+    if (!v.isGenericDict()) fail(where + " is " + describeType(v) + ", expected a dict");
+    return v.toGenericDict();
+  }
+  ItemDict stringKeyed(const c10::IValue& v,
+                                                  const std::string& where) const {
+    auto out = newItemDict();
+    for (const auto& e : dict(v, where)) {
+      if (!e.key().isString()) fail(where + " has a key of type " + e.key().tagKind());
+      out.insert(e.key().toStringRef(), e.value());
+    }
+    return out;
+  }
+
+ private:
+  const std::filesystem::path& file_;
+  Kind kind_;
+};
+
+std::string leadingBytes(const std::vector<char>& bytes) {
+  std::size_t zeros = 0;
+  while (zeros < bytes.size() && bytes[zeros] == 0) ++zeros;
+  if (zeros >= 16) return "starts with " + std::to_string(zeros) + " zero bytes";
+  std::ostringstream os;
+  os << "starts with bytes";
+  for (std::size_t i = 0; i < std::min<std::size_t>(bytes.size(), 8); ++i) {
+    static const char* kHex = "0123456789abcdef";
+    const auto b = static_cast<unsigned char>(bytes[i]);
+    os << ' ' << kHex[b >> 4] << kHex[b & 15];
+  }
+  return os.str();
+}
+
+std::string errorText(const std::exception& e) {
+  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+} // namespace
+
+ItemDict newItemDict() {
+  return c10::impl::toTypedDict<std::string, c10::IValue>(
+      c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
+}
+
+// ---- Errors ----------------------------------------------------------------------------------------
+SnapshotError::SnapshotError(std::filesystem::path file, const std::string& message)
+    : std::runtime_error(message), file_(std::move(file)) {}
+
+SnapshotNotFound::SnapshotNotFound(std::filesystem::path file)
+    : SnapshotError(file, "snapshot " + file.string() + " does not exist") {}
+
+const char* SnapshotCorrupt::kindName(Kind kind) {
+  switch (kind) {
+    case Kind::Empty: return "empty";
+    case Kind::Zeroed: return "zeroed";
+    case Kind::Foreign: return "not a ctorch snapshot";
+    case Kind::Truncated: return "truncated";
+    case Kind::Damaged: return "damaged archive";
+    case Kind::Checksum: return "checksum mismatch";
+    case Kind::BadHeader: return "bad header";
+    case Kind::Digest: return "content digest mismatch";
+    case Kind::BadContent: return "bad content";
+  }
+  return "corrupt";
+}
+
+SnapshotCorrupt::SnapshotCorrupt(std::filesystem::path file, Kind kind, const std::string& detail)
+    : SnapshotError(file, "snapshot " + file.string() + " is unusable (" + kindName(kind) +
+                              "): " + detail),
+      kind_(kind) {}
+
+namespace {
+std::string joinDifferences(const std::vector<std::string>& differences) {
+  std::string out;
+  for (const auto& d : differences) out += (out.empty() ? "" : "; ") + d;
+  return out;
+}
+} // namespace
+
+SnapshotIncompatible::SnapshotIncompatible(std::filesystem::path file,
+                                           std::vector<std::string> differences)
+    : SnapshotError(file, "snapshot " + file.string() + " does not fit this run: " +
+                              joinDifferences(differences)),
+      differences_(std::move(differences)) {}
+
+// ---- Expectation ------------------------------------------------------------------------------------
+std::vector<std::string> compareWithExpectation(const SnapshotHeader& header,
+                                                const SnapshotExpectation& expect) {
+  std::vector<std::string> diffs;
+  if (!expect.modelName.empty() && expect.modelName != header.modelName)
+    diffs.push_back("model name is '" + header.modelName + "' in the snapshot, '" +
+                    expect.modelName + "' in this run");
+  if (expect.worldSize && *expect.worldSize != header.worldSize)
+    diffs.push_back("world size is " + std::to_string(header.worldSize) + " in the snapshot, " +
+                    std::to_string(*expect.worldSize) + " in this run");
+  if (expect.config) {
+    const auto& mine = *expect.config;
+    const auto& theirs = header.config;
+    for (const auto& [key, value] : theirs) {
+      auto it = mine.find(key);
+      if (it == mine.end())
+        diffs.push_back("config '" + key + "' is only in the snapshot ('" + value + "')");
+      else if (it->second != value)
+        diffs.push_back("config '" + key + "' is '" + value + "' in the snapshot, '" +
+                        it->second + "' in this run");
+    }
+    for (const auto& [key, value] : mine)
+      if (!theirs.count(key))
+        diffs.push_back("config '" + key + "' is only in this run ('" + value + "')");
+  }
+  return diffs;
+}
+
+// ---- Encoding ---------------------------------------------------------------------------------------
+std::vector<char> encodeSnapshot(Snapshot& s) {
+  auto header = newStringDict();
+  header.insert("magic", s.header.magic);
+  header.insert("format_version", s.header.formatVersion);
+  header.insert("world_size", s.header.worldSize);
+  header.insert("model_name", s.header.modelName);
+  auto config = newStringDict();
+  for (const auto& [k, v] : s.header.config) config.insert(k, v);
+  header.insert("config", config);
+  header.insert("config_hash", s.header.configHash);
+  header.insert("created_unix",
+                static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                              s.header.createdAt.time_since_epoch())
+                                              .count()));
+  header.insert("created_utc", utcText(s.header.createdAt));
+  header.insert("ctorch_version", s.header.ctorchVersion);
+  header.insert("torch_version", s.header.torchVersion);
+
+  auto top = newStringDict();
+  top.insert(kHeaderKey, header);
+  c10::Dict<std::string, at::Tensor> model;
+  for (const auto& e : s.modelState) {
+    if (!e.value().defined()) throw std::invalid_argument("MODEL_STATE['" + e.key() + "'] is undefined");
+    model.insert(e.key(), toPortable(e.value()).toTensor());
+  }
+  top.insert(kModelKey, model);
+  top.insert(kOptimizerTypeKey, s.optimizerType);
+  top.insert(kOptimizerKey, s.optimizerType.empty() ? c10::IValue() : c10::IValue(portableDict(s.optimizerState)));
+  top.insert(kSchedulerKey, portableDict(s.schedulerState));
+  top.insert(kEpochsRunKey, s.epochsRun);
+  top.insert(kStepInEpochKey, s.stepInEpoch);
+  top.insert(kGlobalStepKey, s.globalStep);
+  if (s.sampler) {
+    auto sampler = newStringDict();
+    sampler.insert("epoch", s.sampler->epoch);
+    sampler.insert("consumed", s.sampler->consumed);
+    sampler.insert("world_size", s.sampler->worldSize);
+    sampler.insert("dataset_size", s.sampler->datasetSize);
+    sampler.insert("seed", s.sampler->seed);
+    sampler.insert("shuffle", s.sampler->shuffle);
+    sampler.insert("drop_last", s.sampler->dropLast);
+    top.insert(kSamplerKey, sampler);
+  } else {
+    top.insert(kSamplerKey, c10::IValue());
+  }
+  auto rng = rngDict(s.rng);
+  c10::impl::GenericList ranks(c10::AnyType::get());
+  for (const auto& r : s.rankRng) ranks.push_back(rngDict(r));
+  rng.insert("ranks", ranks);
+  top.insert(kRngKey, rng);
+  top.insert(kUserKey, portableDict(s.userState));
+
+  // The digest covers everything in the file except itself; IValue dicts are shared, so adding
+  // it to `header` afterwards puts it into `top` too.
+  s.header.contentDigest = contentDigest(top, "snapshot");
+  header.insert(kDigestKey, s.header.contentDigest);
+  return pickleArchive(top);
+}
+
+// ---- Decoding ---------------------------------------------------------------------------------------
+Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::path& file) {
+  auto corrupt = [&](Kind kind, const std::string& detail) -> SnapshotCorrupt {
+    return SnapshotCorrupt(file, kind, detail);
+  };
+  if (bytes.empty()) throw corrupt(Kind::Empty, "the file has 0 bytes");
+  if (std::all_of(bytes.begin(), bytes.end(), [](char c) { return c == 0; }))
+    throw corrupt(Kind::Zeroed, "all " + std::to_string(bytes.size()) +
+                                    " bytes are zero (typically a crash before the data reached "
+                                    "the disk)");
+
+  // 1. The archive: structure and the CRC-32 of every record, before anything is parsed.
+  const auto zip = detail::checkZipArchive(bytes.data(), bytes.size());
+  if (!zip.problems.empty()) {
+    const auto& p = zip.problems.front();
+    switch (p.kind) {
+      case detail::ZipProblem::Kind::NotZip: {
+        std::string what = "not a torch.save archive: " + p.detail + " (" + leadingBytes(bytes) + ")";
+        if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80)
+          what = "a legacy (pre-zip) torch.save / pickle file, not a ctorch snapshot";
+        throw corrupt(Kind::Foreign, what);
+      }
+      case detail::ZipProblem::Kind::Truncated: throw corrupt(Kind::Truncated, p.detail);
+      case detail::ZipProblem::Kind::Damaged: throw corrupt(Kind::Damaged, p.detail);
+      case detail::ZipProblem::Kind::Checksum: throw corrupt(Kind::Checksum, p.detail);
+    }
+  }
+  const bool hasPickle = std::any_of(zip.records.begin(), zip.records.end(), [](const auto& r) {
+    return r.name.size() >= 9 && r.name.compare(r.name.size() - 9, 9, "/data.pkl") == 0;
+  });
+  if (!hasPickle) throw corrupt(Kind::Foreign, "a zip archive without a data.pkl record, not a torch.save file");
+
+  // 2. The pickle. The records are intact, so a failure here means a file written by something
+  //    else (e.g. torch.save of Python objects LibTorch cannot rebuild).
+  c10::IValue top;
+  try {
+    top = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    std::string why = errorText(e);
+    if (why.find("Unknown opcode") != std::string::npos)
+      why += " (Python's pickle uses opcodes older LibTorch releases cannot read, e.g. APPEND for "
+             "a one-element list when Python re-saved the file; LibTorch 1.13 has this gap)";
+    throw corrupt(Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+  }
+  if (!top.isGenericDict()) throw corrupt(Kind::Foreign, "a torch.save file holding " + describeType(top));
+  auto topDict = top.toGenericDict();
+  auto headerIt = topDict.find(kHeaderKey);
+  if (headerIt == topDict.end())
+    throw corrupt(Kind::Foreign, "a torch.save file holding " + describeType(top) + ", without a '" +
+                                     kHeaderKey + "' header");
+
+  // 3. The header.
+  const FieldReader hr(file, Kind::BadHeader);
+  auto header = hr.dict(headerIt->value(), kHeaderKey);
+  const auto magicIt = header.find("magic");
+  if (magicIt == header.end() || !magicIt->value().isString() ||
+      magicIt->value().toStringRef() != kSnapshotMagic)
+    throw corrupt(Kind::Foreign, std::string("the '") + kHeaderKey + "' header lacks the magic '" +
+                                     kSnapshotMagic + "'");
+  Snapshot s;
+  s.source = file;
+  s.header.magic = kSnapshotMagic;
+  s.header.formatVersion = hr.integer(header, "format_version", kHeaderKey);
+  if (s.header.formatVersion > kSnapshotFormatVersion)
+    throw SnapshotIncompatible(file, {"format version " + std::to_string(s.header.formatVersion) +
+                                      " is newer than this ctorch reads (up to " +
+                                      std::to_string(kSnapshotFormatVersion) +
+                                      "); it was written by " +
+                                      (header.contains("ctorch_version") && header.at("ctorch_version").isString()
+                                           ? header.at("ctorch_version").toStringRef()
+                                           : std::string("a newer ctorch"))});
+  if (s.header.formatVersion < 1)
+    throw corrupt(Kind::BadHeader, "format version " + std::to_string(s.header.formatVersion));
+  s.header.contentDigest = hr.text(header, kDigestKey, kHeaderKey);
+
+  // 4. The digest, over everything but itself (as written: see encodeSnapshot).
+  (void)header.erase(kDigestKey);
+  std::string actual;
+  try {
+    actual = contentDigest(top, "snapshot");
+  } catch (const std::invalid_argument& e) {
+    throw corrupt(Kind::BadContent, e.what());
+  }
+  if (actual != s.header.contentDigest)
+    throw corrupt(Kind::Digest, "recorded " + s.header.contentDigest + ", computed " + actual +
+                                    " (the content changed after it was written)");
+
+  s.header.worldSize = hr.integer(header, "world_size", kHeaderKey);
+  s.header.modelName = hr.text(header, "model_name", kHeaderKey);
+  for (const auto& e : hr.dict(hr.get(header, "config", kHeaderKey), "config")) {
+    if (!e.key().isString() || !e.value().isString())
+      hr.fail("config entries must be str -> str");
+    s.header.config[e.key().toStringRef()] = e.value().toStringRef();
+  }
+  s.header.configHash = hr.text(header, "config_hash", kHeaderKey);
+  s.header.createdAt = std::chrono::system_clock::time_point(
+      std::chrono::seconds(hr.integer(header, "created_unix", kHeaderKey)));
+  s.header.ctorchVersion = hr.text(header, "ctorch_version", kHeaderKey);
+  s.header.torchVersion = hr.text(header, "torch_version", kHeaderKey);
+
+  // 5. The content.
+  const FieldReader cr(file, Kind::BadContent);
+  for (const auto& e : cr.dict(cr.get(topDict, kModelKey, "snapshot"), kModelKey)) {
+    if (!e.key().isString() || !e.value().isTensor())
+      cr.fail(std::string(kModelKey) + " must map str -> Tensor, found " + e.key().tagKind() +
+              " -> " + e.value().tagKind());
+    s.modelState.insert(e.key().toStringRef(), e.value().toTensor());
+  }
+  s.optimizerType = cr.text(topDict, kOptimizerTypeKey, "snapshot");
+  const auto& opt = cr.get(topDict, kOptimizerKey, "snapshot");
+  if (!s.optimizerType.empty()) s.optimizerState = cr.stringKeyed(opt, kOptimizerKey);
+  s.schedulerState = cr.stringKeyed(cr.get(topDict, kSchedulerKey, "snapshot"), kSchedulerKey);
+  s.epochsRun = cr.integer(topDict, kEpochsRunKey, "snapshot");
+  s.stepInEpoch = cr.integer(topDict, kStepInEpochKey, "snapshot");
+  s.globalStep = cr.integer(topDict, kGlobalStepKey, "snapshot");
+  const auto& samplerValue = cr.get(topDict, kSamplerKey, "snapshot");
+  if (!samplerValue.isNone()) {
+    const auto d = cr.dict(samplerValue, kSamplerKey);
+    SamplerState st;
+    st.epoch = cr.integer(d, "epoch", kSamplerKey);
+    st.consumed = cr.integer(d, "consumed", kSamplerKey);
+    st.worldSize = cr.integer(d, "world_size", kSamplerKey);
+    st.datasetSize = cr.integer(d, "dataset_size", kSamplerKey);
+    st.seed = cr.integer(d, "seed", kSamplerKey);
+    st.shuffle = cr.boolean(d, "shuffle", kSamplerKey);
+    st.dropLast = cr.boolean(d, "drop_last", kSamplerKey);
+    s.sampler = st;
+  }
+  auto readRng = [&](const c10::IValue& v, const std::string& where) {
+    const auto d = cr.dict(v, where);
+    RngState r;
+    const auto& cpu = cr.get(d, "cpu", where);
+    if (cpu.isTensor()) r.cpu = cpu.toTensor();
+    else if (!cpu.isNone()) cr.fail(where + "['cpu'] is " + describeType(cpu));
+    const auto& cuda = cr.get(d, "cuda", where);
+    if (!cuda.isList()) cr.fail(where + "['cuda'] is " + describeType(cuda));
+    for (const auto& t : cuda.toListRef()) {
+      if (!t.isTensor()) cr.fail(where + "['cuda'] holds " + describeType(t));
+      r.cuda.push_back(t.toTensor());
+    }
+    return r;
+  };
+  const auto& rngValue = cr.get(topDict, kRngKey, "snapshot");
+  s.rng = readRng(rngValue, kRngKey);
+  const auto& ranks = cr.get(cr.dict(rngValue, kRngKey), "ranks", kRngKey);
+  if (!ranks.isList()) cr.fail(std::string(kRngKey) + "['ranks'] is " + describeType(ranks));
+  for (std::size_t i = 0; i < ranks.toListRef().size(); ++i)
+    s.rankRng.push_back(readRng(ranks.toListRef()[i], std::string(kRngKey) + "['ranks'][" + std::to_string(i) + "]"));
+  s.userState = cr.stringKeyed(cr.get(topDict, kUserKey, "snapshot"), kUserKey);
+  return s;
+}
+
+} // namespace ctorch
