@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/nn/modules/embedding.h>
 
+#include <c10/util/Type.h>
+
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -88,9 +90,11 @@ bool producesSparseGradient(const torch::nn::Module& m) {
 
 void DDPOptions::validate() const {
   auto positive = [](double v, const char* name) {
-    if (!(v > 0.0) || v * kMiB > static_cast<double>(std::numeric_limits<int64_t>::max()))
-      throw ConfigError(std::string("DDPOptions::") + name + " must be a positive number of MiB, got " +
-                        std::to_string(v));
+    if (!(v > 0.0) || v * kMiB > static_cast<double>(std::numeric_limits<int64_t>::max())) {
+      std::ostringstream os;
+      os << "DDPOptions::" << name << " must be a positive number of MiB, got " << v;
+      throw ConfigError(os.str());
+    }
   };
   positive(bucketCapMb_, "bucketCapMb");
   positive(firstBucketCapMb_, "firstBucketCapMb");
@@ -244,7 +248,7 @@ std::vector<at::Tensor> detail::DDPCore::endForward(const std::vector<at::Tensor
     throw ConfigError(std::string("DistributedDataParallel with ") +
                       (unusedSearch ? "findUnusedParameters" : "staticGraph") +
                       " must see the tensors the module's forward returns, but it cannot look inside '" +
-                      (outputType ? outputType : "?") +
+                      (outputType ? c10::demangle(outputType) : std::string("?")) +
                       "': return a Tensor, or a std::vector / std::tuple / std::pair / std::optional of them");
   try {
     if (grad && s.requireBackwardGradSync) {
