@@ -17,6 +17,8 @@ trap cleanup EXIT
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+# Paths under the fresh temporary prefix differ on every run: relative to it, ccache hits again.
+export CCACHE_BASEDIR=$tmp CCACHE_NOHASHDIR=1
 cmake -S "$here" -B "$tmp/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" "${launcher[@]}" >/dev/null
 cmake --build "$tmp/build" --parallel 2 >/dev/null
 consumer=$tmp/build/consumer
