@@ -10,6 +10,8 @@
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/cuda.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -123,6 +125,18 @@ void storeBarrier(c10d::Store& store, const compat::InitBarrierRule& rule, int w
 
 bool cudaUsable() { return kHasNccl && torch::cuda::is_available(); }
 
+// cuda:LOCAL_RANK becomes the current device, through the device-generic guard interface (no CUDA
+// headers needed, so this compiles in CPU-only builds too).
+void bindCudaDevice(const DistributedEnv& env) {
+  const auto count = static_cast<int>(torch::cuda::device_count());
+  if (count == 0) return;
+  const int index = count == 1 ? 0 : env.localRank;
+  if (index >= count)
+    throw ConfigError("LOCAL_RANK " + std::to_string(env.localRank) + " (" + env.localRankFrom + ") has no GPU: only " +
+                      std::to_string(count) + " CUDA devices are visible");
+  c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(c10::Device(c10::DeviceType::CUDA, index));
+}
+
 State& initializedState() {
   State& s = state();
   if (!s.group)
@@ -177,6 +191,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
       break;
   }
   const auto defaultKind = useNccl ? compat::BackendKind::kNccl : compat::BackendKind::kGloo;
+  if (useNccl && options.bindCudaDevice) bindCudaDevice(env);
 
   const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
   std::string phase;

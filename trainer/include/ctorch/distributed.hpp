@@ -33,6 +33,9 @@ struct ProcessGroupOptions {
   // Network interface(s) for Gloo, comma-separated ("eth0,eth1"). Empty: GLOO_SOCKET_IFNAME, else the
   // address this host's name resolves to (Python's rule).
   std::string glooInterface;
+  // With NCCL: make cuda:LOCAL_RANK this process's current device (cuda:0 when each process sees a
+  // single GPU), so that ranks sharing a node do not all land on GPU 0.
+  bool bindCudaDevice = true;
   // Environment to read instead of the process's (tests, embedding). Unset: the process environment.
   EnvLookup environment;
 
