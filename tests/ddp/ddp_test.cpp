@@ -283,7 +283,7 @@ std::vector<Config> matrix(const std::string& model) {
           for (bool stat : {false, true})
             for (auto hook : {ctorch::CommHook::kNone, ctorch::CommHook::kAllreduce, ctorch::CommHook::kFp16Compress})
               for (int accum : {1, 2}) {
-                if (model == "mlp" && !bcast) continue;               // no buffers: nothing to vary
+                if (model != "convbn" && !bcast) continue;            // no buffers: nothing to vary
                 if (model == "cond" && (!unused || stat)) continue;   // needs the unused search
                 Config c;
                 c.model = model;

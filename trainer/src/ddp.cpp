@@ -80,6 +80,17 @@ struct DDPSink : torch::autograd::Function<DDPSink> {
   throw DistributedError(text);
 }
 
+// Each tensor once, detached, in module order: what Python's named_parameters()/named_buffers() (which
+// drop duplicates of shared tensors) feed to broadcast_coalesced. The same list on every rank, C++ or
+// Python, or the coalesced broadcasts do not line up.
+std::vector<at::Tensor> uniqueDetached(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& t : tensors)
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t.detach());
+  return out;
+}
+
 bool producesSparseGradient(const torch::nn::Module& m) {
   if (auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m)) return e->options.sparse();
   if (auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m)) return e->options.sparse();
@@ -127,9 +138,7 @@ struct detail::DDPCore::Impl {
 
   // Python's _sync_buffers: the buffers are collected again each time (a module may reassign them).
   void broadcastBuffers() {
-    std::vector<at::Tensor> buffers;
-    for (auto& b : module->buffers())
-      if (b.defined()) buffers.push_back(b.detach());
+    auto buffers = uniqueDetached(module->buffers());
     if (buffers.empty()) return;
     torch::NoGradGuard noGrad;
     c10d::broadcast_coalesced(group, buffers, kBroadcastBucketBytes, 0);
@@ -162,9 +171,12 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
     throw ConfigError("DistributedDataParallel is not needed when a module has no parameter that requires a gradient");
   std::set<c10::DeviceType> deviceTypes;
   for (const auto& p : s.params) deviceTypes.insert(p.device().type());
-  if (deviceTypes.size() != 1)
-    throw ConfigError("DistributedDataParallel's module must have all its parameters on one type of device "
-                      "(found CPU and CUDA parameters)");
+  if (deviceTypes.size() != 1) {
+    std::string found;
+    for (auto t : deviceTypes) found += (found.empty() ? "" : " and ") + c10::DeviceTypeName(t);
+    throw ConfigError("DistributedDataParallel's module must have all its parameters on one type of device, "
+                      "found " + found);
+  }
 
   const auto bucketBytes = static_cast<int64_t>(options.bucketCapMb() * kMiB);
   const auto firstBucketBytes = static_cast<int64_t>(options.firstBucketCapMb() * kMiB);
@@ -172,10 +184,8 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
     // Verify model equivalence, then make every rank start from rank 0's parameters and buffers.
     c10d::verify_params_across_processes(s.group, s.params, compat::kNullopt);
     {
-      std::vector<at::Tensor> states;
-      for (const auto& p : s.module->parameters()) states.push_back(p.detach());
-      for (const auto& b : s.module->buffers())
-        if (b.defined()) states.push_back(b.detach());
+      auto states = uniqueDetached(s.module->parameters());
+      for (auto& b : uniqueDetached(s.module->buffers())) states.push_back(b);
       torch::NoGradGuard noGrad;
       if (!states.empty()) c10d::broadcast_coalesced(s.group, states, kBroadcastBucketBytes, 0);
     }
