@@ -12,7 +12,7 @@
 int main() {
   std::cout << ctorch::versionString() << std::endl;
   try {
-    ctorch::initProcessGroup(ctorch::ProcessGroupOptions().withTimeout(std::chrono::seconds(60)));
+    ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
 
     torch::manual_seed(rank);  // different weights everywhere: DDP starts all ranks from rank 0's

@@ -300,7 +300,7 @@ std::vector<Config> matrix(const std::string& model) {
 }
 
 int initGroup() {
-  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().withTimeout(std::chrono::seconds(60)));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   return ctorch::getRank();
 }
 

@@ -24,8 +24,8 @@ namespace {
 
 ctorch::ProcessGroupOptions optionsFrom(const std::vector<std::string>& args) {
   ctorch::ProcessGroupOptions o;
-  o.timeout = std::chrono::milliseconds(argInt(args, "timeout_ms", 30000));
-  if (auto s = argInt(args, "store_timeout_ms", 0)) o.storeTimeout = std::chrono::milliseconds(s);
+  o.timeout(std::chrono::milliseconds(argInt(args, "timeout_ms", 30000)));
+  if (auto s = argInt(args, "store_timeout_ms", 0)) o.storeTimeout(std::chrono::milliseconds(s));
   return o;
 }
 
@@ -117,7 +117,7 @@ CTORCH_TEST_WORKER(pg_misuse) {
   }
   try {
     ctorch::ProcessGroupOptions o;
-    o.timeout = std::chrono::milliseconds(0);
+    o.timeout(std::chrono::milliseconds(0));
     o.validate();
     ++problems;
   } catch (const ctorch::ConfigError& e) {
@@ -132,7 +132,7 @@ CTORCH_TEST_WORKER(pg_misuse) {
 // The C++ side of a mixed C++/Python job: the same MLP, data and optimizer as python_peer.py.
 CTORCH_TEST_WORKER(mixed_peer) {
   const int steps = static_cast<int>(argInt(args, "steps", 3));
-  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().withTimeout(std::chrono::seconds(30)));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   if (!allreduceWorks()) return 30;
   torch::manual_seed(1234 + rank);  // different on every rank: DDP must broadcast rank 0's

@@ -61,7 +61,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
 std::vector<std::shared_ptr<::gloo::transport::Device>> glooDevices(const ProcessGroupOptions& options,
                                                                    const EnvLookup& lookup,
                                                                    const DistributedEnv& env) {
-  std::string interfaces = options.glooInterface;
+  std::string interfaces = options.glooInterface();
   if (interfaces.empty()) interfaces = lookup("GLOO_SOCKET_IFNAME").value_or("");
   std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
   for (const auto& name : split(interfaces, ','))
@@ -156,12 +156,12 @@ const char* toString(Backend backend) {
 }
 
 void ProcessGroupOptions::validate() const {
-  if (timeout.count() <= 0)
-    throw ConfigError("ProcessGroupOptions::timeout must be positive, got " + std::to_string(timeout.count()) + " ms");
-  if (storeTimeout && storeTimeout->count() <= 0)
+  if (timeout_.count() <= 0)
+    throw ConfigError("ProcessGroupOptions::timeout must be positive, got " + std::to_string(timeout_.count()) + " ms");
+  if (storeTimeout_ && storeTimeout_->count() <= 0)
     throw ConfigError("ProcessGroupOptions::storeTimeout must be positive, got " +
-                      std::to_string(storeTimeout->count()) + " ms");
-  if (backend == Backend::kNccl && !kHasNccl)
+                      std::to_string(storeTimeout_->count()) + " ms");
+  if (backend_ == Backend::kNccl && !kHasNccl)
     throw ConfigError("backend 'nccl' requested, but this LibTorch was built without NCCL (use gloo or auto)");
 }
 
@@ -174,13 +174,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     throw ConfigError("initProcessGroup() called twice: the default process group already exists "
                       "(call destroyProcessGroup() first)");
 
-  const EnvLookup lookup = options.environment ? options.environment : processEnvironment();
+  const EnvLookup lookup = options.environment() ? options.environment() : processEnvironment();
   const DistributedEnv env = detectDistributedEnv(lookup);
 
   // Backends. 1.13 has one per group; 2.x registers Gloo for CPU next to NCCL for CUDA (Python's
   // default when no backend is named).
   bool useNccl = false, useGloo = true;
-  switch (options.backend) {
+  switch (options.backend()) {
     case Backend::kAuto: useNccl = cudaUsable(); useGloo = CTORCH_TORCH_HAS_BACKENDS || !useNccl; break;
     case Backend::kGloo: break;
     case Backend::kNccl:
@@ -191,7 +191,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
       break;
   }
   const auto defaultKind = useNccl ? compat::BackendKind::kNccl : compat::BackendKind::kGloo;
-  if (useNccl && options.bindCudaDevice) bindCudaDevice(env);
+  if (useNccl && options.bindCudaDevice()) bindCudaDevice(env);
 
   const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
   std::string phase;
@@ -207,12 +207,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
               " (hosted by rank 0)";
     phase += " (store timeout " + seconds(storeTimeout) + ")";
     auto [root, hostWaitedFullTimeout] = makeStore(env, storeTimeout);
-    root->setTimeout(options.timeout);
+    root->setTimeout(options.timeout());
     // Python: "Use a PrefixStore to avoid accidental overrides of keys used by different systems".
     auto defaultPg = c10::make_intrusive<c10d::PrefixStore>("default_pg", root);
     auto group = compat::groupStore(defaultPg);
 
-    phase = "connecting to the other ranks (timeout " + seconds(options.timeout) + ")";
+    phase = "connecting to the other ranks (timeout " + seconds(options.timeout()) + ")";
     if (hostWaitedFullTimeout)
       phase = "hosting the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) + ": not all " +
               std::to_string(env.worldSize) + " ranks connected within the store timeout (" + seconds(storeTimeout) +
@@ -225,37 +225,37 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     };
     if (useGloo) {
       auto store = compat::backendStore(group, "cpu");
-      auto gloo = compat::makeGloo(store, env.rank, env.worldSize, glooDevices(options, lookup, env), options.timeout);
+      auto gloo = compat::makeGloo(store, env.rank, env.worldSize, glooDevices(options, lookup, env), options.timeout());
       sequenced.push_back(gloo);
       compat::BackendPtr backend = gloo;
       if (debugDetail) {
         auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
-                                       glooDevices(options, lookup, env), options.timeout);
+                                       glooDevices(options, lookup, env), options.timeout());
         backend = compat::wrapForDebug(backend, helper);
       }
       std::vector<c10::DeviceType> devices{c10::DeviceType::CPU};
-      if (options.backend == Backend::kGloo) devices.push_back(c10::DeviceType::CUDA);  // as Python
+      if (options.backend() == Backend::kGloo) devices.push_back(c10::DeviceType::CUDA);  // as Python
       backends.push_back({compat::BackendKind::kGloo, devices, backend});
     }
 #ifdef USE_C10D_NCCL
     if (useNccl) {
       auto store = compat::backendStore(group, "cuda");
-      auto nccl = compat::makeNccl(store, env.rank, env.worldSize, options.timeout);
+      auto nccl = compat::makeNccl(store, env.rank, env.worldSize, options.timeout());
       sequenced.push_back(nccl);
       if (debugDetail) {
         auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
-                                       glooDevices(options, lookup, env), options.timeout);
+                                       glooDevices(options, lookup, env), options.timeout());
         nccl = compat::wrapForDebug(nccl, helper);
       }
       backends.push_back({compat::BackendKind::kNccl, {c10::DeviceType::CUDA}, nccl});
     }
 #endif
     if (!compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
-    auto pg = compat::makeProcessGroup(group, env.rank, env.worldSize, options.timeout, backends, defaultKind);
+    auto pg = compat::makeProcessGroup(group, env.rank, env.worldSize, options.timeout(), backends, defaultKind);
 
-    phase = "waiting for every rank in the init barrier (timeout " + seconds(options.timeout) + ")";
+    phase = "waiting for every rank in the init barrier (timeout " + seconds(options.timeout()) + ")";
     const auto rule = compat::initBarrierRule(lookup("TORCH_DIST_INIT_BARRIER").value_or("") == "1");
-    if (rule.enabled) storeBarrier(*defaultPg, rule, env.worldSize, options.timeout);
+    if (rule.enabled) storeBarrier(*defaultPg, rule, env.worldSize, options.timeout());
     if (compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
 
     s.group = pg;

@@ -1,11 +1,12 @@
 // The default process group, created from the environment a worker gets from torchrun, ctorchrun or
 // plain srun (or a world of 1 with none), with the vocabulary of torch.distributed:
-//   ctorch::initProcessGroup();  ...  ctorch::getRank(), ctorch::barrier(), ctorch::destroyProcessGroup()
+//   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::minutes(5)));  ...  ctorch::getRank(), ctorch::barrier(), ctorch::destroyProcessGroup()
 #pragma once
 
 #include "ctorch/distributed_env.hpp"
 #include "ctorch/errors.hpp"
 
+#include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -23,29 +24,26 @@ enum class Backend {
 const char* toString(Backend backend);
 
 struct ProcessGroupOptions {
-  Backend backend = Backend::kAuto;
+  TORCH_ARG(Backend, backend) = Backend::kAuto;
   // Every collective and store operation, and Gloo's connection to its peers (Python's
   // init_process_group timeout, default 30 minutes).
-  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
   // Connecting to the TCPStore and, on the rank hosting it, waiting for every rank to connect.
   // Unset: the same as `timeout` (as in Python).
-  std::optional<std::chrono::milliseconds> storeTimeout;
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, storeTimeout);
   // Network interface(s) for Gloo, comma-separated ("eth0,eth1"). Empty: GLOO_SOCKET_IFNAME, else the
   // address this host's name resolves to (Python's rule).
-  std::string glooInterface;
+  TORCH_ARG(std::string, glooInterface);
   // With NCCL: make cuda:LOCAL_RANK this process's current device (cuda:0 when each process sees a
   // single GPU), so that ranks sharing a node do not all land on GPU 0.
-  bool bindCudaDevice = true;
+  TORCH_ARG(bool, bindCudaDevice) = true;
   // Environment to read instead of the process's (tests, embedding). Unset: the process environment.
-  EnvLookup environment;
+  TORCH_ARG(EnvLookup, environment);
 
-  ProcessGroupOptions& withBackend(Backend b) { backend = b; return *this; }
-  ProcessGroupOptions& withTimeout(std::chrono::milliseconds t) { timeout = t; return *this; }
-  ProcessGroupOptions& withStoreTimeout(std::chrono::milliseconds t) { storeTimeout = t; return *this; }
-
+ public:
   // Throws ConfigError for a value that cannot work (non-positive timeouts, NCCL without NCCL).
   void validate() const;
-  std::chrono::milliseconds effectiveStoreTimeout() const { return storeTimeout.value_or(timeout); }
+  std::chrono::milliseconds effectiveStoreTimeout() const { return storeTimeout_.value_or(timeout_); }
 };
 
 // Creates the default process group from the environment (see detectDistributedEnv for the rules)
