@@ -28,8 +28,8 @@
 namespace ctorch::compat {
 
 // ---- optional -----------------------------------------------------------------------------------
-// c10::optional is its own type up to 2.2 and an alias of std::optional since; naming it works in
-// both, so c10 APIs taking optionals are always called with this spelling.
+// c10::optional is its own type in 1.13 and early 2.x and an alias of std::optional in later 2.x;
+// naming it works in all of them, so c10 APIs taking optionals are called with this spelling.
 template <class T>
 using Optional = c10::optional<T>;
 inline constexpr auto kNullopt = c10::nullopt;
@@ -133,8 +133,8 @@ struct BoundBackend {
 // Assembles the default process group from its backends. 1.13: the single backend is the group.
 // 2.x: a ProcessGroup over `group` with each backend registered for its devices; `defaultKind` is
 // the one used for barrier() and sequence numbers. Its construction changed within 2.x (an
-// Options argument until 2.4, setDefaultBackend after), so the constructor is detected, not
-// guessed from the version number.
+// Options argument in earlier releases, setDefaultBackend in later ones), so the constructor is
+// detected, not guessed from the version number.
 template <class PG = c10d::ProcessGroup>
 c10::intrusive_ptr<PG> makeProcessGroup(const c10::intrusive_ptr<c10d::Store>& group, int rank, int size,
                                         std::chrono::milliseconds timeout,
@@ -189,8 +189,8 @@ inline InitBarrierRule initBarrierRule(bool torchDistInitBarrierSet) {
 inline constexpr bool kSequenceNumberAfterInitBarrier = !CTORCH_TORCH_HAS_BACKENDS;
 
 // ---- the Reducer -------------------------------------------------------------------------------------
-// Up to the 2.5 era: (params, bucket indices, per-bucket size limits, group, expect_sparse, cap,
-// find_unused, as_view, names, first cap). Later releases drop the size limits and add
+// 1.13 and earlier 2.x: (params, bucket indices, per-bucket size limits, group, expect_sparse, cap,
+// find_unused, as_view, names, first cap). Later 2.x releases drop the size limits and add
 // skip_all_reduce_unused_params / use_python_reducer. Detected, like the ProcessGroup constructor.
 template <class R = c10d::Reducer>
 std::shared_ptr<R> makeReducer(std::vector<at::Tensor> params, std::vector<std::vector<size_t>> bucketIndices,
