@@ -72,11 +72,11 @@ struct DDPSink : torch::autograd::Function<DDPSink> {
 // Reducer and c10d errors become DistributedError with the message only (no C++ backtrace), plus
 // the C++ spelling of the option Python's messages name.
 [[noreturn]] void rethrow(const std::exception& e, const char* during) {
-  std::string text = detail::messageOf(e);
-  if (text.find("find_unused_parameters=True") != std::string::npos)
+  const std::string message = detail::messageOf(e);
+  std::string text = std::string("DistributedDataParallel ") + during + ": " + message;
+  if (message.find("find_unused_parameters=True") != std::string::npos)
     text += " [ctorch: DDPOptions().findUnusedParameters(true)]";
-  text = std::string("DistributedDataParallel ") + during + ": " + text;
-  if (detail::looksLikeTimeout(text)) throw DistributedTimeout(text);
+  if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
   throw DistributedError(text);
 }
 

@@ -205,7 +205,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     else if (env.needsStore())
       phase = "connecting to the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) +
               " (hosted by rank 0)";
-    phase += " (store timeout " + seconds(storeTimeout) + ")";
+    if (env.needsStore()) phase += " (store timeout " + seconds(storeTimeout) + ")";
     auto [root, hostWaitedFullTimeout] = makeStore(env, storeTimeout);
     root->setTimeout(options.timeout());
     // Python: "Use a PrefixStore to avoid accidental overrides of keys used by different systems".
@@ -267,8 +267,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
     throw;
   } catch (const std::exception& e) {
-    const std::string text = where + ": " + phase + " failed: " + detail::messageOf(e);
-    if (detail::looksLikeTimeout(text)) throw DistributedTimeout(text);
+    const std::string message = detail::messageOf(e);
+    const std::string text = where + ": " + phase + " failed: " + message;
+    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
     throw DistributedError(text);
   }
 }
@@ -309,8 +310,9 @@ void barrier() {
   try {
     group->barrier(opts)->wait();
   } catch (const std::exception& e) {
-    const std::string text = "rank " + std::to_string(getRank()) + ": barrier failed: " + detail::messageOf(e);
-    if (detail::looksLikeTimeout(text)) throw DistributedTimeout(text);
+    const std::string message = detail::messageOf(e);
+    const std::string text = "rank " + std::to_string(getRank()) + ": barrier failed: " + message;
+    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
     throw DistributedError(text);
   }
 }
