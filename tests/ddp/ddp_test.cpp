@@ -400,6 +400,57 @@ TEST_CASE("ddp: the control - without synchronisation the equivalence check fail
     }
 }
 
+// The literal statement, for the MLP (no BatchNorm, so a shard's forward does not depend on the
+// other rows): DDP on N ranks ends where one process ends that takes every step as ONE forward on
+// the concatenation of all ranks' batches (and, with noSync, of all their micro-batches). Not
+// bit-identical (one mean over N*k*b rows sums in another order than N*k means), hence 1e-6.
+CTORCH_TEST_WORKER(ddp_union_batch) {
+  const int rank = initGroup(), world = ctorch::getWorldSize();
+  double worst = 0;
+  for (int accumulate : {1, 2}) {
+    torch::manual_seed(7 + rank);
+    Mlp model;
+    ctorch::DistributedDataParallel ddp(model);
+    torch::manual_seed(99);
+    Mlp ref;
+    assign(ref->parameters(), model->parameters());
+    const auto sgd = torch::optim::SGDOptions(kLr).momentum(0.9);
+    torch::optim::SGD optDdp(ddp.parameters(), sgd), optRef(ref->parameters(), sgd);
+    for (int step = 0; step < 3; ++step) {
+      ddp.zeroGrad();
+      std::vector<torch::Tensor> xs, ys;
+      for (int m = 0; m < accumulate; ++m) {
+        std::optional<ctorch::NoSyncGuard> guard;
+        if (m + 1 < accumulate) guard.emplace(ddp.noSync());
+        auto b = shard("mlp", step, m, rank, world);
+        (torch::mse_loss(ddp(b.x), b.y) / accumulate).backward();
+        for (int r = 0; r < world; ++r) {
+          auto u = shard("mlp", step, m, r, world);
+          xs.push_back(u.x);
+          ys.push_back(u.y);
+        }
+      }
+      optDdp.step();
+      optRef.zero_grad();
+      torch::mse_loss(ref(torch::cat(xs)), torch::cat(ys)).backward();
+      optRef.step();
+    }
+    const double d = maxDiff(model->parameters(), ref->parameters());
+    std::cout << "accumulate " << accumulate << ": max difference to one process on the union " << d << "\n";
+    worst = std::max(worst, d);
+  }
+  finishGroup();
+  return worst <= 1e-6 ? 0 : 1;
+}
+
+TEST_CASE("ddp: an MLP on 2 and 3 ranks with and without noSync accumulation equals one process taking the concatenated batch", "[ddp][equivalence]") {
+  for (int world : {2, 3}) {
+    auto results = runWorkerGroup({.worker = "ddp_union_batch", .worldSize = world});
+    requireAllOk(results);
+    CHECK_THAT(results[0].output, Catch::Contains("accumulate 2: max difference to one process on the union"));
+  }
+}
+
 // ---- errors, debug naming, hooks, modes ----------------------------------------------------------
 
 // A parameter that never takes part, without findUnusedParameters: the Reducer's error at the next
