@@ -1,0 +1,242 @@
+// DistributedDataParallel for LibTorch modules, on c10d's Reducer (the engine under Python's DDP):
+//   ctorch::DistributedDataParallel ddp(model, ctorch::DDPOptions().bucketCapMb(25));
+//   auto loss = torch::mse_loss(ddp(x), y);  loss.backward();  // gradients averaged across ranks
+// Construction and every forward are collectives: all ranks must make the same calls.
+#pragma once
+
+#include "ctorch/distributed.hpp"
+#include "ctorch/errors.hpp"
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class CommHookInterface;
+}
+
+namespace ctorch {
+
+// Built-in gradient communication hooks (c10d's, as Python's register_comm_hook with
+// default_hooks.allreduce_hook / fp16_compress_hook).
+enum class CommHook {
+  kNone,          // the Reducer's own allreduce (gradients divided by the world size)
+  kAllreduce,     // the built-in ALLREDUCE hook: same result, through the hook path
+  kFp16Compress,  // gradients cast to float16 for the allreduce, back to their dtype after
+};
+
+struct DDPOptions {
+  // Reduction buckets hold at most this many MiB of gradients (Python's bucket_cap_mb).
+  TORCH_ARG(double, bucketCapMb) = 25.0;
+  // The first bucket (the last parameters, whose gradients are ready first) is kept small so its
+  // allreduce starts early (Python's dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB).
+  TORCH_ARG(double, firstBucketCapMb) = 1.0;
+  // Traverse the autograd graph from the outputs every iteration and mark parameters that took no
+  // part as ready, so models with unused parameters do not stall the Reducer.
+  TORCH_ARG(bool, findUnusedParameters) = false;
+  // Gradients become views into the allreduce buckets: saves a copy and the memory of one gradient
+  // set. Zero them with zeroGrad(), not Optimizer::zero_grad().
+  TORCH_ARG(bool, gradientAsBucketView) = false;
+  // Broadcast buffers (BatchNorm running statistics) from rank 0 before each forward.
+  TORCH_ARG(bool, broadcastBuffers) = true;
+  // The set of used parameters and the graph never change between iterations.
+  TORCH_ARG(bool, staticGraph) = false;
+  TORCH_ARG(CommHook, commHook) = CommHook::kNone;
+  // The group to reduce over; unset: the default group (ctorch::initProcessGroup()).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+
+ public:
+  // Throws ConfigError for values that cannot work.
+  void validate() const;
+};
+
+class NoSyncGuard;
+
+namespace detail {
+
+// The non-template engine behind DistributedDataParallel<M> (Reducer, Logger, buffer sync).
+class DDPCore {
+ public:
+  DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
+  ~DDPCore();
+  DDPCore(const DDPCore&) = delete;
+  DDPCore& operator=(const DDPCore&) = delete;
+
+  // Before the module's forward: Reducer bookkeeping, bucket rebuild, buffer broadcast. Returns true
+  // when endForward needs the tensors of the output (unused-parameter search, the _DDPSink).
+  bool beginForward();
+  // After the module's forward. `outputs` is null when the output's type cannot be inspected.
+  // Returns replacements for the output tensors (in the same order) or an empty vector.
+  std::vector<at::Tensor> endForward(const std::vector<at::Tensor>* outputs, const char* outputType);
+
+  bool requireBackwardGradSync() const;
+  void setRequireBackwardGradSync(bool on);
+  void registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook);
+  void zeroGrad(bool setToNone);
+  std::vector<std::vector<size_t>> bucketAssignment() const;
+  const DDPOptions& options() const;
+  c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
+  torch::nn::Module& module();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+template <class T>
+struct IsTuple : std::false_type {};
+template <class... Ts>
+struct IsTuple<std::tuple<Ts...>> : std::true_type {};
+template <class A, class B>
+struct IsTuple<std::pair<A, B>> : std::true_type {};
+template <class T>
+struct IsVector : std::false_type {};
+template <class T, class A>
+struct IsVector<std::vector<T, A>> : std::true_type {};
+template <class T>
+struct IsOptional : std::false_type {};
+template <class T>
+struct IsOptional<std::optional<T>> : std::true_type {};
+
+// Visits every tensor inside a forward's output (a Tensor, vectors, tuples, pairs and optionals of
+// them; numbers and strings hold none). Returns false for a type it cannot look into.
+template <class T, class F>
+bool visitTensors(T& value, F& f) {
+  using V = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<V, at::Tensor>) {
+    f(value);
+    return true;
+  } else if constexpr (IsVector<V>::value) {
+    for (auto& item : value)
+      if (!visitTensors(item, f)) return false;
+    return true;
+  } else if constexpr (IsTuple<V>::value) {
+    return std::apply([&](auto&... items) { return (visitTensors(items, f) && ... && true); }, value);
+  } else if constexpr (IsOptional<V>::value) {
+    return value ? visitTensors(*value, f) : true;
+  } else if constexpr (std::is_arithmetic_v<V> || std::is_enum_v<V> || std::is_same_v<V, std::string>) {
+    return true;
+  } else {
+    return false;
+  }
+}
+
+template <class M>
+std::shared_ptr<torch::nn::Module> modulePointer(const M& module) {
+  if constexpr (std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>) {
+    return module.ptr();
+  } else {
+    static_assert(std::is_convertible_v<M, std::shared_ptr<torch::nn::Module>>,
+                  "DistributedDataParallel wraps a torch::nn module holder (torch::nn::Linear, a "
+                  "TORCH_MODULE) or a std::shared_ptr to a torch::nn::Module");
+    return module;
+  }
+}
+
+} // namespace detail
+
+// Turns gradient synchronisation off for its lifetime (Python's no_sync()): gradients accumulate
+// locally and the first backward after the scope averages everything accumulated.
+class [[nodiscard]] NoSyncGuard {
+ public:
+  explicit NoSyncGuard(detail::DDPCore& core) : core_(&core), previous_(core.requireBackwardGradSync()) {
+    core.setRequireBackwardGradSync(false);
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept
+      : core_(std::exchange(other.core_, nullptr)), previous_(other.previous_) {}
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ~NoSyncGuard() {
+    if (core_) core_->setRequireBackwardGradSync(previous_);
+  }
+
+ private:
+  detail::DDPCore* core_;
+  bool previous_;
+};
+
+// Wraps a module: `ModuleType` is a module holder (torch::nn::Linear, a TORCH_MODULE) or a
+// std::shared_ptr<SomeModule>. Construction verifies parameter shapes across ranks, broadcasts
+// parameters and buffers from rank 0 and builds the Reducer; forward() calls the module's own
+// forward with any arguments and prepares the Reducer for the backward that follows.
+template <typename ModuleType>
+class DistributedDataParallel {
+ public:
+  explicit DistributedDataParallel(ModuleType module, DDPOptions options = DDPOptions())
+      : module_(std::move(module)),
+        core_(std::make_unique<detail::DDPCore>(detail::modulePointer(module_), std::move(options))) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    const bool wantOutputs = core_->beginForward();
+    auto output = module_->forward(std::forward<Args>(args)...);
+    if (!wantOutputs) {
+      core_->endForward(nullptr, nullptr);
+      return output;
+    }
+    std::vector<at::Tensor> tensors;
+    auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
+    const bool inspectable = detail::visitTensors(output, collect);
+    auto replacements = core_->endForward(inspectable ? &tensors : nullptr, typeid(output).name());
+    if (!replacements.empty()) {
+      size_t next = 0;
+      auto replace = [&](at::Tensor& t) { t = replacements.at(next++); };
+      detail::visitTensors(output, replace);
+    }
+    return output;
+  }
+
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  // Reads like a LibTorch module holder: ddp->forward(x).
+  DistributedDataParallel* operator->() { return this; }
+
+  // The wrapped module (save and load its state through this).
+  ModuleType& module() { return module_; }
+  const ModuleType& module() const { return module_; }
+
+  // Parameters of the wrapped module, for the optimizer.
+  std::vector<at::Tensor> parameters() const { return detail::modulePointer(module_)->parameters(); }
+
+  // Skips gradient synchronisation while the returned guard lives (gradient accumulation):
+  //   { auto guard = ddp.noSync(); ddp(x1).sum().backward(); }  ddp(x2).sum().backward();
+  NoSyncGuard noSync() { return NoSyncGuard(*core_); }
+
+  // Zeroes (or, with setToNone, drops) the wrapped module's gradients the way Python's optimizer does;
+  // safe with gradientAsBucketView, where Optimizer::zero_grad() throws in LibTorch 1.13.
+  void zeroGrad(bool setToNone = false) { core_->zeroGrad(setToNone); }
+
+  // A C++ communication hook (c10d::CommHookInterface), before the first forward. Cannot be combined
+  // with DDPOptions::commHook.
+  void registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
+    core_->registerCommHook(std::move(hook));
+  }
+
+  void train(bool on = true) { core_->module().train(on); }
+  void eval() { train(false); }
+  bool isTraining() const { return detail::modulePointer(module_)->is_training(); }
+
+  const DDPOptions& options() const { return core_->options(); }
+  c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
+  // Parameter indices per bucket, in reduction order (changes once, after the first iteration).
+  std::vector<std::vector<size_t>> bucketAssignment() const { return core_->bucketAssignment(); }
+
+ private:
+  ModuleType module_;
+  std::unique_ptr<detail::DDPCore> core_;
+};
+
+} // namespace ctorch

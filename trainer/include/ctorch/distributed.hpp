@@ -1,0 +1,81 @@
+// The default process group, created from the environment a worker gets from torchrun, ctorchrun or
+// plain srun (or a world of 1 with none), with the vocabulary of torch.distributed:
+//   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::minutes(5)));  ...  ctorch::getRank(), ctorch::barrier(), ctorch::destroyProcessGroup()
+#pragma once
+
+#include "ctorch/distributed_env.hpp"
+#include "ctorch/errors.hpp"
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace ctorch {
+
+enum class Backend {
+  kAuto,  // Gloo for CPU tensors; plus NCCL for CUDA tensors when LibTorch has NCCL and a GPU is there
+  kGloo,
+  kNccl,  // CUDA tensors only
+};
+
+const char* toString(Backend backend);
+
+struct ProcessGroupOptions {
+  TORCH_ARG(Backend, backend) = Backend::kAuto;
+  // Every collective and store operation, and Gloo's connection to its peers (Python's
+  // init_process_group timeout, default 30 minutes).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  // Connecting to the TCPStore and, on the rank hosting it, waiting for every rank to connect.
+  // Unset: the same as `timeout` (as in Python).
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, storeTimeout);
+  // Network interface(s) for Gloo, comma-separated ("eth0,eth1"). Empty: GLOO_SOCKET_IFNAME, else the
+  // address this host's name resolves to (Python's rule).
+  TORCH_ARG(std::string, glooInterface);
+  // With NCCL: make cuda:LOCAL_RANK this process's current device (cuda:0 when each process sees a
+  // single GPU), so that ranks sharing a node do not all land on GPU 0.
+  TORCH_ARG(bool, bindCudaDevice) = true;
+  // Environment to read instead of the process's (tests, embedding). Unset: the process environment.
+  TORCH_ARG(EnvLookup, environment);
+
+ public:
+  // Throws ConfigError for a value that cannot work (non-positive timeouts, NCCL without NCCL).
+  void validate() const;
+  std::chrono::milliseconds effectiveStoreTimeout() const { return storeTimeout_.value_or(timeout_); }
+};
+
+// Creates the default process group from the environment (see detectDistributedEnv for the rules)
+// and returns it. With TORCHELASTIC_USE_AGENT_STORE=True every rank connects as a client to the
+// launcher's TCPStore under the prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>; otherwise rank 0
+// hosts the TCPStore; a world of 1 without any variables uses an in-memory store and no network.
+// Keys are laid out exactly as Python's init_process_group lays them out, so C++ and Python workers
+// can share one job. Reads TORCH_DISTRIBUTED_DEBUG.
+// Throws ConfigError (bad environment or options, called twice), DistributedTimeout (a peer or the
+// store never came), DistributedError (anything else that failed while connecting).
+c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOptions& options = {});
+
+bool isInitialized();
+// The default group; throws ConfigError when initProcessGroup() has not been called.
+c10::intrusive_ptr<c10d::ProcessGroup> getDefaultGroup();
+// The environment the default group was built from (rank, local rank, launcher, store address).
+const DistributedEnv& getDistributedEnv();
+// The backend actually in use: "gloo" or "nccl" (auto resolved).
+std::string getBackendName();
+
+int getRank();
+int getWorldSize();
+int getLocalRank();
+int getLocalWorldSize();
+// Rank 0: the one process that logs summaries and writes snapshots.
+inline bool isMainProcess() { return getRank() == 0; }
+
+// Blocks until every rank arrives (bounded by the group's timeout).
+void barrier();
+
+// Drops the default group (and the store this rank hosts, if any). Call barrier() first when other
+// ranks may still use a store hosted here.
+void destroyProcessGroup();
+
+} // namespace ctorch

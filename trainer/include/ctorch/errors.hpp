@@ -1,0 +1,37 @@
+// The exception types of the ctorch library: one small tree under ctorch::Error so a trainer's
+// main() can tell bad configuration (exit 2, fix your environment) from a failing job.
+// Messages are one line and quote the offending value. No LibTorch here.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace ctorch {
+
+// Root of every exception the library throws on purpose.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Bad or missing configuration: an environment variable, an option value, a call made in the wrong
+// order. Retrying does not help; the message says what to change.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Communication failed: the store could not be reached, a peer vanished, a collective failed, the
+// Reducer reported an error.
+class DistributedError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A wait ran out of time (store connection, peers joining, a collective).
+class DistributedTimeout : public DistributedError {
+ public:
+  using DistributedError::DistributedError;
+};
+
+} // namespace ctorch

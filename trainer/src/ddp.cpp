@@ -1,0 +1,327 @@
+// DistributedDataParallel on c10d's Reducer, step for step as torch/nn/parallel/distributed.py
+// (1.13) drives it: construction (verify, broadcast, bucket, Reducer, Logger) and forward
+// (prepare_for_forward, rebuild_buckets, buffer broadcast, prepare_for_backward, _DDPSink).
+#include "ctorch/ddp.hpp"
+
+#include "ctorch/compat.hpp"
+#include "error_text.hpp"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/logger.hpp>
+#include <torch/nn/modules/embedding.h>
+
+#include <c10/util/Type.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+namespace ctorch {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+// Python: self.broadcast_bucket_size = int(250 * 1024 * 1024).
+constexpr size_t kBroadcastBucketBytes = 250u * 1024u * 1024u;
+
+// What the _DDPSink's backward needs: the Reducer, and whether to queue delay_all_reduce (static
+// graph, first iteration). Held by the autograd graph through an IValue capsule.
+struct SinkState : torch::CustomClassHolder {
+  std::shared_ptr<c10d::Reducer> reducer;
+  bool delayAllReduce = false;
+  std::shared_ptr<std::atomic<bool>> delayEnqueued;  // the DDP's flag: set once, by the first backward
+};
+
+// Python's _DDPSink: passes the outputs through unchanged (cloned) so that (1) outputs left out of
+// the loss get an undefined gradient the Reducer understands, and (2) with a static graph, the first
+// backward queues reducer.delay_all_reduce() to run after all gradients are computed. Its inputs
+// must arrive as at::TensorList: Function::apply only looks for tensors in Tensor and TensorList
+// arguments, and silently ignores a std::vector<Tensor>.
+struct DDPSink : torch::autograd::Function<DDPSink> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<SinkState> state, at::TensorList inputs) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(std::move(state));
+    torch::autograd::variable_list outputs;
+    outputs.reserve(inputs.size());
+    for (const auto& t : inputs) outputs.push_back(t.clone());
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto capsule = ctx->saved_data["state"].toCapsule();
+    auto* state = static_cast<SinkState*>(capsule.get());
+    if (state->delayAllReduce && !state->delayEnqueued->exchange(true)) {
+      std::shared_ptr<c10d::Reducer> reducer = state->reducer;
+      torch::autograd::Engine::get_default_engine().queue_callback([reducer] { reducer->delay_all_reduce(); });
+    }
+    torch::autograd::variable_list result;
+    result.reserve(grads.size() + 1);
+    result.emplace_back();  // the state argument
+    for (auto& g : grads) result.push_back(std::move(g));
+    return result;
+  }
+};
+
+// Reducer and c10d errors become DistributedError with the message only (no C++ backtrace), plus
+// the C++ spelling of the option Python's messages name.
+[[noreturn]] void rethrow(const std::exception& e, const char* during) {
+  const std::string message = detail::messageOf(e);
+  std::string text = std::string("DistributedDataParallel ") + during + ": " + message;
+  if (message.find("find_unused_parameters=True") != std::string::npos)
+    text += " [ctorch: DDPOptions().findUnusedParameters(true)]";
+  if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
+  throw DistributedError(text);
+}
+
+// Each tensor once, detached, in module order: what Python's named_parameters()/named_buffers() (which
+// drop duplicates of shared tensors) feed to broadcast_coalesced. The same list on every rank, C++ or
+// Python, or the coalesced broadcasts do not line up.
+std::vector<at::Tensor> uniqueDetached(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& t : tensors)
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t.detach());
+  return out;
+}
+
+bool producesSparseGradient(const torch::nn::Module& m) {
+  if (auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m)) return e->options.sparse();
+  if (auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m)) return e->options.sparse();
+  return false;
+}
+
+} // namespace
+
+void DDPOptions::validate() const {
+  auto positive = [](double v, const char* name) {
+    if (!(v > 0.0) || v * kMiB > static_cast<double>(std::numeric_limits<int64_t>::max())) {
+      std::ostringstream os;
+      os << "DDPOptions::" << name << " must be a positive number of MiB, got " << v;
+      throw ConfigError(os.str());
+    }
+  };
+  positive(bucketCapMb_, "bucketCapMb");
+  positive(firstBucketCapMb_, "firstBucketCapMb");
+}
+
+struct detail::DDPCore::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  DDPOptions options;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::vector<at::Tensor> params;  // the Reducer's: requires_grad, deduplicated, in module order
+  std::shared_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<c10d::Logger> logger;
+  bool requireBackwardGradSync = true;
+  bool requireForwardParamSync = true;
+  bool staticGraph = false;
+  bool hookRegistered = false;
+  int64_t numIterations = 0;
+  // Static graph: whether the first synchronised backward has queued delay_all_reduce. 1.13's Python
+  // keys this on num_iterations == 1 only, which queues it again from a no_sync backward of the next
+  // step (an internal assert in the Reducer); 2.x keeps this flag, and so do we.
+  std::shared_ptr<std::atomic<bool>> delayEnqueued = std::make_shared<std::atomic<bool>>(false);
+
+  bool unusedSearch() const { return options.findUnusedParameters() && !staticGraph; }
+  // The _DDPSink goes on the outputs for the unused-parameter search, and on the first synchronised
+  // iteration of a static graph.
+  bool needsSink(bool grad) const {
+    return grad && (unusedSearch() || (staticGraph && requireBackwardGradSync && numIterations == 1 &&
+                                       !delayEnqueued->load()));
+  }
+
+  // Python's _sync_buffers: the buffers are collected again each time (a module may reassign them).
+  void broadcastBuffers() {
+    auto buffers = uniqueDetached(module->buffers());
+    if (buffers.empty()) return;
+    torch::NoGradGuard noGrad;
+    c10d::broadcast_coalesced(group, buffers, kBroadcastBucketBytes, 0);
+  }
+};
+
+detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  options.validate();
+  Impl& s = *impl_;
+  s.module = std::move(module);
+  s.options = options;
+  s.group = options.processGroup() ? options.processGroup() : getDefaultGroup();
+
+  // Python's _build_params_for_reducer: per module, its own parameters that require grad, in
+  // module order, each parameter once.
+  std::vector<bool> expectSparse;
+  std::unordered_map<size_t, std::string> names;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : s.module->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const bool sparse = producesSparseGradient(*item.value());
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      if (!p.value().requires_grad() || !seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
+      names[s.params.size()] = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      s.params.push_back(p.value());
+      expectSparse.push_back(sparse);
+    }
+  }
+  if (s.params.empty())
+    throw ConfigError("DistributedDataParallel is not needed when a module has no parameter that requires a gradient");
+  std::set<c10::DeviceType> deviceTypes;
+  for (const auto& p : s.params) deviceTypes.insert(p.device().type());
+  if (deviceTypes.size() != 1) {
+    std::string found;
+    for (auto t : deviceTypes) found += (found.empty() ? "" : " and ") + c10::DeviceTypeName(t);
+    throw ConfigError("DistributedDataParallel's module must have all its parameters on one type of device, "
+                      "found " + found);
+  }
+
+  const auto bucketBytes = static_cast<int64_t>(options.bucketCapMb() * kMiB);
+  const auto firstBucketBytes = static_cast<int64_t>(options.firstBucketCapMb() * kMiB);
+  try {
+    // Verify model equivalence, then make every rank start from rank 0's parameters and buffers.
+    c10d::verify_params_across_processes(s.group, s.params, compat::kNullopt);
+    {
+      auto states = uniqueDetached(s.module->parameters());
+      for (auto& b : uniqueDetached(s.module->buffers())) states.push_back(b);
+      torch::NoGradGuard noGrad;
+      if (!states.empty()) c10d::broadcast_coalesced(s.group, states, kBroadcastBucketBytes, 0);
+    }
+
+    // Buckets: without unused-parameter search (or with a static graph) everything starts in one
+    // bucket and the Reducer rebuilds them in gradient-ready order after the first iteration.
+    std::vector<size_t> limits;
+    if (options.staticGraph() || !options.findUnusedParameters())
+      limits = {static_cast<size_t>(std::numeric_limits<int64_t>::max())};  // Python: sys.maxsize
+    else
+      limits = {static_cast<size_t>(firstBucketBytes), static_cast<size_t>(bucketBytes)};
+    auto [indices, perBucketLimits] = c10d::compute_bucket_assignment_by_size(s.params, limits, expectSparse);
+    // Reversed: gradients become ready roughly in reverse order of definition.
+    std::reverse(indices.begin(), indices.end());
+    std::reverse(perBucketLimits.begin(), perBucketLimits.end());
+    s.reducer = compat::makeReducer(s.params, std::move(indices), std::move(perBucketLimits), s.group, expectSparse,
+                                    bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
+                                    std::move(names), firstBucketBytes);
+    s.logger = std::make_shared<c10d::Logger>(s.reducer);
+    s.reducer->set_logger(s.logger);
+    s.logger->set_construction_data_and_log(s.module->name(), {}, -1, options.broadcastBuffers(),
+                                            /*has_sync_bn=*/false, options.staticGraph());
+    if (options.staticGraph()) {
+      s.staticGraph = true;
+      s.reducer->set_static_graph();
+      s.logger->set_static_graph();
+    }
+    if (options.commHook() != CommHook::kNone) {
+      const bool fp16 = options.commHook() == CommHook::kFp16Compress;
+      s.logger->set_comm_hook(fp16 ? "FP16_COMPRESS" : "ALLREDUCE");
+      s.reducer->register_builtin_comm_hook(fp16 ? c10d::BuiltinCommHookType::FP16_COMPRESS
+                                                 : c10d::BuiltinCommHookType::ALLREDUCE);
+      s.hookRegistered = true;
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow(e, "construction failed");
+  }
+}
+
+detail::DDPCore::~DDPCore() = default;
+
+bool detail::DDPCore::beginForward() {
+  Impl& s = *impl_;
+  const bool grad = torch::GradMode::is_enabled();
+  try {
+    if (grad && s.requireBackwardGradSync) {
+      s.logger->set_runtime_stats_and_log();
+      ++s.numIterations;
+      s.reducer->prepare_for_forward();
+    }
+    // Before the forward allocates activations: the rebuild may hold old and new buckets at once.
+    if (grad) s.reducer->rebuild_buckets();  // a collective when it rebuilds (once)
+    if (s.requireForwardParamSync && s.options.broadcastBuffers()) s.broadcastBuffers();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow(e, "forward");
+  }
+  return s.needsSink(grad);
+}
+
+std::vector<at::Tensor> detail::DDPCore::endForward(const std::vector<at::Tensor>* outputs, const char* outputType) {
+  Impl& s = *impl_;
+  const bool grad = torch::GradMode::is_enabled();
+  const bool unusedSearch = s.unusedSearch();
+  const bool sink = s.needsSink(grad);
+  if (sink && outputs == nullptr)
+    throw ConfigError(std::string("DistributedDataParallel with ") +
+                      (unusedSearch ? "findUnusedParameters" : "staticGraph") +
+                      " must see the tensors the module's forward returns, but it cannot look inside '" +
+                      (outputType ? c10::demangle(outputType) : std::string("?")) +
+                      "': return a Tensor, or a std::vector / std::tuple / std::pair / std::optional of them");
+  try {
+    if (grad && s.requireBackwardGradSync) {
+      s.requireForwardParamSync = true;
+      // Only the unused-parameter search needs the outputs (to traverse the graph from them).
+      s.reducer->prepare_for_backward(unusedSearch ? *outputs : std::vector<at::Tensor>{});
+    } else {
+      s.requireForwardParamSync = false;
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow(e, "forward");
+  }
+  if (!sink) return {};
+
+  // Only tensors with a grad_fn go through the sink (Python keeps the others as they are).
+  std::vector<at::Tensor> through;
+  for (const auto& t : *outputs)
+    if (t.defined() && t.grad_fn()) through.push_back(t);
+  if (through.empty()) return {};
+  auto state = c10::make_intrusive<SinkState>();
+  state->reducer = s.reducer;
+  state->delayAllReduce = s.staticGraph;
+  state->delayEnqueued = s.delayEnqueued;
+  auto passed = DDPSink::apply(state, at::TensorList(through));
+  std::vector<at::Tensor> result;
+  result.reserve(outputs->size());
+  size_t next = 0;
+  for (const auto& t : *outputs) result.push_back(t.defined() && t.grad_fn() ? passed.at(next++) : t);
+  return result;
+}
+
+bool detail::DDPCore::requireBackwardGradSync() const { return impl_->requireBackwardGradSync; }
+void detail::DDPCore::setRequireBackwardGradSync(bool on) { impl_->requireBackwardGradSync = on; }
+
+void detail::DDPCore::registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  Impl& s = *impl_;
+  if (s.hookRegistered)
+    throw ConfigError("DistributedDataParallel: a communication hook is already registered (DDPOptions::commHook "
+                      "or an earlier registerCommHook)");
+  if (s.numIterations > 0)
+    throw ConfigError("DistributedDataParallel: register the communication hook before the first forward");
+  try {
+    s.logger->set_comm_hook("custom C++ hook");
+    s.reducer->register_comm_hook(std::move(hook));
+    s.hookRegistered = true;
+  } catch (const std::exception& e) {
+    rethrow(e, "registerCommHook");
+  }
+}
+
+void detail::DDPCore::zeroGrad(bool setToNone) {
+  auto params = impl_->module->parameters();
+  compat::zeroGrad(params, setToNone);
+}
+
+std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
+  return impl_->logger->get_per_bucket_variable_indices();
+}
+
+const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
+c10::intrusive_ptr<c10d::ProcessGroup> detail::DDPCore::processGroup() const { return impl_->group; }
+torch::nn::Module& detail::DDPCore::module() { return *impl_->module; }
+
+} // namespace ctorch

@@ -1,0 +1,334 @@
+#include "ctorch/distributed.hpp"
+
+#include "ctorch/compat.hpp"
+#include "error_text.hpp"
+
+#include <ctorch/contract/worker_contract.hpp>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/debug.h>
+#include <torch/cuda.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace ctorch {
+
+namespace {
+
+#ifdef USE_C10D_NCCL
+constexpr bool kHasNccl = true;
+#else
+constexpr bool kHasNccl = false;
+#endif
+
+struct State {
+  std::mutex mutex;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<c10d::Store> store;  // keeps a TCPStore server hosted here alive
+  DistributedEnv env;
+  std::string backendName;
+};
+
+// Never destroyed: tearing down Gloo threads and a TCPStore server during static destruction, after
+// LibTorch's own statics may be gone, crashes at exit. destroyProcessGroup() is the orderly way.
+State& state() {
+  static State* s = new State;
+  return *s;
+}
+
+std::string seconds(std::chrono::milliseconds d) {
+  std::ostringstream os;
+  os << static_cast<double>(d.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, sep))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// Python's ProcessGroupGloo binding: GLOO_SOCKET_IFNAME's interfaces, else the address this host's
+// name resolves to. A world of 1 without a store stays on loopback: no network needed at all.
+std::vector<std::shared_ptr<::gloo::transport::Device>> glooDevices(const ProcessGroupOptions& options,
+                                                                   const EnvLookup& lookup,
+                                                                   const DistributedEnv& env) {
+  std::string interfaces = options.glooInterface();
+  if (interfaces.empty()) interfaces = lookup("GLOO_SOCKET_IFNAME").value_or("");
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  for (const auto& name : split(interfaces, ','))
+    devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+  if (devices.empty()) {
+    devices.push_back(env.needsStore() ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                       : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  }
+  return devices;
+}
+
+// The rendezvous store, exactly as torch.distributed.rendezvous._create_c10d_store makes it.
+struct RootStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  // This rank hosts the store and its constructor ran for the whole store timeout: LibTorch 1.13's
+  // TCPStore then stops waiting for the other ranks without an error (2.x throws). Not proof that a
+  // rank is missing (the last one may arrive at the deadline), so it only enriches a later failure.
+  bool hostWaitedFullTimeout = false;
+};
+
+RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout) {
+  if (!env.needsStore()) return {c10::make_intrusive<c10d::HashStore>()};
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(env.masterPort);
+  opts.numWorkers = static_cast<std::size_t>(env.worldSize);
+  opts.timeout = timeout;
+  if (env.useAgentStore) {
+    opts.isServer = false;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
+    return {c10::make_intrusive<c10d::PrefixStore>(contract::agentStorePrefix(env.restartCount), tcp)};
+  }
+  opts.isServer = env.rank == 0;
+  opts.waitWorkers = true;
+  opts.multiTenant = true;
+  const auto start = std::chrono::steady_clock::now();
+  auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
+  const bool waitedFull = opts.isServer && std::chrono::steady_clock::now() - start >= timeout;
+  return {tcp, waitedFull};
+}
+
+// Executes compat::initBarrierRule: every rank adds 1 and waits for the count to reach the world.
+void storeBarrier(c10d::Store& store, const compat::InitBarrierRule& rule, int worldSize,
+                  std::chrono::milliseconds timeout) {
+  store.add(rule.key, 1);
+  auto count = store.add(rule.key, 0);
+  if (rule.lastWorkerKey) {
+    const std::string last = rule.key + ":last_worker";
+    if (count >= worldSize) store.set(last, std::vector<uint8_t>{'1'});
+    store.wait({last}, timeout);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (count < worldSize) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw DistributedTimeout("timed out after " + seconds(timeout) + " in the init barrier: " +
+                               std::to_string(count) + "/" + std::to_string(worldSize) + " ranks arrived");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    count = store.add(rule.key, 0);
+  }
+}
+
+bool cudaUsable() { return kHasNccl && torch::cuda::is_available(); }
+
+// cuda:LOCAL_RANK becomes the current device, through the device-generic guard interface (no CUDA
+// headers needed, so this compiles in CPU-only builds too).
+void bindCudaDevice(const DistributedEnv& env) {
+  const auto count = static_cast<int>(torch::cuda::device_count());
+  if (count == 0) return;
+  const int index = count == 1 ? 0 : env.localRank;
+  if (index >= count)
+    throw ConfigError("LOCAL_RANK " + std::to_string(env.localRank) + " (" + env.localRankFrom + ") has no GPU: only " +
+                      std::to_string(count) + " CUDA devices are visible");
+  c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(c10::Device(c10::DeviceType::CUDA, index));
+}
+
+State& initializedState() {
+  State& s = state();
+  if (!s.group)
+    throw ConfigError("the default process group is not initialized: call ctorch::initProcessGroup() first");
+  return s;
+}
+
+} // namespace
+
+const char* toString(Backend backend) {
+  switch (backend) {
+    case Backend::kAuto: return "auto";
+    case Backend::kGloo: return "gloo";
+    case Backend::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+void ProcessGroupOptions::validate() const {
+  if (timeout_.count() <= 0)
+    throw ConfigError("ProcessGroupOptions::timeout must be positive, got " + std::to_string(timeout_.count()) + " ms");
+  if (storeTimeout_ && storeTimeout_->count() <= 0)
+    throw ConfigError("ProcessGroupOptions::storeTimeout must be positive, got " +
+                      std::to_string(storeTimeout_->count()) + " ms");
+  if (backend_ == Backend::kNccl && !kHasNccl)
+    throw ConfigError("backend 'nccl' requested, but this LibTorch was built without NCCL (use gloo or auto)");
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOptions& options) {
+  c10d::setDebugLevelFromEnvironment();
+  options.validate();
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.group)
+    throw ConfigError("initProcessGroup() called twice: the default process group already exists "
+                      "(call destroyProcessGroup() first)");
+
+  const EnvLookup lookup = options.environment() ? options.environment() : processEnvironment();
+  const DistributedEnv env = detectDistributedEnv(lookup);
+
+  // Backends. 1.13 has one per group; 2.x registers Gloo for CPU next to NCCL for CUDA (Python's
+  // default when no backend is named).
+  bool useNccl = false, useGloo = true;
+  switch (options.backend()) {
+    case Backend::kAuto: useNccl = cudaUsable(); useGloo = CTORCH_TORCH_HAS_BACKENDS || !useNccl; break;
+    case Backend::kGloo: break;
+    case Backend::kNccl:
+      if (!torch::cuda::is_available())
+        throw ConfigError("backend 'nccl' requested, but no CUDA device is available");
+      useNccl = true;
+      useGloo = false;
+      break;
+  }
+  const auto defaultKind = useNccl ? compat::BackendKind::kNccl : compat::BackendKind::kGloo;
+  if (useNccl && options.bindCudaDevice()) bindCudaDevice(env);
+
+  const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
+  std::string phase;
+  try {
+    const auto storeTimeout = options.effectiveStoreTimeout();
+    if (env.useAgentStore)
+      phase = "connecting to the agent store at " + env.masterAddr + ":" + std::to_string(env.masterPort);
+    else if (env.needsStore() && env.rank == 0)
+      phase = "hosting the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) +
+              " and waiting for all " + std::to_string(env.worldSize) + " ranks to connect";
+    else if (env.needsStore())
+      phase = "connecting to the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) +
+              " (hosted by rank 0)";
+    if (env.needsStore()) phase += " (store timeout " + seconds(storeTimeout) + ")";
+    auto [root, hostWaitedFullTimeout] = makeStore(env, storeTimeout);
+    root->setTimeout(options.timeout());
+    // Python: "Use a PrefixStore to avoid accidental overrides of keys used by different systems".
+    auto defaultPg = c10::make_intrusive<c10d::PrefixStore>("default_pg", root);
+    auto group = compat::groupStore(defaultPg);
+
+    phase = "connecting to the other ranks (timeout " + seconds(options.timeout()) + ")";
+    if (hostWaitedFullTimeout)
+      phase = "hosting the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) + ": not all " +
+              std::to_string(env.worldSize) + " ranks connected within the store timeout (" + seconds(storeTimeout) +
+              "); then " + phase;
+    const bool debugDetail = c10d::debug_level() == c10d::DebugLevel::Detail;
+    std::vector<compat::BoundBackend> backends;
+    std::vector<compat::BackendPtr> sequenced;  // backends whose sequence number Python sets
+    auto setSequenceNumbers = [&] {
+      for (auto& b : sequenced) b->setSequenceNumberForGroup();
+    };
+    if (useGloo) {
+      auto store = compat::backendStore(group, "cpu");
+      auto gloo = compat::makeGloo(store, env.rank, env.worldSize, glooDevices(options, lookup, env), options.timeout());
+      sequenced.push_back(gloo);
+      compat::BackendPtr backend = gloo;
+      if (debugDetail) {
+        auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
+                                       glooDevices(options, lookup, env), options.timeout());
+        backend = compat::wrapForDebug(backend, helper);
+      }
+      std::vector<c10::DeviceType> devices{c10::DeviceType::CPU};
+      if (options.backend() == Backend::kGloo) devices.push_back(c10::DeviceType::CUDA);  // as Python
+      backends.push_back({compat::BackendKind::kGloo, devices, backend});
+    }
+#ifdef USE_C10D_NCCL
+    if (useNccl) {
+      auto store = compat::backendStore(group, "cuda");
+      auto nccl = compat::makeNccl(store, env.rank, env.worldSize, options.timeout());
+      sequenced.push_back(nccl);
+      if (debugDetail) {
+        auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
+                                       glooDevices(options, lookup, env), options.timeout());
+        nccl = compat::wrapForDebug(nccl, helper);
+      }
+      backends.push_back({compat::BackendKind::kNccl, {c10::DeviceType::CUDA}, nccl});
+    }
+#endif
+    if (!compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
+    auto pg = compat::makeProcessGroup(group, env.rank, env.worldSize, options.timeout(), backends, defaultKind);
+
+    phase = "waiting for every rank in the init barrier (timeout " + seconds(options.timeout()) + ")";
+    const auto rule = compat::initBarrierRule(lookup("TORCH_DIST_INIT_BARRIER").value_or("") == "1");
+    if (rule.enabled) storeBarrier(*defaultPg, rule, env.worldSize, options.timeout());
+    if (compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
+
+    s.group = pg;
+    s.store = root;
+    s.env = env;
+    s.backendName = compat::backendName(defaultKind);
+    return pg;
+  } catch (const Error& e) {
+    if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    const std::string text = where + ": " + phase + " failed: " + message;
+    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
+    throw DistributedError(text);
+  }
+}
+
+bool isInitialized() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return static_cast<bool>(s.group);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> getDefaultGroup() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return initializedState().group;
+}
+
+const DistributedEnv& getDistributedEnv() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return initializedState().env;
+}
+
+std::string getBackendName() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return initializedState().backendName;
+}
+
+int getRank() { return getDistributedEnv().rank; }
+int getWorldSize() { return getDistributedEnv().worldSize; }
+int getLocalRank() { return getDistributedEnv().localRank; }
+int getLocalWorldSize() { return getDistributedEnv().localWorldSize; }
+
+void barrier() {
+  auto group = getDefaultGroup();
+  c10d::BarrierOptions opts;
+  if (getBackendName() == "nccl") opts.device_ids = {getLocalRank()};  // else NCCL guesses rank % GPUs
+  try {
+    group->barrier(opts)->wait();
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    const std::string text = "rank " + std::to_string(getRank()) + ": barrier failed: " + message;
+    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
+    throw DistributedError(text);
+  }
+}
+
+void destroyProcessGroup() {
+  State& s = state();
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    group = std::move(s.group);
+    store = std::move(s.store);
+    s.env = DistributedEnv{};
+    s.backendName.clear();
+  }
+  // Released here, outside the lock: the group's destructor joins its worker threads.
+}
+
+} // namespace ctorch

@@ -1,0 +1,29 @@
+// Private helper: the one-line text of an exception. c10::Error::what() carries a C++ backtrace in
+// LibTorch 1.13; users see the message only.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <string>
+
+namespace ctorch::detail {
+
+inline std::string messageOf(const std::exception& e) {
+  std::string text;
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
+  else text = e.what();
+  // Keep the first paragraph: c10 appends "Exception raised from ..." after a newline.
+  if (auto pos = text.find("\nException raised from"); pos != std::string::npos) text.resize(pos);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+// True when the message says a wait ran out of time (c10d has no timeout type in 1.13).
+inline bool looksLikeTimeout(const std::string& message) {
+  for (const char* needle : {"imed out", "imeout", "TIMEOUT", "timed-out"})
+    if (message.find(needle) != std::string::npos) return true;
+  return false;
+}
+
+} // namespace ctorch::detail
