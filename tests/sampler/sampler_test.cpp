@@ -153,7 +153,7 @@ TEST_CASE("bad options are refused naming the value", "[sampler]") {
   auto message = [](const DistributedSamplerOptions& o) {
     try {
       DistributedSampler s(o);
-    } catch (const std::invalid_argument& e) {
+    } catch (const ctorch::ConfigError& e) {
       return std::string(e.what());
     }
     return std::string("(accepted)");
@@ -194,8 +194,8 @@ TEST_CASE("setEpoch reshuffles and next hands out the epoch in order", "[sampler
   CHECK(s.position() == 0);
   s.advance(3);
   CHECK(s.position() == 3);
-  CHECK_THROWS_AS(s.advance(15), std::invalid_argument);
-  CHECK_THROWS_AS(s.next(-1), std::invalid_argument);
+  CHECK_THROWS_AS(s.advance(15), ctorch::ConfigError);
+  CHECK_THROWS_AS(s.next(-1), ctorch::ConfigError);
 }
 
 TEST_CASE("state round trip resumes mid-epoch on the same index", "[sampler][state]") {
@@ -310,5 +310,5 @@ TEST_CASE("an impossible saved state is refused", "[sampler][state]") {
   st.consumed = 21;  // only 20 per rank exist
   CHECK_THROWS_WITH(a.loadState(st), Catch::Contains("consumed count 21 exceeds the 20 indices"));
   st.consumed = -1;
-  CHECK_THROWS_AS(a.loadState(st), std::invalid_argument);
+  CHECK_THROWS_AS(a.loadState(st), ctorch::ConfigError);
 }

@@ -22,19 +22,19 @@ std::int64_t samplesPerRank(std::int64_t datasetSize, std::int64_t worldSize, bo
 
 void DistributedSamplerOptions::validate() const {
   if (datasetSize < 0)
-    throw std::invalid_argument("DistributedSampler: dataset size must be >= 0, got " +
+    throw ConfigError("DistributedSampler: dataset size must be >= 0, got " +
                                 std::to_string(datasetSize));
   if (worldSize < 1)
-    throw std::invalid_argument("DistributedSampler: world size must be >= 1, got " +
+    throw ConfigError("DistributedSampler: world size must be >= 1, got " +
                                 std::to_string(worldSize));
   if (rank < 0 || rank >= worldSize)
-    throw std::invalid_argument("DistributedSampler: invalid rank " + std::to_string(rank) +
+    throw ConfigError("DistributedSampler: invalid rank " + std::to_string(rank) +
                                 ", rank should be in the interval [0, " +
                                 std::to_string(worldSize - 1) + "]");
   // The generator is seeded with seed + epoch as an unsigned 64-bit value; negative seeds are
   // refused rather than silently wrapped.
   if (seed < 0)
-    throw std::invalid_argument("DistributedSampler: seed must be >= 0, got " +
+    throw ConfigError("DistributedSampler: seed must be >= 0, got " +
                                 std::to_string(seed));
 }
 
@@ -52,7 +52,7 @@ DistributedSampler::DistributedSampler(const DistributedSamplerOptions& options)
 
 void DistributedSampler::setEpoch(std::int64_t epoch) {
   if (epoch < 0)
-    throw std::invalid_argument("DistributedSampler::setEpoch: epoch must be >= 0, got " +
+    throw ConfigError("DistributedSampler::setEpoch: epoch must be >= 0, got " +
                                 std::to_string(epoch));
   const bool keepRestoredPosition = resumePending_ && epoch == epoch_;
   resumePending_ = false;
@@ -91,7 +91,7 @@ void DistributedSampler::ensureIndices() const {
 
 std::vector<std::int64_t> DistributedSampler::next(std::int64_t count) {
   if (count < 0)
-    throw std::invalid_argument("DistributedSampler::next: count must be >= 0, got " +
+    throw ConfigError("DistributedSampler::next: count must be >= 0, got " +
                                 std::to_string(count));
   ensureIndices();
   const std::int64_t take = std::min(count, remaining());
@@ -104,7 +104,7 @@ std::vector<std::int64_t> DistributedSampler::next(std::int64_t count) {
 
 void DistributedSampler::advance(std::int64_t count) {
   if (count < 0 || count > remaining())
-    throw std::invalid_argument("DistributedSampler::advance: count " + std::to_string(count) +
+    throw ConfigError("DistributedSampler::advance: count " + std::to_string(count) +
                                 " is outside [0, " + std::to_string(remaining()) +
                                 "] (indices left in epoch " + std::to_string(epoch_) + ")");
   position_ += count;
@@ -125,16 +125,16 @@ SamplerState DistributedSampler::state() const {
 
 void DistributedSampler::loadState(const SamplerState& s) {
   if (s.epoch < 0 || s.consumed < 0)
-    throw std::invalid_argument("DistributedSampler::loadState: negative epoch (" +
+    throw ConfigError("DistributedSampler::loadState: negative epoch (" +
                                 std::to_string(s.epoch) + ") or consumed count (" +
                                 std::to_string(s.consumed) + ")");
   if (s.worldSize < 1 || s.datasetSize < 0)
-    throw std::invalid_argument("DistributedSampler::loadState: invalid saved world size " +
+    throw ConfigError("DistributedSampler::loadState: invalid saved world size " +
                                 std::to_string(s.worldSize) + " or dataset size " +
                                 std::to_string(s.datasetSize));
   const std::int64_t savedSamples = samplesPerRank(s.datasetSize, s.worldSize, s.dropLast);
   if (s.consumed > savedSamples)
-    throw std::invalid_argument("DistributedSampler::loadState: consumed count " +
+    throw ConfigError("DistributedSampler::loadState: consumed count " +
                                 std::to_string(s.consumed) + " exceeds the " +
                                 std::to_string(savedSamples) + " indices per rank of that epoch");
 

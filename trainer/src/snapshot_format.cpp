@@ -223,7 +223,7 @@ ItemDict newItemDict() {
 
 // ---- Errors ----------------------------------------------------------------------------------------
 SnapshotError::SnapshotError(std::filesystem::path file, const std::string& message)
-    : std::runtime_error(message), file_(std::move(file)) {}
+    : Error(message), file_(std::move(file)) {}
 
 SnapshotNotFound::SnapshotNotFound(std::filesystem::path file)
     : SnapshotError(file, "snapshot " + file.string() + " does not exist") {}

@@ -3,6 +3,8 @@
 // was stopped mid-epoch resumes exactly where it was. No LibTorch in this header.
 #pragma once
 
+#include "ctorch/errors.hpp"
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -40,9 +42,9 @@ struct SamplerState {
 
 // Restoring a state whose epoch is partly consumed under a configuration that would produce
 // different index lists (another world size, dataset size, seed, shuffle or drop_last).
-class SamplerResumeRefused : public std::runtime_error {
+class SamplerResumeRefused : public Error {
  public:
-  using std::runtime_error::runtime_error;
+  using Error::Error;
 };
 
 class DistributedSampler {

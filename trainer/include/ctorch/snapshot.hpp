@@ -34,7 +34,7 @@ inline constexpr std::int64_t kSnapshotFormatVersion = 1;
 
 // ---- Errors --------------------------------------------------------------------------------------
 // Every message names the file and says what is wrong with it.
-class SnapshotError : public std::runtime_error {
+class SnapshotError : public Error {
  public:
   SnapshotError(std::filesystem::path file, const std::string& message);
   const std::filesystem::path& file() const { return file_; }
