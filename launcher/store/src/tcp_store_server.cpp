@@ -108,7 +108,7 @@ std::uint16_t boundPort(int fd) {
 class TcpStoreServer::Impl {
  public:
   Impl(TcpStoreServerOptions options, Fd listenFd)
-      : options_(std::move(options)), listen_(std::move(listenFd)) {
+      : options_(std::move(options)), listen_(std::move(listenFd)), engine_(options_.ephemeralKeyPrefix) {
     epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
     if (!epoll_) throwErrno("epoll_create1");
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -305,8 +305,14 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
-    engine_.disconnect(id);
     conns_.erase(it);
+    std::vector<StoreEngine::Reply> replies;
+    auto lost = engine_.disconnect(id, &replies);
+    deliver(replies);
+    for (const auto& key : lost) {
+      debug("store: ephemeral key '" + key + "' removed: its connection closed");
+      if (options_.onEphemeralKeyLost) options_.onEphemeralKeyLost(key);
+    }
   }
 
   void countGeneration(Generation g) {
