@@ -113,6 +113,8 @@ class FakeRendezvous : public RendezvousHandler {
     i.storeHost = "127.0.0.1";
     i.storePort = 1234;
     i.nodeHosts = {"fakehost"};
+    if (static_cast<std::size_t>(i.round) < sharedRestartCounts.size())
+      i.restartCount = sharedRestartCounts[static_cast<std::size_t>(i.round)];
     if (static_cast<std::size_t>(i.round) < eventsAfterRound.size() && eventsAfterRound[static_cast<std::size_t>(i.round)]) {
       pending_.push_back(*eventsAfterRound[static_cast<std::size_t>(i.round)]);
       std::uint64_t one = 1;
@@ -130,10 +132,20 @@ class FakeRendezvous : public RendezvousHandler {
     return e;
   }
   void reportFailure(const std::string& why) override { failuresReported.push_back(why); }
-  void exitBarrier(std::chrono::milliseconds) override { ++barriers; }
+  std::optional<RendezvousEvent> exitBarrier(std::chrono::milliseconds) override {
+    ++barriers;
+    if (barrierResults.empty()) return std::nullopt;
+    auto r = barrierResults.front();
+    barrierResults.pop_front();
+    return r;
+  }
+  void shutdown(AgentOutcome outcome) override { shutdowns.push_back(outcome); }
 
   int rounds = 0;
   int barriers = 0;
+  std::deque<std::optional<RendezvousEvent>> barrierResults;
+  std::vector<int> sharedRestartCounts;  // by round: RendezvousInfo::restartCount
+  std::vector<AgentOutcome> shutdowns;
   std::vector<std::string> failuresReported;
   std::vector<std::optional<RendezvousEvent>> eventsAfterRound;
 

@@ -619,3 +619,31 @@ TEST_CASE("rendezvous: a node that leaves for good is not waited for", "[rendezv
   REQUIRE(st->complete);
   CHECK(st->participantCount() == 2);
 }
+
+TEST_CASE("rendezvous: a node that sees the close after another node left does not start a smaller group", "[rendezvous]") {
+  auto s = settings(2, 2);
+  auto a = node("a"), b = node("b");
+  std::optional<State> st;
+  drive(st, decideJoin, view(a, s, kT0));        // a waits for b
+  drive(st, decideJoin, view(b, s, kT0));        // b joins and closes
+  REQUIRE(st->complete);
+  CHECK(st->roundSize == 2);
+  // b's workers fail at once: it reports and leaves before a has even read the closed round.
+  st = *decideReportFailure(st, view(b, s, kT0), st->round, "rank 1 exit 3").next;
+  drive(st, decideExit, view(b, s, kT0));
+  // a must not start a one-node group: it leaves too and joins the next round with b.
+  std::vector<Action> actions;
+  Decision d = drive(st, decideJoin, view(a, s, kT0), &actions);
+  CHECK(actions.front() == Action::LeaveRound);
+  CHECK(st->round == 1);
+  drive(st, decideJoin, view(b, s, kT0));
+  drive(st, decideJoin, view(a, s, kT0));
+  REQUIRE(st->complete);
+  CHECK(st->participantCount() == 2);
+  CHECK(roundResult(*st, a.id).restartCount == 1);
+  // Control: without the failure and the departure, a finishes at once.
+  std::optional<State> st2;
+  drive(st2, decideJoin, view(a, s, kT0));
+  drive(st2, decideJoin, view(b, s, kT0));
+  CHECK(drive(st2, decideJoin, view(a, s, kT0)).action == Action::Finish);
+}

@@ -27,6 +27,7 @@ State sampleState() {
   s.restarts = 2;
   s.failure = Failure{7, b.id, "rank 5 exited with code 1"};
   s.expected = {"hostC_33_0"};
+  s.roundSize = 2;
   s.waitList = {"hostC_33_0"};
   s.redundancyList = {"hostD_44_1"};
   s.heartbeats = {{a.id, Timestamp(1'700'000'000'000ms)}, {b.id, Timestamp(1'700'000'000'500ms)},
@@ -82,7 +83,7 @@ TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvou
 TEST_CASE("rendezvous state: a version 1 state is still read", "[rendezvous]") {
   auto j = nlohmann::json::parse(encodeState(sampleState()));
   j["version"] = 1;
-  for (const char* k : {"restarts", "failure", "expected"}) j.erase(k);
+  for (const char* k : {"restarts", "failure", "expected", "round_size"}) j.erase(k);
   for (auto& p : j["participants"]) p.erase("store_port");
   State back = decodeState(j.dump());
   CHECK(back.round == 7);

@@ -36,7 +36,7 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
       fd_ = detail::connectTo(host_, port_, std::max(left, std::chrono::milliseconds(1))).release();
       break;
     } catch (const std::system_error& e) {
-      if (std::chrono::steady_clock::now() + delay >= deadline)
+      if (!options_.retryConnect || std::chrono::steady_clock::now() + delay >= deadline)
         throw StoreConnectionError("cannot reach the store at " + host_ + ":" +
                                    std::to_string(port_) + " within " +
                                    std::to_string(options_.timeout.count()) + " ms: " + e.what());

@@ -85,6 +85,7 @@ void afterParticipantRemoved(State& s, int minNodes) {
       s.round += 1;
       s.lastCallDeadline.reset();
       s.failure.reset();
+      s.roundSize = 0;
       s.expected = s.waitList;
     }
   } else if (s.participantCount() < minNodes) {
@@ -99,12 +100,26 @@ State closeRound(const State& s) {
   next.complete = true;
   next.lastCallDeadline.reset();
   next.expected.clear();
+  next.roundSize = next.participantCount();
   auto ranks = assignRanks(next.participants);
   for (std::size_t i = 0; i < ranks.size(); ++i) next.participants[i].rank = ranks[i];
   for (const auto& id : next.waitList)
     if (!next.isParticipant(id) && !next.inRedundancyList(id)) next.redundancyList.push_back(id);
   next.waitList.clear();
   return next;
+}
+
+// This node leaves its round to join the next one: back on the wait list (still in the
+// rendezvous, only not in the round), and expected by the round that follows if it was the last
+// node to leave.
+State leaveToRejoin(const State& s, const NodeView& v) {
+  State left = removeNodes(s, {v.self.id}, v.settings.minNodes);
+  if (s.complete) {
+    if (!left.inWaitList(v.self.id)) left.waitList.push_back(v.self.id);
+    if (left.round != s.round && !left.isExpected(v.self.id)) left.expected.push_back(v.self.id);
+    left.heartbeats[v.self.id] = v.now;
+  }
+  return left;
 }
 
 bool everyExpectedJoined(const State& s) {
@@ -236,7 +251,14 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
   }
 
   const bool isParticipant = s.isParticipant(me);
-  if (s.complete && isParticipant) return noWrite(Action::Finish, "joined " + roundText(s));
+  if (s.complete && isParticipant) {
+    // A node can notice the close late, after another node already left the round (its
+    // workers failed, or it died): starting workers for the smaller group would be wrong.
+    if (s.participantCount() < s.roundSize || (s.failure && s.failure->round == s.round))
+      return write(Action::LeaveRound, leaveToRejoin(s, v),
+                   roundText(s) + " lost a node before this node started: leaving it to join the next one");
+    return noWrite(Action::Finish, "joined " + roundText(s));
+  }
 
   if (v.remaining.count() < 0) {
     if (v.remaining >= -kRollbackPeriod) {
@@ -321,15 +343,7 @@ Decision decideExit(const std::optional<State>& current, const NodeView& v) {
   if (v.remaining.count() < 0)
     return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "' timed out leaving " +
                                             roundText(s));
-  State left = removeNodes(s, {v.self.id}, v.settings.minNodes);
-  if (s.complete) {
-    // Back on the wait list (still in the rendezvous, only not in the round), and expected by
-    // the round that follows if this was the last node to leave.
-    if (!left.inWaitList(v.self.id)) left.waitList.push_back(v.self.id);
-    if (left.round != s.round && !left.isExpected(v.self.id)) left.expected.push_back(v.self.id);
-    left.heartbeats[v.self.id] = v.now;
-  }
-  return write(Action::LeaveRound, std::move(left), "leaving " + roundText(s) + " to join the next one");
+  return write(Action::LeaveRound, leaveToRejoin(s, v), "leaving " + roundText(s) + " to join the next one");
 }
 
 Decision decideLeave(const std::optional<State>& current, const NodeView& v) {
@@ -460,6 +474,12 @@ RoundAssessment assessRound(const std::optional<State>& current, const RoundResu
     return a;
   }
   const State& s = *current;
+  if (s.failure && s.round == joined.round && s.failure->round == joined.round && s.failure->node != selfId) {
+    a.status = RoundStatus::PeerFailed;
+    a.nodes.push_back(s.failure->node);
+    a.reason = "workers failed on node '" + s.failure->node + "' (" + s.failure->reason + ")";
+    return a;
+  }
   if (s.closed) {
     a.status = RoundStatus::Closed;
     a.reason = "the rendezvous was closed";
@@ -469,12 +489,6 @@ RoundAssessment assessRound(const std::optional<State>& current, const RoundResu
     a.status = RoundStatus::Superseded;
     a.reason = "the rendezvous moved on to round " + std::to_string(s.round) + " (this node ran round " +
                std::to_string(joined.round) + ")";
-    return a;
-  }
-  if (s.failure && s.failure->round == joined.round && s.failure->node != selfId) {
-    a.status = RoundStatus::PeerFailed;
-    a.nodes.push_back(s.failure->node);
-    a.reason = "workers failed on node '" + s.failure->node + "' (" + s.failure->reason + ")";
     return a;
   }
   if (!s.isParticipant(selfId)) {

@@ -39,7 +39,8 @@ bool State::operator==(const State& o) const {
          lastCallDeadline == o.lastCallDeadline && nextJoinSeq == o.nextJoinSeq &&
          participants == o.participants && waitList == o.waitList &&
          redundancyList == o.redundancyList && heartbeats == o.heartbeats &&
-         restarts == o.restarts && failure == o.failure && expected == o.expected;
+         restarts == o.restarts && failure == o.failure && expected == o.expected &&
+         roundSize == o.roundSize;
 }
 
 State freshState(std::string runId) {
@@ -122,7 +123,8 @@ std::string encodeState(const State& s) {
                                          {"node", s.failure->node},
                                          {"reason", s.failure->reason}}
                                   : json(nullptr)},
-            {"expected", s.expected}};
+            {"expected", s.expected},
+            {"round_size", s.roundSize}};
   return j.dump();
 }
 
@@ -199,6 +201,9 @@ State decodeState(std::string_view text) {
       s.failure = std::move(f);
     }
     s.expected = get<std::vector<std::string>>(j, "expected", top);
+    s.roundSize = get<int>(j, "round_size", top);
+  } else if (s.complete) {
+    s.roundSize = s.participantCount();
   }
   return s;
 }

@@ -24,6 +24,9 @@ struct TcpStoreClientOptions {
   // the GET after its key exists, ...); zero means `timeout`. A timed-out reply leaves the
   // connection unusable (StoreTimeout, then StoreConnectionError on later calls): reconnect.
   std::chrono::milliseconds operationTimeout{0};
+  // Keep trying to connect until `timeout` while the server refuses (not up yet); false: one
+  // attempt (bounded by `timeout`), for callers that retry on their own schedule.
+  bool retryConnect = true;
   protocol::Generation generation = protocol::Generation::Validated;
   std::string keyPrefix = "/";
 };

@@ -19,7 +19,7 @@ namespace ctorch::rdzv::c10d {
 // the heartbeat expiry (15 s by default).
 using Timestamp = std::chrono::time_point<std::chrono::system_clock, std::chrono::milliseconds>;
 
-// Version 2 added restarts, failure, expected and store_port; version 1 states are still read.
+// Version 2 added restarts, failure, expected, round_size and store_port; version 1 states are still read.
 inline constexpr int kStateVersion = 2;
 inline constexpr const char* kStateFormat = "ctorchrun-rdzv";
 // The store value meaning "no state yet". A store's get() blocks until a key exists, so the key is
@@ -85,6 +85,9 @@ struct State {
   // that starts now); shared so that every node gives its workers the same count.
   std::int64_t restarts = 0;
   std::optional<Failure> failure;             // reported in the current round, if any
+  // Participants when the round closed: a complete round with fewer is broken (a node left or
+  // died before every node had started), so a node that finds it so must not start its workers.
+  int roundSize = 0;
   // An open round that follows a complete one waits for these nodes (the previous round's
   // nodes re-joining and the nodes that waited for it) and closes as soon as they all joined,
   // without a last call. Empty for a first round.
