@@ -381,12 +381,14 @@ class C10dRendezvous::Impl {
       } catch (const std::exception& e) {
         l.debug("leaving the rendezvous: {}", e.what());
       }
-      if (hostServer_ && outcome != AgentOutcome::Interrupted) waitForPeersToLeave();
-      try {
-        link_->setPatient(false);
-        link_->dropAliveKey();
-      } catch (const std::exception&) {
+      if (!hostServer_) {
+        try {
+          link_->setPatient(false);
+          link_->dropAliveKey();
+        } catch (const std::exception&) {
+        }
       }
+      if (hostServer_ && outcome != AgentOutcome::Interrupted) waitForPeersToLeave();
     }
     if (link_) link_->disconnect();
     workerStore_.reset();
@@ -515,27 +517,19 @@ class C10dRendezvous::Impl {
   }
 
   // Only after success or a failure of the whole job: the other agents still need the store to
-  // pass the exit barrier and close; wait (bounded) until their connections are gone.
+  // pass the exit barrier and close, and agents of other jobs (other --rdzv-id on the same
+  // endpoint) may still use it. Wait (bounded by close_timeout) until every other agent's
+  // connection is gone: each holds one ephemeral key, this agent the last one.
   void waitForPeersToLeave() {
-    if (!round_) return;
-    std::vector<std::string> keys;
-    for (const auto& id : round_->participantIds)
-      if (id != nodeId_) keys.push_back(aliveKey(id));
-    auto deadline = Clock::now() + std::min(o_.settings.closeTimeout, milliseconds(10000));
-    link_->setPatient(false);
-    try {
-      for (;;) {
-        bool any = false;
-        for (const auto& k : keys) any = any || link_->check({k});
-        if (!any) return;
-        if (Clock::now() >= deadline) {
-          log("rendezvous").debug("other agents still connected to the store; shutting it down anyway");
-          return;
-        }
-        std::this_thread::sleep_for(milliseconds(20));
+    auto deadline = Clock::now() + o_.settings.closeTimeout;
+    while (hostServer_->ephemeralKeyCount() > 1) {
+      if (Clock::now() >= deadline) {
+        log("rendezvous").warn("{} other agent(s) still connected to the rendezvous store hosted here "
+                               "after {}; shutting it down (they lose the store)",
+                               hostServer_->ephemeralKeyCount() - 1, secs(o_.settings.closeTimeout));
+        return;
       }
-    } catch (const std::exception& e) {
-      log("rendezvous").debug("waiting for the other agents: {}", e.what());
+      std::this_thread::sleep_for(milliseconds(20));
     }
   }
 

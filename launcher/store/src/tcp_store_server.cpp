@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -128,6 +129,7 @@ class TcpStoreServer::Impl {
     std::lock_guard<std::mutex> lock(statsMutex_);
     return stats_;
   }
+  std::size_t ephemeralKeyCount() const { return ephemeral_.load(); }
 
  private:
   struct Connection {
@@ -254,6 +256,7 @@ class TcpStoreServer::Impl {
       ++stats_.requests;
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
+    ephemeral_.store(engine_.ephemeralKeyCount());
     deliver(replies);
     if (!ok) {
       close(id);
@@ -308,6 +311,7 @@ class TcpStoreServer::Impl {
     conns_.erase(it);
     std::vector<StoreEngine::Reply> replies;
     auto lost = engine_.disconnect(id, &replies);
+    ephemeral_.store(engine_.ephemeralKeyCount());
     deliver(replies);
     for (const auto& key : lost) {
       debug("store: ephemeral key '" + key + "' removed: its connection closed");
@@ -331,6 +335,7 @@ class TcpStoreServer::Impl {
   Fd epoll_;
   Fd wake_;
   StoreEngine engine_;
+  std::atomic<std::size_t> ephemeral_{0};
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::uint64_t nextId_ = kFirstConn;
   mutable std::mutex statsMutex_;
@@ -347,5 +352,7 @@ TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options) {
 TcpStoreServer::~TcpStoreServer() = default;
 
 TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
+
+std::size_t TcpStoreServer::ephemeralKeyCount() const { return impl_->ephemeralKeyCount(); }
 
 } // namespace ctorch::store

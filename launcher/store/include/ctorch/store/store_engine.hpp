@@ -40,6 +40,7 @@ class StoreEngine {
   std::vector<std::string> disconnect(ConnId conn, std::vector<Reply>* out = nullptr);
 
   std::size_t numKeys() const { return data_.size(); }
+  std::size_t ephemeralKeyCount() const { return owners_.size(); }
   std::optional<protocol::Bytes> peek(const std::string& key) const;
   // Connections blocked in WAIT (or a blocking queue pop / barrier).
   std::size_t waitingConnections() const { return awaiting_.size(); }

@@ -62,6 +62,8 @@ class TcpStoreServer {
 
   std::uint16_t port() const { return port_; }
   TcpStoreServerStats stats() const;
+  // Ephemeral keys held right now (one per connected agent that set its key).
+  std::size_t ephemeralKeyCount() const;
 
  private:
   class Impl;
