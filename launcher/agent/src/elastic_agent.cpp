@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <system_error>
@@ -313,9 +314,22 @@ int ElasticAgent::run() {
       case GroupOutcome::Kind::Succeeded:
         break;  // handled above
 
-      case GroupOutcome::Kind::Interrupted:
+      case GroupOutcome::Kind::Interrupted: {
         l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
                outcome.stopped.size() + outcome.failures.size());
+        // Preemption (Slurm's --signal, scancel -s USR1): workers that saved a snapshot and exited
+        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue.
+        bool preempted = outcome.failures.empty() && !outcome.stopped.empty() &&
+                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), [](const WorkerExit& e) {
+                           return e.status.asExitCode() == contract::kExitPreempted;
+                         });
+        if (preempted) {
+          l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job "
+                 "can be requeued",
+                 contract::kExitPreempted, contract::kExitPreempted);
+          rendezvous_.shutdown(AgentOutcome::Interrupted);
+          return contract::kExitPreempted;
+        }
         if (!outcome.failures.empty()) {
           report_ = makeReport(outcome, info, restartCount, files);
           options_.printSummary(formatFailureSummary(*report_));
@@ -323,6 +337,7 @@ int ElasticAgent::run() {
         }
         rendezvous_.shutdown(AgentOutcome::Interrupted);
         return contract::exitCodeForSignal(outcome.signal);
+      }
 
       case GroupOutcome::Kind::Rerendezvous:
         l.warn("membership changed ({}): restarting the workers without counting a failure",
