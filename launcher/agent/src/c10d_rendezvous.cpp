@@ -252,8 +252,16 @@ class C10dRendezvous::Impl {
 
   RendezvousInfo next(const RendezvousRequest& request) {
     armTimer(false);
-    if (!link_) setUp(request);
-    if (!executor_) makeExecutor(request);
+    try {
+      if (!link_) setUp(request);
+      if (!executor_) makeExecutor(request);
+    } catch (const store::StoreError&) {
+      translate();
+    } catch (const rc::RendezvousError&) {
+      translate();
+    } catch (const rc::RendezvousConfigError&) {
+      translate();
+    }
     eventSent_ = false;
 
     // A fresh workers' store for every round: the round's workers never see keys of an earlier
@@ -548,7 +556,8 @@ class C10dRendezvous::Impl {
       throw RendezvousError(std::string(e.what()) +
                             ": lost the rendezvous store (its ctorchrun stopped, or this node is cut off)");
     } catch (const store::StoreError& e) {
-      throw RendezvousError("rendezvous store at " + link_->where() + ": " + e.what());
+      throw RendezvousError("rendezvous store at " + o_.endpointHost + ":" + std::to_string(o_.endpointPort) +
+                            ": " + e.what());
     }
   }
 
