@@ -64,7 +64,7 @@ class FakeProcessContext : public ProcessContext {
         ++it;
         continue;
       }
-      queue(it->first, ExitStatus::killed(signo));
+      queue(it->first, exitOnSignal ? ExitStatus::exited(*exitOnSignal) : ExitStatus::killed(signo));
       it = live_.erase(it);
     }
   }
@@ -79,6 +79,7 @@ class FakeProcessContext : public ProcessContext {
   std::vector<std::vector<WorkerLaunch>> launches;
   std::vector<int> signals;
   int kills = 0;
+  std::optional<int> exitOnSignal;  // workers handle signals and exit with this code
 
  private:
   void queue(int rank, ExitStatus s) {
@@ -113,6 +114,8 @@ class FakeRendezvous : public RendezvousHandler {
     i.storeHost = "127.0.0.1";
     i.storePort = 1234;
     i.nodeHosts = {"fakehost"};
+    if (static_cast<std::size_t>(i.round) < sharedRestartCounts.size())
+      i.restartCount = sharedRestartCounts[static_cast<std::size_t>(i.round)];
     if (static_cast<std::size_t>(i.round) < eventsAfterRound.size() && eventsAfterRound[static_cast<std::size_t>(i.round)]) {
       pending_.push_back(*eventsAfterRound[static_cast<std::size_t>(i.round)]);
       std::uint64_t one = 1;
@@ -130,10 +133,20 @@ class FakeRendezvous : public RendezvousHandler {
     return e;
   }
   void reportFailure(const std::string& why) override { failuresReported.push_back(why); }
-  void exitBarrier(std::chrono::milliseconds) override { ++barriers; }
+  std::optional<RendezvousEvent> exitBarrier(std::chrono::milliseconds) override {
+    ++barriers;
+    if (barrierResults.empty()) return std::nullopt;
+    auto r = barrierResults.front();
+    barrierResults.pop_front();
+    return r;
+  }
+  void shutdown(AgentOutcome outcome) override { shutdowns.push_back(outcome); }
 
   int rounds = 0;
   int barriers = 0;
+  std::deque<std::optional<RendezvousEvent>> barrierResults;
+  std::vector<int> sharedRestartCounts;  // by round: RendezvousInfo::restartCount
+  std::vector<AgentOutcome> shutdowns;
   std::vector<std::string> failuresReported;
   std::vector<std::optional<RendezvousEvent>> eventsAfterRound;
 
@@ -363,4 +376,91 @@ TEST_CASE("worker env: user settings win over defaults and contract variables wi
   CHECK(s.count("X=1"));
   CHECK(shouldDefaultOmpThreads({"A=1"}, 2));
   CHECK_FALSE(shouldDefaultOmpThreads({"A=1"}, 1));
+}
+
+// ---- several nodes: shared counts, the exit barrier, preemption, how the agent leaves ---------------
+TEST_CASE("agent: a failure on another node is counted but not reported back") {
+  Fixture f({"--nproc-per-node", "1", "--max-restarts", "1"});
+  f.rendezvous.eventsAfterRound = {RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 2 failed", std::nullopt}};
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}};
+    return allSucceed(n);
+  });
+  CHECK(f.run(pc) == 0);
+  CHECK(f.rendezvous.failuresReported.empty());  // the other node reported it
+  CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Succeeded});
+}
+
+TEST_CASE("agent: a remote failure with no restart left ends the agent with 1") {
+  Fixture f({"--nproc-per-node", "1"});
+  f.rendezvous.eventsAfterRound = {RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 2 failed", std::nullopt}};
+  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}}; });
+  CHECK(f.run(pc) == 1);
+  CHECK(pc.launches.size() == 1);
+  CHECK(f.summaries.empty());  // nothing failed here: no local summary
+  CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Failed});
+}
+
+TEST_CASE("agent: the restart count the rendezvous shares wins over the local one") {
+  // A node that joins a job which already restarted twice gives its workers the job's count.
+  Fixture f({"--nproc-per-node", "1", "--max-restarts", "5"});
+  f.rendezvous.sharedRestartCounts = {2, 3};
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{ExitStatus::exited(4)}};
+    return allSucceed(n);
+  });
+  CHECK(f.run(pc) == 0);
+  REQUIRE(pc.launches.size() == 2);
+  CHECK(envValue(pc.launches[0][0], "TORCHELASTIC_RESTART_COUNT") == "2");
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "3");
+  // Control: without a shared count the local one is used.
+  Fixture g({"--nproc-per-node", "1", "--max-restarts", "5"});
+  FakeProcessContext pc2([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{ExitStatus::exited(4)}};
+    return allSucceed(n);
+  });
+  CHECK(g.run(pc2) == 0);
+  CHECK(envValue(pc2.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "1");
+}
+
+TEST_CASE("agent: workers that succeeded run again when another node failed during the exit barrier") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1"});
+  f.rendezvous.barrierResults = {RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 1 failed", std::nullopt},
+                                 std::nullopt};
+  FakeProcessContext pc([](int, int n) { return allSucceed(n); });
+  CHECK(f.run(pc) == 0);
+  REQUIRE(pc.launches.size() == 2);
+  CHECK(f.rendezvous.barriers == 2);
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "1");
+  // No restart left: the success here does not make the job a success.
+  Fixture g({"--nproc-per-node", "1"});
+  g.rendezvous.barrierResults = {RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 1 failed", std::nullopt}};
+  FakeProcessContext pc2([](int, int n) { return allSucceed(n); });
+  CHECK(g.run(pc2) == 1);
+}
+
+TEST_CASE("agent: preempted workers (exit 75 after the forwarded signal) make the agent exit 75") {
+  for (int code : {75, 0}) {
+    Fixture f({"--nproc-per-node", "2"});
+    FakeProcessContext pc([&f](int, int) {
+      f.signals.raise(SIGUSR1);
+      return std::vector<FakeWorker>{{}, {}};
+    });
+    pc.exitOnSignal = code;  // the workers save their state and exit with `code`
+    int rc = f.run(pc);
+    INFO("workers exit " << code);
+    // Control: workers that exit 0 on the signal are not "preempted": 128+SIGUSR1 as usual.
+    CHECK(rc == (code == 75 ? 75 : 128 + SIGUSR1));
+    CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
+  }
+}
+
+TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") {
+  Fixture f({"--nproc-per-node", "1", "--max-restarts", "3"});
+  f.rendezvous.eventsAfterRound = {
+      RendezvousEvent{RendezvousEventKind::Failed, "cut off", std::chrono::milliseconds(10)}};
+  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}}; });
+  CHECK(f.run(pc) == 3);
+  CHECK(pc.launches.size() == 1);
+  CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
 }

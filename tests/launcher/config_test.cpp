@@ -254,3 +254,78 @@ TEST_CASE("config: --help ends with the exit codes and the worker contract") {
   REQUIRE(contractAt != std::string::npos);
   CHECK(cl.message.find("--nnodes") < contractAt);  // the contract comes last
 }
+
+// ---- c10d and Slurm ---------------------------------------------------------------------------------
+TEST_CASE("config c10d: elastic nnodes / endpoint defaults / node rank as a request") {
+  auto c = configFor({"--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-id", "j", "--node-rank", "5", "/bin/true"});
+  CHECK(c.rdzvBackend == "c10d");
+  CHECK(c.minNodes == 2);
+  CHECK(c.maxNodes == 4);
+  CHECK(c.rdzvEndpointHost == "localhost");  // torch's default
+  CHECK(c.rdzvEndpointPort == 29400);
+  CHECK(c.nodeRank == 5);  // a request: not checked against --nnodes
+  auto d = configFor({"--nnodes", "2", "--rdzv_backend=c10d", "--rdzv_endpoint=head:1234", "/bin/true"});
+  CHECK(d.rdzvEndpointHost == "head");
+  CHECK(d.rdzvEndpointPort == 1234);
+}
+
+TEST_CASE("config c10d bad input: rdzv-conf keys and values are checked before anything starts") {
+  std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--rdzv-backend", "c10d", "--rdzv-conf", "joint_timeout=3", "/bin/true"}, "'joint_timeout' is unknown"},
+      {{"--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=abc", "/bin/true"}, "'abc'"},
+      {{"--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe", "/bin/true"}, "'maybe'"},
+      {{"--rdzv-backend", "c10d", "--rdzv-conf", "keep_alive_max_attempt=0", "/bin/true"}, "keep_alive_max_attempt"},
+      {{"--rdzv-backend", "c10d", "--rdzv-endpoint", "head:0", "/bin/true"}, "port 0"},
+      {{"--slurm", "sometimes", "/bin/true"}, "'sometimes'"},
+  };
+  for (const auto& [args, text] : cases) {
+    std::string msg = errorFor(args);
+    INFO(msg);
+    CHECK(msg.find(text) != std::string::npos);
+    auto trimmed = msg;
+    while (!trimmed.empty() && trimmed.back() == '\n') trimmed.pop_back();
+    CHECK(trimmed.find('\n') == std::string::npos);
+  }
+}
+
+TEST_CASE("config slurm: under srun what the user left out comes from the step, and is logged") {
+  std::map<std::string, std::string> step = {{"SLURM_JOB_ID", "4242"},        {"SLURM_STEP_ID", "0"},
+                                             {"SLURM_NODEID", "1"},           {"SLURM_NNODES", "2"},
+                                             {"SLURM_NTASKS", "2"},           {"SLURM_STEP_NODELIST", "gpu[07-08]"},
+                                             {"SLURM_JOB_NODELIST", "gpu[06-08]"}, {"SLURM_GPUS_ON_NODE", "4"},
+                                             {"SLURM_STEP_TASKS_PER_NODE", "1(x2)"}};
+  auto c = configFor({"/bin/true"}, step);
+  CHECK(c.rdzvBackend == "c10d");
+  CHECK(c.minNodes == 2);
+  CHECK(c.maxNodes == 2);
+  CHECK(c.nodeRank == 1);
+  CHECK(c.rdzvEndpointHost == "gpu07");  // the step's first node, not the allocation's
+  CHECK(c.rdzvEndpointPort == 20000 + 4242 % 12000);
+  CHECK(c.rdzvId == "slurm-4242.0");
+  CHECK(c.nprocPerNode == 4);
+  CHECK(c.slurmLines.size() >= 5);
+  CHECK(c.slurmWarnings.empty());
+  // What the user gave wins.
+  auto u = configFor({"--nproc-per-node", "2", "--rdzv-id", "mine", "--rdzv-endpoint", "other:5", "/bin/true"}, step);
+  CHECK(u.nprocPerNode == 2);
+  CHECK(u.rdzvId == "mine");
+  CHECK(u.rdzvEndpointHost == "other");
+  CHECK(u.minNodes == 2);
+  // --slurm off: nothing derived (control).
+  auto off = configFor({"--slurm", "off", "/bin/true"}, step);
+  CHECK(off.rdzvBackend == "static");
+  CHECK(off.maxNodes == 1);
+  CHECK(off.slurmLines.empty());
+  // Two ctorchrun on one node: a warning, every task its own node.
+  auto two = step;
+  two["SLURM_NTASKS"] = "4";
+  two["SLURM_STEP_TASKS_PER_NODE"] = "2(x2)";
+  two["SLURM_PROCID"] = "3";
+  auto w = configFor({"/bin/true"}, two);
+  REQUIRE(w.slurmWarnings.size() == 1);
+  CHECK(w.slurmWarnings[0].find("srun started 4 ctorchrun tasks on 2 node(s)") != std::string::npos);
+  CHECK(w.maxNodes == 4);
+  CHECK(w.nodeRank == 3);
+  // --slurm on outside a step is an error.
+  CHECK(errorFor({"--slurm", "on", "/bin/true"}).find("--slurm") != std::string::npos);
+}

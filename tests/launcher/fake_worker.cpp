@@ -17,6 +17,13 @@
 //   if-rank R                    run the next command only on RANK R
 //   if-restart-below K           run the next command only while TORCHELASTIC_RESTART_COUNT < K
 //                                (conditions chain: "if-rank 0 if-restart-below 1 exit 3")
+//   if-world W                   run the next command only when WORLD_SIZE is W
+//   train FILE STEPS MS          a resumable training loop: starts at the step saved in FILE
+//                                (0 if none, prints "resumed at step S"), one step every MS ms,
+//                                saves its step to FILE (write + rename) and exits 75
+//                                (contract::kExitPreempted) on SIGUSR1 or SIGTERM ("preempted at
+//                                step S by SIGUSR1"), or saves STEPS and exits 0 when done
+//                                ("done at step STEPS"); rank 0 writes FILE, the others read it
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -93,6 +100,54 @@ long long nowNs() {
   return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+volatile sig_atomic_t gStopSignal = 0;
+void onStop(int signo) { gStopSignal = signo; }
+
+int readStep(const std::string& path) {
+  std::ifstream f(path);
+  int step = 0;
+  if (f >> step) return step;
+  return 0;
+}
+
+void writeStep(const std::string& path, int step) {
+  if (envOr("RANK", "0") != "0") return;
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << step << "\n";
+  }
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+// The loop a trainer runs, reduced to a counter: resume, step, snapshot on a stop signal.
+int train(const std::string& path, int steps, int ms) {
+  struct sigaction sa {};
+  sa.sa_handler = onStop;
+  ::sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGUSR1, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  int step = readStep(path);
+  std::printf("resumed at step %d\n", step);
+  std::fflush(stdout);
+  while (step < steps) {
+    if (gStopSignal) {
+      writeStep(path, step);
+      std::printf("preempted at step %d by %s\n", step, gStopSignal == SIGUSR1 ? "SIGUSR1" : "SIGTERM");
+      std::fflush(stdout);
+      return 75;
+    }
+    timespec ts{ms / 1000, (ms % 1000) * 1000000L};
+    while (::nanosleep(&ts, &ts) != 0 && errno == EINTR && !gStopSignal) {
+    }
+    if (!gStopSignal) ++step;
+  }
+  writeStep(path, step);
+  std::printf("done at step %d\n", step);
+  std::fflush(stdout);
+  return 0;
+}
+
 [[noreturn]] void sleepForever() {
   for (;;) ::pause();
 }
@@ -133,6 +188,18 @@ int main(int argc, char** argv) {
     if (cmd == "if-restart-below") {
       int below = std::atoi(arg().c_str());
       skipNext = skip || std::atoi(envOr("TORCHELASTIC_RESTART_COUNT", "0").c_str()) >= below;
+      continue;
+    }
+    if (cmd == "if-world") {
+      std::string world = arg();
+      skipNext = skip || envOr("WORLD_SIZE", "-1") != world;
+      continue;
+    }
+    if (cmd == "train") {
+      std::string path = arg();
+      int steps = std::atoi(arg().c_str());
+      int ms = std::atoi(arg().c_str());
+      if (!skip) return train(path, steps, ms);
       continue;
     }
     if (cmd == "print") {

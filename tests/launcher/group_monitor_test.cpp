@@ -128,3 +128,20 @@ TEST_CASE("group monitor: rendezvous events") {
     CHECK(m.outcome().kind == GroupOutcome::Kind::Failed);
   }
 }
+
+TEST_CASE("group monitor: a lost peer shortens the grace period but never lengthens it") {
+  GroupMonitor m(2, std::chrono::milliseconds(30000));
+  auto a = m.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::MembershipChanged, "peer lost",
+                                               std::chrono::milliseconds(5000)});
+  REQUIRE(a.armGrace);
+  CHECK(a.armGrace->count() == 5000);
+  CHECK(a.signalWorkers == SIGTERM);
+  GroupMonitor n(2, std::chrono::milliseconds(1000));
+  auto b = n.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::Failed, "cut off", std::chrono::milliseconds(5000)});
+  REQUIRE(b.armGrace);
+  CHECK(b.armGrace->count() == 1000);
+  // Control: without a grace in the event, --shutdown-timeout.
+  GroupMonitor o(2, std::chrono::milliseconds(30000));
+  auto c = o.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::MembershipChanged, "node waits", std::nullopt});
+  CHECK(c.armGrace->count() == 30000);
+}

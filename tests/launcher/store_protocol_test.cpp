@@ -302,3 +302,28 @@ TEST_CASE("store engine: ADD on a non-integer value drops the request (c10d clos
   std::vector<StoreEngine::Reply> out;
   CHECK_THROWS_WITH(h.engine.execute(1, r.request, out), Catch::Contains("not an integer"));
 }
+
+// PyTorch 2.1 (torch/csrc/distributed/c10d/TCPStoreBackend.hpp of 2.1): no VALIDATE handshake yet
+// (it came in 2.2, PR #107607) but WATCH_KEY already removed (PR #105014), so codes 0..6 are the
+// 1.13 ones and 7..11 are DELETE_KEY, APPEND, MULTI_GET, MULTI_SET, CANCEL_WAIT. Nothing on the
+// wire tells a 2.1 client from a 1.13 one (docs/launcher.md, "The native TCPStore").
+TEST_CASE("store protocol: a PyTorch 2.1 client is served for everything a worker bootstrap sends (codes 0 to 6)") {
+  EngineHarness h;
+  h.gen = Generation::Legacy;  // what the server decides for a 2.1 client's first bytes
+  Generation g = Generation::Unknown;
+  Bytes init = B().u8(3).str("/init/").u64(1).b;  // 2.1's TCPStore(..., world_size) sends ADD(3) first
+  REQUIRE(parseAll(g, init).status == ParseResult::Status::Ok);
+  CHECK(g == Generation::Legacy);
+  CHECK(asI64(h.run(1, init)[0].bytes) == 1);                                   // ADD 3
+  CHECK(h.run(1, B().u8(0).str("/a").str("v").b).empty());                     // SET 0
+  CHECK(toString(asVector(h.run(1, B().u8(2).str("/a").b)[0].bytes)) == "v");  // GET 2
+  CHECK(toString(asVector(h.run(1, B().u8(1).str("/a").str("v").str("w").b)[0].bytes)) == "w");  // COMPARE_SET 1
+  CHECK(h.run(1, B().u8(4).u64(1).str("/a").b)[0].bytes == Bytes{0});          // CHECK 4: READY
+  CHECK(h.run(1, B().u8(5).u64(1).str("/a").b)[0].bytes == Bytes{0});          // WAIT 5: STOP_WAITING
+  CHECK(asI64(h.run(1, B().u8(6).b)[0].bytes) == 2);                           // GETNUMKEYS 6
+  // The documented limit: 2.1's DELETE_KEY (7) is 1.13's WATCH_KEY here, and answered as such
+  // (one registration byte, not the int64 a 2.1 client waits for).
+  auto del = h.run(1, B().u8(7).str("/a").b);
+  REQUIRE(del.size() == 1);
+  CHECK(del[0].bytes == Bytes{static_cast<std::uint8_t>(WatchResponse::CallbackRegistered)});
+}

@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <cstring>
 #include <thread>
 
@@ -255,4 +257,87 @@ TEST_CASE("store client: waits for a server that starts late") {
   starter.join();
   c.set("x", toBytes("y"));
   CHECK(toString(c.get("x")) == "y");
+}
+
+// ---- ephemeral keys (the rendezvous' alive keys), bounded replies, local address ------------------------
+TEST_CASE("store server: an ephemeral key disappears with its connection and is reported") {
+  std::mutex m;
+  std::vector<std::string> lost;
+  TcpStoreServerOptions so;
+  so.ephemeralKeyPrefix = "/alive/";
+  so.onEphemeralKeyLost = [&](const std::string& key) {
+    std::lock_guard<std::mutex> l(m);
+    lost.push_back(key);
+  };
+  TcpStoreServer server(so);
+  TcpStoreClient watcher("127.0.0.1", server.port(), clientOptions(protocol::Generation::Validated));
+  {
+    TcpStoreClient agent("127.0.0.1", server.port(), clientOptions(protocol::Generation::Validated));
+    agent.set("alive/job/n1", toBytes("1"));
+    agent.set("other", toBytes("x"));  // not under the prefix: stays
+    CHECK(watcher.check({"alive/job/n1"}));
+    CHECK(server.ephemeralKeyCount() == 1);
+  }  // the agent's connection closes (as when its process is killed)
+  auto gone = [&] {
+    std::lock_guard<std::mutex> l(m);
+    return !lost.empty();
+  };
+  for (int i = 0; i < 500 && !gone(); ++i) std::this_thread::sleep_for(2ms);
+  REQUIRE(gone());
+  CHECK(lost == std::vector<std::string>{"/alive/job/n1"});
+  CHECK_FALSE(watcher.check({"alive/job/n1"}));
+  CHECK(watcher.check({"other"}));
+  CHECK(server.ephemeralKeyCount() == 0);
+}
+
+TEST_CASE("store server: an ephemeral key belongs to its last writer and a delete forgets it") {
+  std::atomic<int> lost{0};
+  TcpStoreServerOptions so;
+  so.ephemeralKeyPrefix = "/alive/";
+  so.onEphemeralKeyLost = [&](const std::string&) { ++lost; };
+  TcpStoreServer server(so);
+  auto b = std::make_unique<TcpStoreClient>("127.0.0.1", server.port(), clientOptions(protocol::Generation::Legacy));
+  {
+    TcpStoreClient a("127.0.0.1", server.port(), clientOptions(protocol::Generation::Validated));
+    a.set("alive/x", toBytes("1"));
+    b->set("alive/x", toBytes("2"));  // a reconnected agent takes its key over
+  }
+  std::this_thread::sleep_for(100ms);
+  CHECK(lost == 0);  // the old connection no longer owned it
+  CHECK(b->check({"alive/x"}));
+  CHECK(b->deleteKey("alive/x"));  // a graceful goodbye
+  b.reset();
+  std::this_thread::sleep_for(100ms);
+  CHECK(lost == 0);
+}
+
+TEST_CASE("store client: a reply that never comes times out at the operation timeout") {
+  // A listener that accepts and never answers (the store host is cut off).
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  TcpStoreClientOptions o = clientOptions(protocol::Generation::Legacy, 60s);
+  o.operationTimeout = 200ms;
+  TcpStoreClient c("127.0.0.1", ntohs(a.sin_port), o);
+  CHECK(c.localAddress() == "127.0.0.1");
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(c.add("k", 1), StoreTimeout);
+  CHECK(std::chrono::steady_clock::now() - start < 30s);  // not the 60 s wait bound
+  CHECK_FALSE(c.usable());
+  CHECK_THROWS_AS(c.add("k", 1), StoreConnectionError);
+  ::close(fd);
+}
+
+TEST_CASE("store client: retryConnect false makes one connection attempt") {
+  int port = ctorch::test::freePort();
+  TcpStoreClientOptions o = clientOptions(protocol::Generation::Validated, 20s);
+  o.retryConnect = false;
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(TcpStoreClient("127.0.0.1", static_cast<std::uint16_t>(port), o), StoreConnectionError);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);  // refused at once, not retried for 20 s
 }

@@ -288,11 +288,11 @@ TEST_CASE("rendezvous: survivors of a lost node re-form a round without it", "[r
   drive(st, decideExit, view(a, s, t));
   drive(st, decideExit, view(c, s, t));
   CHECK(st->round == 1);
+  CHECK(st->expected == std::vector<std::string>{a.id, c.id});
   joinAll(st, {a, c}, s, t);
-  CHECK_FALSE(st->complete);  // 2 = min: last call
-  beat(st, {a, c}, t + 31s);
-  drive(st, decideJoin, view(a, s, t + 31s));
+  // Every survivor is back: the round closes at once, no last call (2 = min < max).
   REQUIRE(st->complete);
+  CHECK_FALSE(st->lastCallDeadline);
   CHECK(st->participantCount() == 2);
   CHECK(rankOf(*st, a) == 0);
   CHECK(rankOf(*st, c) == 1);  // was 2; ranks stay dense
@@ -494,4 +494,156 @@ TEST_CASE("rendezvous: roundResult refuses incomplete rounds and strangers", "[r
   CHECK_THROWS_WITH(roundResult(st, node("x").id), Catch::Contains("not in round 0"));
   st.participants.push_back({node("b"), 1, 0});  // two nodes with rank 0
   CHECK_THROWS_AS(roundResult(st, node("a").id), RendezvousStateError);
+}
+
+// ---- failures, removals, leaving and the fast re-form (state version 2) ---------------------------------
+TEST_CASE("rendezvous: a worker failure is reported once and every node restarts with the same count", "[rendezvous]") {
+  auto s = settings(2, 2);
+  auto a = node("a"), b = node("b");
+  std::optional<State> st;
+  joinAll(st, {a, b}, s, kT0);
+  REQUIRE(st->complete);
+  auto ra = roundResult(*st, a.id), rb = roundResult(*st, b.id);
+  CHECK(ra.restartCount == 0);
+
+  // b's workers fail: b reports it, a sees it as a peer failure (counted), not a lost peer.
+  Decision d = decideReportFailure(st, view(b, s, kT0 + 1s), ra.round, "rank 1 exited with code 3");
+  REQUIRE(d.action == Action::ReportFailure);
+  st = *d.next;
+  CHECK(st->restarts == 1);
+  REQUIRE(st->failure);
+  CHECK(st->failure->node == b.id);
+  auto seen = assessRound(st, ra, a.id, s);
+  CHECK(seen.status == RoundStatus::PeerFailed);
+  CHECK_THAT(seen.reason, Catch::Contains("rank 1 exited with code 3"));
+  CHECK(assessRound(st, rb, b.id, s).status == RoundStatus::Healthy);  // its own report
+  // A second failure in the same round (a's workers too) is not counted again.
+  CHECK(decideReportFailure(st, view(a, s, kT0 + 1s), ra.round, "rank 0 exited").action == Action::Finish);
+  // A report for an old round changes nothing.
+  CHECK(decideReportFailure(st, view(a, s, kT0 + 1s), ra.round - 1, "x").action == Action::Finish);
+  // A slow node that reads the round after the report still sees the count the round started with.
+  CHECK(roundResult(*st, a.id).restartCount == 0);
+
+  drive(st, decideExit, view(b, s, kT0 + 2s));
+  drive(st, decideExit, view(a, s, kT0 + 2s));
+  CHECK(st->round == 1);
+  CHECK_FALSE(st->failure);
+  joinAll(st, {b, a}, s, kT0 + 2s);
+  REQUIRE(st->complete);
+  CHECK(roundResult(*st, a.id).restartCount == 1);
+  CHECK(roundResult(*st, b.id).restartCount == 1);
+}
+
+TEST_CASE("rendezvous: the store host removes a node whose connection dropped", "[rendezvous]") {
+  auto s = settings(2, 3);
+  auto a = node("a"), b = node("b"), c = node("c");
+  std::optional<State> st;
+  joinAll(st, {a, b, c}, s, kT0);
+  REQUIRE(st->complete);
+  auto ra = roundResult(*st, a.id);
+  Decision d = decideRemove(st, view(a, s, kT0 + 1s), {c.id, "ghost_1_0", a.id}, "its connection closed");
+  REQUIRE(d.action == Action::RemoveDead);
+  CHECK_THAT(d.reason, Catch::Contains(c.id) && !Catch::Contains("ghost") && Catch::Contains("connection closed"));
+  st = *d.next;
+  CHECK_FALSE(st->isParticipant(c.id));
+  CHECK(st->isParticipant(a.id));  // never removes itself
+  CHECK(assessRound(st, ra, a.id, s).status == RoundStatus::PeerLost);
+  // Gone already: nothing to do.
+  CHECK(decideRemove(st, view(a, s, kT0 + 1s), {c.id}, "again").action == Action::Finish);
+}
+
+TEST_CASE("rendezvous: a re-forming round closes as soon as every expected node is back", "[rendezvous]") {
+  auto s = settings(1, 4);
+  auto a = node("a"), b = node("b"), c = node("c");
+  std::optional<State> st;
+  joinAll(st, {a, b}, s, kT0);
+  beat(st, {a, b}, kT0 + 31s);
+  drive(st, decideJoin, view(a, s, kT0 + 31s));  // last call over
+  REQUIRE(st->complete);
+  // c arrives late: waits; a and b see it at their next step boundary.
+  drive(st, decideJoin, view(c, s, kT0 + 32s));
+  CHECK(st->inWaitList(c.id));
+  drive(st, decideExit, view(a, s, kT0 + 33s));
+  drive(st, decideExit, view(b, s, kT0 + 33s));
+  REQUIRE(st->round == 1);
+  CHECK(st->expected.size() == 3);
+  joinAll(st, {a, b}, s, kT0 + 33s);
+  CHECK_FALSE(st->complete);  // c is expected and alive: a last call runs meanwhile
+  CHECK(st->lastCallDeadline);
+  drive(st, decideJoin, view(c, s, kT0 + 33s));
+  REQUIRE(st->complete);  // all three back, long before the 30 s last call ends
+  CHECK(st->participantCount() == 3);
+  CHECK(st->expected.empty());
+}
+
+TEST_CASE("rendezvous: an expected node that dies does not hold the next round back", "[rendezvous]") {
+  auto s = settings(1, 3);
+  auto a = node("a"), b = node("b");
+  std::optional<State> st;
+  joinAll(st, {a, b}, s, kT0);
+  beat(st, {a, b}, kT0 + 31s);
+  drive(st, decideJoin, view(a, s, kT0 + 31s));
+  REQUIRE(st->complete);
+  drive(st, decideExit, view(a, s, kT0 + 32s));
+  drive(st, decideExit, view(b, s, kT0 + 32s));  // b then dies before joining again
+  joinAll(st, {a}, s, kT0 + 32s);
+  CHECK_FALSE(st->complete);
+  CHECK(st->isExpected(b.id));
+  // 16 s later b's heartbeat has expired: removed from the expected nodes, the round closes.
+  beat(st, {a}, kT0 + 48s);
+  drive(st, decideJoin, view(a, s, kT0 + 48s));
+  CHECK_FALSE(st->isExpected(b.id));
+  REQUIRE(st->complete);
+  CHECK(st->participantCount() == 1);
+}
+
+TEST_CASE("rendezvous: a node that leaves for good is not waited for", "[rendezvous]") {
+  auto s = settings(1, 3);
+  auto a = node("a"), b = node("b"), c = node("c");
+  std::optional<State> st;
+  joinAll(st, {a, b, c}, s, kT0);
+  REQUIRE(st->complete);
+  auto ra = roundResult(*st, a.id);
+  Decision d = decideLeave(st, view(c, s, kT0 + 1s));
+  REQUIRE(d.action == Action::Leave);
+  st = *d.next;
+  CHECK_FALSE(st->isParticipant(c.id));
+  CHECK_FALSE(st->inWaitList(c.id));
+  CHECK_FALSE(st->heartbeats.count(c.id));
+  CHECK(assessRound(st, ra, a.id, s).status == RoundStatus::PeerLost);
+  CHECK(decideLeave(st, view(c, s, kT0 + 1s)).action == Action::Finish);
+  drive(st, decideExit, view(a, s, kT0 + 2s));
+  drive(st, decideExit, view(b, s, kT0 + 2s));
+  CHECK(st->expected == std::vector<std::string>{a.id, b.id});
+  joinAll(st, {b, a}, s, kT0 + 2s);
+  REQUIRE(st->complete);
+  CHECK(st->participantCount() == 2);
+}
+
+TEST_CASE("rendezvous: a node that sees the close after another node left does not start a smaller group", "[rendezvous]") {
+  auto s = settings(2, 2);
+  auto a = node("a"), b = node("b");
+  std::optional<State> st;
+  drive(st, decideJoin, view(a, s, kT0));        // a waits for b
+  drive(st, decideJoin, view(b, s, kT0));        // b joins and closes
+  REQUIRE(st->complete);
+  CHECK(st->roundSize == 2);
+  // b's workers fail at once: it reports and leaves before a has even read the closed round.
+  st = *decideReportFailure(st, view(b, s, kT0), st->round, "rank 1 exit 3").next;
+  drive(st, decideExit, view(b, s, kT0));
+  // a must not start a one-node group: it leaves too and joins the next round with b.
+  std::vector<Action> actions;
+  Decision d = drive(st, decideJoin, view(a, s, kT0), &actions);
+  CHECK(actions.front() == Action::LeaveRound);
+  CHECK(st->round == 1);
+  drive(st, decideJoin, view(b, s, kT0));
+  drive(st, decideJoin, view(a, s, kT0));
+  REQUIRE(st->complete);
+  CHECK(st->participantCount() == 2);
+  CHECK(roundResult(*st, a.id).restartCount == 1);
+  // Control: without the failure and the departure, a finishes at once.
+  std::optional<State> st2;
+  drive(st2, decideJoin, view(a, s, kT0));
+  drive(st2, decideJoin, view(b, s, kT0));
+  CHECK(drive(st2, decideJoin, view(a, s, kT0)).action == Action::Finish);
 }

@@ -219,6 +219,7 @@ class Simulation {
         if (clock_.elapsed() >= script.stopAt) return;
         if (failAt && clock_.elapsed() >= *failAt) {
           failAt.reset();
+          ex.reportFailure("simulated worker failure");
           break;
         }
         auto a = ex.keepAlive();
@@ -402,12 +403,35 @@ TEST_CASE("rendezvous simulation: a re-rendezvous by one node restarts the other
   requireNoError(sim, {"a", "b"});
   auto& b = sim.log("b");
   REQUIRE(b.events.size() == 1);
-  CHECK(b.events[0].second.status == RoundStatus::PeerLost);
+  // b learns that a's workers failed (a restart of the job), not merely that a left.
+  CHECK(b.events[0].second.status == RoundStatus::PeerFailed);
   CHECK(b.events[0].first <= 12s);
   for (const char* n : {"a", "b"}) {
     REQUIRE(sim.log(n).rounds.size() == 2);
     CHECK(sim.log(n).rounds[1].round == 1);
     CHECK(sim.log(n).rounds[1].nodeRank == sim.log(n).rounds[0].nodeRank);
+    // One restart, counted once for the job, the same on both nodes.
+    CHECK(sim.log(n).rounds[0].restartCount == 0);
+    CHECK(sim.log(n).rounds[1].restartCount == 1);
+  }
+}
+
+TEST_CASE("rendezvous simulation: after a failure an elastic group re-forms without waiting for the last call", "[rendezvous]") {
+  Simulation sim;
+  auto s = simSettings("job", 2, 4);
+  s.lastCallTimeout = 30s;
+  for (const char* n : {"a", "b", "c"})
+    sim.agent(n, s, simNode(n), Script{.startAt = 0s, .stopAt = 80s, .failAt = std::string(n) == "c" ? std::optional<milliseconds>(50s) : std::nullopt});
+  sim.wait();
+  requireNoError(sim, {"a", "b", "c"});
+  for (const char* n : {"a", "b", "c"}) {
+    auto& l = sim.log(n);
+    REQUIRE(l.rounds.size() == 2);
+    CHECK(l.rounds[1].nodeCount == 3);
+    CHECK(l.rounds[1].restartCount == 1);
+    // The first round waited for its last call (30 s); the second closed once all three were back.
+    CHECK(l.roundTimes[0] >= 30s);
+    CHECK(l.roundTimes[1] < 50s + 5s);
   }
 }
 

@@ -22,7 +22,12 @@ State sampleState() {
   s.lastCallDeadline = Timestamp(1'700'000'030'000ms);
   NodeInfo a{"hostA_11_0", "hostA", "10.0.0.1", 4, 0, std::nullopt};
   NodeInfo b{"hostB_22_0", "hostB", "fe80::1", 2, std::nullopt, 1};
+  a.storePort = 41234;
   s.participants = {{a, 10, 0}, {b, 11, 1}};
+  s.restarts = 2;
+  s.failure = Failure{7, b.id, "rank 5 exited with code 1"};
+  s.expected = {"hostC_33_0"};
+  s.roundSize = 2;
   s.waitList = {"hostC_33_0"};
   s.redundancyList = {"hostD_44_1"};
   s.heartbeats = {{a.id, Timestamp(1'700'000'000'000ms)}, {b.id, Timestamp(1'700'000'000'500ms)},
@@ -49,7 +54,7 @@ TEST_CASE("rendezvous state: JSON round trip keeps every field", "[rendezvous]")
 TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvous]") {
   auto j = nlohmann::json::parse(encodeState(sampleState()));
   CHECK(j["format"] == "ctorchrun-rdzv");
-  CHECK(j["version"] == 1);
+  CHECK(j["version"] == 2);
   CHECK(j["run_id"] == "job-42");
   CHECK(j["round"] == 7);
   CHECK(j["complete"] == true);
@@ -66,6 +71,29 @@ TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvou
   CHECK(j["wait_list"] == nlohmann::json::array({"hostC_33_0"}));
   CHECK(j["redundancy_list"] == nlohmann::json::array({"hostD_44_1"}));
   CHECK(j["heartbeats_ms"]["hostB_22_0"] == 1'700'000'000'500LL);
+  CHECK(j["participants"][0]["store_port"] == 41234);
+  CHECK(j["participants"][1]["store_port"].is_null());
+  CHECK(j["restarts"] == 2);
+  CHECK(j["failure"]["round"] == 7);
+  CHECK(j["failure"]["node"] == "hostB_22_0");
+  CHECK(j["failure"]["reason"] == "rank 5 exited with code 1");
+  CHECK(j["expected"] == nlohmann::json::array({"hostC_33_0"}));
+}
+
+TEST_CASE("rendezvous state: a version 1 state is still read", "[rendezvous]") {
+  auto j = nlohmann::json::parse(encodeState(sampleState()));
+  j["version"] = 1;
+  for (const char* k : {"restarts", "failure", "expected", "round_size"}) j.erase(k);
+  for (auto& p : j["participants"]) p.erase("store_port");
+  State back = decodeState(j.dump());
+  CHECK(back.round == 7);
+  CHECK(back.restarts == 0);
+  CHECK_FALSE(back.failure);
+  CHECK(back.expected.empty());
+  CHECK_FALSE(back.participants[0].node.storePort);
+  // Control: a version 2 state without the new fields is refused.
+  j["version"] = 2;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'store_port'") || Catch::Contains("no 'restarts'"));
 }
 
 TEST_CASE("rendezvous state: the sentinel means no state", "[rendezvous]") {
@@ -78,8 +106,8 @@ TEST_CASE("rendezvous state: unusable values are refused with the reason", "[ren
   CHECK_THROWS_AS(decodeState("[1,2]"), RendezvousStateError);
   CHECK_THROWS_WITH(decodeState(R"({"format":"other","version":1})"), Catch::Contains("format 'other'"));
   auto j = nlohmann::json::parse(encodeState(sampleState()));
-  j["version"] = 2;
-  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 2") && Catch::Contains("newer") &&
+  j["version"] = 3;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 3") && Catch::Contains("newer") &&
                                                Catch::Contains("same ctorchrun version"));
   j = nlohmann::json::parse(encodeState(sampleState()));
   j.erase("round");

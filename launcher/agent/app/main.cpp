@@ -39,6 +39,8 @@ int launch(int argc, char** argv) {
   EnvLookup env = processEnvironment();
   LaunchConfig config = makeLaunchConfig(cl.options, env, MachineProbe::real(env));
   configureLogging(config.logLevel);
+  for (const auto& line : config.slurmLines) log("ctorchrun").info("slurm: {}", line);
+  for (const auto& line : config.slurmWarnings) log("ctorchrun").warn("slurm: {}", line);
   log("ctorchrun").info("{}", describeConfig(config));
 
   // Before any thread exists (the store starts one): the signals we handle are read from a

@@ -95,6 +95,10 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
   app.add_option("--log-level", o.logLevel,
                  "Launcher log level: trace, debug, info, warn, error, critical, off "
                  "(default: SPDLOG_LEVEL, else info)");
+  opt("slurm", o.slurm,
+      "Under srun, fill what is not given (--nnodes, node rank, rendezvous endpoint and id, "
+      "--nproc-per-node) from the Slurm step: auto, on (fail outside a step) or off")
+      ->capture_default_str();
   std::string startMethod;
   app.add_option("--start-method,--start_method", startMethod,
                  "Accepted for torchrun compatibility (workers are always new processes)")
@@ -182,6 +186,10 @@ CommandLine parseCommandLine(const std::vector<std::string>& args) {
     return result;
   }
   result.options.command = app.remaining();
+  for (const CLI::Option* option : app.get_options()) {
+    if (option->count() == 0 || option->get_lnames().empty()) continue;
+    result.options.givenFlags.push_back(option->get_lnames().front());
+  }
   return result;
 }
 

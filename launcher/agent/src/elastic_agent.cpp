@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <system_error>
@@ -242,7 +243,7 @@ int ElasticAgent::run() {
   for (;;) {
     if (auto s = pendingStopSignal()) {
       l.warn("received {} between attempts: not restarting", signalName(*s));
-      rendezvous_.shutdown();
+      rendezvous_.shutdown(AgentOutcome::Interrupted);
       return contract::exitCodeForSignal(*s);
     }
 
@@ -250,14 +251,30 @@ int ElasticAgent::run() {
     req.localNproc = config_.nprocPerNode;
     req.timeout = options_.rendezvousTimeout;
     req.cancelFd = signals_.fd();
+    std::optional<int> stopSignal;
+    req.stopRequested = [&] {
+      if (!stopSignal) stopSignal = pendingStopSignal();
+      return stopSignal.has_value();
+    };
     RendezvousInfo info;
     try {
       info = rendezvous_.next(req);
     } catch (const RendezvousInterrupted&) {
-      auto s = pendingStopSignal();
-      rendezvous_.shutdown();
-      return s ? contract::exitCodeForSignal(*s) : contract::kExitRendezvousFailed;
+      if (!stopSignal) stopSignal = pendingStopSignal();
+      if (stopSignal) l.warn("received {} while waiting for the rendezvous: stopping", signalName(*stopSignal));
+      rendezvous_.shutdown(AgentOutcome::Interrupted);
+      return stopSignal ? contract::exitCodeForSignal(*stopSignal) : contract::kExitRendezvousFailed;
+    } catch (const RendezvousGracefulExit& e) {
+      l.info("{}: exiting", e.what());
+      rendezvous_.shutdown(AgentOutcome::Interrupted);
+      return contract::kExitSuccess;
+    } catch (...) {
+      rendezvous_.shutdown(AgentOutcome::Interrupted);
+      throw;
     }
+    // A backend that shares the count across nodes (c10d) decides it: every node's workers must
+    // see the same TORCHELASTIC_RESTART_COUNT.
+    if (info.restartCount) restartCount = *info.restartCount;
     l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round,
            info.nodeRank, info.numNodes, info.worldSize, info.storeHost, info.storePort);
 
@@ -279,23 +296,48 @@ int ElasticAgent::run() {
     attempts_.back().outcome = outcome;
     logs_.endAttempt();
 
+    if (outcome.kind == GroupOutcome::Kind::Succeeded) {
+      l.info("all {} worker(s) finished successfully", launches.size());
+      auto event = rendezvous_.exitBarrier(options_.exitBarrierTimeout);
+      if (!event || event->kind != RendezvousEventKind::RemoteFailure) {
+        rendezvous_.shutdown(AgentOutcome::Succeeded);
+        return contract::kExitSuccess;
+      }
+      // Another node's workers failed in this round: the whole group runs again.
+      l.warn("rendezvous: {}", event->reason);
+      outcome.kind = GroupOutcome::Kind::Failed;
+      outcome.reason = event->reason;
+      attempts_.back().outcome = outcome;
+    }
+
     switch (outcome.kind) {
       case GroupOutcome::Kind::Succeeded:
-        l.info("all {} worker(s) finished successfully", launches.size());
-        rendezvous_.exitBarrier(options_.exitBarrierTimeout);
-        rendezvous_.shutdown();
-        return contract::kExitSuccess;
+        break;  // handled above
 
-      case GroupOutcome::Kind::Interrupted:
+      case GroupOutcome::Kind::Interrupted: {
         l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
                outcome.stopped.size() + outcome.failures.size());
+        // Preemption (Slurm's --signal, scancel -s USR1): workers that saved a snapshot and exited
+        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue.
+        bool preempted = outcome.failures.empty() && !outcome.stopped.empty() &&
+                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), [](const WorkerExit& e) {
+                           return e.status.asExitCode() == contract::kExitPreempted;
+                         });
+        if (preempted) {
+          l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job "
+                 "can be requeued",
+                 contract::kExitPreempted, contract::kExitPreempted);
+          rendezvous_.shutdown(AgentOutcome::Interrupted);
+          return contract::kExitPreempted;
+        }
         if (!outcome.failures.empty()) {
           report_ = makeReport(outcome, info, restartCount, files);
           options_.printSummary(formatFailureSummary(*report_));
           logs_.keep();
         }
-        rendezvous_.shutdown();
+        rendezvous_.shutdown(AgentOutcome::Interrupted);
         return contract::exitCodeForSignal(outcome.signal);
+      }
 
       case GroupOutcome::Kind::Rerendezvous:
         l.warn("membership changed ({}): restarting the workers without counting a failure",
@@ -304,29 +346,33 @@ int ElasticAgent::run() {
 
       case GroupOutcome::Kind::RendezvousFailed:
         l.error("rendezvous failed: {}", outcome.reason);
-        rendezvous_.shutdown();
+        rendezvous_.shutdown(AgentOutcome::Interrupted);
         return contract::kExitRendezvousFailed;
 
       case GroupOutcome::Kind::Failed: {
-        std::string why = outcome.failures.empty()
-                              ? outcome.reason
-                              : "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
-                                    " " + outcome.failures[0].status.describe();
+        const bool local = !outcome.failures.empty();
+        std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
+                                      " " + outcome.failures[0].status.describe()
+                                : outcome.reason;
         if (restartCount < config_.maxRestarts) {
           ++restartCount;
           l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
                  config_.maxRestarts);
-          rendezvous_.reportFailure(why);
+          if (local) rendezvous_.reportFailure(why);
           continue;
         }
-        report_ = makeReport(outcome, info, restartCount, files);
-        options_.printSummary(formatFailureSummary(*report_));
-        logs_.keep();
+        if (local) {
+          report_ = makeReport(outcome, info, restartCount, files);
+          options_.printSummary(formatFailureSummary(*report_));
+          logs_.keep();
+        }
         if (config_.maxRestarts > 0)
           l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
-        rendezvous_.reportFailure(why);
-        rendezvous_.shutdown();
-        if (outcome.failures.empty()) return contract::kExitFailure;
+        else if (!local)
+          l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", why);
+        if (local) rendezvous_.reportFailure(why);
+        rendezvous_.shutdown(AgentOutcome::Failed);
+        if (!local) return contract::kExitFailure;
         int code = outcome.failures.front().status.asExitCode();
         return code == 0 ? contract::kExitFailure : code;
       }

@@ -62,15 +62,20 @@ MonitorActions GroupMonitor::onGraceExpired() {
 MonitorActions GroupMonitor::onRendezvousEvent(const RendezvousEvent& event) {
   if (stopping()) return {};
   detail_ = event.reason;
+  MonitorActions a;
   switch (event.kind) {
     case RendezvousEventKind::MembershipChanged:
-      return beginStop(Reason::Membership, SIGTERM);
+      a = beginStop(Reason::Membership, SIGTERM);
+      break;
     case RendezvousEventKind::RemoteFailure:
-      return beginStop(Reason::RemoteFailure, SIGTERM);
+      a = beginStop(Reason::RemoteFailure, SIGTERM);
+      break;
     case RendezvousEventKind::Failed:
-      return beginStop(Reason::RendezvousFailed, SIGTERM);
+      a = beginStop(Reason::RendezvousFailed, SIGTERM);
+      break;
   }
-  return {};
+  if (event.grace && a.armGrace && *event.grace < *a.armGrace) a.armGrace = *event.grace;
+  return a;
 }
 
 GroupOutcome GroupMonitor::outcome() const {

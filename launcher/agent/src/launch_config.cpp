@@ -3,7 +3,9 @@
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/exit_status.hpp"
 #include "ctorch/launcher/machine.hpp"
+#include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
+#include "ctorch/slurm/derive.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -85,6 +87,52 @@ bool endsWith(const std::string& s, const std::string& suffix) {
 }
 
 const char* kLogLevels[] = {"trace", "debug", "info", "warn", "warning", "error", "critical", "off"};
+
+} // namespace
+
+bool RawOptions::given(const std::string& name) const {
+  return std::find(givenFlags.begin(), givenFlags.end(), name) != givenFlags.end();
+}
+
+namespace {
+
+// `srun ctorchrun ...`: fills what the user left out from the Slurm step (docs/rendezvous.md).
+RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig& c) {
+  slurm::UserChoices u;
+  try {
+    u.mode = slurm::parseSlurmMode(trim(raw.slurm));
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string(e.what()) + " (--slurm auto derives the settings under srun)");
+  }
+  u.standalone = raw.standalone;
+  if (raw.given("nnodes")) u.nnodes = raw.nnodes;
+  if (raw.nodeRank) u.nodeRank = parseNonNegative(*raw.nodeRank, "--node-rank");
+  if (raw.given("rdzv-backend")) u.rdzvBackend = trim(raw.rdzvBackend);
+  if (raw.given("rdzv-endpoint")) u.rdzvEndpoint = trim(raw.rdzvEndpoint);
+  if (raw.given("rdzv-id")) u.rdzvId = trim(raw.rdzvId);
+  if (raw.given("master-addr")) u.masterAddr = trim(raw.masterAddr);
+  if (raw.given("master-port")) u.masterPort = parsePort(raw.masterPort, "--master-port");
+  if (raw.given("nproc-per-node")) u.nprocPerNode = trim(raw.nprocPerNode);
+  slurm::Derivation d;
+  try {
+    d = slurm::deriveFromSlurm(u, [&env](const std::string& name) { return env(name); });
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--slurm: ") + e.what());
+  }
+  RawOptions r = raw;
+  if (!d.active) return r;
+  if (d.nnodes) r.nnodes = std::to_string(*d.nnodes);
+  if (d.nodeRank) r.nodeRank = std::to_string(*d.nodeRank);
+  if (d.rdzvBackend) r.rdzvBackend = *d.rdzvBackend;
+  if (d.rdzvEndpoint) r.rdzvEndpoint = *d.rdzvEndpoint;
+  if (d.masterAddr) r.masterAddr = *d.masterAddr;
+  if (d.masterPort) r.masterPort = std::to_string(*d.masterPort);
+  if (d.rdzvId) r.rdzvId = *d.rdzvId;
+  if (d.nprocPerNode) r.nprocPerNode = std::to_string(*d.nprocPerNode);
+  c.slurmLines = d.lines;
+  c.slurmWarnings = d.warnings;
+  return r;
+}
 
 } // namespace
 
@@ -310,9 +358,10 @@ std::optional<fs::path> findExecutable(const std::string& name, const EnvLookup&
   return nonExecutable;  // execvp reports EACCES for these: so do we
 }
 
-LaunchConfig makeLaunchConfig(const RawOptions& raw, const EnvLookup& env, const MachineProbe& probe) {
+LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, const MachineProbe& probe) {
   LaunchConfig c;
   c.hostname = probe.hostname ? probe.hostname() : hostName();
+  const RawOptions raw = applySlurm(given, env, c);
 
   // --- the program (checked first: without it nothing else matters)
   std::vector<std::string> command = raw.command;
@@ -426,8 +475,10 @@ LaunchConfig makeLaunchConfig(const RawOptions& raw, const EnvLookup& env, const
       if (c.maxNodes > 1 && c.rdzvEndpointPort == 0)
         throw UsageError("--master-port 0: several nodes must agree on a fixed port");
     } else {
-      c.rdzvEndpointHost = host;
+      c.rdzvEndpointHost = host.empty() ? "localhost" : host;
       c.rdzvEndpointPort = port.value_or(29400);
+      if (c.rdzvEndpointPort == 0)
+        throw UsageError("--rdzv-endpoint port 0: the nodes must agree on a fixed port");
     }
   }
 
@@ -454,6 +505,10 @@ LaunchConfig makeLaunchConfig(const RawOptions& raw, const EnvLookup& env, const
                      ": expected trace, debug, info, warn, error, critical or off");
   if (level == "warning") level = "warn";
   c.logLevel = level;
+
+  // The dynamic backend's own settings (--rdzv-conf keys, run id): checked now, not at the
+  // first rendezvous.
+  if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
   return c;
 }
 

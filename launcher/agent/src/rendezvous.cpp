@@ -1,7 +1,10 @@
 #include "ctorch/launcher/rendezvous.hpp"
 
+#include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/static_rendezvous.hpp"
+
+#include <poll.h>
 
 #include <map>
 #include <mutex>
@@ -25,11 +28,21 @@ Registry& registry() {
     };
     r.factories["static"] = makeStatic;
     r.factories["standalone"] = makeStatic;
+    r.factories["c10d"] = [](const LaunchConfig& c) -> std::unique_ptr<RendezvousHandler> {
+      return std::make_unique<C10dRendezvous>(c10dOptionsFrom(c));
+    };
   });
   return r;
 }
 
 } // namespace
+
+bool RendezvousRequest::stopNow() const {
+  if (cancelFd < 0) return false;
+  pollfd p{cancelFd, POLLIN, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  return stopRequested ? stopRequested() : true;
+}
 
 void RendezvousInfo::computeRanks() {
   if (nprocPerNode.size() != static_cast<std::size_t>(numNodes))

@@ -6,8 +6,11 @@
 #include "log.hpp"
 
 #include <poll.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
 
 namespace ctorch::launcher {
 
@@ -26,6 +29,11 @@ StaticRendezvousOptions staticOptionsFrom(const LaunchConfig& c) {
 
 StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(std::move(options)) {
   port_ = options_.masterPort;
+  if (options_.numNodes > 1) {
+    // Created now: the agent registers eventFd() once, when it is constructed.
+    timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (timerFd_ < 0) throw std::system_error(errno, std::generic_category(), "timerfd_create");
+  }
   if (options_.nodeRank != 0) return;
   store::TcpStoreServerOptions so;
   so.host = options_.bindHost;
@@ -44,29 +52,43 @@ StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(s
   port_ = server_->port();
 }
 
-StaticRendezvous::~StaticRendezvous() = default;
-
-namespace {
-
-void checkCancel(int cancelFd, const char* what) {
-  if (cancelFd < 0) return;
-  pollfd p{cancelFd, POLLIN, 0};
-  if (::poll(&p, 1, 0) > 0) throw RendezvousInterrupted(std::string("interrupted while ") + what);
+StaticRendezvous::~StaticRendezvous() {
+  if (timerFd_ >= 0) ::close(timerFd_);
 }
 
-} // namespace
+std::string StaticRendezvous::key(const std::string& name) const {
+  return "ctorchrun/static/" + options_.runId + "/" + name;
+}
 
-void StaticRendezvous::connect(std::chrono::steady_clock::time_point deadline, int cancelFd) {
-  // Short tries, so that a signal to the agent (cancelFd) is noticed while node 0 is not up yet.
+std::string StaticRendezvous::failedKey() const {
+  return key("attempt" + std::to_string(attempt_) + "/failed");
+}
+
+void StaticRendezvous::armTimer(bool on) {
+  if (timerFd_ < 0) return;
+  itimerspec spec{};
+  if (on) {
+    auto ms = std::max<long long>(options_.pollInterval.count(), 1);
+    spec.it_interval.tv_sec = ms / 1000;
+    spec.it_interval.tv_nsec = (ms % 1000) * 1000000;
+    spec.it_value = spec.it_interval;
+  }
+  ::timerfd_settime(timerFd_, 0, &spec, nullptr);
+}
+
+void StaticRendezvous::connect(std::chrono::steady_clock::time_point deadline, const RendezvousRequest& request) {
+  // Short tries, so that a signal to the agent is noticed while node 0 is not up yet.
   std::string lastError;
   for (;;) {
-    checkCancel(cancelFd, "waiting for node 0's store");
+    if (request.stopNow()) throw RendezvousInterrupted("interrupted while waiting for node 0's store");
     try {
       store::TcpStoreClientOptions co;
       co.timeout = std::chrono::milliseconds(500);
       client_ = std::make_unique<store::TcpStoreClient>(
           options_.nodeRank == 0 ? std::string("127.0.0.1") : options_.masterAddr,
           static_cast<std::uint16_t>(port_), co);
+      // Replies are quick once connected; waits have their own bounds.
+      client_->setOperationTimeout(std::chrono::seconds(30));
       return;
     } catch (const store::StoreError& e) {
       lastError = e.what();
@@ -77,16 +99,25 @@ void StaticRendezvous::connect(std::chrono::steady_clock::time_point deadline, i
   }
 }
 
-void StaticRendezvous::barrier(const std::string& name, std::chrono::steady_clock::time_point deadline,
-                               int cancelFd) {
-  const std::string base = "ctorchrun/static/" + options_.runId + "/" + name;
+std::optional<std::string> StaticRendezvous::recordedFailure() {
+  if (!client_->check({failedKey()})) return std::nullopt;
+  return store::toString(client_->get(failedKey()));
+}
+
+std::optional<std::string> StaticRendezvous::barrier(const std::string& name,
+                                                     std::chrono::steady_clock::time_point deadline,
+                                                     const RendezvousRequest* request) {
+  const std::string base = key(name);
   if (client_->add(base, 1) == options_.numNodes) client_->set(base + "/done", store::toBytes("1"));
   for (;;) {
-    checkCancel(cancelFd, ("in the " + name + " barrier").c_str());
+    if (request && request->stopNow()) throw RendezvousInterrupted("interrupted in the " + name + " barrier");
     try {
       client_->wait({base + "/done"}, std::chrono::milliseconds(200));
-      return;
+      return std::nullopt;
     } catch (const store::StoreTimeout&) {
+    }
+    if (!request) {
+      if (auto f = recordedFailure()) return f;
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       std::int64_t arrived = client_->add(base, 0);
@@ -98,15 +129,21 @@ void StaticRendezvous::barrier(const std::string& name, std::chrono::steady_cloc
 }
 
 RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
-  if (options_.numNodes > 1 && round_ == 0) {
+  armTimer(false);
+  const int attempt = round_;
+  if (options_.numNodes > 1) {
     auto deadline = std::chrono::steady_clock::now() + std::min(request.timeout, options_.joinTimeout);
     try {
-      if (!client_) connect(deadline, request.cancelFd);
-      barrier("start", deadline, request.cancelFd);
+      if (!client_) connect(deadline, request);
+      // Every attempt starts together on every node (a restart anywhere restarts all).
+      barrier("attempt" + std::to_string(attempt) + "/start", deadline, &request);
     } catch (const store::StoreError& e) {
-      throw RendezvousError(std::string("static rendezvous: ") + e.what());
+      throw RendezvousError(std::string("static rendezvous: ") + e.what() +
+                            (options_.nodeRank == 0 ? "" : " (is node 0's ctorchrun still running?)"));
     }
   }
+  attempt_ = attempt;
+  reported_ = false;
   RendezvousInfo info;
   info.runId = options_.runId;
   info.round = round_++;
@@ -120,20 +157,58 @@ RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
   info.agentStore = true;
   info.nodeHosts.assign(static_cast<std::size_t>(options_.numNodes), std::string());
   info.nodeHosts[static_cast<std::size_t>(options_.nodeRank)] = options_.hostname;
+  armTimer(options_.numNodes > 1);
   return info;
 }
 
-void StaticRendezvous::exitBarrier(std::chrono::milliseconds timeout) {
-  if (options_.numNodes <= 1 || !client_) return;
+std::optional<RendezvousEvent> StaticRendezvous::takeEvent() {
+  std::uint64_t expirations = 0;
+  if (timerFd_ >= 0) [[maybe_unused]] auto n = ::read(timerFd_, &expirations, sizeof expirations);
+  if (!client_ || reported_ || attempt_ < 0) return std::nullopt;
   try {
-    barrier("exit", std::chrono::steady_clock::now() + timeout, -1);
+    if (auto f = recordedFailure()) {
+      reported_ = true;
+      return RendezvousEvent{RendezvousEventKind::RemoteFailure, "workers failed on " + *f, std::nullopt};
+    }
+  } catch (const store::StoreError& e) {
+    // Node 0's agent is gone (its store with it): the workers' collectives are broken too.
+    reported_ = true;
+    return RendezvousEvent{RendezvousEventKind::Failed,
+                           "lost node 0's store at " + options_.masterAddr + ":" + std::to_string(port_) +
+                               " (" + e.what() + "): node 0's ctorchrun stopped",
+                           std::chrono::seconds(5)};
+  }
+  return std::nullopt;
+}
+
+void StaticRendezvous::reportFailure(const std::string& reason) {
+  if (!client_ || attempt_ < 0) return;
+  try {
+    // Only the first report of an attempt is kept: it names the root cause.
+    client_->compareSet(failedKey(), {},
+                        store::toBytes("node " + std::to_string(options_.nodeRank) + " (" + options_.hostname +
+                                       "): " + reason));
+  } catch (const std::exception& e) {
+    log("rendezvous").warn("could not tell the other nodes about the failure: {}", e.what());
+  }
+}
+
+std::optional<RendezvousEvent> StaticRendezvous::exitBarrier(std::chrono::milliseconds timeout) {
+  armTimer(false);
+  if (options_.numNodes <= 1 || !client_) return std::nullopt;
+  try {
+    if (auto f = barrier("attempt" + std::to_string(attempt_) + "/exit", std::chrono::steady_clock::now() + timeout,
+                         nullptr))
+      return RendezvousEvent{RendezvousEventKind::RemoteFailure, "workers failed on " + *f, std::nullopt};
   } catch (const std::exception& e) {
     // The workers succeeded; a peer that is late or gone does not change this node's result.
     log("rendezvous").warn("exit barrier: {}", e.what());
   }
+  return std::nullopt;
 }
 
-void StaticRendezvous::shutdown() {
+void StaticRendezvous::shutdown(AgentOutcome) {
+  armTimer(false);
   client_.reset();
   server_.reset();
 }

@@ -2,6 +2,7 @@
 
 #include "ctorch/store/store.hpp"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -115,6 +116,26 @@ Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseco
     throwErrno("connect to " + host + ":" + service);
   }
   return result;
+}
+
+std::string localAddressOf(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) throwErrno("getsockname");
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (ss.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, buf, sizeof buf);
+    return buf;
+  }
+  const auto* a6 = reinterpret_cast<sockaddr_in6*>(&ss);
+  if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) {
+    in_addr a4{};
+    std::memcpy(&a4, a6->sin6_addr.s6_addr + 12, sizeof a4);
+    ::inet_ntop(AF_INET, &a4, buf, sizeof buf);
+    return buf;
+  }
+  ::inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof buf);
+  return buf;
 }
 
 void sendAll(int fd, const void* data, std::size_t size) {

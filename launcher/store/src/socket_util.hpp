@@ -39,6 +39,10 @@ void setNoDelay(int fd);
 // Connects to host:port, trying every resolved address; throws std::system_error.
 Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
 
+// Numeric local address of a connected socket ("10.0.0.2", "::1"); IPv4-mapped IPv6 addresses
+// are given as IPv4.
+std::string localAddressOf(int fd);
+
 // Blocking full send/receive with a deadline (steady clock). Throw StoreConnectionError on EOF or
 // error, StoreTimeout at the deadline.
 void sendAll(int fd, const void* data, std::size_t size);

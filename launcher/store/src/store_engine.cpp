@@ -89,13 +89,38 @@ void StoreEngine::clearWait(ConnId conn) {
   }
 }
 
-void StoreEngine::disconnect(ConnId conn) {
+std::vector<std::string> StoreEngine::disconnect(ConnId conn, std::vector<Reply>* out) {
   clearWait(conn);
   for (auto it = watchers_.begin(); it != watchers_.end();) {
     auto& v = it->second;
     v.erase(std::remove(v.begin(), v.end(), conn), v.end());
     it = v.empty() ? watchers_.erase(it) : std::next(it);
   }
+  std::vector<std::string> removed;
+  for (auto it = owners_.begin(); it != owners_.end();) {
+    if (it->second != conn) {
+      ++it;
+      continue;
+    }
+    auto d = data_.find(it->first);
+    if (d != data_.end()) {
+      std::vector<Reply> scratch;
+      if (watchers_.count(it->first))
+        notifyWatchers(it->first, WatchResponse::KeyDeleted, d->second, {}, out ? *out : scratch);
+      data_.erase(d);
+      removed.push_back(it->first);
+    }
+    it = owners_.erase(it);
+  }
+  return removed;
+}
+
+void StoreEngine::noteOwner(ConnId conn, const std::string& key) {
+  if (ephemeralPrefix_.empty() || key.compare(0, ephemeralPrefix_.size(), ephemeralPrefix_) != 0) return;
+  if (data_.count(key))
+    owners_[key] = conn;
+  else
+    owners_.erase(key);
 }
 
 void StoreEngine::notifyWatchers(const std::string& key, WatchResponse kind, const Bytes& oldValue,
@@ -132,10 +157,14 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
 
     case Op::Set:
       store(q.key, q.value, out);
+      noteOwner(conn, q.key);
       return;
 
     case Op::MultiSet:
-      for (std::size_t i = 0; i < q.keys.size(); ++i) store(q.keys[i], q.values[i], out);
+      for (std::size_t i = 0; i < q.keys.size(); ++i) {
+        store(q.keys[i], q.values[i], out);
+        noteOwner(conn, q.keys[i]);
+      }
       return;
 
     case Op::CompareSet: {
@@ -145,12 +174,16 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       if (it == data_.end()) {
         if (q.value.empty()) {
           store(q.key, q.desired, out);
+          noteOwner(conn, q.key);
           out.push_back({conn, Writer().bytes(q.desired).take()});
         } else {
           out.push_back({conn, Writer().bytes(q.value).take()});
         }
       } else {
-        if (it->second == q.value) store(q.key, q.desired, out);
+        if (it->second == q.value) {
+          store(q.key, q.desired, out);
+          noteOwner(conn, q.key);
+        }
         out.push_back({conn, Writer().bytes(data_.at(q.key)).take()});
       }
       return;
@@ -222,6 +255,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       if (it != data_.end()) {
         if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
         data_.erase(it);
+        owners_.erase(q.key);
         n = 1;
       }
       out.push_back({conn, Writer().i64(n).take()});

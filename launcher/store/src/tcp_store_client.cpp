@@ -15,8 +15,6 @@ using protocol::Request;
 
 namespace {
 
-constexpr auto kReplyTimeout = std::chrono::hours(24);  // replies to non-blocking queries
-
 std::string joinKeys(const std::vector<std::string>& keys) {
   std::string s;
   for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
@@ -38,7 +36,7 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
       fd_ = detail::connectTo(host_, port_, std::max(left, std::chrono::milliseconds(1))).release();
       break;
     } catch (const std::system_error& e) {
-      if (std::chrono::steady_clock::now() + delay >= deadline)
+      if (!options_.retryConnect || std::chrono::steady_clock::now() + delay >= deadline)
         throw StoreConnectionError("cannot reach the store at " + host_ + ":" +
                                    std::to_string(port_) + " within " +
                                    std::to_string(options_.timeout.count()) + " ms: " + e.what());
@@ -55,6 +53,20 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
 
 TcpStoreClient::~TcpStoreClient() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+std::string TcpStoreClient::localAddress() const {
+  return detail::localAddressOf(fd_);
+}
+
+void TcpStoreClient::setOperationTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.operationTimeout = timeout;
+}
+
+bool TcpStoreClient::usable() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !broken_;
 }
 
 void TcpStoreClient::ensureUsable() const {
@@ -80,8 +92,9 @@ void TcpStoreClient::send(const Request& q) {
 }
 
 void TcpStoreClient::recvRaw(void* data, std::size_t size) {
+  auto bound = options_.operationTimeout.count() > 0 ? options_.operationTimeout : options_.timeout;
   try {
-    detail::recvAll(fd_, data, size, std::chrono::steady_clock::now() + kReplyTimeout);
+    detail::recvAll(fd_, data, size, std::chrono::steady_clock::now() + bound);
   } catch (...) {
     broken_ = true;
     throw;

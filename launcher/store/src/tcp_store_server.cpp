@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -108,7 +109,7 @@ std::uint16_t boundPort(int fd) {
 class TcpStoreServer::Impl {
  public:
   Impl(TcpStoreServerOptions options, Fd listenFd)
-      : options_(std::move(options)), listen_(std::move(listenFd)) {
+      : options_(std::move(options)), listen_(std::move(listenFd)), engine_(options_.ephemeralKeyPrefix) {
     epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
     if (!epoll_) throwErrno("epoll_create1");
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -128,6 +129,7 @@ class TcpStoreServer::Impl {
     std::lock_guard<std::mutex> lock(statsMutex_);
     return stats_;
   }
+  std::size_t ephemeralKeyCount() const { return ephemeral_.load(); }
 
  private:
   struct Connection {
@@ -254,6 +256,7 @@ class TcpStoreServer::Impl {
       ++stats_.requests;
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
+    ephemeral_.store(engine_.ephemeralKeyCount());
     deliver(replies);
     if (!ok) {
       close(id);
@@ -305,8 +308,15 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
-    engine_.disconnect(id);
     conns_.erase(it);
+    std::vector<StoreEngine::Reply> replies;
+    auto lost = engine_.disconnect(id, &replies);
+    ephemeral_.store(engine_.ephemeralKeyCount());
+    deliver(replies);
+    for (const auto& key : lost) {
+      debug("store: ephemeral key '" + key + "' removed: its connection closed");
+      if (options_.onEphemeralKeyLost) options_.onEphemeralKeyLost(key);
+    }
   }
 
   void countGeneration(Generation g) {
@@ -325,6 +335,7 @@ class TcpStoreServer::Impl {
   Fd epoll_;
   Fd wake_;
   StoreEngine engine_;
+  std::atomic<std::size_t> ephemeral_{0};
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::uint64_t nextId_ = kFirstConn;
   mutable std::mutex statsMutex_;
@@ -341,5 +352,7 @@ TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options) {
 TcpStoreServer::~TcpStoreServer() = default;
 
 TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
+
+std::size_t TcpStoreServer::ephemeralKeyCount() const { return impl_->ephemeralKeyCount(); }
 
 } // namespace ctorch::store

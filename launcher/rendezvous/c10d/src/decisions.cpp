@@ -19,9 +19,11 @@ const char* toString(Action a) {
     case Action::AddToWaitList: return "add-to-wait-list";
     case Action::AddToRedundancyList: return "add-to-redundancy-list";
     case Action::LeaveRound: return "leave-round";
+    case Action::Leave: return "leave";
     case Action::LeaveWaitList: return "leave-wait-list";
     case Action::LeaveRedundancyList: return "leave-redundancy-list";
     case Action::KeepAlive: return "keep-alive";
+    case Action::ReportFailure: return "report-failure";
     case Action::MarkClosed: return "mark-closed";
     case Action::FailTimeout: return "fail-timeout";
     case Action::FailClosed: return "fail-closed";
@@ -34,6 +36,7 @@ const char* toString(RoundStatus s) {
   switch (s) {
     case RoundStatus::Healthy: return "healthy";
     case RoundStatus::NodesWaiting: return "nodes-waiting";
+    case RoundStatus::PeerFailed: return "peer-failed";
     case RoundStatus::PeerLost: return "peer-lost";
     case RoundStatus::Removed: return "removed";
     case RoundStatus::Superseded: return "superseded";
@@ -73,16 +76,57 @@ void erase(std::vector<std::string>& v, const std::string& id) {
   v.erase(std::remove(v.begin(), v.end(), id), v.end());
 }
 
-// torch's _remove_participant_epilogue.
+// torch's _remove_participant_epilogue, plus: the next round expects the waiting nodes (the
+// previous round's nodes that left to re-join are among them).
 void afterParticipantRemoved(State& s, int minNodes) {
   if (s.complete) {
     if (s.participants.empty()) {
       s.complete = false;
       s.round += 1;
+      s.lastCallDeadline.reset();
+      s.failure.reset();
+      s.roundSize = 0;
+      s.expected = s.waitList;
     }
   } else if (s.participantCount() < minNodes) {
     s.lastCallDeadline.reset();
   }
+}
+
+// Ranks assigned, complete; waiting nodes left out become spares rather than asking for yet
+// another round.
+State closeRound(const State& s) {
+  State next = s;
+  next.complete = true;
+  next.lastCallDeadline.reset();
+  next.expected.clear();
+  next.roundSize = next.participantCount();
+  auto ranks = assignRanks(next.participants);
+  for (std::size_t i = 0; i < ranks.size(); ++i) next.participants[i].rank = ranks[i];
+  for (const auto& id : next.waitList)
+    if (!next.isParticipant(id) && !next.inRedundancyList(id)) next.redundancyList.push_back(id);
+  next.waitList.clear();
+  return next;
+}
+
+// This node leaves its round to join the next one: back on the wait list (still in the
+// rendezvous, only not in the round), and expected by the round that follows if it was the last
+// node to leave.
+State leaveToRejoin(const State& s, const NodeView& v) {
+  State left = removeNodes(s, {v.self.id}, v.settings.minNodes);
+  if (s.complete) {
+    if (!left.inWaitList(v.self.id)) left.waitList.push_back(v.self.id);
+    if (left.round != s.round && !left.isExpected(v.self.id)) left.expected.push_back(v.self.id);
+    left.heartbeats[v.self.id] = v.now;
+  }
+  return left;
+}
+
+bool everyExpectedJoined(const State& s) {
+  if (s.expected.empty()) return false;
+  for (const auto& id : s.expected)
+    if (!s.isParticipant(id)) return false;
+  return true;
 }
 
 Decision write(Action a, State next, std::string reason) {
@@ -140,6 +184,7 @@ State removeNodes(const State& state, const std::vector<std::string>& ids, int m
     participantRemoved = participantRemoved || s.participants.size() != before;
     erase(s.waitList, id);
     erase(s.redundancyList, id);
+    erase(s.expected, id);
   }
   if (participantRemoved) afterParticipantRemoved(s, minNodes);
   return s;
@@ -206,7 +251,14 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
   }
 
   const bool isParticipant = s.isParticipant(me);
-  if (s.complete && isParticipant) return noWrite(Action::Finish, "joined " + roundText(s));
+  if (s.complete && isParticipant) {
+    // A node can notice the close late, after another node already left the round (its
+    // workers failed, or it died): starting workers for the smaller group would be wrong.
+    if (s.participantCount() < s.roundSize || (s.failure && s.failure->round == s.round))
+      return write(Action::LeaveRound, leaveToRejoin(s, v),
+                   roundText(s) + " lost a node before this node started: leaving it to join the next one");
+    return noWrite(Action::Finish, "joined " + roundText(s));
+  }
 
   if (v.remaining.count() < 0) {
     if (v.remaining >= -kRollbackPeriod) {
@@ -244,20 +296,14 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
   }
 
   if (isParticipant) {
-    if (n >= set.maxNodes) {
-      State next = s;
-      next.complete = true;
-      next.lastCallDeadline.reset();
-      auto ranks = assignRanks(next.participants);
-      for (std::size_t i = 0; i < ranks.size(); ++i) next.participants[i].rank = ranks[i];
-      // Waiting nodes that did not get in stay as spares rather than asking for yet another round.
-      for (const auto& id : next.waitList)
-        if (!next.isParticipant(id) && !next.inRedundancyList(id)) next.redundancyList.push_back(id);
-      next.waitList.clear();
-      return write(Action::CloseRound, std::move(next),
+    if (n >= set.maxNodes)
+      return write(Action::CloseRound, closeRound(s),
                    "closing " + roundText(s) + ": " + std::to_string(n) + " of max " +
                        std::to_string(set.maxNodes) + " nodes joined");
-    }
+    if (n >= set.minNodes && everyExpectedJoined(s))
+      return write(Action::CloseRound, closeRound(s),
+                   "closing " + roundText(s) + " with " + std::to_string(n) +
+                       " nodes: every node of the previous round and every waiting node is back");
     if (n >= set.minNodes) {
       if (!s.lastCallDeadline) {
         State next = s;
@@ -266,16 +312,10 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
                      std::to_string(n) + " of min " + std::to_string(set.minNodes) +
                          " nodes joined " + roundText(s) + ": last call for " + secs(set.lastCallTimeout));
       }
-      if (*s.lastCallDeadline < v.now) {
-        State next = s;
-        next.complete = true;
-        next.lastCallDeadline.reset();
-        auto ranks = assignRanks(next.participants);
-        for (std::size_t i = 0; i < ranks.size(); ++i) next.participants[i].rank = ranks[i];
-        return write(Action::CloseRound, std::move(next),
+      if (*s.lastCallDeadline < v.now)
+        return write(Action::CloseRound, closeRound(s),
                      "closing " + roundText(s) + " at the end of its last call with " + std::to_string(n) +
                          " nodes (max " + std::to_string(set.maxNodes) + ")");
-      }
     }
     return keepAliveOrWait(s, v, "waiting in " + roundText(s) + " (" + std::to_string(n) + " of min " +
                                      std::to_string(set.minNodes) + ", max " +
@@ -303,8 +343,60 @@ Decision decideExit(const std::optional<State>& current, const NodeView& v) {
   if (v.remaining.count() < 0)
     return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "' timed out leaving " +
                                             roundText(s));
-  return write(Action::LeaveRound, removeNodes(s, {v.self.id}, v.settings.minNodes),
-               "leaving " + roundText(s) + " to join the next one");
+  return write(Action::LeaveRound, leaveToRejoin(s, v), "leaving " + roundText(s) + " to join the next one");
+}
+
+Decision decideLeave(const std::optional<State>& current, const NodeView& v) {
+  if (!current) return noWrite(Action::Finish, "no rendezvous state: nothing to leave");
+  const State& s = *current;
+  checkRunId(s, v.settings);
+  const std::string& me = v.self.id;
+  if (!s.isParticipant(me) && !s.inWaitList(me) && !s.inRedundancyList(me) && !s.heartbeats.count(me))
+    return noWrite(Action::Finish, "not in the rendezvous");
+  if (v.remaining.count() < 0)
+    return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "' timed out leaving " +
+                                            roundText(s));
+  return write(Action::Leave, removeNodes(s, {me}, v.settings.minNodes),
+               "leaving rendezvous '" + v.settings.runId + "' for good (" + roundText(s) + ")");
+}
+
+Decision decideReportFailure(const std::optional<State>& current, const NodeView& v, std::int64_t round,
+                             const std::string& reason) {
+  if (!current) return noWrite(Action::Finish, "no rendezvous state");
+  const State& s = *current;
+  checkRunId(s, v.settings);
+  if (s.round != round || !s.complete || !s.isParticipant(v.self.id))
+    return noWrite(Action::Finish, "round " + std::to_string(round) + " is over: nothing to report");
+  if (s.failure && s.failure->round == round)
+    return noWrite(Action::Finish, "a failure of " + roundText(s) + " was already reported by '" +
+                                       s.failure->node + "'");
+  if (v.remaining.count() < 0)
+    return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId +
+                                            "': the failure report did not reach the store in time");
+  State next = s;
+  next.failure = Failure{round, v.self.id, reason};
+  next.restarts += 1;
+  return write(Action::ReportFailure, std::move(next),
+               "reporting the failure of this node's workers in " + roundText(s) + " (" + reason +
+                   "): every node restarts, restart " + std::to_string(next.restarts) + " of the job");
+}
+
+Decision decideRemove(const std::optional<State>& current, const NodeView& v,
+                      const std::vector<std::string>& ids, const std::string& why) {
+  if (!current) return noWrite(Action::Finish, "no rendezvous state");
+  const State& s = *current;
+  checkRunId(s, v.settings);
+  std::vector<std::string> present;
+  for (const auto& id : ids)
+    if (id != v.self.id && (s.isParticipant(id) || s.inWaitList(id) || s.inRedundancyList(id) ||
+                            s.heartbeats.count(id)))
+      present.push_back(id);
+  if (present.empty() || s.closed) return noWrite(Action::Finish, "nothing to remove");
+  if (v.remaining.count() < 0)
+    return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "': could not remove " +
+                                            list(present) + " in time");
+  return write(Action::RemoveDead, removeNodes(s, present, v.settings.minNodes),
+               "removing " + list(present) + ": " + why);
 }
 
 Decision decideKeepAlive(const std::optional<State>& current, const NodeView& v) {
@@ -356,7 +448,8 @@ RoundResult roundResult(const State& s, std::string_view selfId) {
   r.nodeCount = static_cast<int>(byRank.size());
   int base = 0;
   for (const Participant* p : byRank) {
-    r.nodes.push_back(NodeSlot{p->node.id, p->node.host, p->node.addr, p->rank, p->node.nproc, base});
+    r.nodes.push_back(NodeSlot{p->node.id, p->node.host, p->node.addr, p->rank, p->node.nproc, base,
+                               p->node.storePort});
     r.participantIds.push_back(p->node.id);
     if (p == me) {
       r.nodeRank = p->rank;
@@ -367,6 +460,8 @@ RoundResult roundResult(const State& s, std::string_view selfId) {
   }
   r.worldSize = base;
   r.requestedRank = me->node.requestedRank;
+  // A failure reported in this round already counted the restart that follows it.
+  r.restartCount = s.restarts - (s.failure && s.failure->round == s.round ? 1 : 0);
   return r;
 }
 
@@ -379,6 +474,12 @@ RoundAssessment assessRound(const std::optional<State>& current, const RoundResu
     return a;
   }
   const State& s = *current;
+  if (s.failure && s.round == joined.round && s.failure->round == joined.round && s.failure->node != selfId) {
+    a.status = RoundStatus::PeerFailed;
+    a.nodes.push_back(s.failure->node);
+    a.reason = "workers failed on node '" + s.failure->node + "' (" + s.failure->reason + ")";
+    return a;
+  }
   if (s.closed) {
     a.status = RoundStatus::Closed;
     a.reason = "the rendezvous was closed";

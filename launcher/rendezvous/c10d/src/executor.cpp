@@ -60,7 +60,8 @@ void Executor::read() {
   state_ = decodeStoreValue(raw_);
 }
 
-Decision Executor::run(DecideFn decide, std::chrono::milliseconds timeout, bool resetDeadlineOnSpareExit) {
+Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout,
+                       bool resetDeadlineOnSpareExit, bool oneShot) {
   auto deadline = clock_.steadyNow() + timeout;
   read();
   for (;;) {
@@ -89,6 +90,10 @@ Decision Executor::run(DecideFn decide, std::chrono::milliseconds timeout, bool 
     state_ = decodeStoreValue(raw_);
     if (now == desired) {
       if (d.action != Action::KeepAlive) log(d.reason);
+      // One-shot operations are done once their write landed.
+      if (d.action == Action::ReportFailure || d.action == Action::Leave ||
+          (d.action == Action::RemoveDead && oneShot))
+        return d;
       // A spare that finds room starts the join timeout afresh (torch's update_deadline).
       if (d.action == Action::LeaveRedundancyList && resetDeadlineOnSpareExit)
         deadline = clock_.steadyNow() + timeout;
@@ -136,6 +141,22 @@ int Executor::numNodesWaiting() {
 
 void Executor::close() { run(&decideClose, settings_.closeTimeout); }
 
-void Executor::leave() { run(&decideExit, settings_.closeTimeout); }
+void Executor::leave() { run(&decideLeave, settings_.closeTimeout); }
+
+bool Executor::reportFailure(const std::string& reason) {
+  if (!lastRound_) return false;
+  const std::int64_t round = lastRound_->round;
+  Decision d = run(
+      [&](const std::optional<State>& s, const NodeView& v) { return decideReportFailure(s, v, round, reason); },
+      settings_.heartbeatTimeout);
+  return d.action == Action::ReportFailure;
+}
+
+bool Executor::removeNodes(const std::vector<std::string>& ids, const std::string& why) {
+  Decision d = run([&](const std::optional<State>& s,
+                       const NodeView& v) { return decideRemove(s, v, ids, why); },
+                   settings_.heartbeatTimeout, false, /*oneShot=*/true);
+  return d.action == Action::RemoveDead;
+}
 
 } // namespace ctorch::rdzv::c10d

@@ -30,11 +30,17 @@ bool State::inRedundancyList(std::string_view id) const {
   return std::find(redundancyList.begin(), redundancyList.end(), id) != redundancyList.end();
 }
 
+bool State::isExpected(std::string_view id) const {
+  return std::find(expected.begin(), expected.end(), id) != expected.end();
+}
+
 bool State::operator==(const State& o) const {
   return runId == o.runId && round == o.round && complete == o.complete && closed == o.closed &&
          lastCallDeadline == o.lastCallDeadline && nextJoinSeq == o.nextJoinSeq &&
          participants == o.participants && waitList == o.waitList &&
-         redundancyList == o.redundancyList && heartbeats == o.heartbeats;
+         redundancyList == o.redundancyList && heartbeats == o.heartbeats &&
+         restarts == o.restarts && failure == o.failure && expected == o.expected &&
+         roundSize == o.roundSize;
 }
 
 State freshState(std::string runId) {
@@ -59,7 +65,8 @@ json encodeNode(const Participant& p) {
               {"requested_rank", optionalInt(p.node.requestedRank)},
               {"previous_rank", optionalInt(p.node.previousRank)},
               {"join_seq", p.joinSeq},
-              {"rank", p.rank}};
+              {"rank", p.rank},
+              {"store_port", optionalInt(p.node.storePort)}};
 }
 
 [[noreturn]] void corrupt(const std::string& why) {
@@ -82,7 +89,9 @@ T get(const json& obj, const char* name, const std::string& where) {
   }
 }
 
-std::optional<int> getOptionalInt(const json& obj, const char* name, const std::string& where) {
+std::optional<int> getOptionalInt(const json& obj, const char* name, const std::string& where,
+                                  bool mayBeAbsent = false) {
+  if (mayBeAbsent && !obj.contains(name)) return std::nullopt;
   const json& v = field(obj, name, where);
   if (v.is_null()) return std::nullopt;
   if (!v.is_number_integer()) corrupt(where + "." + name + " is not an integer (" + v.dump() + ")");
@@ -108,7 +117,14 @@ std::string encodeState(const State& s) {
             {"participants", participants},
             {"wait_list", s.waitList},
             {"redundancy_list", s.redundancyList},
-            {"heartbeats_ms", heartbeats}};
+            {"heartbeats_ms", heartbeats},
+            {"restarts", s.restarts},
+            {"failure", s.failure ? json{{"round", s.failure->round},
+                                         {"node", s.failure->node},
+                                         {"reason", s.failure->reason}}
+                                  : json(nullptr)},
+            {"expected", s.expected},
+            {"round_size", s.roundSize}};
   return j.dump();
 }
 
@@ -158,6 +174,7 @@ State decodeState(std::string_view text) {
     p.node.previousRank = getOptionalInt(pj, "previous_rank", where);
     p.joinSeq = get<std::int64_t>(pj, "join_seq", where);
     p.rank = get<int>(pj, "rank", where);
+    p.node.storePort = getOptionalInt(pj, "store_port", where, /*mayBeAbsent=*/version < 2);
     if (p.node.id.empty()) corrupt(where + " has an empty id");
     if (p.node.nproc < 1) corrupt(where + " has nproc " + std::to_string(p.node.nproc));
     if (s.isParticipant(p.node.id)) corrupt("node '" + p.node.id + "' is a participant twice");
@@ -170,6 +187,23 @@ State decodeState(std::string_view text) {
   for (const auto& [id, t] : heartbeats.items()) {
     if (!t.is_number_integer()) corrupt("heartbeats_ms['" + id + "'] is not an integer");
     s.heartbeats[id] = Timestamp(std::chrono::milliseconds(t.get<std::int64_t>()));
+  }
+  if (version >= 2) {
+    s.restarts = get<std::int64_t>(j, "restarts", top);
+    if (s.restarts < 0) corrupt("restarts is negative (" + std::to_string(s.restarts) + ")");
+    const json& failure = field(j, "failure", top);
+    if (!failure.is_null()) {
+      if (!failure.is_object()) corrupt("failure is not an object");
+      Failure f;
+      f.round = get<std::int64_t>(failure, "round", "failure");
+      f.node = get<std::string>(failure, "node", "failure");
+      f.reason = get<std::string>(failure, "reason", "failure");
+      s.failure = std::move(f);
+    }
+    s.expected = get<std::vector<std::string>>(j, "expected", top);
+    s.roundSize = get<int>(j, "round_size", top);
+  } else if (s.complete) {
+    s.roundSize = s.participantCount();
   }
   return s;
 }

@@ -49,4 +49,11 @@ class RendezvousInterrupted : public RendezvousError {
   using RendezvousError::RendezvousError;
 };
 
+// A spare node (it waited while the round was full) leaves because the job finished without
+// needing it: not a failure, ctorchrun exits 0.
+class RendezvousGracefulExit : public LauncherError {
+ public:
+  explicit RendezvousGracefulExit(const std::string& what) : LauncherError(what, contract::kExitSuccess) {}
+};
+
 } // namespace ctorch::launcher

@@ -74,6 +74,10 @@ struct LaunchConfig {
   // --- This machine
   std::string hostname;
 
+  // --- Slurm (`srun ctorchrun ...`): what was derived from the step, for the log
+  std::vector<std::string> slurmLines;     // "derived --nnodes=2 from SLURM_NNODES=2 ..."
+  std::vector<std::string> slurmWarnings;  // e.g. more than one ctorchrun per node
+
   bool elastic() const { return minNodes != maxNodes; }
 };
 
@@ -106,8 +110,12 @@ struct RawOptions {
   bool noPython = false;
   bool runPath = false;
   std::string logLevel;
+  std::string slurm = "auto";  // auto | on | off
   std::vector<std::string> command;  // training_program [args...]
-  std::vector<std::string> givenFlags;  // long names given explicitly (for warnings)
+  // Long names (kebab-case, "nnodes", "rdzv-endpoint") given on the command line or through
+  // PET_*: what Slurm must not override.
+  std::vector<std::string> givenFlags;
+  bool given(const std::string& name) const;
 };
 
 // Things the machine answers (for --nproc-per-node gpu/cpu/auto); injectable for tests.

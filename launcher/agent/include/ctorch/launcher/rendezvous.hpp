@@ -20,9 +20,17 @@ namespace ctorch::launcher {
 struct RendezvousRequest {
   int localNproc = 1;                   // workers this node brings (nodes may differ)
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  // Readable when the agent has been asked to stop: a handler that waits must poll it and throw
-  // RendezvousInterrupted instead of blocking a Ctrl-C. -1: none.
+  // Readable when the agent may have been asked to stop: a handler that waits must poll it and,
+  // when it is readable, ask stopRequested(); if that says yes, throw RendezvousInterrupted
+  // instead of blocking a Ctrl-C. -1: none.
   int cancelFd = -1;
+  // True when the agent has been asked to stop. It may consume what made cancelFd readable
+  // without being a stop request (SIGCHLD of a reaped orphan), so a readable cancelFd alone is
+  // no reason to give up. Unset: a readable cancelFd means stop.
+  std::function<bool()> stopRequested;
+
+  // What the handler asks while waiting: the fd is readable and stopRequested() agrees.
+  bool stopNow() const;
 };
 
 // One completed round.
@@ -38,6 +46,11 @@ struct RendezvousInfo {
   int storePort = 0;                  // MASTER_PORT given to workers
   bool agentStore = true;             // TORCHELASTIC_USE_AGENT_STORE
   std::vector<std::string> nodeHosts; // by node rank, for log prefixes and the failure summary
+  // The job's count of restarts when the backend shares one across nodes (c10d): every node gives
+  // its workers this TORCHELASTIC_RESTART_COUNT (Python workers derive their store prefix from it,
+  // so the nodes must agree). Unset: the agent counts locally (static: every node counts every
+  // restart, so the counts agree too).
+  std::optional<int> restartCount;
 
   int localNproc() const { return nprocPerNode.at(static_cast<std::size_t>(nodeRank)); }
   int globalRank(int localRank) const {
@@ -56,6 +69,17 @@ enum class RendezvousEventKind {
 struct RendezvousEvent {
   RendezvousEventKind kind = RendezvousEventKind::MembershipChanged;
   std::string reason;
+  // Stop the workers with this grace period when it is shorter than --shutdown-timeout: a lost
+  // peer leaves the workers' collectives broken, so there is no point in waiting long for a
+  // snapshot that cannot happen (torchrun issue #111646).
+  std::optional<std::chrono::milliseconds> grace;
+};
+
+// Why the agent is leaving (RendezvousHandler::shutdown).
+enum class AgentOutcome {
+  Succeeded,    // every worker succeeded (after the exit barrier): the job is done
+  Failed,       // the workers failed and no restart is left: the job failed
+  Interrupted,  // a signal, or the rendezvous itself gave up: only this node leaves
 };
 
 class RendezvousHandler {
@@ -77,10 +101,16 @@ class RendezvousHandler {
   virtual void reportFailure(const std::string& reason) { (void)reason; }
 
   // This node's workers all succeeded: wait (bounded) for the other nodes before exiting.
-  virtual void exitBarrier(std::chrono::milliseconds timeout) { (void)timeout; }
+  // nullopt: done (every node finished, or waiting made no sense any more; logged). A
+  // RemoteFailure event: workers failed on another node in this round, so this node's workers
+  // must run again with everyone's (the agent restarts them, counted).
+  virtual std::optional<RendezvousEvent> exitBarrier(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return std::nullopt;
+  }
 
-  // The agent is leaving (any reason); release resources, tell peers if the backend can.
-  virtual void shutdown() {}
+  // The agent is leaving; release resources and tell peers as the outcome warrants.
+  virtual void shutdown(AgentOutcome outcome) { (void)outcome; }
 };
 
 using RendezvousFactory = std::function<std::unique_ptr<RendezvousHandler>(const LaunchConfig&)>;

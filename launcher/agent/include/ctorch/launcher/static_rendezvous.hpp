@@ -1,9 +1,11 @@
 // The built-in rendezvous backends. "static": a fixed number of nodes with given node ranks; node 0
 // hosts the workers' TCPStore at --master-addr:--master-port (a taken port is an error, never a
 // silent join of someone else's store). With several nodes, every agent meets the others in that
-// store before the first start and again at the end (exit barrier, so node 0 keeps the store up
-// until all are done); restarts stay local (propagating a failure to other nodes is the dynamic
-// backend's job). "standalone": one node, the store on a free port, a random run id.
+// store before every attempt and at the end (exit barrier, so node 0 keeps the store up until all
+// are done), and a worker failure on any node restarts the workers of every node: the failing node
+// records it under the attempt's key, the others see it within a poll interval (eventFd) and
+// restart too, each counting one restart, so every node's TORCHELASTIC_RESTART_COUNT agrees.
+// "standalone": one node, the store on a free port, a random run id.
 #pragma once
 
 #include "ctorch/launcher/rendezvous.hpp"
@@ -28,6 +30,8 @@ struct StaticRendezvousOptions {
   std::string hostname;
   // Bound on waiting for node 0's store (other node ranks).
   std::chrono::milliseconds joinTimeout{std::chrono::minutes(10)};
+  // How often a running node looks for a failure recorded by another node.
+  std::chrono::milliseconds pollInterval{std::chrono::milliseconds(200)};
 };
 
 class StaticRendezvous : public RendezvousHandler {
@@ -38,22 +42,33 @@ class StaticRendezvous : public RendezvousHandler {
 
   std::string backend() const override { return options_.backendName; }
   RendezvousInfo next(const RendezvousRequest& request) override;
-  void exitBarrier(std::chrono::milliseconds timeout) override;
-  void shutdown() override;
+  int eventFd() const override { return timerFd_; }
+  std::optional<RendezvousEvent> takeEvent() override;
+  void reportFailure(const std::string& reason) override;
+  std::optional<RendezvousEvent> exitBarrier(std::chrono::milliseconds timeout) override;
+  void shutdown(AgentOutcome outcome) override;
 
   int storePort() const { return port_; }
 
  private:
   StaticRendezvousOptions options_;
   // All nodes add 1 to `key`, then wait until it reaches the node count (bounded, cancellable).
-  void barrier(const std::string& key, std::chrono::steady_clock::time_point deadline, int cancelFd);
-  void connect(std::chrono::steady_clock::time_point deadline, int cancelFd);
+  // While waiting, a failure recorded for the attempt ends the wait with that failure's text.
+  std::optional<std::string> barrier(const std::string& key, std::chrono::steady_clock::time_point deadline,
+                                     const RendezvousRequest* request);
+  void connect(std::chrono::steady_clock::time_point deadline, const RendezvousRequest& request);
+  std::string key(const std::string& name) const;
+  std::string failedKey() const;
+  std::optional<std::string> recordedFailure();
+  void armTimer(bool on);
 
   std::unique_ptr<store::TcpStoreServer> server_;
   std::unique_ptr<store::TcpStoreClient> client_;
   int port_ = 0;
-  int round_ = 0;
-
+  int round_ = 0;    // attempts started (next() calls)
+  int attempt_ = -1; // the attempt running now
+  int timerFd_ = -1;
+  bool reported_ = false;  // this attempt's failure event was given to the agent
 };
 
 StaticRendezvousOptions staticOptionsFrom(const LaunchConfig& config);

@@ -17,6 +17,12 @@ namespace ctorch::store {
 
 class StoreEngine {
  public:
+  // Keys under `ephemeralPrefix` (when non-empty) belong to the connection that last wrote them
+  // and are deleted when it disconnects, like ZooKeeper's ephemeral nodes: the rendezvous uses
+  // them to learn at once that an agent's connection dropped (a killed node), instead of waiting
+  // for its heartbeat to expire.
+  explicit StoreEngine(std::string ephemeralPrefix = "") : ephemeralPrefix_(std::move(ephemeralPrefix)) {}
+
   using ConnId = std::uint64_t;
   struct Reply {
     ConnId conn;
@@ -29,10 +35,12 @@ class StoreEngine {
   // as both c10d backends do.
   void execute(ConnId conn, const protocol::Request& request, std::vector<Reply>& out);
 
-  // Forgets a closed connection's waits and watches.
-  void disconnect(ConnId conn);
+  // Forgets a closed connection's waits and watches and deletes the ephemeral keys it owned
+  // (watchers of those are notified through `out`); returns the deleted keys.
+  std::vector<std::string> disconnect(ConnId conn, std::vector<Reply>* out = nullptr);
 
   std::size_t numKeys() const { return data_.size(); }
+  std::size_t ephemeralKeyCount() const { return owners_.size(); }
   std::optional<protocol::Bytes> peek(const std::string& key) const;
   // Connections blocked in WAIT (or a blocking queue pop / barrier).
   std::size_t waitingConnections() const { return awaiting_.size(); }
@@ -43,6 +51,7 @@ class StoreEngine {
   void wakeAll(const std::string& key, std::vector<Reply>& out);
   void wakeOne(const std::string& key, std::vector<Reply>& out);
   void clearWait(ConnId conn);
+  void noteOwner(ConnId conn, const std::string& key);
   void notifyWatchers(const std::string& key, protocol::WatchResponse kind,
                       const protocol::Bytes& oldValue, const protocol::Bytes& newValue,
                       std::vector<Reply>& out);
@@ -52,6 +61,8 @@ class StoreEngine {
   std::unordered_map<std::string, std::vector<ConnId>> waiters_;   // key -> waiting connections
   std::unordered_map<ConnId, std::size_t> awaiting_;               // connection -> keys missing
   std::unordered_map<std::string, std::vector<ConnId>> watchers_;  // key -> watching connections
+  std::string ephemeralPrefix_;
+  std::unordered_map<std::string, ConnId> owners_;                 // ephemeral key -> its writer
 };
 
 } // namespace ctorch::store

@@ -20,6 +20,13 @@ struct TcpStoreClientOptions {
   // Bound on connecting (retrying while the server is not up yet), on get() and on wait() without
   // an explicit timeout; c10d's default is 300 s.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Bound on waiting for the reply to a query that does not wait for keys (SET, COMPARE_SET, ADD,
+  // the GET after its key exists, ...); zero means `timeout`. A timed-out reply leaves the
+  // connection unusable (StoreTimeout, then StoreConnectionError on later calls): reconnect.
+  std::chrono::milliseconds operationTimeout{0};
+  // Keep trying to connect until `timeout` while the server refuses (not up yet); false: one
+  // attempt (bounded by `timeout`), for callers that retry on their own schedule.
+  bool retryConnect = true;
   protocol::Generation generation = protocol::Generation::Validated;
   std::string keyPrefix = "/";
 };
@@ -53,6 +60,14 @@ class TcpStoreClient : public Store {
 
   const std::string& host() const { return host_; }
   std::uint16_t port() const { return port_; }
+  // The local address of the connection ("10.0.0.2"): the address of this machine on the route
+  // to the store, i.e. how the store host's peers can reach it too.
+  std::string localAddress() const;
+  // Changes operationTimeout for the following calls (the rendezvous shortens it in its
+  // heartbeats so that an unreachable store cannot block the agent's event loop for long).
+  void setOperationTimeout(std::chrono::milliseconds timeout);
+  // False after a timeout or a connection error: the connection must be replaced.
+  bool usable() const;
 
  private:
   std::string k(const std::string& key) const { return options_.keyPrefix + key; }

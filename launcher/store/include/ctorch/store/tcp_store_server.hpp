@@ -35,6 +35,12 @@ struct TcpStoreServerOptions {
   // Optional sink for diagnostics (protocol errors, dropped connections); called on the server
   // thread. Kept as a callback so that this library stays free of any logging framework.
   std::function<void(const std::string&)> debugLog;
+  // Keys under this prefix (as sent on the wire, e.g. "/ctorchrun.alive/") are ephemeral: deleted
+  // when the connection that wrote them closes, and then reported to `onEphemeralKeyLost` (called
+  // on the server thread). Empty: no ephemeral keys. A ctorchrun extension of c10d's semantics
+  // that plain c10d clients never notice (they do not use the prefix).
+  std::string ephemeralKeyPrefix;
+  std::function<void(const std::string& key)> onEphemeralKeyLost;
 };
 
 struct TcpStoreServerStats {
@@ -56,6 +62,8 @@ class TcpStoreServer {
 
   std::uint16_t port() const { return port_; }
   TcpStoreServerStats stats() const;
+  // Ephemeral keys held right now (one per connected agent that set its key).
+  std::size_t ephemeralKeyCount() const;
 
  private:
   class Impl;

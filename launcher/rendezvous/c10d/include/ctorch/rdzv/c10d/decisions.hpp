@@ -26,9 +26,11 @@ enum class Action {
   AddToWaitList,        // the round is running with room: ask for a new round (scale up)
   AddToRedundancyList,  // the round is running and full: wait as a spare
   LeaveRound,           // remove this node from the participants (before re-joining, or on timeout)
+  Leave,                // leave the rendezvous for good (shutdown): out of every list
   LeaveWaitList,        // give up waiting (timeout)
   LeaveRedundancyList,  // room appeared: stop being a spare, then ask for a new round
   KeepAlive,            // refresh this node's heartbeat
+  ReportFailure,        // record that this node's workers failed in the round (counted restart)
   MarkClosed,           // close the rendezvous for good (job finished / shut down)
   FailTimeout,          // give up: RendezvousTimeout with the reason
   FailClosed,           // give up: RendezvousClosed with the reason
@@ -60,8 +62,21 @@ inline constexpr std::chrono::milliseconds kRollbackPeriod{5000};
 // Join the next round (torch's _RendezvousJoinOp). `current` is nullopt when no state exists yet.
 // Throws RendezvousStateError if the state belongs to another run id.
 Decision decideJoin(const std::optional<State>& current, const NodeView& view);
-// Leave the previous round before joining the next (torch's _RendezvousExitOp).
+// Leave the previous round before joining the next (torch's _RendezvousExitOp). Leaving a
+// complete round also puts the node on the wait list, so that the next round expects it and can
+// close as soon as every expected node is back (see `State::expected`).
 Decision decideExit(const std::optional<State>& current, const NodeView& view);
+// Leave the rendezvous for good (shutdown without closing it): removed from every list, so the
+// others re-form without this node, if enough remain.
+Decision decideLeave(const std::optional<State>& current, const NodeView& view);
+// This node's workers failed in `round`: record the failure and count one restart for the job,
+// unless the round moved on or a failure was already recorded for it.
+Decision decideReportFailure(const std::optional<State>& current, const NodeView& view,
+                             std::int64_t round, const std::string& reason);
+// Remove these nodes now (the store host saw their connections drop: killed agents), if they are
+// still in the rendezvous. `why` goes into the log line.
+Decision decideRemove(const std::optional<State>& current, const NodeView& view,
+                      const std::vector<std::string>& ids, const std::string& why);
 // Periodic heartbeat; also removes expired nodes (torch's _RendezvousKeepAliveOp + sanitize).
 Decision decideKeepAlive(const std::optional<State>& current, const NodeView& view);
 // Close the rendezvous (torch's _RendezvousCloseOp, used on shutdown).
@@ -70,7 +85,8 @@ Decision decideClose(const std::optional<State>& current, const NodeView& view);
 // Nodes (any list) whose last heartbeat is older than `expiry` at `now`.
 std::vector<std::string> expiredNodes(const State& state, Timestamp now, std::chrono::milliseconds expiry);
 // The state without these nodes. A complete round left with no participant moves to the next
-// round; an open round that falls below MIN loses its last-call deadline (torch's epilogue).
+// round (which expects the nodes then on the wait list); an open round that falls below MIN
+// loses its last-call deadline (torch's epilogue).
 State removeNodes(const State& state, const std::vector<std::string>& ids, int minNodes);
 
 // Node ranks for the participants of a closing round, in the order of `participants`:
@@ -87,6 +103,7 @@ struct NodeSlot {
   int nodeRank = 0;
   int nproc = 1;
   int rankBase = 0;  // global rank of its local rank 0: sum of nproc of the nodes ranked below
+  std::optional<int> storePort;  // the workers' store it hosts (used when it is node rank 0)
 };
 
 struct RoundResult {
@@ -99,6 +116,7 @@ struct RoundResult {
   std::vector<NodeSlot> nodes;  // by node rank
   std::vector<std::string> participantIds;  // by node rank
   std::optional<int> requestedRank;  // what this node asked for, to log when it differs
+  std::int64_t restartCount = 0;     // counted restarts before this round (the same on every node)
 };
 
 // Throws RendezvousError if the round is not complete or `selfId` is not in it.
@@ -108,6 +126,7 @@ RoundResult roundResult(const State& state, std::string_view selfId);
 enum class RoundStatus {
   Healthy,       // nothing changed
   NodesWaiting,  // nodes wait to join and there is room: re-rendezvous at the next step boundary
+  PeerFailed,    // another node's workers failed in this round: restart (counted once, by the job)
   PeerLost,      // a participant left or was removed (dead): stop workers, re-rendezvous now
   Removed,       // this node is no longer a participant (its heartbeat expired): re-rendezvous
   Superseded,    // the state moved on to another round without this node

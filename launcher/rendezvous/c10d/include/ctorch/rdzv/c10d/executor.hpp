@@ -66,8 +66,17 @@ class Executor {
   int numNodesWaiting();
   // Marks the rendezvous closed for everyone (shutdown after success). Throws RendezvousTimeout.
   void close();
-  // Takes this node out of the current round (graceful leave without closing the rendezvous).
+  // Takes this node out of the rendezvous for good without closing it (the others re-form
+  // without it if enough remain).
   void leave();
+  // This node's workers failed in the round it runs: the other nodes restart theirs and the job
+  // counts one restart. False when there was nothing to report (the round moved on, or another
+  // node reported this round's failure first).
+  bool reportFailure(const std::string& reason);
+  // Removes other nodes at once (their agents' store connections dropped). False: none left.
+  bool removeNodes(const std::vector<std::string>& ids, const std::string& why);
+  // The workers' store this node would host if it became node rank 0 (sent when joining).
+  void setStorePort(std::optional<int> port) { self_.storePort = port; }
 
   const NodeInfo& self() const { return self_; }
   const Settings& settings() const { return settings_; }
@@ -76,8 +85,11 @@ class Executor {
   const std::optional<State>& lastState() const { return state_; }
 
  private:
-  using DecideFn = Decision (*)(const std::optional<State>&, const NodeView&);
-  Decision run(DecideFn decide, std::chrono::milliseconds timeout, bool resetDeadlineOnSpareExit = false);
+  using DecideFn = std::function<Decision(const std::optional<State>&, const NodeView&)>;
+  // Decides and writes until the decision is Finish (or a one-shot write landed: ReportFailure,
+  // Leave, and RemoveDead when `oneShot`).
+  Decision run(const DecideFn& decide, std::chrono::milliseconds timeout,
+               bool resetDeadlineOnSpareExit = false, bool oneShot = false);
   void read();
   void ensureKey();
   void log(const std::string& line) const;

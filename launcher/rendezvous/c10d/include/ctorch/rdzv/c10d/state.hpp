@@ -19,7 +19,8 @@ namespace ctorch::rdzv::c10d {
 // the heartbeat expiry (15 s by default).
 using Timestamp = std::chrono::time_point<std::chrono::system_clock, std::chrono::milliseconds>;
 
-inline constexpr int kStateVersion = 1;
+// Version 2 added restarts, failure, expected, round_size and store_port; version 1 states are still read.
+inline constexpr int kStateVersion = 2;
 inline constexpr const char* kStateFormat = "ctorchrun-rdzv";
 // The store value meaning "no state yet". A store's get() blocks until a key exists, so the key is
 // created with this sentinel first (torch uses "Y2FuaW1hZGFt" the same way).
@@ -36,10 +37,26 @@ struct NodeInfo {
   int nproc = 1;     // workers on this node (--nproc-per-node); nodes may differ
   std::optional<int> requestedRank;  // --node-rank or SLURM_NODEID: honoured when possible
   std::optional<int> previousRank;   // its node rank in the last round it completed
+  // Port of the workers' store this node hosts for the round (a fresh one for every round it
+  // joins); the workers of a round use node rank 0's (MASTER_ADDR = its addr).
+  std::optional<int> storePort;
 
   bool operator==(const NodeInfo& o) const {
     return id == o.id && host == o.host && addr == o.addr && nproc == o.nproc &&
-           requestedRank == o.requestedRank && previousRank == o.previousRank;
+           requestedRank == o.requestedRank && previousRank == o.previousRank &&
+           storePort == o.storePort;
+  }
+};
+
+// A worker failure reported by a node for a round: the other nodes restart their workers too,
+// and the restart is counted once for the whole job.
+struct Failure {
+  std::int64_t round = 0;
+  std::string node;    // the reporting node's id
+  std::string reason;  // "rank 3 exited with code 1"
+
+  bool operator==(const Failure& o) const {
+    return round == o.round && node == o.node && reason == o.reason;
   }
 };
 
@@ -64,11 +81,23 @@ struct State {
   std::vector<std::string> waitList;          // node ids waiting for the next round (scale up)
   std::vector<std::string> redundancyList;    // spare node ids while the round is full
   std::map<std::string, Timestamp> heartbeats;  // last heartbeat of every node above
+  // Counted restarts of the job's worker groups so far (TORCHELASTIC_RESTART_COUNT of a round
+  // that starts now); shared so that every node gives its workers the same count.
+  std::int64_t restarts = 0;
+  std::optional<Failure> failure;             // reported in the current round, if any
+  // Participants when the round closed: a complete round with fewer is broken (a node left or
+  // died before every node had started), so a node that finds it so must not start its workers.
+  int roundSize = 0;
+  // An open round that follows a complete one waits for these nodes (the previous round's
+  // nodes re-joining and the nodes that waited for it) and closes as soon as they all joined,
+  // without a last call. Empty for a first round.
+  std::vector<std::string> expected;
 
   const Participant* participant(std::string_view id) const;
   bool isParticipant(std::string_view id) const { return participant(id) != nullptr; }
   bool inWaitList(std::string_view id) const;
   bool inRedundancyList(std::string_view id) const;
+  bool isExpected(std::string_view id) const;
   int participantCount() const { return static_cast<int>(participants.size()); }
 
   bool operator==(const State& o) const;

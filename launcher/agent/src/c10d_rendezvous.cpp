@@ -1,0 +1,607 @@
+#include "ctorch/launcher/c10d_rendezvous.hpp"
+
+#include "ctorch/launcher/errors.hpp"
+#include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/rdzv/c10d/executor.hpp"
+#include "ctorch/rdzv/c10d/store_host.hpp"
+#include "ctorch/store/tcp_store_client.hpp"
+#include "ctorch/store/tcp_store_server.hpp"
+#include "log.hpp"
+
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <mutex>
+#include <sstream>
+#include <system_error>
+#include <thread>
+
+namespace ctorch::launcher {
+
+namespace rc = ctorch::rdzv::c10d;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Keys under this prefix are ephemeral in the native store (deleted when the connection that
+// wrote them closes): every agent keeps "<prefix><run id>/<node id>" there, so the store host
+// learns at once when an agent's connection drops.
+constexpr const char* kAliveKeyPrefix = "ctorchrun.alive/";
+
+std::string secs(milliseconds ms) {
+  std::ostringstream os;
+  os.precision(3);
+  os << static_cast<double>(ms.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+milliseconds since(Clock::time_point t) {
+  return std::chrono::duration_cast<milliseconds>(Clock::now() - t);
+}
+
+[[noreturn]] void throwErrno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+// Raised by StoreLink when the store has not answered for longer than the heartbeat expiry: the
+// peers have removed this node by now, so waiting longer is pointless.
+struct StoreUnreachable : store::StoreConnectionError {
+  using store::StoreConnectionError::StoreConnectionError;
+};
+
+// The rendezvous' connection to the store: one TcpStoreClient, replaced when a request fails,
+// with every request bounded. In "patient" mode a failed request is retried (reconnecting) until
+// the store has been silent for `unreachableLimit`; otherwise one attempt is made and its error
+// passes through (the event loop tries again at its next tick).
+class StoreLink final : public rc::CasStore {
+ public:
+  StoreLink(std::string host, int port, milliseconds opTimeout, milliseconds unreachableLimit,
+            std::string aliveKey)
+      : host_(std::move(host)),
+        port_(port),
+        opTimeout_(opTimeout),
+        limit_(unreachableLimit),
+        aliveKey_(std::move(aliveKey)) {}
+
+  // First contact: the store host may start later than this agent, so keep trying until
+  // `deadline` (short tries, so that a stop request is noticed).
+  void connectFirst(Clock::time_point deadline, const RendezvousRequest& request) {
+    std::string lastError;
+    for (;;) {
+      if (request.stopNow())
+        throw RendezvousInterrupted("interrupted while connecting to the rendezvous store at " + where());
+      try {
+        connect();
+        return;
+      } catch (const store::StoreError& e) {
+        lastError = e.what();
+      }
+      if (Clock::now() >= deadline)
+        throw RendezvousTimeout("the rendezvous store at " + where() + " did not answer within the join timeout: " +
+                                lastError + " (is the agent hosting it, the one whose address matches "
+                                "--rdzv-endpoint, running? is the port reachable?)");
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  }
+
+  void setPatient(bool patient) { patient_ = patient; }
+  milliseconds silentFor() const { return since(lastSuccess_); }
+  std::string where() const { return host_ + ":" + std::to_string(port_); }
+  std::string localAddress() {
+    return call([&] { return client_->localAddress(); });
+  }
+
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    return call([&] {
+      return store::toString(client_->compareSet(key, store::toBytes(expected), store::toBytes(desired)));
+    });
+  }
+  std::string get(const std::string& key) override {
+    return call([&] { return store::toString(client_->get(key)); });
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) {
+    return call([&] { return client_->add(key, delta); });
+  }
+  bool check(const std::vector<std::string>& keys) {
+    return call([&] { return client_->check(keys); });
+  }
+  void dropAliveKey() {
+    call([&] { return client_->deleteKey(aliveKey_); });
+  }
+  void disconnect() { client_.reset(); }
+
+ private:
+  void connect() {
+    client_.reset();
+    store::TcpStoreClientOptions o;
+    o.timeout = opTimeout_;
+    o.operationTimeout = opTimeout_;
+    o.retryConnect = false;  // the callers retry on their own schedule
+    auto c = std::make_unique<store::TcpStoreClient>(host_, static_cast<std::uint16_t>(port_), o);
+    c->set(aliveKey_, store::toBytes("1"));
+    client_ = std::move(c);
+    lastSuccess_ = Clock::now();
+  }
+
+  template <typename F>
+  auto call(F&& f) -> decltype(f()) {
+    for (;;) {
+      try {
+        if (!client_ || !client_->usable()) connect();
+        auto result = f();
+        lastSuccess_ = Clock::now();
+        return result;
+      } catch (const store::StoreError& e) {
+        client_.reset();
+        lastError_ = e.what();
+        if (silentFor() > limit_)
+          throw StoreUnreachable("cannot reach the rendezvous store at " + where() + " for " +
+                                 secs(silentFor()) + " (" + lastError_ + ")");
+        if (!patient_) throw;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  }
+
+  std::string host_;
+  int port_;
+  milliseconds opTimeout_, limit_;
+  std::string aliveKey_;
+  std::unique_ptr<store::TcpStoreClient> client_;
+  Clock::time_point lastSuccess_ = Clock::now();
+  std::string lastError_;
+  bool patient_ = true;
+};
+
+// The executor's clock: real time; its sleeps wake up for a stop request of the agent.
+class AgentClock final : public rc::Clock {
+ public:
+  rc::Timestamp now() override {
+    return std::chrono::time_point_cast<milliseconds>(std::chrono::system_clock::now());
+  }
+  std::chrono::steady_clock::time_point steadyNow() override { return std::chrono::steady_clock::now(); }
+  void sleepFor(milliseconds d) override {
+    if (!request_ || request_->cancelFd < 0) {
+      std::this_thread::sleep_for(d);
+      return;
+    }
+    auto until = std::chrono::steady_clock::now() + d;
+    for (;;) {
+      auto left = std::chrono::duration_cast<milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return;
+      pollfd p{request_->cancelFd, POLLIN, 0};
+      int r = ::poll(&p, 1, static_cast<int>(left.count()));
+      if (r > 0 && request_->stopNow()) throw RendezvousInterrupted("interrupted while waiting for the rendezvous");
+      if (r < 0 && errno != EINTR) throwErrno("poll");
+    }
+  }
+  void setRequest(const RendezvousRequest* r) { request_ = r; }
+
+ private:
+  const RendezvousRequest* request_ = nullptr;
+};
+
+std::string confText(const std::vector<std::pair<std::string, std::string>>& pairs) {
+  std::string out;
+  for (const auto& [k, v] : pairs) out += (out.empty() ? "" : ",") + k + "=" + v;
+  return out;
+}
+
+} // namespace
+
+C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& c) {
+  C10dRendezvousOptions o;
+  try {
+    rc::RdzvConf conf = rc::parseRdzvConf(confText(c.rdzvConf));
+    if (!conf.keepAliveInterval) conf.keepAliveInterval = kDefaultKeepAliveInterval;
+    if (!conf.keepAliveMaxAttempt) conf.keepAliveMaxAttempt = kDefaultKeepAliveMaxAttempt;
+    if (c.rdzvId.empty()) throw rc::RendezvousConfigError("--rdzv-id must not be empty");
+    o.settings = rc::makeSettings(c.rdzvId, c.minNodes, c.maxNodes, conf);
+    o.isHost = conf.isHost;
+  } catch (const rc::RendezvousConfigError& e) {
+    throw UsageError(e.what());
+  }
+  o.endpointHost = c.rdzvEndpointHost.empty() ? "localhost" : c.rdzvEndpointHost;
+  o.endpointPort = c.rdzvEndpointPort;
+  o.localAddr = c.localAddr;
+  o.requestedRank = c.nodeRank;
+  o.hostname = c.hostname;
+  const auto& s = o.settings;
+  o.tick = std::clamp(s.keepAliveInterval / 4, milliseconds(50), milliseconds(500));
+  o.operationTimeout =
+      std::max(milliseconds(100), std::min({s.readTimeout, s.heartbeatTimeout, s.keepAliveInterval}));
+  return o;
+}
+
+// ---- the handler ------------------------------------------------------------------------------------
+class C10dRendezvous::Impl {
+ public:
+  explicit Impl(C10dRendezvousOptions options) : o_(std::move(options)) {
+    timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (timerFd_ < 0) throwErrno("timerfd_create");
+    dropFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (dropFd_ < 0) throwErrno("eventfd");
+    epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epollFd_ < 0) throwErrno("epoll_create1");
+    for (int fd : {timerFd_, dropFd_}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, fd, &ev) != 0) throwErrno("epoll_ctl");
+    }
+    nodeId_ = rc::makeNodeId(o_.hostname.empty() ? "node" : o_.hostname, static_cast<long>(::getpid()), 0);
+  }
+
+  ~Impl() {
+    // The server calls back into this object from its thread: stop it first.
+    hostServer_.reset();
+    workerStore_.reset();
+    ::close(epollFd_);
+    ::close(dropFd_);
+    ::close(timerFd_);
+  }
+
+  int eventFd() const { return epollFd_; }
+  bool hostsStore() const { return hostServer_ != nullptr; }
+
+  RendezvousInfo next(const RendezvousRequest& request) {
+    armTimer(false);
+    try {
+      if (!link_) setUp(request);
+      if (!executor_) makeExecutor(request);
+    } catch (const store::StoreError&) {
+      translate();
+    } catch (const rc::RendezvousError&) {
+      translate();
+    } catch (const rc::RendezvousConfigError&) {
+      translate();
+    }
+    eventSent_ = false;
+
+    // A fresh workers' store for every round: the round's workers never see keys of an earlier
+    // one (restarted or re-formed), whatever their TORCHELASTIC_RESTART_COUNT.
+    workerStore_.reset();
+    store::TcpStoreServerOptions wo;
+    wo.port = 0;
+    wo.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
+    workerStore_ = std::make_unique<store::TcpStoreServer>(wo);
+    executor_->setStorePort(workerStore_->port());
+
+    link_->setPatient(true);
+    clock_.setRequest(&request);
+    rc::RoundResult r;
+    try {
+      r = executor_->nextRound();
+    } catch (...) {
+      clock_.setRequest(nullptr);
+      translate();
+    }
+    clock_.setRequest(nullptr);
+    round_ = r;
+    if (r.nodeRank != 0) workerStore_.reset();  // only node rank 0's is used
+
+    const rc::NodeSlot& head = r.nodes.at(0);
+    RendezvousInfo info;
+    info.runId = o_.settings.runId;
+    info.round = static_cast<int>(r.round);
+    info.nodeRank = r.nodeRank;
+    info.numNodes = r.nodeCount;
+    for (const auto& n : r.nodes) {
+      info.nprocPerNode.push_back(n.nproc);
+      info.nodeHosts.push_back(n.host);
+    }
+    info.computeRanks();
+    info.storeHost = head.addr;
+    if (!head.storePort)
+      throw RendezvousError("node rank 0 ('" + head.id + "') announced no workers' store: is every node "
+                            "running the same ctorchrun version?");
+    info.storePort = *head.storePort;
+    info.agentStore = true;
+    info.restartCount = static_cast<int>(r.restartCount);
+    armTimer(true);
+    return info;
+  }
+
+  std::optional<RendezvousEvent> takeEvent() {
+    drain(timerFd_);
+    drain(dropFd_);
+    if (!round_ || !executor_) return std::nullopt;
+    link_->setPatient(false);
+    std::optional<RendezvousEvent> event;
+    try {
+      removeDropped();
+      event = eventFor(executor_->keepAlive());
+    } catch (const StoreUnreachable& e) {
+      event = cutOff(e.what());
+    } catch (const store::StoreError& e) {
+      // One request failed; the next tick tries again (the limit above ends this).
+      log("rendezvous").debug("heartbeat: {}", e.what());
+    } catch (const rc::RendezvousTimeout& e) {
+      log("rendezvous").warn("heartbeat: {}", e.what());
+    } catch (const rc::RendezvousError& e) {
+      event = RendezvousEvent{RendezvousEventKind::Failed, e.what(), kLostPeerGrace};
+    }
+    if (!event || eventSent_) return std::nullopt;
+    eventSent_ = true;
+    return event;
+  }
+
+  void reportFailure(const std::string& reason) {
+    if (!executor_ || !round_) return;
+    link_->setPatient(true);
+    try {
+      executor_->reportFailure(reason);
+    } catch (const std::exception& e) {
+      log("rendezvous").warn("could not report the failure to the other nodes: {}", e.what());
+    }
+  }
+
+  std::optional<RendezvousEvent> exitBarrier(milliseconds timeout) {
+    armTimer(false);
+    if (!executor_ || !round_ || round_->nodeCount <= 1) return std::nullopt;
+    const std::string key = "ctorchrun.exit/" + o_.settings.runId + "/" + std::to_string(round_->round);
+    auto& l = log("rendezvous");
+    link_->setPatient(true);
+    try {
+      link_->add(key, 1);
+      auto deadline = Clock::now() + timeout;
+      for (;;) {
+        if (link_->add(key, 0) >= round_->nodeCount) return std::nullopt;
+        removeDropped();
+        auto a = executor_->keepAlive();
+        if (a.status == rc::RoundStatus::PeerFailed)
+          return RendezvousEvent{RendezvousEventKind::RemoteFailure, a.reason, std::nullopt};
+        if (a.status == rc::RoundStatus::PeerLost || a.status == rc::RoundStatus::Removed ||
+            a.status == rc::RoundStatus::Superseded || a.status == rc::RoundStatus::Closed) {
+          l.warn("exit barrier: {}; not waiting for the other nodes", a.reason);
+          return std::nullopt;
+        }
+        if (Clock::now() >= deadline) {
+          l.warn("exit barrier: only {} of {} nodes finished within {}; exiting anyway",
+                 link_->add(key, 0), round_->nodeCount, secs(timeout));
+          return std::nullopt;
+        }
+        std::this_thread::sleep_for(o_.tick);
+      }
+    } catch (const std::exception& e) {
+      l.warn("exit barrier: {}", e.what());
+    }
+    return std::nullopt;
+  }
+
+  void shutdown(AgentOutcome outcome) {
+    armTimer(false);
+    auto& l = log("rendezvous");
+    if (link_ && executor_) {
+      link_->setPatient(outcome != AgentOutcome::Interrupted);
+      try {
+        if (outcome == AgentOutcome::Interrupted) {
+          executor_->leave();  // the others re-form without this node if enough remain
+        } else {
+          executor_->close();  // the job is over (done or failed): nobody may join any more
+        }
+      } catch (const std::exception& e) {
+        l.debug("leaving the rendezvous: {}", e.what());
+      }
+      if (!hostServer_) {
+        try {
+          link_->setPatient(false);
+          link_->dropAliveKey();
+        } catch (const std::exception&) {
+        }
+      }
+      if (hostServer_ && outcome != AgentOutcome::Interrupted) waitForPeersToLeave();
+    }
+    if (link_) link_->disconnect();
+    workerStore_.reset();
+    hostServer_.reset();
+  }
+
+ private:
+  void setUp(const RendezvousRequest& request) {
+    auto& l = log("rendezvous");
+    const auto& s = o_.settings;
+    auto decision = rc::decideStoreHost(o_.endpointHost, o_.isHost, rc::discoverLocalIdentity(),
+                                        rc::resolveHost(o_.endpointHost));
+    if (decision.isHost) {
+      store::TcpStoreServerOptions so;
+      so.port = static_cast<std::uint16_t>(o_.endpointPort);
+      so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
+      so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
+      so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
+      try {
+        hostServer_ = std::make_unique<store::TcpStoreServer>(so);
+        l.info("hosting the rendezvous store on port {} ({})", hostServer_->port(), decision.reason);
+      } catch (const store::StoreBindError& e) {
+        // Several agents of one machine, or a store already served there: as torch does, an agent
+        // that only inferred it is the host joins as a client.
+        if (decision.explicitChoice || e.error() != EADDRINUSE)
+          throw RendezvousError("cannot host the rendezvous store on port " + std::to_string(o_.endpointPort) +
+                                ": " + e.what() +
+                                (decision.explicitChoice ? " (is_host=true in --rdzv-conf)" : ""));
+        l.info("port {} is already served on this machine: joining that store as a client",
+               o_.endpointPort);
+      }
+    }
+    link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
+                                        s.heartbeatExpiry(), aliveKey(nodeId_));
+    link_->connectFirst(Clock::now() + s.joinTimeout, request);
+  }
+
+  void makeExecutor(const RendezvousRequest& request) {
+    rc::NodeInfo self;
+    self.id = nodeId_;
+    self.host = o_.hostname;
+    self.nproc = request.localNproc;
+    self.requestedRank = o_.requestedRank;
+    // How the others reach this node (for the workers' store, if it becomes node rank 0): as
+    // given, else the endpoint itself when the store is here, else the address of this machine
+    // on the route to the store.
+    if (!o_.localAddr.empty())
+      self.addr = o_.localAddr;
+    else if (hostServer_)
+      self.addr = o_.endpointHost;
+    else
+      self.addr = link_->localAddress();
+    rc::ExecutorOptions eo;
+    eo.log = [](const std::string& line) { log("rendezvous").info("{}", line); };
+    executor_ = std::make_unique<rc::Executor>(*link_, o_.settings, self, clock_, eo);
+    log("rendezvous").info("node '{}' joins rendezvous '{}' at {} (nnodes {}:{}, heartbeat every {}, dead after {})",
+                           self.id, o_.settings.runId, link_->where(), o_.settings.minNodes,
+                           o_.settings.maxNodes, secs(o_.settings.keepAliveInterval),
+                           secs(o_.settings.heartbeatExpiry()));
+  }
+
+  std::string aliveKey(const std::string& node) const {
+    return std::string(kAliveKeyPrefix) + o_.settings.runId + "/" + node;
+  }
+
+  // Server thread: an agent's connection closed while its alive key was set.
+  void onAliveKeyLost(const std::string& key) {
+    const std::string prefix = std::string("/") + kAliveKeyPrefix + o_.settings.runId + "/";
+    if (key.compare(0, prefix.size(), prefix) != 0) return;  // another job's agent
+    std::string node = key.substr(prefix.size());
+    if (node.empty() || node == nodeId_) return;
+    {
+      std::lock_guard<std::mutex> lock(dropMutex_);
+      dropped_.push_back(node);
+    }
+    std::uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(dropFd_, &one, sizeof one);
+  }
+
+  void removeDropped() {
+    std::vector<std::string> ids;
+    {
+      std::lock_guard<std::mutex> lock(dropMutex_);
+      ids.swap(dropped_);
+    }
+    if (ids.empty() || !executor_) return;
+    try {
+      executor_->removeNodes(ids, "the connection of its ctorchrun to the store closed (the node or its agent died)");
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(dropMutex_);  // try again at the next tick
+      dropped_.insert(dropped_.end(), ids.begin(), ids.end());
+      throw;
+    }
+  }
+
+  std::optional<RendezvousEvent> eventFor(const rc::RoundAssessment& a) {
+    switch (a.status) {
+      case rc::RoundStatus::Healthy:
+        return std::nullopt;
+      case rc::RoundStatus::Closed:
+        // Only a node whose job ended (it failed for good, or gave up waiting for this one at
+        // its exit barrier) closes the rendezvous while others still run.
+        return RendezvousEvent{RendezvousEventKind::Failed,
+                               "the rendezvous was closed by another node while this node's workers ran: "
+                               "the job ended there",
+                               kLostPeerGrace};
+      case rc::RoundStatus::NodesWaiting:
+        // Scale up at the workers' next step boundary: SIGTERM and the full grace period.
+        return RendezvousEvent{RendezvousEventKind::MembershipChanged, a.reason + ": re-forming the round",
+                               std::nullopt};
+      case rc::RoundStatus::PeerFailed:
+        return RendezvousEvent{RendezvousEventKind::RemoteFailure, a.reason, std::nullopt};
+      case rc::RoundStatus::PeerLost:
+      case rc::RoundStatus::Removed:
+      case rc::RoundStatus::Superseded:
+        return RendezvousEvent{RendezvousEventKind::MembershipChanged, a.reason, kLostPeerGrace};
+    }
+    return std::nullopt;
+  }
+
+  RendezvousEvent cutOff(const std::string& why) {
+    return RendezvousEvent{RendezvousEventKind::Failed,
+                           why + ": this node is cut off from the others (they have removed it by now); "
+                                 "stopping its workers",
+                           kLostPeerGrace};
+  }
+
+  // Only after success or a failure of the whole job: the other agents still need the store to
+  // pass the exit barrier and close, and agents of other jobs (other --rdzv-id on the same
+  // endpoint) may still use it. Wait (bounded by close_timeout) until every other agent's
+  // connection is gone: each holds one ephemeral key, this agent the last one.
+  void waitForPeersToLeave() {
+    auto deadline = Clock::now() + o_.settings.closeTimeout;
+    while (hostServer_->ephemeralKeyCount() > 1) {
+      if (Clock::now() >= deadline) {
+        log("rendezvous").warn("{} other agent(s) still connected to the rendezvous store hosted here "
+                               "after {}; shutting it down (they lose the store)",
+                               hostServer_->ephemeralKeyCount() - 1, secs(o_.settings.closeTimeout));
+        return;
+      }
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  }
+
+  [[noreturn]] void translate() {
+    try {
+      throw;
+    } catch (const rc::RendezvousTimeout& e) {
+      throw RendezvousTimeout(e.what());
+    } catch (const rc::RendezvousGracefulExit& e) {
+      throw RendezvousGracefulExit(e.what());
+    } catch (const rc::RendezvousError& e) {
+      throw RendezvousError(e.what());
+    } catch (const rc::RendezvousConfigError& e) {
+      throw UsageError(e.what());
+    } catch (const StoreUnreachable& e) {
+      throw RendezvousError(std::string(e.what()) +
+                            ": lost the rendezvous store (its ctorchrun stopped, or this node is cut off)");
+    } catch (const store::StoreError& e) {
+      throw RendezvousError("rendezvous store at " + o_.endpointHost + ":" + std::to_string(o_.endpointPort) +
+                            ": " + e.what());
+    }
+  }
+
+  void armTimer(bool on) {
+    itimerspec spec{};
+    if (on) {
+      auto ms = o_.tick.count();
+      spec.it_interval.tv_sec = ms / 1000;
+      spec.it_interval.tv_nsec = (ms % 1000) * 1000000;
+      spec.it_value = spec.it_interval;
+    }
+    if (::timerfd_settime(timerFd_, 0, &spec, nullptr) != 0) throwErrno("timerfd_settime");
+  }
+
+  static void drain(int fd) {
+    std::uint64_t v = 0;
+    [[maybe_unused]] ssize_t n = ::read(fd, &v, sizeof v);
+  }
+
+  C10dRendezvousOptions o_;
+  std::string nodeId_;
+  int timerFd_ = -1, dropFd_ = -1, epollFd_ = -1;
+  AgentClock clock_;
+  std::unique_ptr<store::TcpStoreServer> hostServer_;
+  std::unique_ptr<StoreLink> link_;
+  std::unique_ptr<rc::Executor> executor_;
+  std::unique_ptr<store::TcpStoreServer> workerStore_;
+  std::optional<rc::RoundResult> round_;
+  bool eventSent_ = false;
+  std::mutex dropMutex_;
+  std::vector<std::string> dropped_;
+};
+
+C10dRendezvous::C10dRendezvous(C10dRendezvousOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
+C10dRendezvous::~C10dRendezvous() = default;
+RendezvousInfo C10dRendezvous::next(const RendezvousRequest& request) { return impl_->next(request); }
+int C10dRendezvous::eventFd() const { return impl_->eventFd(); }
+std::optional<RendezvousEvent> C10dRendezvous::takeEvent() { return impl_->takeEvent(); }
+void C10dRendezvous::reportFailure(const std::string& reason) { impl_->reportFailure(reason); }
+std::optional<RendezvousEvent> C10dRendezvous::exitBarrier(milliseconds timeout) {
+  return impl_->exitBarrier(timeout);
+}
+void C10dRendezvous::shutdown(AgentOutcome outcome) { impl_->shutdown(outcome); }
+bool C10dRendezvous::hostsStore() const { return impl_->hostsStore(); }
+
+} // namespace ctorch::launcher

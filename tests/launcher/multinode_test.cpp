@@ -1,0 +1,439 @@
+// ctorchrun across nodes, end to end: two and three real ctorchrun agents with fake_worker (and
+// Python gloo workers), on loopback and on separate network-namespace hosts (scripts/lab). Every
+// scenario runs in both topologies where it makes sense: static and c10d rendezvous,
+// heterogeneous nproc, one endpoint shared by two jobs, a late joiner, a killed node, a cut-off
+// (netns) or paused (loopback) node, fewer than MIN nodes, a worker failure restarting every
+// node. Short heartbeats and timeouts come from --rdzv-conf; every wait is bounded.
+#include <catch2/catch.hpp>
+
+#include "lab.hpp"
+#include "launcher_test_util.hpp"
+
+#include <csignal>
+#include <memory>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+using namespace ctorch;
+using namespace ctorch::launcher_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Heartbeat every 0.5 s, dead after 1.5 s; a short last call; bounded waits everywhere.
+const std::string kConf = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=0.5,close_timeout=3";
+constexpr auto kAgentTimeout = 60s;
+
+// "[n2:default3]:ENV RANK=3" (or "[default3]:...") -> global rank -> {KEY: VALUE}; later lines of
+// the same rank (a later round) overwrite earlier ones.
+std::map<int, std::map<std::string, std::string>> envOf(const std::string& output) {
+  std::map<int, std::map<std::string, std::string>> out;
+  static const std::regex line(R"(^\[(?:[^\]:]*:)?default(\d+)\]:ENV ([A-Z_]+)=(.*)$)");
+  std::istringstream in(output);
+  std::string l;
+  std::smatch m;
+  while (std::getline(in, l))
+    if (std::regex_match(l, m, line)) out[std::stoi(m[1])][m[2]] = m[3];
+  return out;
+}
+
+std::size_t countOf(const std::string& hay, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// Where the agents run: all on this machine (loopback), or one per network-namespace host.
+class Topology {
+ public:
+  virtual ~Topology() = default;
+  virtual std::string name() const = 0;
+  // The c10d endpoint, and flags that make host 1's agent the store host.
+  virtual std::string endpoint() const = 0;
+  virtual std::string confFor(int host) const = 0;
+  // Address of host `host` as the others see it (MASTER_ADDR when it is node rank 0).
+  virtual std::string addr(int host) const = 0;
+  // Static rendezvous: node 0 (host 1) address and port.
+  virtual std::string masterAddr() const = 0;
+  virtual int masterPort() const = 0;
+  virtual test::SpawnOptions spawn(int host, const std::vector<std::string>& args) const = 0;
+  // A crashed machine: every process of the node dies at once.
+  virtual void kill(int host, test::Process& agent) = 0;
+  // The node stops answering without closing anything (netns: link down; loopback: SIGSTOP).
+  virtual void silence(int host, test::Process& agent) = 0;
+  virtual void unsilence(int host, test::Process& agent) = 0;
+  virtual bool isLab() const = 0;
+};
+
+class Loopback final : public Topology {
+ public:
+  Loopback() : port_(test::freePort()), masterPort_(test::freePort()) {}
+  std::string name() const override { return "loopback"; }
+  std::string endpoint() const override { return "127.0.0.1:" + std::to_string(port_); }
+  // On one machine every agent matches the endpoint: name the host explicitly.
+  std::string confFor(int host) const override { return kConf + (host == 1 ? ",is_host=true" : ",is_host=false"); }
+  std::string addr(int) const override { return "127.0.0.1"; }
+  std::string masterAddr() const override { return "127.0.0.1"; }
+  int masterPort() const override { return masterPort_; }
+  test::SpawnOptions spawn(int, const std::vector<std::string>& args) const override {
+    return ctorchrunSpawn(args, {}, kAgentTimeout);
+  }
+  void kill(int, test::Process& agent) override { agent.signalGroup(SIGKILL); }
+  void silence(int, test::Process& agent) override { agent.signalGroup(SIGSTOP); }
+  void unsilence(int, test::Process& agent) override { agent.signalGroup(SIGCONT); }
+  bool isLab() const override { return false; }
+
+ private:
+  int port_, masterPort_;
+};
+
+class NetnsHosts final : public Topology {
+ public:
+  explicit NetnsHosts(int hosts) : lab_(hosts) {}
+  std::string name() const override { return "netns"; }
+  // The endpoint names host 1 by its lab host name: its agent finds that it is the host.
+  std::string endpoint() const override { return "n1:29400"; }
+  std::string confFor(int) const override { return kConf; }
+  std::string addr(int host) const override { return lab_.addr(host); }
+  std::string masterAddr() const override { return lab_.addr(1); }
+  int masterPort() const override { return 29500; }
+  test::SpawnOptions spawn(int host, const std::vector<std::string>& args) const override {
+    return lab_.spawnIn(host, ctorchrunSpawn(args, {}, kAgentTimeout));
+  }
+  void kill(int host, test::Process&) override { lab_.killHost(host); }
+  void silence(int host, test::Process&) override { lab_.cut(host); }
+  void unsilence(int host, test::Process&) override { lab_.restore(host); }
+  bool isLab() const override { return true; }
+
+ private:
+  test::lab::NetnsLab lab_;
+};
+
+// ctorchrun args for a c10d agent on `host`.
+std::vector<std::string> c10d(const Topology& t, int host, const std::string& nnodes, int nproc,
+                              const std::vector<std::string>& extra, const std::vector<std::string>& worker,
+                              const std::string& id = "job", const std::string& joinTimeout = "20") {
+  std::vector<std::string> a = {"--log-level", "info", "--nnodes", nnodes, "--nproc-per-node", std::to_string(nproc),
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", t.endpoint(), "--rdzv-id", id,
+                                "--rdzv-conf", t.confFor(host) + ",join_timeout=" + joinTimeout,
+                                "--shutdown-timeout", "3"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  a.push_back(fakeWorkerBin());
+  a.insert(a.end(), worker.begin(), worker.end());
+  return a;
+}
+
+bool waitFor(test::Process& p, const std::string& text, std::chrono::milliseconds deadline = 30s, int count = 1) {
+  return eventually([&] { return countOf(p.outputSoFar(), text) >= static_cast<std::size_t>(count); }, deadline);
+}
+
+} // namespace
+
+// One scenario, two test cases: agents on loopback, and agents on HOSTS network-namespace hosts
+// (skipped with the reason where this machine cannot make namespaces).
+#define MULTINODE_SCENARIO(NAME, TITLE, HOSTS)                   \
+  static void NAME(Topology& t);                                 \
+  TEST_CASE(TITLE " (loopback)", "[multinode]") {                \
+    Loopback t;                                                  \
+    NAME(t);                                                     \
+  }                                                              \
+  TEST_CASE(TITLE " (netns)", "[multinode][netns]") {            \
+    CTORCH_REQUIRE_NETNS();                                      \
+    NetnsHosts t(HOSTS);                                         \
+    NAME(t);                                                     \
+  }                                                              \
+  static void NAME(Topology& t)
+
+// ---- c10d: forming a group ------------------------------------------------------------------------
+
+MULTINODE_SCENARIO(threeAgentsHeterogeneous, "multinode c10d: three agents with different nproc get predictable node ranks and prefix-sum global ranks", 3) {
+  // Host 2 asks for node rank 0, host 1 for 2; host 3 takes the lowest free rank (1).
+  test::Process a1(t.spawn(1, c10d(t, 1, "3", 1, {"--node-rank", "2"}, {"env"})));
+  test::Process a2(t.spawn(2, c10d(t, 2, "3", 2, {"--node-rank", "0"}, {"env"})));
+  test::Process a3(t.spawn(3, c10d(t, 3, "3", 1, {}, {"env"})));
+  auto r1 = a1.wait(), r2 = a2.wait(), r3 = a3.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
+  REQUIRE(r1.ok());
+  REQUIRE(r2.ok());
+  REQUIRE(r3.ok());
+  auto e1 = envOf(r1.output), e2 = envOf(r2.output), e3 = envOf(r3.output);
+  REQUIRE(e2.size() == 2);
+  REQUIRE(e3.size() == 1);
+  REQUIRE(e1.size() == 1);
+  CHECK(e2.count(0));
+  CHECK(e2.count(1));
+  CHECK(e3.count(2));
+  CHECK(e1.count(3));
+  CHECK(e2[0]["GROUP_RANK"] == "0");
+  CHECK(e3[2]["GROUP_RANK"] == "1");
+  CHECK(e1[3]["GROUP_RANK"] == "2");
+  CHECK(e2[1]["LOCAL_RANK"] == "1");
+  CHECK(e2[1]["LOCAL_WORLD_SIZE"] == "2");
+  CHECK(e1[3]["LOCAL_WORLD_SIZE"] == "1");
+  std::set<std::string> ports;
+  for (auto* e : {&e1, &e2, &e3})
+    for (auto& [rank, vars] : *e) {
+      CHECK(vars["WORLD_SIZE"] == "4");
+      CHECK(vars["GROUP_WORLD_SIZE"] == "3");
+      CHECK(vars["TORCHELASTIC_RUN_ID"] == "job");
+      CHECK(vars["TORCHELASTIC_RESTART_COUNT"] == "0");
+      CHECK(vars["TORCHELASTIC_USE_AGENT_STORE"] == "True");
+      // The workers' store is node rank 0's (host 2's), the same for every worker.
+      CHECK(vars["MASTER_ADDR"] == t.addr(2));
+      ports.insert(vars["MASTER_PORT"]);
+    }
+  CHECK(ports.size() == 1);
+  CHECK_THAT(r1.output, Catch::Contains("hosting the rendezvous store"));
+  CHECK_THAT(r2.output, !Catch::Contains("hosting the rendezvous store"));
+}
+
+MULTINODE_SCENARIO(twoJobsOneEndpoint, "multinode c10d: two jobs on the same endpoint with different rdzv ids never mix", 2) {
+  // Both jobs have an agent on host 1: in the lab both match the endpoint, one hosts the store and
+  // the other falls back to being a client of it.
+  test::Process a1(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env", "sleep", "300"}, "jobA")));
+  REQUIRE(waitFor(a1, "joins rendezvous"));
+  test::Process b1(t.spawn(1, c10d(t, 2, "2", 2, {}, {"env", "sleep", "300"}, "jobB")));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2", 1, {}, {"env", "sleep", "300"}, "jobA")));
+  test::Process b2(t.spawn(2, c10d(t, 2, "2", 1, {}, {"env", "sleep", "300"}, "jobB")));
+  auto ra1 = a1.wait(), ra2 = a2.wait(), rb1 = b1.wait(), rb2 = b2.wait();
+  INFO(ra1.output << "\n----\n" << ra2.output << "\n----\n" << rb1.output << "\n----\n" << rb2.output);
+  REQUIRE(ra1.ok());
+  REQUIRE(ra2.ok());
+  REQUIRE(rb1.ok());
+  REQUIRE(rb2.ok());
+  auto check = [](const std::vector<test::ProcessResult*>& agents, const std::string& id, int world) {
+    std::set<int> ranks;
+    std::set<std::string> ports;
+    for (auto* r : agents)
+      for (auto& [rank, vars] : envOf(r->output)) {
+        ranks.insert(rank);
+        CHECK(vars["TORCHELASTIC_RUN_ID"] == id);
+        CHECK(vars["WORLD_SIZE"] == std::to_string(world));
+        ports.insert(vars["MASTER_PORT"]);
+      }
+    CHECK(static_cast<int>(ranks.size()) == world);
+    CHECK(ports.size() == 1);
+    return *ports.begin();
+  };
+  auto portA = check({&ra1, &ra2}, "jobA", 2);
+  auto portB = check({&rb1, &rb2}, "jobB", 3);
+  CHECK(portA != portB);  // each job's own workers' store
+  if (t.isLab()) CHECK_THAT(rb1.output, Catch::Contains("joining that store as a client"));
+}
+
+// ---- c10d: elastic membership -------------------------------------------------------------------
+
+MULTINODE_SCENARIO(lateJoiner, "multinode c10d: a late joiner triggers a new round at the step boundary and is not counted as a failure", 3) {
+  // Workers run until told to stop (SIGTERM: "snapshot" and exit 0), and finish at once in a
+  // group of three.
+  std::vector<std::string> worker = {"env", "if-world", "3", "exit", "0", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, {"--node-rank", "1"}, worker)));
+  REQUIRE(waitFor(a1, "ENV WORLD_SIZE=2"));
+  REQUIRE(waitFor(a2, "ENV WORLD_SIZE=2"));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, {}, worker)));
+  auto r1 = a1.wait(), r2 = a2.wait(), r3 = a3.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
+  REQUIRE(r1.ok());
+  REQUIRE(r2.ok());
+  REQUIRE(r3.ok());
+  for (auto* r : {&r1, &r2}) {
+    // Stopped gracefully (SIGTERM: the trainer snapshots), re-formed without counting a failure.
+    CHECK_THAT(r->output, Catch::Contains("got SIGTERM") && Catch::Contains("without counting a failure"));
+    CHECK(countOf(r->output, "ENV WORLD_SIZE=3") == 1);
+  }
+  // At least one of them saw the waiting node (the other may see the first one leave first).
+  CHECK_THAT(r1.output + r2.output, Catch::Contains("1 node(s) wait to join"));
+  // The old nodes keep their ranks; the new one goes last; the restart count stays 0.
+  CHECK(envOf(r1.output)[0]["GROUP_RANK"] == "0");
+  CHECK(envOf(r2.output)[1]["GROUP_RANK"] == "1");
+  CHECK(envOf(r3.output)[2]["GROUP_RANK"] == "2");
+  for (auto* r : {&r1, &r2, &r3})
+    for (auto& [rank, vars] : envOf(r->output)) CHECK(vars["TORCHELASTIC_RESTART_COUNT"] == "0");
+}
+
+MULTINODE_SCENARIO(killedNode, "multinode c10d: a killed node is removed and the survivors continue without it", 3) {
+  std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, {"--node-rank", "1"}, worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, {"--node-rank", "2"}, worker)));
+  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  t.kill(3, a3);
+  auto r1 = a1.wait(), r2 = a2.wait(), r3 = a3.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
+  CHECK(r3.termSignal == SIGKILL);
+  REQUIRE(r1.ok());
+  REQUIRE(r2.ok());
+  // Host 1 hosts the store and sees the dead agent's connection close.
+  CHECK_THAT(r1.output, Catch::Contains("connection of its ctorchrun to the store closed"));
+  for (auto* r : {&r1, &r2}) {
+    CHECK_THAT(r->output, Catch::Contains("left round 0") && Catch::Contains("without counting a failure"));
+    CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 1);
+  }
+  CHECK(envOf(r1.output)[0]["GROUP_RANK"] == "0");
+  CHECK(envOf(r2.output)[1]["GROUP_RANK"] == "1");
+  CHECK(envOf(r2.output)[1]["TORCHELASTIC_RESTART_COUNT"] == "0");
+}
+
+MULTINODE_SCENARIO(silentNode, "multinode c10d: a node that goes silent is dropped by heartbeat and gives up on its own", 3) {
+  std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, {"--node-rank", "1"}, worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, {"--node-rank", "2"}, worker)));
+  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  // netns: the link of host 3 goes down (packets vanish, nothing is closed); loopback: the agent is
+  // paused (its connection stays open, its heartbeats stop).
+  t.silence(3, a3);
+  auto r1 = a1.wait(), r2 = a2.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << a3.outputSoFar());
+  REQUIRE(r1.ok());
+  REQUIRE(r2.ok());
+  CHECK_THAT(r1.output + r2.output, Catch::Contains("no heartbeat for more than 1.5 s"));
+  for (auto* r : {&r1, &r2}) CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 1);
+  if (t.isLab()) {
+    // The cut-off agent notices by itself: it stops its workers and exits 3 with the reason.
+    auto r3 = a3.wait();
+    INFO(r3.output);
+    CHECK(r3.exitCode == 3);
+    CHECK_THAT(r3.output, Catch::Contains("cut off from the others") && Catch::Contains("got SIGTERM"));
+    t.unsilence(3, a3);
+  } else {
+    // Woken up after the others finished: its round is gone; it stops its workers and fails.
+    t.unsilence(3, a3);
+    auto r3 = a3.wait();
+    INFO(r3.output);
+    CHECK(r3.exitCode == 3);
+    CHECK_THAT(r3.output, Catch::Contains("got SIGTERM"));
+  }
+}
+
+MULTINODE_SCENARIO(belowMin, "multinode c10d: below MIN the survivor waits for the join timeout and then fails with one clear line", 2) {
+  std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "2", 1, {}, worker, "job", "1.5")));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2", 1, {}, worker, "job", "1.5")));
+  for (auto* a : {&a1, &a2}) {
+    INFO(a->outputSoFar());
+    REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  }
+  t.kill(2, a2);
+  auto r1 = a1.wait();
+  INFO(r1.output);
+  CHECK(r1.exitCode == 3);
+  // The error is one line: what timed out, how many nodes came, how many are needed.
+  std::regex err(R"(ctorchrun: error: rendezvous 'job' timed out after 1\.5 s: 1 node\(s\) joined round 1, at least 2 needed \(--nnodes 2\)[^\n]*\n?$)");
+  CHECK(std::regex_search(r1.output, err));
+  CHECK(r1.elapsed < 40s);
+}
+
+TEST_CASE("multinode c10d: an agent alone below MIN fails after the join timeout without starting workers", "[multinode]") {
+  Loopback t;
+  auto r = test::run(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env"}, "job", "1")));
+  INFO(r.output);
+  CHECK(r.exitCode == 3);
+  CHECK_THAT(r.output, Catch::Contains("timed out after 1 s: 1 node(s) joined round 0, at least 2 needed"));
+  CHECK(countOf(r.output, "ENV RANK") == 0);  // no worker ever started
+}
+
+// ---- failures restart every node ------------------------------------------------------------------
+
+namespace {
+
+std::vector<std::string> staticArgs(const Topology& t, int rank, int nproc, const std::vector<std::string>& extra,
+                                    const std::vector<std::string>& worker) {
+  std::vector<std::string> a = {"--log-level", "info", "--nnodes", "2", "--node-rank", std::to_string(rank),
+                                "--nproc-per-node", std::to_string(nproc), "--master-addr", t.masterAddr(),
+                                "--master-port", std::to_string(t.masterPort()), "--rdzv-id", "static-job",
+                                "--shutdown-timeout", "3"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  a.push_back(fakeWorkerBin());
+  a.insert(a.end(), worker.begin(), worker.end());
+  return a;
+}
+
+} // namespace
+
+// Global rank 2 (node 1's first worker) fails in the first attempt, once every node runs (0.6 s
+// after starting); then everyone succeeds.
+static void workerFailureRestartsAll(Topology& t, const std::string& backend) {
+  std::vector<std::string> worker = {"env", "sleep", "600", "if-rank", "2", "if-restart-below", "1", "exit", "3",
+                                     "sleep", "600"};
+  auto args = [&](int host, std::vector<std::string> extra) {
+    if (backend == "static") return staticArgs(t, host - 1, 2, extra, worker);
+    extra.insert(extra.end(), {"--node-rank", std::to_string(host - 1)});
+    return c10d(t, host, "2", 2, extra, worker);
+  };
+  {
+    test::Process a1(t.spawn(1, args(1, {"--max-restarts", "1"})));
+    test::Process a2(t.spawn(2, args(2, {"--max-restarts", "1"})));
+    auto r1 = a1.wait(), r2 = a2.wait();
+    INFO(r1.output << "\n----\n" << r2.output);
+    REQUIRE(r1.ok());
+    REQUIRE(r2.ok());
+    // Both nodes ran twice; the second attempt is restart 1 everywhere (the store prefix agrees).
+    for (auto* r : {&r1, &r2}) {
+      CHECK(countOf(r->output, "ENV TORCHELASTIC_RESTART_COUNT=0") == 2);
+      CHECK(countOf(r->output, "ENV TORCHELASTIC_RESTART_COUNT=1") == 2);
+      CHECK_THAT(r->output, Catch::Contains("restarting, restart 1 of 1"));
+    }
+    CHECK_THAT(r1.output, Catch::Contains("workers failed on"));  // told by node 1
+    CHECK_THAT(r2.output, Catch::Contains("failed: exit 3"));
+    std::set<std::string> ports;
+    for (auto* r : {&r1, &r2})
+      for (auto& [rank, vars] : envOf(r->output)) ports.insert(vars["MASTER_PORT"]);
+    CHECK(ports.size() == 1);  // the last attempt's store, the same on both nodes
+  }
+  {
+    // Control: no restart allowed, both nodes fail: node 1 with its worker's code, node 0 with 1.
+    test::Process a1(t.spawn(1, args(1, {})));
+    test::Process a2(t.spawn(2, args(2, {})));
+    auto r1 = a1.wait(), r2 = a2.wait();
+    INFO(r1.output << "\n----\n" << r2.output);
+    CHECK(r2.exitCode == 3);
+    CHECK(r1.exitCode == 1);
+    CHECK_THAT(r1.output, Catch::Contains("workers failed on") && Catch::Contains("no restarts allowed"));
+    CHECK(countOf(r1.output, "ENV TORCHELASTIC_RESTART_COUNT=1") == 0);
+  }
+}
+
+MULTINODE_SCENARIO(workerFailureC10d, "multinode c10d: a worker failure on one node restarts the workers of every node and counts once", 2) {
+  workerFailureRestartsAll(t, "c10d");
+}
+
+MULTINODE_SCENARIO(workerFailureStatic, "multinode static: a worker failure on one node restarts the workers of every node and counts once", 2) {
+  workerFailureRestartsAll(t, "static");
+}
+
+// ---- Python workers across hosts ------------------------------------------------------------------
+
+TEST_CASE("multinode c10d: Python gloo workers on two hosts all-reduce then crash then restart everywhere and all-reduce again (netns)", "[multinode][netns]") {
+  CTORCH_REQUIRE_NETNS();
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  NetnsHosts t(2);
+  test::TempDir dir;
+  auto script = (dir / "crash_once.py").string();
+  // Rank 3 (on host 2) dies after the first all-reduce of the first attempt.
+  test::writeFile(script,
+                  "import os, sys\n"
+                  "exec(open(sys.argv[1]).read())\n"
+                  "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '3':\n"
+                  "    sys.exit(17)\n");
+  auto args = [&](int host) {
+    return std::vector<std::string>{"--log-level", "info", "--nnodes", "2", "--node-rank", std::to_string(host - 1),
+                                    "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                                    "--rdzv-endpoint", t.endpoint(), "--rdzv-id", "py", "--rdzv-conf",
+                                    t.confFor(host) + ",join_timeout=60", script, dataDir() + "/gloo_allreduce.py"};
+  };
+  auto s1 = t.spawn(1, args(1)), s2 = t.spawn(2, args(2));
+  s1.timeout = s2.timeout = 180s;
+  test::Process a1(s1), a2(s2);
+  auto r1 = a1.wait(), r2 = a2.wait();
+  INFO(r1.output << "\n----\n" << r2.output);
+  REQUIRE(r1.ok());
+  REQUIRE(r2.ok());
+  // Two attempts, four ranks each; the second attempt's stores agree on the restart count.
+  CHECK(countOf(r1.output + r2.output, "ALLREDUCE-OK") == 8);
+  CHECK(countOf(r1.output + r2.output, "world=4 sum=10.0") == 8);
+  CHECK_THAT(r1.output, Catch::Contains("workers failed on"));
+}
