@@ -14,7 +14,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-LaunchConfig configFor(const std::vector<std::string>& args) {
+LaunchConfig logsConfigFor(const std::vector<std::string>& args) {
   auto cl = parseCommandLine(args);
   REQUIRE_FALSE(cl.exitNow);
   MachineProbe p;
@@ -90,7 +90,7 @@ TEST_CASE("worker logs: torchrun's prefix / with the host when there are several
 }
 
 TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter") {
-  auto c = configFor({"-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
+  auto c = logsConfigFor({"-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
   auto out0 = routeFor(c, 0, Stream::Stdout);
   CHECK((out0.file && !out0.console));  // redirected: file only
   auto err0 = routeFor(c, 0, Stream::Stderr);
@@ -99,14 +99,14 @@ TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter"
   CHECK((err2.file && err2.console));  // tee: both
   auto out2 = routeFor(c, 2, Stream::Stdout);
   CHECK((!out2.file && out2.console));
-  auto d = configFor({"/bin/true"});
+  auto d = logsConfigFor({"/bin/true"});
   CHECK(routeFor(d, 0, Stream::Stdout).console);
   CHECK_FALSE(routeFor(d, 0, Stream::Stdout).file);
 }
 
 TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and tee copies") {
   ctorch::test::TempDir dir;
-  auto c = configFor({"--log-dir", dir.path().string(), "-t", "3", "/bin/true"});
+  auto c = logsConfigFor({"--log-dir", dir.path().string(), "-t", "3", "/bin/true"});
   Console con;
   WorkerLogs logs(c, con.out[1], con.err[1]);
   CHECK_FALSE(logs.temporary());
@@ -131,7 +131,7 @@ TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and 
 
 TEST_CASE("worker logs: a new attempt starts with a clean directory") {
   ctorch::test::TempDir dir;
-  auto c = configFor({"--log-dir", dir.path().string(), "/bin/true"});
+  auto c = logsConfigFor({"--log-dir", dir.path().string(), "/bin/true"});
   Console con;
   WorkerLogs logs(c, con.out[1], con.err[1]);
   auto f = logs.beginAttempt(oneNode(1), 0);
@@ -141,7 +141,7 @@ TEST_CASE("worker logs: a new attempt starts with a clean directory") {
 }
 
 TEST_CASE("worker logs: a temporary log directory is removed unless kept") {
-  auto c = configFor({"/bin/true"});
+  auto c = logsConfigFor({"/bin/true"});
   fs::path kept, removed;
   {
     WorkerLogs logs(c, -1, -1);

@@ -1,5 +1,6 @@
 // The snapshot file format: IValue layout, header, digest, and the checks on load.
 #include "ctorch/snapshot.hpp"
+#include "generic_dict.hpp"
 
 #include "ctorch/digest.hpp"
 #include "zip_check.hpp"
@@ -31,10 +32,6 @@ constexpr const char* kUserKey = "USER_STATE";
 constexpr const char* kDigestKey = "content_digest";
 
 using Kind = SnapshotCorrupt::Kind;
-
-c10::impl::GenericDict newStringDict() {
-  return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-}
 
 std::string utcText(std::chrono::system_clock::time_point t) {
   const std::time_t secs = std::chrono::system_clock::to_time_t(t);

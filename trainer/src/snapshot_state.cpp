@@ -1,5 +1,6 @@
 // Taking training state out of live objects (model, optimizer, RNGs, sampler) and putting it back.
 #include "ctorch/snapshot.hpp"
+#include "generic_dict.hpp"
 
 #include "ctorch/compat.hpp"
 #include "ctorch/digest.hpp"
@@ -78,10 +79,6 @@ std::vector<std::string> modelDifferences(const torch::nn::Module& model,
 }
 
 // ---- Optimizers: Python's state_dict() layout ---------------------------------------------------------
-c10::impl::GenericDict newStringDict() {
-  return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-}
-
 double number(const c10::IValue& v, const std::string& where, std::vector<std::string>& errors) {
   if (v.isDouble()) return v.toDouble();
   if (v.isInt()) return static_cast<double>(v.toInt());  // Python writes e.g. weight_decay=0

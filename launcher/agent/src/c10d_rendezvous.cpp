@@ -45,10 +45,6 @@ milliseconds since(Clock::time_point t) {
   return std::chrono::duration_cast<milliseconds>(Clock::now() - t);
 }
 
-[[noreturn]] void throwErrno(const std::string& what) {
-  throw std::system_error(errno, std::generic_category(), what);
-}
-
 // Raised by StoreLink when the store has not answered for longer than the heartbeat expiry: the
 // peers have removed this node by now, so waiting longer is pointless.
 struct StoreUnreachable : store::StoreConnectionError {

@@ -24,10 +24,6 @@ constexpr std::uint64_t kSignalsTag = 2;
 constexpr std::uint64_t kTimerTag = 3;
 constexpr std::uint64_t kRendezvousTag = 4;
 
-[[noreturn]] void throwErrno(const std::string& what) {
-  throw std::system_error(errno, std::generic_category(), what);
-}
-
 void writeStderr(const std::string& text) {
   const char* p = text.data();
   std::size_t left = text.size();

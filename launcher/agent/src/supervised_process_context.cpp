@@ -1,5 +1,6 @@
 #include "ctorch/launcher/supervised_process_context.hpp"
 
+#include "ctorch/launcher/errors.hpp"
 #include "supervisor.hpp"
 
 #include <fcntl.h>
@@ -16,10 +17,6 @@
 namespace ctorch::launcher {
 
 namespace {
-
-[[noreturn]] void throwErrno(const std::string& what) {
-  throw std::system_error(errno, std::generic_category(), what);
-}
 
 constexpr std::uint64_t kCtlTag = 0;
 constexpr std::uint64_t kOutTag = 1;

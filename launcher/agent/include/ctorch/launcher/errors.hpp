@@ -4,8 +4,10 @@
 
 #include "ctorch/contract/worker_contract.hpp"
 
+#include <cerrno>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 namespace ctorch::launcher {
 
@@ -55,5 +57,10 @@ class RendezvousGracefulExit : public LauncherError {
  public:
   explicit RendezvousGracefulExit(const std::string& what) : LauncherError(what, contract::kExitSuccess) {}
 };
+
+// A failed system call: std::system_error carrying errno (STYLE: nothing is ignored silently).
+[[noreturn]] inline void throwErrno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
 
 } // namespace ctorch::launcher
