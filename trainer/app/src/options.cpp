@@ -265,6 +265,8 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   app.set_version_flag("--version", versionString());
   app.footer(epilog());
   app.get_formatter()->column_width(34);
+  // A repeated flag takes its last value, as Python's argparse does (scripts that append overrides).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
   std::string optimizer = toString(o.optimizer), lrDecay = toString(o.lrDecay), device = toString(o.device),
               backend = toString(o.backend), progress = toString(o.progress), augment = toString(o.augment),

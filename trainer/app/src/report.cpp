@@ -36,6 +36,11 @@ std::string counter(std::int64_t value, std::int64_t total) {
 
 std::string formatDuration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
+  if (seconds < 9.95) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.1f s", seconds);
+    return buffer;
+  }
   const auto total = static_cast<std::int64_t>(std::llround(seconds));
   if (total < 60) return std::to_string(total) + " s";
   const std::int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;

@@ -40,7 +40,10 @@ void SnapshotWriter::run(SnapshotJob& job) {
   if (job.report) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     char size[64];
-    std::snprintf(size, sizeof size, "%.1f MB in %.2f s", static_cast<double>(bytes) / 1e6, seconds);
+    if (bytes >= 1000000)
+      std::snprintf(size, sizeof size, "%.1f MB in %.2f s", static_cast<double>(bytes) / 1e6, seconds);
+    else
+      std::snprintf(size, sizeof size, "%.1f kB in %.2f s", static_cast<double>(bytes) / 1e3, seconds);
     std::ostringstream os;
     os << "snapshot written: " << job.slots.front().path.string();
     for (size_t i = 1; i < job.slots.size(); ++i) os << " and " << job.slots[i].path.string();

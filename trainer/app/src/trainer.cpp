@@ -228,6 +228,21 @@ void seedStep(std::int64_t seed, int rank, std::int64_t globalStep) {
 
 std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
+// out) becomes one line saying where, with the hang guard's bound.
+[[noreturn]] void stepFailed(const std::exception& e, int rank, std::int64_t globalStep, std::chrono::seconds timeout) {
+  std::string text;
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
+  else text = e.what();
+  if (const auto cut = text.find('\n'); cut != std::string::npos) text.resize(cut);
+  const std::string message = "rank " + std::to_string(rank) + ": step " + std::to_string(globalStep + 1) +
+                              " failed: " + text + " (collectives give up on a silent peer after --timeout " +
+                              std::to_string(timeout.count()) + " s)";
+  for (const char* needle : {"imed out", "imeout"})
+    if (text.find(needle) != std::string::npos) throw DistributedTimeout(message);
+  throw DistributedError(message);
+}
+
 // ---- where the run stands ----------------------------------------------------------------------------
 
 struct RunState {
@@ -431,7 +446,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   console.line("model: " + o.model + ", " + withThousands(models::parameterCount(*model)) + " parameters; global batch " +
                std::to_string(o.batchSize * o.gradAccumSteps * worldSize) + " (" + std::to_string(o.batchSize) +
                " per rank" + (o.gradAccumSteps > 1 ? " x " + std::to_string(o.gradAccumSteps) + " micro-steps" : "") +
-               " x " + std::to_string(worldSize) + " ranks), " + std::to_string(stepsPerEpoch) + " steps per epoch");
+               " x " + std::to_string(worldSize) + (worldSize == 1 ? " rank), " : " ranks), ") + std::to_string(stepsPerEpoch) + " steps per epoch");
 
   // ---- resume from the newest valid snapshot; every rank loads, all must agree
   const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
@@ -561,15 +576,22 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
       const double lr = schedule.at(epochProgress(state.epoch, state.stepInEpoch, stepsPerEpoch));
       setLearningRate(*optimizer, lr);
       seedStep(o.seed, rank, state.globalStep);
-      const StepOutcome step = trainStep(ddp, *model, *optimizer, scaler, loader, sampler, o, device);
+      StepOutcome step;
+      std::vector<double> agreed;
+      try {
+        step = trainStep(ddp, *model, *optimizer, scaler, loader, sampler, o, device);
+        // One small allreduce per step: the mean loss for the log, and whether any rank must stop,
+        // so that every rank stops after the same step.
+        agreed = allReduceSum(group, {step.loss, stopSignal() != 0 ? 1.0 : 0.0}, commDevice);
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        stepFailed(e, rank, state.globalStep, o.timeout);
+      }
       ++state.stepInEpoch;
       ++state.globalStep;
-
-      // One small allreduce per step: the mean loss for the log, and whether any rank must stop, so
-      // that every rank stops after the same step.
       const bool limit = o.maxSteps > 0 && state.globalStep >= o.maxSteps &&
                          !(state.epoch + 1 == o.epochs && sampler.exhausted());
-      const auto agreed = allReduceSum(group, {step.loss, stopSignal() != 0 ? 1.0 : 0.0}, commDevice);
       const double loss = agreed[0] / worldSize;
       if (agreed[1] > 0)
         stopFlag = 1;
