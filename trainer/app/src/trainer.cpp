@@ -262,6 +262,7 @@ struct Names {
 constexpr const char* kEpochComplete = "epoch_complete";
 constexpr const char* kTrainSeconds = "train_seconds";
 constexpr const char* kBestAccuracy = "best_accuracy";
+constexpr const char* kDdpBuckets = "ddp_buckets";
 
 SnapshotPoint pointOf(const Snapshot& s) {
   SnapshotPoint p;
@@ -290,13 +291,12 @@ Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& 
   return out;
 }
 
-// Loads and restores the snapshot to resume from (every rank reads the files itself).
-RunState resume(const TrainOptions& o, const SnapshotIdentity& identity, const TrainingObjects& objects,
-                GradScaler& scaler, const Names& names, Console& console, std::int64_t worldSize) {
-  RunState state;
+// Finds the snapshot to resume from (every rank reads the files itself) and says what it does.
+std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIdentity& identity, const Names& names,
+                                        Console& console, std::int64_t worldSize) {
   if (o.resume.kind == ResumeChoice::Kind::kNever) {
     console.line("resume: --resume never: starting from scratch");
-    return state;
+    return std::nullopt;
   }
   LoadNewestOptions load;
   if (!o.allowConfigChange) load.expect = {identity.modelName, identity.config, std::nullopt};
@@ -318,14 +318,43 @@ RunState resume(const TrainOptions& o, const SnapshotIdentity& identity, const T
   }
   const ResumePlan plan = planResume(newestPoint, boundaryPoint, worldSize, names.boundarySlot);
   console.line("resume: " + plan.message);
-  if (plan.source == ResumeSource::kNone) return state;
+  switch (plan.source) {
+    case ResumeSource::kNone: return std::nullopt;
+    case ResumeSource::kNewest: return std::move(newest.snapshot);
+    case ResumeSource::kBoundary: return std::move(boundary.snapshot);
+  }
+  return std::nullopt;
+}
 
-  const Snapshot& snap = plan.source == ResumeSource::kNewest ? *newest.snapshot : *boundary.snapshot;
+// The DDP bucket layout the snapshot's run used (absent in snapshots of other writers).
+std::optional<std::vector<std::vector<size_t>>> bucketsOf(const std::optional<Snapshot>& snap) {
+  if (!snap || !snap->userState.contains(kDdpBuckets)) return std::nullopt;
+  std::vector<std::vector<size_t>> buckets;
+  for (const auto& bucket : snap->userState.at(kDdpBuckets).toList()) {
+    buckets.emplace_back();
+    for (const auto& index : bucket.get().toList()) buckets.back().push_back(static_cast<size_t>(index.get().toInt()));
+  }
+  return buckets;
+}
+
+c10::IValue bucketsValue(const std::vector<std::vector<size_t>>& buckets) {
+  c10::impl::GenericList list(c10::ListType::create(c10::ListType::ofInts()));
+  for (const auto& bucket : buckets) {
+    c10::List<int64_t> indices;
+    for (size_t i : bucket) indices.push_back(static_cast<int64_t>(i));
+    list.push_back(indices);
+  }
+  return list;
+}
+
+// Restores the snapshot into the live objects and returns where the run stands.
+RunState restoreFrom(const Snapshot& snap, const TrainingObjects& objects, GradScaler& scaler) {
   RestoreOptions restore;
   restore.rng = false;  // re-seeded every step (seedStep)
   restoreSnapshot(snap, objects, restore);
   scaler.loadFrom(snap.userState);
   const SnapshotPoint p = pointOf(snap);
+  RunState state;
   state.epoch = p.epochsRun;
   state.stepInEpoch = p.stepInEpoch;
   state.globalStep = p.globalStep;
@@ -392,6 +421,9 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
   }
   scaler.step(optimizer);
   scaler.update();
+  // The bucket regrouping that follows a process's first step happens here rather than in the next
+  // forward, so that a snapshot taken now records the layout the next step uses (see bucketsOf).
+  ddp.rebuildBuckets();
   out.loss = lossSum.item<double>() / static_cast<double>(micro);
   return out;
 }
@@ -419,7 +451,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
                (threads.threads == 1 ? "" : "s") + " per rank (" + threads.reason + ")");
   console.line("config: " + o.describe());
 
-  // ---- data, model, optimizer
+  // ---- data and model
   const auto dataStart = Clock::now();
   const TrainData data = loadData(o);
   console.line("data: " + o.dataset + ", " + withThousands(data.train->size()) + " training / " +
@@ -429,10 +461,27 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   torch::manual_seed(static_cast<std::uint64_t>(o.seed));  // initial weights (DDP broadcasts rank 0's anyway)
   const std::shared_ptr<Model> model = models::createModel(modelOptionsFor(o, *data.train));
   model->to(device);
+
+  // ---- the snapshot to resume from (found before DDP is built: it carries DDP's bucket layout)
+  const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
+  const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
+  const std::optional<Snapshot> resumeFrom = findResumePoint(o, identity, names, console, worldSize);
+
+  // ---- DDP, optimizer, sampler, loss scaling, schedule
+  if (o.gradientAsBucketView) {
+    // Gradients that exist when the Reducer is built become bucket views at once; it then averages
+    // every step with one in-place division. Left undefined, each process's first step would instead
+    // multiply by 1/world while copying into the bucket, which rounds differently when the world
+    // size is not a power of two: a resumed process would not repeat its predecessor bit for bit.
+    torch::NoGradGuard noGrad;
+    for (auto& p : model->parameters())
+      if (p.requires_grad()) p.mutable_grad() = torch::zeros_like(p);
+  }
   DDP ddp(model, DDPOptions()
                      .bucketCapMb(o.bucketCapMb)
                      .findUnusedParameters(o.findUnusedParameters)
-                     .gradientAsBucketView(o.gradientAsBucketView));
+                     .gradientAsBucketView(o.gradientAsBucketView)
+                     .bucketAssignment(bucketsOf(resumeFrom)));
   const auto optimizer = makeOptimizer(o, ddp.parameters());
   GradScaler scaler(o.amp, device);
   DistributedSamplerOptions samplerOptions;
@@ -446,13 +495,12 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   console.line("model: " + o.model + ", " + withThousands(models::parameterCount(*model)) + " parameters; global batch " +
                std::to_string(o.batchSize * o.gradAccumSteps * worldSize) + " (" + std::to_string(o.batchSize) +
                " per rank" + (o.gradAccumSteps > 1 ? " x " + std::to_string(o.gradAccumSteps) + " micro-steps" : "") +
-               " x " + std::to_string(worldSize) + (worldSize == 1 ? " rank), " : " ranks), ") + std::to_string(stepsPerEpoch) + " steps per epoch");
+               " x " + std::to_string(worldSize) + (worldSize == 1 ? " rank), " : " ranks), ") +
+               std::to_string(stepsPerEpoch) + " steps per epoch");
 
-  // ---- resume from the newest valid snapshot; every rank loads, all must agree
-  const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
+  // ---- restore; every rank loaded the files itself, and all must stand at the same step
   const TrainingObjects objects{model.get(), optimizer.get(), &sampler};
-  const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
-  RunState state = resume(o, identity, objects, scaler, names, console, worldSize);
+  RunState state = resumeFrom ? restoreFrom(*resumeFrom, objects, scaler) : RunState{};
   {
     const double g = static_cast<double>(state.globalStep);
     const auto agreed = allReduceMax(group, {g, -g}, commDevice);
@@ -487,6 +535,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     s.userState.insert(kTrainSeconds, trainSeconds());
     s.userState.insert(kBestAccuracy, state.bestAccuracy);
     s.userState.insert("steps_per_epoch", stepsPerEpoch);
+    s.userState.insert(kDdpBuckets, bucketsValue(ddp.bucketAssignment()));
     scaler.saveTo(s.userState);
     SnapshotJob job;
     job.snapshot = std::move(s);
@@ -514,6 +563,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     s.userState.insert(kEpochComplete, false);
     s.userState.insert(kTrainSeconds, trainSeconds());
     s.userState.insert(kBestAccuracy, state.bestAccuracy);
+    s.userState.insert(kDdpBuckets, bucketsValue(ddp.bucketAssignment()));
     scaler.saveTo(s.userState);
     SnapshotJob job;
     job.snapshot = std::move(s);
