@@ -46,27 +46,33 @@ ctorch::train::TrainOptions optionsFrom(const std::vector<std::string>& args) {
 
 }  // namespace
 
-// train <dir> [stop_at=N] options...: runs the loop (rank 1 gets a stop request during global step
-// N); prints "result status=S global=G ..." on every rank.
+// train <dir> [stop_at=N | stop_after=N] options...: runs the loop; rank 1 gets a stop request during
+// global step N, or after step N was agreed on (0: while starting up). Prints "result status=S
+// global=G ..." on every rank.
 CTORCH_TEST_WORKER(train) {
   std::vector<std::string> rest;
-  std::int64_t stopAt = -1;
+  std::int64_t stopAt = -1, stopAfter = -1;
   for (const auto& a : args)
     if (a.rfind("stop_at=", 0) == 0)
       stopAt = std::stoll(a.substr(8));
+    else if (a.rfind("stop_after=", 0) == 0)
+      stopAfter = std::stoll(a.substr(11));
     else
       rest.push_back(a);
+  const bool rank1 = std::getenv("RANK") && std::string(std::getenv("RANK")) == "1";
+  if (stopAfter == 0 && rank1) ctorch::train::setStopSignal(SIGUSR1);  // while starting up
   const auto options = optionsFrom(rest);
   ctorch::train::RunHooks hooks;
   std::ostringstream quiet;
   hooks.out = &std::cout;
   // Rank 1 alone "receives" the signal during step stopAt: every rank must still stop after it.
-  hooks.afterStep = [&](std::int64_t step) {
-    if (stopAt >= 0 && step == stopAt - 1 && std::getenv("RANK") && std::string(std::getenv("RANK")) == "1")
-      ctorch::train::setStopSignal(SIGUSR1);
+  hooks.beforeStep = [&](std::int64_t done) {
+    if (stopAt >= 0 && done + 1 == stopAt && rank1) ctorch::train::setStopSignal(SIGUSR1);
   };
-  if (stopAt == 1 && std::getenv("RANK") && std::string(std::getenv("RANK")) == "1")
-    ctorch::train::setStopSignal(SIGUSR1);  // before the first step
+  // ... or after step stopAfter was agreed on (at an epoch's end: during its evaluation).
+  hooks.afterStep = [&](std::int64_t done) {
+    if (stopAfter > 0 && done == stopAfter && rank1) ctorch::train::setStopSignal(SIGUSR1);
+  };
   const auto result = ctorch::train::runTraining(options, hooks);
   std::cout << "result status=" << static_cast<int>(result.status) << " global=" << result.globalStep
             << " epochs=" << result.epochsRun;
@@ -175,6 +181,43 @@ TEST_CASE("loop: a stop request on one rank stops every rank after the same step
                                                           "dataset=synthetic-regression", "synthetic-size=512",
                                                           "batch-size=8", "epochs=3", "test-limit=64"}});
   requireAllOk(uninterrupted);
+  CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
+}
+
+TEST_CASE("loop: a stop request while starting up, or during an epoch's evaluation, stops at that point",
+          "[trainer][loop][signals]") {
+  TempDir dir("train-stop-points"), reference("train-stop-points-ref");
+  // 512 samples, 2 ranks x 16: 16 steps per epoch.
+  const std::vector<std::string> toy = {"model=linear", "dataset=synthetic-regression", "synthetic-size=512",
+                                        "batch-size=16", "epochs=3", "test-limit=64", "save-every=2"};
+  auto run = [&](const fs::path& d, std::vector<std::string> extra) {
+    std::vector<std::string> a{d.string()};
+    a.insert(a.end(), extra.begin(), extra.end());
+    a.insert(a.end(), toy.begin(), toy.end());
+    return runWorkerGroup({"train", 2, a});
+  };
+  const auto early = run(dir.path(), {"stop_after=0"});
+  for (const auto& r : early) CHECK(r.exitCode == ctorch::contract::kExitPreempted);
+  CHECK(early[0].output.find("stopped on request before the first step; nothing new to save") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir / "snapshot.pt"));
+
+  // After the last step of epoch 1 (no snapshot due there: --save-every 2): the stop writes the
+  // epoch-end snapshot itself.
+  const auto late = run(dir.path(), {"stop_after=16"});
+  for (const auto& r : late) {
+    INFO(show(r));
+    CHECK(r.exitCode == ctorch::contract::kExitPreempted);
+    CHECK(r.output.find("result status=1 global=16 epochs=1") != std::string::npos);
+  }
+  CHECK(late[0].output.find("epoch 1/3 test: loss") != std::string::npos);  // the evaluation ran first
+  CHECK(late[0].output.find("stopped on request after the end of epoch 1 (global step 16)") != std::string::npos);
+  const auto snap = ctorch::loadSnapshot(dir / "snapshot.pt");
+  CHECK(snap.epochsRun == 1);
+  CHECK(snap.stepInEpoch == 0);
+  CHECK(snap.globalStep == 16);
+
+  requireAllOk(run(dir.path(), {}));
+  requireAllOk(run(reference.path(), {}));
   CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
 }
 

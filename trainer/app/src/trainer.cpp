@@ -501,13 +501,17 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   // ---- restore; every rank loaded the files itself, and all must stand at the same step
   const TrainingObjects objects{model.get(), optimizer.get(), &sampler};
   RunState state = resumeFrom ? restoreFrom(*resumeFrom, objects, scaler) : RunState{};
+  // A stop requested while starting up ends the run here (nothing new to save).
+  enum class StopPoint { kNone, kBeforeStart, kAfterStep, kEpochEnd };
+  StopPoint stopPoint = StopPoint::kNone;
   {
     const double g = static_cast<double>(state.globalStep);
-    const auto agreed = allReduceMax(group, {g, -g}, commDevice);
+    const auto agreed = allReduceMax(group, {g, -g, stopSignal() != 0 ? 1.0 : 0.0}, commDevice);
     if (agreed[0] != -agreed[1])
       throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) +
                              " to " + std::to_string(agreed[0]) +
                              "): every rank must see the same snapshot files (a shared file system)");
+    if (agreed[2] > 0) stopPoint = StopPoint::kBeforeStart;
   }
 
   std::optional<MetricsLog> metrics;
@@ -604,10 +608,11 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   };
 
   RunResult result;
-  int stopFlag = 0;  // agreed by all ranks: 1 a stop signal somewhere, 2 the step limit
+  int stopFlag = stopPoint == StopPoint::kNone ? 0 : 1;  // agreed by all ranks: 1 a stop signal, 2 the step limit
+  bool epochEndSaved = false;
 
   // ---- the epochs
-  for (; state.epoch < o.epochs; ++state.epoch, state.stepInEpoch = 0) {
+  for (; stopFlag == 0 && state.epoch < o.epochs; ++state.epoch, state.stepInEpoch = 0) {
     sampler.setEpoch(state.epoch);  // right after a mid-epoch resume: keeps the restored position
     data::LoaderOptions loaderOptions;
     loaderOptions.batchSize = o.batchSize;
@@ -625,6 +630,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     while (!sampler.exhausted()) {
       const double lr = schedule.at(epochProgress(state.epoch, state.stepInEpoch, stepsPerEpoch));
       setLearningRate(*optimizer, lr);
+      if (hooks.beforeStep) hooks.beforeStep(state.globalStep);
       seedStep(o.seed, rank, state.globalStep);
       StepOutcome step;
       std::vector<double> agreed;
@@ -688,7 +694,10 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
         }
       }
       if (hooks.afterStep) hooks.afterStep(state.globalStep);
-      if (stopFlag != 0) break;
+      if (stopFlag != 0) {
+        stopPoint = StopPoint::kAfterStep;
+        break;
+      }
       if (snapshotsOn && o.saveEverySteps > 0 && state.globalStep % o.saveEverySteps == 0 && !sampler.exhausted())
         snapshot(When::kMidEpoch, {}, nullptr);
       if (o.stepDelay.count() > 0) std::this_thread::sleep_for(o.stepDelay);
@@ -734,6 +743,15 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
       snapshot(When::kEpochEnd, checkpoint, prune);
     else if (checkpointDue)
       checkpointOnly(checkpoint.front(), prune);
+    // A stop requested during the evaluation or the last step's agreement ends the run at this boundary.
+    if (!lastEpoch && allReduceSum(group, {stopSignal() != 0 ? 1.0 : 0.0}, commDevice)[0] > 0) {
+      stopFlag = 1;
+      stopPoint = StopPoint::kEpochEnd;
+      epochEndSaved = saveDue;
+      state.epoch = completed;
+      state.stepInEpoch = 0;
+      break;
+    }
   }
 
   result.epochsRun = state.epoch;
@@ -742,12 +760,21 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
 
   // ---- stopped early: a snapshot of exactly this step, on every rank's word
   if (stopFlag != 0) {
-    const bool complete = sampler.exhausted();
-    if (snapshotsOn || stopFlag == 1) snapshot(complete ? When::kEpochComplete : When::kMidEpoch, {}, nullptr);
+    if (stopPoint == StopPoint::kAfterStep && (snapshotsOn || stopFlag == 1))
+      snapshot(sampler.exhausted() ? When::kEpochComplete : When::kMidEpoch, {}, nullptr);
+    if (stopPoint == StopPoint::kEpochEnd && !epochEndSaved) {
+      // The loop already moved past the epoch: record the boundary it stopped at.
+      state.epoch -= 1;
+      snapshot(When::kEpochEnd, {}, nullptr);
+      state.epoch += 1;
+    }
     writer.wait();
     barrier();  // nobody exits before rank 0's snapshot is durable
-    const std::string at = "global step " + std::to_string(state.globalStep) + " (epoch " +
-                           std::to_string(state.epoch + 1) + ", step " + std::to_string(state.stepInEpoch) + ")";
+    const std::string at =
+        stopPoint == StopPoint::kEpochEnd
+            ? "the end of epoch " + std::to_string(state.epoch) + " (global step " + std::to_string(state.globalStep) + ")"
+            : "global step " + std::to_string(state.globalStep) + " (epoch " + std::to_string(state.epoch + 1) +
+                  ", step " + std::to_string(state.stepInEpoch) + ")";
     if (stopFlag == 1) {
       result.status = RunStatus::kPreempted;
       result.stopSignal = stopSignal();
@@ -755,9 +782,13 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
                                                        : std::string("a stop signal on another rank");
       std::cerr << "ctorch-train: rank " << rank << "/" << worldSize << " stopped after " << at << ": " << cause
                 << std::endl;
-      console.line("stopped on request after " + at + "; snapshot " + names.slot.string() +
-                   " written; run the same command again to resume (exit code " +
-                   std::to_string(contract::kExitPreempted) + ")");
+      if (stopPoint == StopPoint::kBeforeStart)
+        console.line("stopped on request before the first step; nothing new to save; run the same command again "
+                     "to start (exit code " + std::to_string(contract::kExitPreempted) + ")");
+      else
+        console.line("stopped on request after " + at + "; snapshot " + names.slot.string() +
+                     " written; run the same command again to resume (exit code " +
+                     std::to_string(contract::kExitPreempted) + ")");
     } else {
       result.status = RunStatus::kStepLimit;
       console.line("reached --max-steps " + std::to_string(o.maxSteps) + " at " + at +

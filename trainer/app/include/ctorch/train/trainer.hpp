@@ -17,7 +17,9 @@ namespace ctorch::train {
 struct RunHooks {
   std::ostream* out = &std::cout;  // rank 0's console; other ranks print nothing
   bool terminal = false;           // `out` is a terminal (a progress bar in --progress auto)
-  // Called on every rank after each optimizer step has been agreed on (tests: request a stop).
+  // Called on every rank before each optimizer step with the number of steps done so far, and after
+  // it once every rank agreed on it (tests: request a stop in the middle of a step).
+  std::function<void(std::int64_t globalStep)> beforeStep;
   std::function<void(std::int64_t globalStep)> afterStep;
 };
 
