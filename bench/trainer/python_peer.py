@@ -1,7 +1,8 @@
 """The Python peer of ctorch-train for bench/trainer_vs_python.sh: the seeds' MNIST CNN
 (models/python/ctorch_models.py, same layers as ctorch::models::MnistCnn) on Fashion-MNIST with
-PyTorch's own DistributedDataParallel, DistributedSampler and DataLoader, SGD with momentum, batch
-64 per rank -- what a PyTorch user would write. Run under torchrun with Debian's PyTorch:
+PyTorch's own DistributedDataParallel, DistributedSampler and DataLoader, SGD with momentum and
+StepLR(1, 0.7) as ctorch-train's defaults, batch 64 per rank -- what a PyTorch user would write.
+Run under torchrun with Debian's PyTorch:
 
   torchrun --standalone --nproc_per_node 2 -r 1 -t 1 --log_dir D bench/trainer/python_peer.py --epochs 1
 
@@ -70,6 +71,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--gamma", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--train-limit", type=int, default=0)
     p.add_argument("--test-limit", type=int, default=0)
@@ -93,6 +95,8 @@ def main():
     model = MnistCnn()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    # ctorch-train's default schedule, the seeds' MNIST example's: x0.7 after every epoch.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
     # Evaluation: each rank a contiguous share of the test set, counts all-reduced (as ctorch-train).
@@ -112,6 +116,7 @@ def main():
             optimizer.step()
             samples += len(y)
         train_seconds = time.perf_counter() - start
+        scheduler.step()
         ddp.eval()
         eval_start = time.perf_counter()
         totals = torch.zeros(3, dtype=torch.float64)

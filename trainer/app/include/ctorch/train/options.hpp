@@ -64,9 +64,10 @@ struct TrainOptions {
   double weightDecay = 0.0;
   double warmupEpochs = 0.0;         // linear warmup from lr * warmupStartFactor to lr
   double warmupStartFactor = 0.1;
-  LrDecay lrDecay = LrDecay::kNone;  // after warmup
+  // After warmup. The default is the seeds' MNIST example: StepLR(step_size=1, gamma=0.7).
+  LrDecay lrDecay = LrDecay::kStep;
   std::int64_t lrStepEpochs = 1;     // step decay: multiply by lrGamma every this many epochs
-  double lrGamma = 0.1;
+  double lrGamma = 0.7;
   double minLr = 0.0;                // cosine decay ends here
   std::int64_t seed = 1;
   std::int64_t maxSteps = 0;         // stop (with a snapshot) after this many optimizer steps (0: no limit)
