@@ -162,6 +162,7 @@ void MetricsLog::write(const EpochRecord& r) {
   j["epoch"] = r.epoch;
   j["steps"] = r.steps;
   j["seconds"] = r.seconds;
+  j["cpu_seconds"] = r.cpuSeconds;
   j["samples_per_s"] = r.samplesPerSecond;
   j["loss"] = r.loss;
   j["time"] = r.time;

@@ -34,6 +34,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,6 +60,13 @@ using Model = models::Model;
 using DDP = DistributedDataParallel<std::shared_ptr<Model>>;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// CPU time of this process, all threads (what a step costs, independent of other processes' load).
+double processCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
 
 std::string withThousands(std::int64_t n) {
   std::string s = std::to_string(n);
@@ -622,6 +630,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     data::BatchLoader loader(data.trainPipeline, sampler.indices(), loaderOptions);
 
     const auto epochStart = Clock::now();
+    const double epochCpuStart = processCpuSeconds();
     auto intervalStart = epochStart;
     const std::int64_t firstStep = state.stepInEpoch;
     double intervalLoss = 0.0, epochLoss = 0.0;
@@ -718,6 +727,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
       r.epoch = state.epoch + 1;
       r.steps = stepsRun;
       r.seconds = epochSeconds;
+      r.cpuSeconds = processCpuSeconds() - epochCpuStart;
       r.samplesPerSecond = epochRate;
       r.loss = meanLoss;
       r.time = trainSeconds();

@@ -80,6 +80,7 @@ struct EpochRecord {
   std::int64_t epoch = 0;          // epochs completed
   std::int64_t steps = 0;          // steps this process ran in it (fewer after a mid-epoch resume)
   double seconds = 0.0;            // wall time of those steps
+  double cpuSeconds = 0.0;         // CPU time this process (all its threads) spent in them
   double samplesPerSecond = 0.0;   // all ranks together
   double loss = 0.0;               // mean training loss of those steps
   double time = 0.0;
