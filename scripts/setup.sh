@@ -14,6 +14,8 @@ packages=(
   dataset-fashion-mnist
   # the Python peer (torchrun + PyTorch DDP) the tests compare against
   python3-torch
+  # scripts/plot_metrics.py (loss/accuracy curves of ctorch-train's metrics file)
+  python3-matplotlib
   # multi-node tests: network namespaces and a real single-host Slurm cluster
   iproute2 iptables procps psmisc util-linux slurmctld slurmd slurm-client munge
 )

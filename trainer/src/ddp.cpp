@@ -91,6 +91,25 @@ std::vector<at::Tensor> uniqueDetached(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
+// A given bucket assignment must hold every parameter index exactly once.
+void checkBucketAssignment(const std::vector<std::vector<size_t>>& buckets, size_t parameters) {
+  std::vector<int> seen(parameters, 0);
+  for (const auto& bucket : buckets) {
+    if (bucket.empty()) throw ConfigError("DDPOptions::bucketAssignment has an empty bucket");
+    for (size_t index : bucket) {
+      if (index >= parameters)
+        throw ConfigError("DDPOptions::bucketAssignment names parameter " + std::to_string(index) + ", but the module has " +
+                          std::to_string(parameters) + " parameters that require a gradient");
+      if (seen[index]++)
+        throw ConfigError("DDPOptions::bucketAssignment names parameter " + std::to_string(index) + " twice");
+    }
+  }
+  for (size_t i = 0; i < parameters; ++i)
+    if (!seen[i])
+      throw ConfigError("DDPOptions::bucketAssignment leaves out parameter " + std::to_string(i) + " (of " +
+                        std::to_string(parameters) + ")");
+}
+
 bool producesSparseGradient(const torch::nn::Module& m) {
   if (auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m)) return e->options.sparse();
   if (auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m)) return e->options.sparse();
@@ -201,6 +220,13 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
     // Reversed: gradients become ready roughly in reverse order of definition.
     std::reverse(indices.begin(), indices.end());
     std::reverse(perBucketLimits.begin(), perBucketLimits.end());
+    if (options.bucketAssignment()) {
+      indices = *options.bucketAssignment();
+      checkBucketAssignment(indices, s.params.size());
+      // The limits only matter to a rebuild, which computes its own; keep Python's shape of them.
+      perBucketLimits.assign(indices.size(), static_cast<size_t>(bucketBytes));
+      if (!perBucketLimits.empty()) perBucketLimits.front() = static_cast<size_t>(firstBucketBytes);
+    }
     s.reducer = compat::makeReducer(s.params, std::move(indices), std::move(perBucketLimits), s.group, expectSparse,
                                     bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
                                     std::move(names), firstBucketBytes);
@@ -308,6 +334,14 @@ void detail::DDPCore::registerCommHook(std::unique_ptr<c10d::CommHookInterface> 
     s.hookRegistered = true;
   } catch (const std::exception& e) {
     rethrow(e, "registerCommHook");
+  }
+}
+
+bool detail::DDPCore::rebuildBuckets() {
+  try {
+    return impl_->reducer->rebuild_buckets();
+  } catch (const std::exception& e) {
+    rethrow(e, "bucket rebuild");
   }
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/optim/optimizer.h>
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 #ifdef USE_C10D_NCCL  // defined by the Torch CMake targets of CUDA builds with NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -267,5 +268,44 @@ Key optimizerStateKey(c10::TensorImpl* impl) {
 inline OptimizerStateKey optimizerStateKey(const at::Tensor& parameter) {
   return detail::optimizerStateKey<OptimizerStateKey>(parameter.unsafeGetTensorImpl());
 }
+
+// ---- autocast (automatic mixed precision) -------------------------------------------------------------
+// 1.13 to 2.3: at::autocast::is_enabled()/set_enabled(bool) switch CUDA autocast for this thread.
+// 2.4 made the switch per device type (is_autocast_enabled(DeviceType), set_autocast_enabled(
+// DeviceType, bool)) and deprecated the CUDA-only calls.
+#define CTORCH_TORCH_AUTOCAST_PER_DEVICE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+
+// CUDA autocast on (or off) for this thread while it lives, as Python's torch.autocast("cuda").
+class CudaAutocastGuard {
+ public:
+  explicit CudaAutocastGuard(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+#if CTORCH_TORCH_AUTOCAST_PER_DEVICE
+    previous_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+#else
+    previous_ = at::autocast::is_enabled();
+    at::autocast::set_enabled(true);
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~CudaAutocastGuard() {
+    if (!enabled_) return;
+    // Python's autocast.__exit__: the cast cache lives while any autocast region is open.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if CTORCH_TORCH_AUTOCAST_PER_DEVICE
+    at::autocast::set_autocast_enabled(at::kCUDA, previous_);
+#else
+    at::autocast::set_enabled(previous_);
+#endif
+  }
+  CudaAutocastGuard(const CudaAutocastGuard&) = delete;
+  CudaAutocastGuard& operator=(const CudaAutocastGuard&) = delete;
+
+ private:
+  bool enabled_;
+  bool previous_ = false;
+};
 
 } // namespace ctorch::compat

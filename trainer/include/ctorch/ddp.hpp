@@ -50,6 +50,13 @@ struct DDPOptions {
   TORCH_ARG(bool, broadcastBuffers) = true;
   // The set of used parameters and the graph never change between iterations.
   TORCH_ARG(bool, staticGraph) = false;
+  // Start from these buckets (parameter indices per bucket, in reduction order, as
+  // bucketAssignment() returns them) instead of computing them. The Reducer still rebuilds them after
+  // the first iteration where it would anyway, which changes nothing when they came from the same
+  // model. A process that resumes a run passes the assignment its predecessor ended with: with more
+  // than two ranks Gloo's ring sums each gradient element in an order set by its place in the
+  // bucket, so the same layout is what keeps a restarted run bit-identical.
+  TORCH_ARG(std::optional<std::vector<std::vector<size_t>>>, bucketAssignment);
   TORCH_ARG(CommHook, commHook) = CommHook::kNone;
   // The group to reduce over; unset: the default group (ctorch::initProcessGroup()).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
@@ -82,6 +89,7 @@ class DDPCore {
   void setRequireBackwardGradSync(bool on);
   void registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook);
   void zeroGrad(bool setToNone);
+  bool rebuildBuckets();
   std::vector<std::vector<size_t>> bucketAssignment() const;
   const DDPOptions& options() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
@@ -233,6 +241,13 @@ class DistributedDataParallel {
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
   // Parameter indices per bucket, in reduction order (changes once, after the first iteration).
   std::vector<std::vector<size_t>> bucketAssignment() const { return core_->bucketAssignment(); }
+
+  // Regroups the buckets now if the Reducer is due to (after its first synchronised backward),
+  // instead of at the start of the next forward; returns whether it did. A collective when it
+  // rebuilds: every rank must call it at the same point. A trainer that snapshots
+  // bucketAssignment() after a step calls this first, so the snapshot holds the layout the next
+  // step uses.
+  bool rebuildBuckets() { return core_->rebuildBuckets(); }
 
  private:
   ModuleType module_;

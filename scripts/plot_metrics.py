@@ -1,0 +1,78 @@
+#!/usr/bin/python3
+"""Plots ctorch-train's metrics file (JSONL) to a PNG: training loss and learning rate over epochs,
+test loss and accuracy after each evaluation.
+
+  /usr/bin/python3 scripts/plot_metrics.py run/metrics.jsonl [-o run/metrics.png]
+
+Needs matplotlib (Debian: python3-matplotlib; scripts/setup.sh installs it). Records of steps that a
+resumed run redid appear once (the last one written wins).
+"""
+import argparse
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read(path):
+    records = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                sys.exit(f"{path}:{number}: not JSON ({e})")
+            records[(r.get("kind"), r.get("step"))] = r
+    by_kind = {}
+    for (kind, _), r in sorted(records.items(), key=lambda kv: (kv[0][0] or "", kv[0][1] or 0)):
+        by_kind.setdefault(kind, []).append(r)
+    return by_kind
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics", help="the JSONL file ctorch-train wrote (--metrics-file)")
+    p.add_argument("-o", "--output", help="PNG to write (default: the metrics file with .png)")
+    args = p.parse_args()
+    output = args.output or (args.metrics.rsplit(".", 1)[0] + ".png")
+    data = read(args.metrics)
+    train, evals = data.get("train", []), data.get("eval", [])
+    if not train and not evals:
+        sys.exit(f"{args.metrics}: no train or eval records")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        left.plot([r["epoch"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
+    if evals:
+        left.plot([r["epoch"] for r in evals], [r["loss"] for r in evals], "o-", label="test loss")
+    left.set_xlabel("epoch")
+    left.set_ylabel("loss")
+    left.grid(alpha=0.3)
+    left.legend()
+    if train:
+        lr = left.twinx()
+        lr.plot([r["epoch"] for r in train], [r["lr"] for r in train], color="gray", ls=":", lw=1)
+        lr.set_ylabel("learning rate", color="gray")
+    acc = [r for r in evals if r.get("accuracy") is not None]
+    if acc:
+        right.plot([r["epoch"] for r in acc], [100 * r["accuracy"] for r in acc], "o-", color="tab:green")
+        right.set_ylabel("test accuracy (%)")
+        best = max(acc, key=lambda r: r["accuracy"])
+        right.set_title(f"best {100 * best['accuracy']:.2f}% after epoch {best['epoch']:g}")
+    else:
+        right.text(0.5, 0.5, "no accuracy (regression)", ha="center", va="center")
+    right.set_xlabel("epoch")
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+// The real ctorch-train program, alone and under the real ctorchrun: bad input, preemption signals,
+// SIGKILL of a worker mid-epoch and the bit-identical resume (toy model and the CNN on a Fashion-MNIST
+// subset), a world-size change at an epoch boundary, refusal of another run's snapshot, the error
+// file, the hang guard, and the files opened by Python.
+#include "trainer_test_util.hpp"
+
+#include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/snapshot.hpp>
+
+#include <nlohmann/json.hpp>
+
+using namespace traintest;
+using ctorch::test::TempDir;
+
+namespace {
+
+const std::vector<std::string> kToy = {"--model", "linear", "--dataset", "synthetic-regression",
+                                       "--synthetic-size", "512", "--batch-size", "16", "--test-limit", "64",
+                                       "--log-interval", "4", "--lr", "0.05"};
+
+std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
+// Sends `signo` to the worker of `rank` running in `dir`, waiting for it to exist.
+void signalWorker(const fs::path& dir, int rank, int signo) {
+  int pid = -1;
+  for (int i = 0; i < 500 && pid < 0; ++i) {
+    pid = findWorkerPid(dir, rank);
+    if (pid < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(pid > 0);
+  REQUIRE(::kill(pid, signo) == 0);
+}
+
+std::vector<std::int64_t> stoppedSteps(const std::string& output) {
+  std::vector<std::int64_t> steps;
+  const std::regex line(R"(rank \d/2 stopped after global step (\d+))");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), line); it != std::sregex_iterator(); ++it)
+    steps.push_back(std::stoll((*it)[1]));
+  return steps;
+}
+
+// Runs `args` under ctorchrun (2 ranks, --max-restarts 1) with snapshots every `every` steps, kills
+// `victim` with SIGKILL once a snapshot at a global step >= `afterStep` is written, and lets the
+// launcher restart the group, which resumes and finishes. Returns the launcher's result.
+ProcessResult killAndResume(const fs::path& dir, const std::vector<std::string>& args, int victim,
+                            std::int64_t afterStep) {
+  Process p(trainUnderLauncher(dir, 2, args, {"--max-restarts", "1"}));
+  const std::regex written(R"(snapshot written: \S*snapshot\.pt \(epoch \d+, step \d+, global step (\d+))");
+  std::string seen;
+  bool killed = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!killed && std::chrono::steady_clock::now() < deadline && p.running()) {
+    seen = p.outputSoFar();
+    for (auto it = std::sregex_iterator(seen.begin(), seen.end(), written); it != std::sregex_iterator(); ++it) {
+      if (std::stoll((*it)[1]) >= afterStep) {
+        signalWorker(dir, victim, SIGKILL);
+        killed = true;
+        break;
+      }
+    }
+    if (!killed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto result = p.wait();
+  INFO(show(result));
+  REQUIRE(killed);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("ctorch-train: bad command-line values are one line on stderr, exit 2", "[trainer][process][cli]") {
+  TempDir dir("train-cli");
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--lr", "-1"}, {"--epochs", "zero"}, {"--optimizer", "lamb"}, {"--bogus"}}) {
+    const auto r = ctorch::test::run(trainAlone(dir.path(), args));
+    INFO(show(r));
+    CHECK(r.exitCode == ctorch::contract::kExitUsage);
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+    CHECK(r.output.rfind("ctorch-train: error: ", 0) == 0);
+    CHECK(r.output.find(args.front()) != std::string::npos);
+  }
+  const auto help = ctorch::test::run(trainAlone(dir.path(), {"--help"}));
+  CHECK(help.exitCode == 0);
+  CHECK(help.output.find("--save-every-steps") != std::string::npos);
+}
+
+TEST_CASE("ctorch-train: a failure found late is recorded in the error file", "[trainer][process][errors]") {
+  TempDir dir("train-errfile");
+  fs::create_directories(dir / "empty-data");
+  auto spawn = trainAlone(dir.path(), {"--dataset", "mnist", "--data-dir", (dir / "empty-data").string()});
+  spawn.setEnv["TORCHELASTIC_ERROR_FILE"] = (dir / "error.json").string();
+  const auto r = ctorch::test::run(spawn);
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitUsage);  // a configuration problem: fix the input
+  CHECK(r.output.find("ctorch-train: error: ") != std::string::npos);
+  CHECK(r.output.find("empty-data") != std::string::npos);
+  REQUIRE(fs::exists(dir / "error.json"));
+  const auto json = nlohmann::json::parse(ctorch::test::readFile(dir / "error.json"));
+  const std::string message = json["message"]["message"];
+  CHECK(message.find("DataFileError") != std::string::npos);
+  CHECK(message.find("train-images-idx3-ubyte") != std::string::npos);
+}
+
+TEST_CASE("preemption: SIGTERM to one worker stops both after the same step, exit 75, then resume",
+          "[trainer][process][signals]") {
+  TempDir dir("train-preempt"), reference("train-preempt-ref");
+  const auto args = with(kToy, {"--epochs", "3"});
+  const auto ref = ctorch::test::run(trainUnderLauncher(reference.path(), 2, args));
+  REQUIRE(ref.ok());
+
+  Process p(trainUnderLauncher(dir.path(), 2, with(args, {"--step-delay-ms", "20"})));
+  REQUIRE(waitForOutput(p, std::regex(R"(epoch 1/3  step  8/16)"), std::chrono::seconds(60)));
+  signalWorker(dir.path(), 1, SIGTERM);
+  const auto r = p.wait();
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitPreempted);  // the workers' code, passed on by ctorchrun
+  const auto steps = stoppedSteps(r.output);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0] == steps[1]);
+  CHECK(r.output.find("Terminated here") != std::string::npos);
+  CHECK(r.output.find("a stop signal on another rank") != std::string::npos);
+  CHECK(r.output.find("run the same command again to resume (exit code 75)") != std::string::npos);
+  const auto snap = ctorch::loadSnapshot(dir / "snapshot.pt");
+  CHECK(snap.globalStep == steps[0]);
+  CHECK(snap.globalStep < 48);
+
+  const auto resumed = ctorch::test::run(trainUnderLauncher(dir.path(), 2, args));
+  INFO(show(resumed));
+  REQUIRE(resumed.ok());
+  CHECK(resumed.output.find("exactly where it stopped") != std::string::npos);
+  CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
+}
+
+TEST_CASE("preemption: SIGUSR1 to ctorchrun (Slurm's warning) stops every worker after the same step",
+          "[trainer][process][signals]") {
+  TempDir dir("train-usr1");
+  Process p(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "3", "--step-delay-ms", "20"})));
+  REQUIRE(waitForOutput(p, std::regex(R"(epoch 1/3  step  4/16)"), std::chrono::seconds(60)));
+  ::kill(p.pid(), SIGUSR1);  // Slurm's preemption warning, as `scancel --signal=USR1` sends it
+  const auto r = p.wait();
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::exitCodeForSignal(SIGUSR1));  // ctorchrun's own code for a signal
+  const auto steps = stoppedSteps(r.output);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0] == steps[1]);
+  CHECK(countMatches(r.output, std::regex("User defined signal 1 here")) == 2);
+  CHECK(ctorch::loadSnapshot(dir / "snapshot.pt").globalStep == steps[0]);
+}
+
+TEST_CASE("resume: the toy model killed mid-epoch (SIGKILL, rank 1) ends bit-identical to an uninterrupted run",
+          "[trainer][process][resume]") {
+  TempDir dir("train-kill"), reference("train-kill-ref"), other("train-kill-seed");
+  const auto args = with(kToy, {"--epochs", "3", "--save-every-steps", "5"});
+  REQUIRE(ctorch::test::run(trainUnderLauncher(reference.path(), 2, args)).ok());
+
+  // Killed after the snapshot of step 20 (epoch 2 has steps 17..32): resumes mid-epoch.
+  const auto r = killAndResume(dir.path(), with(args, {"--step-delay-ms", "25"}), /*victim=*/1, /*afterStep=*/20);
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("attempt 2") != std::string::npos);  // the launcher restarted the group
+  const std::regex resumed(R"(resuming from \S*snapshot\.pt at epoch 2, step (\d+) \(global step \d+\), exactly)");
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, resumed));
+  CHECK(std::stoi(m[1]) > 0);  // mid-epoch
+  CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
+
+  // Control: the comparison sees a difference where there is one (another seed).
+  REQUIRE(ctorch::test::run(trainUnderLauncher(other.path(), 2, with(args, {"--seed", "2"}))).ok());
+  CHECK_FALSE(bitDifference(other / "model.pt", reference / "model.pt").empty());
+}
+
+TEST_CASE("resume: the CNN on a Fashion-MNIST subset killed mid-epoch (SIGKILL, rank 0) ends bit-identical",
+          "[trainer][process][resume][fashion-mnist]") {
+  if (!haveFashionMnist()) CTORCH_SKIP("Debian's dataset-fashion-mnist is not installed");
+  TempDir dir("train-cnn-kill"), reference("train-cnn-ref");
+  // 512 samples, 2 ranks x 16: 16 steps per epoch; dropout makes every step's random state matter.
+  const std::vector<std::string> args = {"--train-limit", "512", "--test-limit", "200", "--batch-size", "16",
+                                         "--epochs", "2", "--save-every-steps", "4", "--log-interval", "4"};
+  const auto ref = ctorch::test::run(trainUnderLauncher(reference.path(), 2, args));
+  INFO(show(ref));
+  REQUIRE(ref.ok());
+  const auto r = killAndResume(dir.path(), with(args, {"--step-delay-ms", "15"}), /*victim=*/0, /*afterStep=*/20);
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(std::regex_search(r.output, std::regex(R"(resuming from \S+ at epoch 2, step [1-9]\d* .*exactly)")));
+  CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
+}
+
+TEST_CASE("resume: another world size continues from the epoch boundary and says what it did",
+          "[trainer][process][resume]") {
+  // Path A: 2 ranks stop mid-epoch 2 (--max-steps 20; 16 steps per epoch), then 1 rank resumes:
+  // the mid-epoch snapshot cannot be used, the epoch-boundary one (end of epoch 1) is.
+  // Path B: 2 ranks run exactly 1 epoch, then 1 rank resumes from that boundary.
+  // Both continue epoch 2 from the same state under the same world size: bit-identical results.
+  TempDir a("train-ws-a"), b("train-ws-b"), fresh("train-ws-fresh");
+  const auto first = ctorch::test::run(trainUnderLauncher(a.path(), 2, with(kToy, {"--epochs", "3", "--max-steps", "20"})));
+  INFO(show(first));
+  REQUIRE(first.ok());
+  CHECK(first.output.find("reached --max-steps 20 at global step 20 (epoch 2, step 4)") != std::string::npos);
+  CHECK(ctorch::loadSnapshot(a / "snapshot.pt").globalStep == 20);
+  CHECK(ctorch::loadSnapshot(a / "snapshot-epoch.pt").globalStep == 16);
+
+  const auto second = ctorch::test::run(trainAlone(a.path(), with(kToy, {"--epochs", "3"})));
+  INFO(show(second));
+  REQUIRE(second.ok());
+  CHECK(second.output.find("snapshot.pt stopped mid-epoch at epoch 2, step 4 (global step 20) under 2 ranks; a run of "
+                           "1 rank can resume only at an epoch boundary") != std::string::npos);
+  CHECK(second.output.find("snapshot-epoch.pt at start of epoch 2 (global step 16)") != std::string::npos);
+  CHECK(second.output.find("the 4 steps after it are redone with 1 rank") != std::string::npos);
+
+  REQUIRE(ctorch::test::run(trainUnderLauncher(b.path(), 2, with(kToy, {"--epochs", "1"}))).ok());
+  const auto continued = ctorch::test::run(trainAlone(b.path(), with(kToy, {"--epochs", "3"})));
+  INFO(show(continued));
+  REQUIRE(continued.ok());
+  CHECK(continued.output.find("written by 2 ranks at an epoch boundary, continued by 1 rank") != std::string::npos);
+  CHECK(bitDifference(a / "model.pt", b / "model.pt").empty());
+
+  // Control: 1 rank from scratch took other steps in epoch 1 and ends elsewhere.
+  REQUIRE(ctorch::test::run(trainAlone(fresh.path(), with(kToy, {"--epochs", "3"}))).ok());
+  CHECK_FALSE(bitDifference(a / "model.pt", fresh / "model.pt").empty());
+}
+
+TEST_CASE("resume: a snapshot of another configuration is refused, naming the difference, unless allowed",
+          "[trainer][process][resume]") {
+  TempDir dir("train-refuse");
+  REQUIRE(ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "1"}))).ok());
+  const auto refused = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "2", "--lr", "0.1"})));
+  INFO(show(refused));
+  CHECK(refused.exitCode == ctorch::contract::kExitUsage);
+  CHECK(refused.output.find("config 'lr' is '0.05' in the snapshot, '0.1' in this run") != std::string::npos);
+  const auto allowed = ctorch::test::run(
+      trainAlone(dir.path(), with(kToy, {"--epochs", "2", "--lr", "0.1", "--allow-config-change"})));
+  INFO(show(allowed));
+  CHECK(allowed.ok());
+  CHECK(allowed.output.find("resuming from") != std::string::npos);
+  const auto model = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "3", "--model", "mnist-cnn"})));
+  CHECK(model.exitCode == ctorch::contract::kExitUsage);  // not even the model fits the data
+}
+
+TEST_CASE("hang guard: a stopped peer turns into a timeout error within --timeout", "[trainer][process][errors]") {
+  TempDir dir("train-hang");
+  auto spawn = trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "3", "--step-delay-ms", "20", "--timeout", "3"}));
+  Process p(spawn);
+  REQUIRE(waitForOutput(p, std::regex(R"(epoch 1/3  step  4/16)"), std::chrono::seconds(60)));
+  int pid = findWorkerPid(dir.path(), 1);
+  REQUIRE(pid > 0);
+  ::kill(pid, SIGSTOP);
+  const auto r = p.wait();  // ctorchrun SIGKILLs the stopped worker after its shutdown timeout
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitFailure);  // rank 0's error exit is the root cause
+  CHECK(std::regex_search(r.output, std::regex(R"(rank 0: step \d+ failed: .*imed out.*after --timeout 3 s\))")));
+  CHECK(r.output.find("ctorch::DistributedTimeout") != std::string::npos);  // the launcher shows the error file
+}
+
+TEST_CASE("outputs: Python opens the snapshot and the final weights; the metrics plot", "[trainer][process][python]") {
+  if (!haveFashionMnist()) CTORCH_SKIP("Debian's dataset-fashion-mnist is not installed");
+  if (!havePythonTorch()) CTORCH_SKIP("/usr/bin/python3 has no torch (Debian's python3-torch)");
+  TempDir dir("train-python");
+  const auto r = ctorch::test::run(trainAlone(
+      dir.path(), {"--train-limit", "256", "--test-limit", "100", "--batch-size", "32", "--epochs", "2",
+                   "--checkpoint-every", "1", "--keep-checkpoints", "1", "--log-interval", "2"}));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(fs::exists(dir / "checkpoint_epoch_2.pt"));
+  CHECK_FALSE(fs::exists(dir / "checkpoint_epoch_1.pt"));  // kept: the newest 1
+  SpawnOptions py;
+  py.argv = {"/usr/bin/python3", CTORCH_TRAINER_TEST_DIR "/check_outputs.py", dir.path().string(), CTORCH_SOURCE_DIR};
+  py.timeout = std::chrono::seconds(120);
+  const auto checked = ctorch::test::run(py);
+  INFO(show(checked));
+  CHECK(checked.ok());
+  CHECK(checked.output.find("snapshot ok: EPOCHS_RUN 2") != std::string::npos);
+  CHECK(checked.output.find("model.pt loads into ctorch_models.MnistCnn") != std::string::npos);
+
+  SpawnOptions plot;
+  plot.argv = {"/usr/bin/python3", CTORCH_SOURCE_DIR "/scripts/plot_metrics.py", (dir / "metrics.jsonl").string(),
+               "-o", (dir / "curves.png").string()};
+  plot.timeout = std::chrono::seconds(120);
+  const auto plotted = ctorch::test::run(plot);
+  if (plotted.output.find("No module named 'matplotlib'") != std::string::npos)
+    CTORCH_SKIP("python3-matplotlib is not installed (scripts/setup.sh installs it)");
+  INFO(show(plotted));
+  REQUIRE(plotted.ok());
+  const std::string png = ctorch::test::readFile(dir / "curves.png");
+  CHECK(png.substr(1, 3) == "PNG");
+}

@@ -1,0 +1,282 @@
+// Pure parts of the trainer, no processes: the command line and its validation, the learning-rate
+// schedule, the resume decision, the evaluation split, formatting.
+#include <catch2/catch.hpp>
+
+#include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/errors.hpp>
+#include <ctorch/train/evaluate.hpp>
+#include <ctorch/train/options.hpp>
+#include <ctorch/train/report.hpp>
+#include <ctorch/train/resume.hpp>
+#include <ctorch/train/schedule.hpp>
+
+#include <cmath>
+#include <set>
+
+using namespace ctorch::train;
+
+namespace {
+
+ParsedCommandLine parse(std::vector<std::string> args) { return parseCommandLine(args); }
+
+}  // namespace
+
+TEST_CASE("trainer options: defaults train the seeds' CNN on Fashion-MNIST", "[trainer][options]") {
+  const auto p = parse({});
+  REQUIRE(p.options);
+  const TrainOptions& o = *p.options;
+  CHECK(o.model == "mnist-cnn");
+  CHECK(o.dataset == "fashion-mnist");
+  CHECK(o.dataDir.empty());
+  CHECK(o.batchSize == 64);
+  CHECK(o.optimizer == OptimizerKind::kSgd);
+  CHECK(o.snapshotPath == "snapshot.pt");
+  CHECK(o.resume.kind == ResumeChoice::Kind::kAuto);
+  CHECK(o.finalModelPath() == std::filesystem::path(".") / "model.pt");
+  CHECK(*o.metricsPath() == std::filesystem::path(".") / "metrics.jsonl");
+}
+
+TEST_CASE("trainer options: kebab and underscore spellings, values after = or a space", "[trainer][options]") {
+  const auto p = parse({"--batch_size=32", "--grad-accum-steps", "2", "--lr", "0.1", "--optimizer", "adam",
+                        "--lr_decay", "cosine", "--warmup-epochs", "0.5", "--save_every_steps", "7", "--resume",
+                        "never", "--metrics-file", "none", "--no-gradient-as-bucket-view", "--timeout", "9",
+                        "--model", "linear", "--dataset", "synthetic-regression", "--max_steps", "11"});
+  REQUIRE(p.options);
+  const TrainOptions& o = *p.options;
+  CHECK(o.batchSize == 32);
+  CHECK(o.gradAccumSteps == 2);
+  CHECK(o.lr == 0.1);
+  CHECK(o.optimizer == OptimizerKind::kAdam);
+  CHECK(o.lrDecay == LrDecay::kCosine);
+  CHECK(o.warmupEpochs == 0.5);
+  CHECK(o.saveEverySteps == 7);
+  CHECK(o.resume.kind == ResumeChoice::Kind::kNever);
+  CHECK_FALSE(o.metricsPath());
+  CHECK_FALSE(o.gradientAsBucketView);
+  CHECK(o.timeout == std::chrono::seconds(9));
+  CHECK(o.maxSteps == 11);
+}
+
+TEST_CASE("trainer options: --help and --version exit 0 with text on stdout", "[trainer][options]") {
+  auto help = parse({"--help"});
+  CHECK_FALSE(help.options);
+  CHECK(help.exitCode == 0);
+  CHECK_FALSE(help.toStderr);
+  for (const char* flag : {"--epochs", "--batch-size", "--lr", "--momentum", "--optimizer", "--weight-decay",
+                           "--warmup-epochs", "--lr-decay", "--seed", "--save-every", "--save-every-steps",
+                           "--snapshot-path", "--model-dir", "--model-filename", "--checkpoint-every",
+                           "--keep-checkpoints", "--log-interval", "--eval-every", "--max-steps", "--device",
+                           "--backend", "--amp", "--bucket-cap-mb", "--find-unused-parameters",
+                           "--grad-accum-steps", "--resume", "--timeout"})
+    CHECK(help.message.find(flag) != std::string::npos);
+  CHECK(help.message.find("75") != std::string::npos);  // the preemption exit code is documented
+  auto version = parse({"--version"});
+  CHECK(version.exitCode == 0);
+  CHECK(version.message.find("ctorch") != std::string::npos);
+}
+
+TEST_CASE("trainer options: every bad value is one line naming the flag and the value", "[trainer][options]") {
+  struct Bad {
+    std::vector<std::string> args;
+    std::string mustContain;
+  };
+  const std::vector<Bad> cases = {
+      {{"--epochs", "0"}, "--epochs '0'"},
+      {{"--batch-size", "-3"}, "--batch-size '-3'"},
+      {{"--batch-size", "many"}, "many"},
+      {{"--lr", "0"}, "--lr '0'"},
+      {{"--lr", "nan"}, "--lr 'nan'"},
+      {{"--momentum", "1"}, "--momentum '1'"},
+      {{"--weight-decay", "-0.1"}, "--weight-decay '-0.1'"},
+      {{"--optimizer", "rmsprop"}, "--optimizer 'rmsprop'"},
+      {{"--lr-decay", "linear"}, "--lr-decay 'linear'"},
+      {{"--warmup-epochs", "5", "--epochs", "3"}, "--warmup-epochs '5'"},
+      {{"--warmup-start-factor", "0"}, "--warmup-start-factor '0'"},
+      {{"--lr-gamma", "2"}, "--lr-gamma '2'"},
+      {{"--min-lr", "1", "--lr", "0.1"}, "--min-lr '1'"},
+      {{"--grad-accum-steps", "0"}, "--grad-accum-steps '0'"},
+      {{"--save-every", "-1"}, "--save-every '-1'"},
+      {{"--keep-snapshots", "1000"}, "--keep-snapshots '1000'"},
+      {{"--keep-checkpoints", "0"}, "--keep-checkpoints '0'"},
+      {{"--log-interval", "0"}, "--log-interval '0'"},
+      {{"--eval-batch-size", "0"}, "--eval-batch-size '0'"},
+      {{"--model", "vgg"}, "--model 'vgg'"},
+      {{"--dataset", "imagenet"}, "--dataset 'imagenet'"},
+      {{"--dataset", "mnist"}, "--data-dir"},
+      {{"--data-dir", "/nonexistent/dir"}, "--data-dir '/nonexistent/dir'"},
+      {{"--device", "tpu"}, "--device 'tpu'"},
+      {{"--backend", "mpi"}, "--backend 'mpi'"},
+      {{"--device", "cpu", "--backend", "nccl"}, "--backend 'nccl'"},
+      {{"--device", "cpu", "--amp"}, "--amp"},
+      {{"--timeout", "0"}, "--timeout '0'"},
+      {{"--threads", "-1"}, "--threads '-1'"},
+      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb '0'"},
+      {{"--prefetch", "3"}, "--prefetch '3'"},
+      {{"--progress", "fancy"}, "--progress 'fancy'"},
+      {{"--augment", "maybe"}, "--augment 'maybe'"},
+      {{"--model-filename", "a/b.pt"}, "--model-filename 'a/b.pt'"},
+      {{"--resume", "/nonexistent/snapshot.pt"}, "--resume '/nonexistent/snapshot.pt'"},
+      {{"--max-steps", "-5"}, "--max-steps '-5'"},
+      {{"--step-delay-ms", "-1"}, "--step-delay-ms '-1'"},
+      {{"--no-such-flag"}, "--no-such-flag"},
+  };
+  for (const auto& c : cases) {
+    std::string joined;
+    for (const auto& a : c.args) joined += a + " ";
+    INFO(joined);
+    const auto p = parse(c.args);
+    CHECK_FALSE(p.options);
+    CHECK(p.exitCode == ctorch::contract::kExitUsage);
+    CHECK(p.toStderr);
+    CHECK(p.message.find(c.mustContain) != std::string::npos);
+    CHECK(p.message.rfind("ctorch-train: error: ", 0) == 0);
+    CHECK(std::count(p.message.begin(), p.message.end(), '\n') == 1);  // one line
+  }
+}
+
+TEST_CASE("trainer options: the binding configuration holds what shapes training, not logging", "[trainer][options]") {
+  TrainOptions a;
+  TrainOptions b = a;
+  b.logInterval = 99;
+  b.evalEvery = 3;
+  b.snapshotPath = "elsewhere.pt";
+  b.epochs = 10;  // extending a run without a cosine schedule is fine
+  b.maxSteps = 5;
+  CHECK(a.bindingConfig() == b.bindingConfig());
+  b.lr = 0.1;
+  CHECK(a.bindingConfig() != b.bindingConfig());
+  CHECK(b.bindingConfig().at("lr") == "0.1");
+  TrainOptions c;
+  c.lrDecay = LrDecay::kCosine;
+  TrainOptions d = c;
+  d.epochs = 10;  // a cosine schedule spans the run: its length matters
+  CHECK(c.bindingConfig() != d.bindingConfig());
+}
+
+TEST_CASE("learning rate: warmup, then constant, step or cosine decay", "[trainer][schedule]") {
+  LrSchedule s;
+  s.peak = 0.4;
+  s.epochs = 10;
+  CHECK(s.at(0.0) == 0.4);
+  CHECK(s.at(9.9) == 0.4);
+
+  s.warmupEpochs = 2.0;
+  s.warmupStartFactor = 0.25;
+  CHECK(s.at(0.0) == Approx(0.1));
+  CHECK(s.at(1.0) == Approx(0.25));
+  CHECK(s.at(2.0) == Approx(0.4));
+  CHECK(s.at(5.0) == Approx(0.4));
+
+  s.decay = LrDecay::kStep;
+  s.stepEpochs = 3;
+  s.gamma = 0.5;
+  CHECK(s.at(2.5) == Approx(0.4));
+  CHECK(s.at(3.0) == Approx(0.2));
+  CHECK(s.at(6.5) == Approx(0.1));
+
+  s.decay = LrDecay::kCosine;
+  s.minLr = 0.01;
+  CHECK(s.at(2.0) == Approx(0.4));
+  CHECK(s.at(6.0) == Approx(0.01 + 0.39 * 0.5));  // half way through the cosine
+  CHECK(s.at(10.0) == Approx(0.01));
+  CHECK(s.at(12.0) == Approx(0.01));  // past the end (a run extended without changing epochs)
+  for (double p = 2.0; p < 9.9; p += 0.1) CHECK(s.at(p + 0.1) <= s.at(p));
+
+  CHECK(epochProgress(2, 30, 120) == 2.25);
+  CHECK(epochProgress(0, 0, 0) == 0.0);
+}
+
+TEST_CASE("evaluation split: contiguous shares, no sample twice, none missing", "[trainer][eval]") {
+  for (std::int64_t n : {0, 1, 7, 10, 1001, 10000})
+    for (std::int64_t w : {1, 2, 3, 4, 7}) {
+      std::int64_t next = 0, smallest = n, largest = 0;
+      for (std::int64_t r = 0; r < w; ++r) {
+        const auto [b, e] = evalShard(n, r, w);
+        CHECK(b == next);
+        next = e;
+        smallest = std::min(smallest, e - b);
+        largest = std::max(largest, e - b);
+      }
+      CHECK(next == n);
+      CHECK(largest - smallest <= 1);
+    }
+}
+
+namespace {
+
+SnapshotPoint point(std::int64_t world, std::int64_t epochsRun, std::int64_t step, std::int64_t global,
+                    bool complete = false, const char* file = "run/snapshot.pt") {
+  SnapshotPoint p;
+  p.file = file;
+  p.worldSize = world;
+  p.epochsRun = epochsRun;
+  p.stepInEpoch = step;
+  p.globalStep = global;
+  p.epochComplete = complete;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("resume decision: exact continuation under the same world size", "[trainer][resume]") {
+  const auto plan = planResume(point(2, 1, 30, 130), std::nullopt, 2, "run/snapshot-epoch.pt");
+  CHECK(plan.source == ResumeSource::kNewest);
+  CHECK(plan.exact);
+  CHECK(plan.message.find("epoch 2, step 30") != std::string::npos);
+  CHECK_FALSE(needsEpochBoundary(point(2, 1, 30, 130), 2));
+
+  const auto fresh = planResume(std::nullopt, std::nullopt, 4, "run/snapshot-epoch.pt");
+  CHECK(fresh.source == ResumeSource::kNone);
+  CHECK(fresh.message.find("from scratch") != std::string::npos);
+}
+
+TEST_CASE("resume decision: another world size continues at an epoch boundary and says so", "[trainer][resume]") {
+  // The newest snapshot is itself a boundary (end of epoch 2, or every index of epoch 3 consumed).
+  for (const auto& p : {point(2, 2, 0, 200), point(2, 2, 100, 300, /*complete=*/true)}) {
+    CHECK_FALSE(needsEpochBoundary(p, 3));
+    const auto plan = planResume(p, std::nullopt, 3, "run/snapshot-epoch.pt");
+    CHECK(plan.source == ResumeSource::kNewest);
+    CHECK_FALSE(plan.exact);
+    CHECK(plan.message.find("written by 2 ranks at an epoch boundary, continued by 3 ranks") != std::string::npos);
+  }
+  // Mid-epoch: the boundary slot is used, and the message names both files and the redone steps.
+  const auto mid = point(2, 2, 40, 240);
+  CHECK(needsEpochBoundary(mid, 1));
+  const auto plan = planResume(mid, point(2, 2, 0, 200, false, "run/snapshot-epoch.pt"), 1, "run/snapshot-epoch.pt");
+  CHECK(plan.source == ResumeSource::kBoundary);
+  CHECK(plan.message.find("run/snapshot.pt stopped mid-epoch at epoch 3, step 40") != std::string::npos);
+  CHECK(plan.message.find("resuming from run/snapshot-epoch.pt at start of epoch 3") != std::string::npos);
+  CHECK(plan.message.find("the 40 steps after it are redone with 1 rank") != std::string::npos);
+}
+
+TEST_CASE("resume decision: mid-epoch under another world size without a boundary", "[trainer][resume]") {
+  // In the first epoch the boundary is the initial state: a fresh start with the same seed.
+  const auto first = planResume(point(2, 0, 17, 17), std::nullopt, 4, "run/snapshot-epoch.pt");
+  CHECK(first.source == ResumeSource::kNone);
+  CHECK(first.message.find("starting from scratch") != std::string::npos);
+  // Later, refusing is the only correct answer; the message says how to proceed.
+  try {
+    planResume(point(2, 3, 17, 300), std::nullopt, 4, "run/snapshot-epoch.pt");
+    FAIL("no exception");
+  } catch (const ctorch::ConfigError& e) {
+    const std::string m = e.what();
+    CHECK(m.find("run/snapshot-epoch.pt does not exist") != std::string::npos);
+    CHECK(m.find("Resume with 2 ranks, or start over with --resume never") != std::string::npos);
+  }
+  // A stale boundary file (newer than the snapshot it should precede) is not used.
+  CHECK_THROWS_AS(planResume(point(2, 3, 17, 300), point(2, 5, 0, 500), 4, "x"), ctorch::ConfigError);
+}
+
+TEST_CASE("resume decision: the boundary slot sits next to the snapshot slot", "[trainer][resume]") {
+  CHECK(boundarySlotFor("run/snapshot.pt") == std::filesystem::path("run/snapshot-epoch.pt"));
+  CHECK(boundarySlotFor("snap") == std::filesystem::path("snap-epoch"));
+}
+
+TEST_CASE("durations read naturally", "[trainer][report]") {
+  CHECK(formatDuration(0.36) == "0.4 s");
+  CHECK(formatDuration(42.4) == "42 s");
+  CHECK(formatDuration(187) == "3:07");
+  CHECK(formatDuration(3723) == "1:02:03");
+  CHECK(formatDuration(-1) == "?");
+  CHECK(formatDuration(std::nan("")) == "?");
+}

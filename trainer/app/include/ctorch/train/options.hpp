@@ -1,0 +1,133 @@
+// Everything ctorch-train can be told, in one struct validated once (TrainOptions::validate), and
+// the command line that fills it (parseCommandLine). The loop never sees argv; tests build options
+// directly. docs/trainer.md lists every flag.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ctorch::train {
+
+// A value the user gave that cannot work. One line, naming the flag and quoting the value; the
+// program exits with contract::kExitUsage.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+enum class OptimizerKind { kSgd, kAdam };
+enum class LrDecay { kNone, kCosine, kStep };
+enum class DeviceChoice { kAuto, kCpu, kCuda };
+enum class BackendChoice { kAuto, kGloo, kNccl };
+enum class ProgressMode { kAuto, kBar, kLines, kNone };
+enum class AugmentChoice { kAuto, kOn, kOff };
+
+const char* toString(OptimizerKind v);
+const char* toString(LrDecay v);
+const char* toString(DeviceChoice v);
+const char* toString(BackendChoice v);
+const char* toString(ProgressMode v);
+const char* toString(AugmentChoice v);
+
+// Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
+struct ResumeChoice {
+  enum class Kind { kAuto, kNever, kPath } kind = Kind::kAuto;
+  std::filesystem::path path;  // kPath only
+  static ResumeChoice parse(const std::string& text);  // "auto", "never", anything else is a path
+  std::string describe() const;
+};
+
+struct TrainOptions {
+  // ---- data and model
+  std::string model = "mnist-cnn";
+  std::string dataset = "fashion-mnist";
+  std::filesystem::path dataDir;     // empty: the dataset's default (fashion-mnist: Debian's package)
+  std::int64_t trainLimit = 0;       // first N training samples (0: all)
+  std::int64_t testLimit = 0;        // first N test samples (0: all)
+  std::int64_t syntheticSize = 0;    // synthetic datasets: training samples (0: the dataset's default)
+  AugmentChoice augment = AugmentChoice::kAuto;  // crop + flip; auto: when the dataset recommends it
+  int prefetch = 0;                  // batches prepared ahead on a background thread (0..2)
+
+  // ---- optimisation
+  std::int64_t epochs = 3;
+  std::int64_t batchSize = 64;       // per rank, per micro-step
+  std::int64_t gradAccumSteps = 1;   // micro-steps per optimizer step (no allreduce but on the last)
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  double lr = 0.05;                  // peak learning rate
+  double momentum = 0.9;             // SGD momentum
+  double weightDecay = 0.0;
+  double warmupEpochs = 0.0;         // linear warmup from lr * warmupStartFactor to lr
+  double warmupStartFactor = 0.1;
+  // After warmup. The default is the seeds' MNIST example: StepLR(step_size=1, gamma=0.7).
+  LrDecay lrDecay = LrDecay::kStep;
+  std::int64_t lrStepEpochs = 1;     // step decay: multiply by lrGamma every this many epochs
+  double lrGamma = 0.7;
+  double minLr = 0.0;                // cosine decay ends here
+  std::int64_t seed = 1;
+  std::int64_t maxSteps = 0;         // stop (with a snapshot) after this many optimizer steps (0: no limit)
+
+  // ---- evaluation and output
+  std::int64_t evalEvery = 1;        // epochs between evaluations (0: only after the last epoch)
+  std::int64_t evalBatchSize = 1000;
+  std::int64_t logInterval = 10;     // steps between progress lines / metrics records
+  ProgressMode progress = ProgressMode::kAuto;
+  std::optional<std::filesystem::path> metricsFile;  // unset: <modelDir>/metrics.jsonl; empty: none
+
+  // ---- snapshots, checkpoints, final weights
+  std::filesystem::path snapshotPath = "snapshot.pt";
+  std::int64_t saveEvery = 1;        // epochs between snapshots (0: none at epoch ends)
+  std::int64_t saveEverySteps = 0;   // also every N optimizer steps (0: off)
+  int keepSnapshots = 2;             // previous snapshots kept next to the newest
+  ResumeChoice resume;
+  bool allowConfigChange = false;    // resume a snapshot whose configuration differs
+  std::filesystem::path modelDir = ".";
+  std::string modelFilename = "model.pt";
+  std::int64_t checkpointEvery = 0;  // epochs between checkpoint_epoch_N.pt files (0: none)
+  int keepCheckpoints = 3;
+
+  // ---- devices, communication, DDP
+  DeviceChoice device = DeviceChoice::kAuto;
+  BackendChoice backend = BackendChoice::kAuto;
+  bool amp = false;                  // automatic mixed precision (CUDA only)
+  std::chrono::seconds timeout{300}; // every collective; a stuck peer becomes an error exit
+  int threads = 0;                   // intra-op threads (0: OMP_NUM_THREADS, else CPUs / local ranks)
+  double bucketCapMb = 25.0;
+  bool findUnusedParameters = false;
+  bool gradientAsBucketView = true;
+
+  // ---- testing aids
+  std::chrono::milliseconds stepDelay{0};  // sleep after every step (makes kill tests deterministic)
+
+  // Throws UsageError naming the first bad value.
+  void validate() const;
+
+  // The metrics file to write, or nullopt for none.
+  std::optional<std::filesystem::path> metricsPath() const;
+  std::filesystem::path finalModelPath() const { return modelDir / modelFilename; }
+
+  // The settings that shape the training trajectory, as text: stored in snapshots, compared on
+  // resume (a change is refused unless allowConfigChange). Logging, paths and limits are not in it.
+  std::map<std::string, std::string> bindingConfig() const;
+  // One line for the start-up log.
+  std::string describe() const;
+};
+
+// Accepts kebab-case flags and torchrun-style underscore spellings (--batch_size).
+struct ParsedCommandLine {
+  std::optional<TrainOptions> options;  // set when training should run
+  int exitCode = 0;                     // otherwise: the exit code (0 after --help / --version)
+  std::string message;                  // text to print (help, version, or the one-line error)
+  bool toStderr = false;
+};
+
+ParsedCommandLine parseCommandLine(int argc, const char* const* argv);
+// The same from a vector (tests); args excludes the program name.
+ParsedCommandLine parseCommandLine(const std::vector<std::string>& args);
+
+}  // namespace ctorch::train

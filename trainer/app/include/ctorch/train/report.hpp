@@ -1,0 +1,105 @@
+// What rank 0 shows and records: a progress bar (stdout is a terminal) or plain periodic lines, and
+// the JSONL metrics file (one JSON object per line: "train" records every --log-interval steps,
+// "epoch" records when an epoch's steps are done, "eval" records after each evaluation). Other ranks hold a silent Console and no MetricsLog.
+#pragma once
+
+#include "ctorch/train/options.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <string>
+
+namespace ctorch::train {
+
+// "42 s", "3:07", "1:02:03"; "?" for a negative or non-finite duration.
+std::string formatDuration(double seconds);
+
+struct StepReport {
+  std::int64_t epoch = 0;          // 0-based; shown 1-based
+  std::int64_t epochs = 1;
+  std::int64_t stepInEpoch = 0;    // steps done in this epoch
+  std::int64_t stepsPerEpoch = 0;
+  std::int64_t globalStep = 0;
+  double loss = 0.0;               // mean over ranks and over the steps since the last report
+  double lr = 0.0;
+  double samplesPerSecond = 0.0;   // all ranks together
+  double epochEtaSeconds = -1.0;
+  double totalEtaSeconds = -1.0;
+};
+
+class Console {
+ public:
+  // `out` null: silent (ranks other than 0). `terminal`: whether `out` is a terminal (auto mode).
+  Console(std::ostream* out, ProgressMode mode, bool terminal);
+
+  // A whole line (a progress bar in the way is finished first). Thread-safe.
+  void line(const std::string& text);
+  // Periodic progress: redraws the bar (at most ~10 times a second), or writes a line when
+  // `periodic` (every --log-interval steps) in line mode.
+  void progress(const StepReport& report, bool periodic);
+  bool silent() const { return out_ == nullptr; }
+  bool barMode() const { return bar_; }
+
+ private:
+  void finishBar();
+  std::ostream* out_;
+  bool bar_ = false;
+  bool lines_ = false;
+  bool barShown_ = false;
+  std::chrono::steady_clock::time_point lastDraw_{};
+  std::mutex mutex_;
+};
+
+struct TrainRecord {
+  std::int64_t step = 0;
+  double epoch = 0.0;              // progress in epochs
+  double loss = 0.0;
+  double lr = 0.0;
+  double samplesPerSecond = 0.0;
+  double time = 0.0;               // training seconds since the run began (across resumes)
+};
+
+struct EvalRecord {
+  std::int64_t step = 0;
+  double epoch = 0.0;
+  double loss = 0.0;
+  std::optional<double> accuracy;  // classification only
+  std::int64_t correct = 0;
+  std::int64_t count = 0;
+  double time = 0.0;
+};
+
+// The end of an epoch's steps (before evaluation).
+struct EpochRecord {
+  std::int64_t step = 0;
+  std::int64_t epoch = 0;          // epochs completed
+  std::int64_t steps = 0;          // steps this process ran in it (fewer after a mid-epoch resume)
+  double seconds = 0.0;            // wall time of those steps
+  double cpuSeconds = 0.0;         // CPU time this process (all its threads) spent in them
+  double samplesPerSecond = 0.0;   // all ranks together
+  double loss = 0.0;               // mean training loss of those steps
+  double time = 0.0;
+};
+
+class MetricsLog {
+ public:
+  // Starts `path` afresh (resumeStep 0) or keeps only the records of steps <= resumeStep, so a run
+  // that resumes from an older snapshot does not leave records of the steps it redoes.
+  MetricsLog(const std::filesystem::path& path, std::int64_t resumeStep);
+  void write(const TrainRecord& record);
+  void write(const EvalRecord& record);
+  void write(const EpochRecord& record);
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  void append(const std::string& jsonLine);
+  std::filesystem::path path_;
+  std::ofstream out_;
+};
+
+}  // namespace ctorch::train

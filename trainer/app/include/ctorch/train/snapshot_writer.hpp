@@ -1,0 +1,53 @@
+// Writes snapshots on a background thread so that training goes on while a captured copy is
+// encoded, written, fsync'ed and renamed (ctorch::saveSnapshot: crash-safe at any instant). One
+// job at a time: submitting waits for the previous one; wait() before depending on a write.
+#pragma once
+
+#include <ctorch/snapshot.hpp>
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ctorch::train {
+
+struct SnapshotJob {
+  Snapshot snapshot;
+  std::vector<SnapshotSlotOptions> slots;     // written in order (the newest-snapshot slot first)
+  std::function<void()> afterWrite;           // e.g. prune old checkpoint files
+  std::function<void(const std::string&)> report;  // one line per job when done (may be empty)
+  std::string label;                          // "epoch 2 step 120" for the report
+};
+
+class SnapshotWriter {
+ public:
+  explicit SnapshotWriter(bool background);
+  ~SnapshotWriter();  // finishes the job in flight (errors are reported, not thrown)
+  SnapshotWriter(const SnapshotWriter&) = delete;
+  SnapshotWriter& operator=(const SnapshotWriter&) = delete;
+
+  // Waits for the previous job (rethrowing its error), then starts this one (or runs it now).
+  void submit(SnapshotJob job);
+  // Waits until nothing is in flight; rethrows the error of a failed job.
+  void wait();
+
+ private:
+  void run(SnapshotJob& job);
+  void loop();
+
+  bool background_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::optional<SnapshotJob> pending_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+}  // namespace ctorch::train

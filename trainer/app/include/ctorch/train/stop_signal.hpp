@@ -1,0 +1,16 @@
+// Stop requests: SIGTERM and SIGUSR1 (Slurm's preemption warnings; ctorchrun forwards them) and
+// SIGINT only set a flag here; the training loop reads it after every step, all ranks agree on it
+// through an allreduce, write a snapshot and exit with contract::kExitPreempted. A second SIGTERM or
+// SIGINT while stopping ends the process at once (the default action).
+#pragma once
+
+namespace ctorch::train {
+
+// Installs the handlers (SA_RESTART, so system calls in other threads are not interrupted).
+void installStopHandlers();
+// The signal that asked to stop, or 0.
+int stopSignal();
+// For tests and embedding: behave as if `signo` had arrived (0 clears the request).
+void setStopSignal(int signo);
+
+}  // namespace ctorch::train

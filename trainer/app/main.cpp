@@ -1,0 +1,60 @@
+// ctorch-train: parse the command line, run the training, turn the outcome into an exit code.
+// Everything else lives in ctorch_train_core (trainer/app/src) so tests can drive it in-process.
+#include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/data/error.hpp>
+#include <ctorch/error_file.hpp>
+#include <ctorch/errors.hpp>
+#include <ctorch/models/registry.hpp>
+#include <ctorch/snapshot.hpp>
+#include <ctorch/train/options.hpp>
+#include <ctorch/train/stop_signal.hpp>
+#include <ctorch/train/trainer.hpp>
+
+#include <unistd.h>
+
+#include <iostream>
+
+namespace {
+
+// Configuration that cannot work, found after parsing (a missing data file, a snapshot of another
+// run, a bad environment): recorded like any failure, but the exit code says "fix the input".
+int configurationFailure(const std::exception& e) {
+  ctorch::recordError(e);
+  std::cerr << "ctorch-train: error: " << e.what() << std::endl;
+  return ctorch::contract::kExitUsage;
+}
+
+int trainMain(int argc, char** argv) {
+  auto parsed = ctorch::train::parseCommandLine(argc, argv);
+  if (!parsed.options) {
+    (parsed.toStderr ? std::cerr : std::cout) << parsed.message << std::flush;
+    return parsed.exitCode;
+  }
+  ctorch::train::installStopHandlers();
+  ctorch::train::RunHooks hooks;
+  hooks.terminal = isatty(STDOUT_FILENO) == 1;
+  try {
+    return ctorch::train::runTraining(*parsed.options, hooks).exitCode();
+  } catch (const ctorch::train::UsageError& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::ConfigError& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::SnapshotIncompatible& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::SamplerResumeRefused& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::data::DataFileError& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::data::DataOptionsError& e) {
+    return configurationFailure(e);
+  } catch (const ctorch::models::ModelOptionsError& e) {
+    return configurationFailure(e);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Anything else escaping is recorded in TORCHELASTIC_ERROR_FILE and becomes exit code 1.
+  return ctorch::runRecorded([&] { return trainMain(argc, argv); });
+}

@@ -1,0 +1,409 @@
+// The command line of ctorch-train (CLI11) and the one validation of TrainOptions.
+#include "ctorch/train/options.hpp"
+
+#include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/version.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace ctorch::train {
+
+namespace {
+
+const std::vector<std::string> kModels = {"linear", "mnist-cnn", "simple-cnn", "resnet18"};
+const std::vector<std::string> kDatasets = {"fashion-mnist", "mnist", "cifar10", "synthetic-regression",
+                                            "synthetic-images"};
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+// The shortest text that reads back as exactly `v` (0.05, not 0.050000000000000003).
+std::string number(double v) {
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::ostringstream os;
+    os.precision(precision);
+    os << v;
+    if (std::stod(os.str()) == v || !std::isfinite(v)) return os.str();
+  }
+  return std::to_string(v);
+}
+
+[[noreturn]] void bad(const std::string& flag, const std::string& value, const std::string& why) {
+  throw UsageError(flag + " '" + value + "' " + why);
+}
+
+void atLeast(const char* flag, std::int64_t value, std::int64_t lo) {
+  if (value < lo) bad(flag, std::to_string(value), "must be >= " + std::to_string(lo));
+}
+
+void finiteIn(const char* flag, double value, double lo, double hi, bool loOpen, bool hiOpen) {
+  const bool ok = std::isfinite(value) && (loOpen ? value > lo : value >= lo) && (hiOpen ? value < hi : value <= hi);
+  if (!ok) {
+    std::ostringstream range;
+    range << "must be in " << (loOpen ? "(" : "[") << number(lo) << ", "
+          << (std::isinf(hi) ? std::string("inf") : number(hi)) << (hiOpen ? ")" : "]");
+    bad(flag, number(value), range.str());
+  }
+}
+
+// --batch_size -> --batch-size (only the flag name, not a value after '=').
+std::string kebab(const std::string& arg) {
+  if (arg.rfind("--", 0) != 0) return arg;
+  const auto eq = arg.find('=');
+  std::string name = arg.substr(0, eq);
+  std::replace(name.begin() + 2, name.end(), '_', '-');
+  return eq == std::string::npos ? name : name + arg.substr(eq);
+}
+
+template <class E>
+E pick(const char* flag, const std::string& value, const std::vector<std::pair<std::string, E>>& choices) {
+  std::vector<std::string> names;
+  for (const auto& [name, e] : choices) {
+    if (name == value) return e;
+    names.push_back(name);
+  }
+  bad(flag, value, "is not one of: " + joined(names));
+}
+
+const std::vector<std::pair<std::string, OptimizerKind>> kOptimizers = {{"sgd", OptimizerKind::kSgd},
+                                                                         {"adam", OptimizerKind::kAdam}};
+const std::vector<std::pair<std::string, LrDecay>> kDecays = {
+    {"none", LrDecay::kNone}, {"cosine", LrDecay::kCosine}, {"step", LrDecay::kStep}};
+const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
+    {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
+const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
+    {"auto", BackendChoice::kAuto}, {"gloo", BackendChoice::kGloo}, {"nccl", BackendChoice::kNccl}};
+const std::vector<std::pair<std::string, ProgressMode>> kProgress = {{"auto", ProgressMode::kAuto},
+                                                                     {"bar", ProgressMode::kBar},
+                                                                     {"lines", ProgressMode::kLines},
+                                                                     {"none", ProgressMode::kNone}};
+const std::vector<std::pair<std::string, AugmentChoice>> kAugment = {
+    {"auto", AugmentChoice::kAuto}, {"on", AugmentChoice::kOn}, {"off", AugmentChoice::kOff}};
+
+template <class E>
+const char* nameOf(E value, const std::vector<std::pair<std::string, E>>& choices) {
+  for (const auto& [name, e] : choices)
+    if (e == value) return name.c_str();
+  return "?";
+}
+
+std::string epilog() {
+  std::ostringstream os;
+  os << "Exit codes: 0 done; " << contract::kExitUsage << " bad command line or configuration; "
+     << contract::kExitPreempted
+     << " stopped by SIGTERM/SIGUSR1/SIGINT after writing a snapshot (run again to resume); "
+     << contract::kExitFailure << " any other failure (recorded in TORCHELASTIC_ERROR_FILE when set).\n"
+     << "Run it under ctorchrun (ctorchrun --standalone --nproc-per-node 2 ctorch-train ...), torchrun, plain\n"
+     << "srun, or alone (a world of 1). Every flag also accepts its underscore spelling (--batch_size).\n"
+     << "Documentation: docs/trainer.md.";
+  return os.str();
+}
+
+}  // namespace
+
+const char* toString(OptimizerKind v) { return nameOf(v, kOptimizers); }
+const char* toString(LrDecay v) { return nameOf(v, kDecays); }
+const char* toString(DeviceChoice v) { return nameOf(v, kDevices); }
+const char* toString(BackendChoice v) { return nameOf(v, kBackends); }
+const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
+const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
+
+ResumeChoice ResumeChoice::parse(const std::string& text) {
+  ResumeChoice r;
+  if (text == "auto") {
+    r.kind = Kind::kAuto;
+  } else if (text == "never") {
+    r.kind = Kind::kNever;
+  } else if (text.empty()) {
+    throw UsageError("--resume '' must be auto, never or the path of a snapshot file");
+  } else {
+    r.kind = Kind::kPath;
+    r.path = text;
+  }
+  return r;
+}
+
+std::string ResumeChoice::describe() const {
+  switch (kind) {
+    case Kind::kAuto: return "auto";
+    case Kind::kNever: return "never";
+    case Kind::kPath: return path.string();
+  }
+  return "?";
+}
+
+void TrainOptions::validate() const {
+  if (std::find(kModels.begin(), kModels.end(), model) == kModels.end())
+    bad("--model", model, "is not one of: " + joined(kModels));
+  if (std::find(kDatasets.begin(), kDatasets.end(), dataset) == kDatasets.end())
+    bad("--dataset", dataset, "is not one of: " + joined(kDatasets));
+  if ((dataset == "mnist" || dataset == "cifar10") && dataDir.empty())
+    throw UsageError("--dataset '" + dataset + "' needs --data-dir (the directory holding its files)");
+  if (!dataDir.empty() && !std::filesystem::is_directory(dataDir))
+    bad("--data-dir", dataDir.string(), "is not a directory");
+  atLeast("--train-limit", trainLimit, 0);
+  atLeast("--test-limit", testLimit, 0);
+  atLeast("--synthetic-size", syntheticSize, 0);
+  if (prefetch < 0 || prefetch > 2) bad("--prefetch", std::to_string(prefetch), "must be 0, 1 or 2");
+
+  atLeast("--epochs", epochs, 1);
+  atLeast("--batch-size", batchSize, 1);
+  atLeast("--grad-accum-steps", gradAccumSteps, 1);
+  finiteIn("--lr", lr, 0.0, 1e6, true, false);
+  finiteIn("--momentum", momentum, 0.0, 1.0, false, true);
+  finiteIn("--weight-decay", weightDecay, 0.0, 1.0, false, false);
+  finiteIn("--warmup-epochs", warmupEpochs, 0.0, static_cast<double>(epochs), false, false);
+  finiteIn("--warmup-start-factor", warmupStartFactor, 0.0, 1.0, true, false);
+  atLeast("--lr-step-epochs", lrStepEpochs, 1);
+  finiteIn("--lr-gamma", lrGamma, 0.0, 1.0, true, false);
+  finiteIn("--min-lr", minLr, 0.0, lr, false, false);
+  atLeast("--seed", seed, 0);
+  atLeast("--max-steps", maxSteps, 0);
+
+  atLeast("--eval-every", evalEvery, 0);
+  atLeast("--eval-batch-size", evalBatchSize, 1);
+  atLeast("--log-interval", logInterval, 1);
+
+  if (snapshotPath.empty() || snapshotPath.filename().empty())
+    bad("--snapshot-path", snapshotPath.string(), "must name a file");
+  atLeast("--save-every", saveEvery, 0);
+  atLeast("--save-every-steps", saveEverySteps, 0);
+  if (keepSnapshots < 0 || keepSnapshots > 100)
+    bad("--keep-snapshots", std::to_string(keepSnapshots), "must be in [0, 100]");
+  if (resume.kind == ResumeChoice::Kind::kPath && !std::filesystem::exists(resume.path))
+    bad("--resume", resume.path.string(), "does not exist (use auto, never, or an existing snapshot file)");
+  if (modelFilename.empty() || modelFilename.find('/') != std::string::npos || modelFilename == "." ||
+      modelFilename == "..")
+    bad("--model-filename", modelFilename, "must be a plain file name (the directory is --model-dir)");
+  if (modelDir.empty()) bad("--model-dir", "", "must name a directory");
+  atLeast("--checkpoint-every", checkpointEvery, 0);
+  if (keepCheckpoints < 1 || keepCheckpoints > 1000)
+    bad("--keep-checkpoints", std::to_string(keepCheckpoints), "must be in [1, 1000]");
+
+  if (device == DeviceChoice::kCpu && backend == BackendChoice::kNccl)
+    throw UsageError("--backend 'nccl' needs CUDA tensors, but --device is 'cpu' (use --backend gloo or auto)");
+  if (device == DeviceChoice::kCpu && amp)
+    throw UsageError("--amp needs CUDA, but --device is 'cpu' (drop --amp or use --device cuda)");
+  if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
+    bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
+  if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
+  finiteIn("--bucket-cap-mb", bucketCapMb, 0.0, 1e6, true, false);
+  if (stepDelay.count() < 0 || stepDelay.count() > 60000)
+    bad("--step-delay-ms", std::to_string(stepDelay.count()), "must be in [0, 60000]");
+}
+
+std::optional<std::filesystem::path> TrainOptions::metricsPath() const {
+  if (!metricsFile) return modelDir / "metrics.jsonl";
+  if (metricsFile->empty()) return std::nullopt;
+  return *metricsFile;
+}
+
+std::map<std::string, std::string> TrainOptions::bindingConfig() const {
+  std::map<std::string, std::string> c;
+  c["model"] = model;
+  c["dataset"] = dataset;
+  c["train_limit"] = std::to_string(trainLimit);
+  c["synthetic_size"] = std::to_string(syntheticSize);
+  c["augment"] = toString(augment);
+  c["batch_size"] = std::to_string(batchSize);
+  c["grad_accum_steps"] = std::to_string(gradAccumSteps);
+  c["optimizer"] = toString(optimizer);
+  c["lr"] = number(lr);
+  c["weight_decay"] = number(weightDecay);
+  if (optimizer == OptimizerKind::kSgd) c["momentum"] = number(momentum);
+  c["warmup_epochs"] = number(warmupEpochs);
+  if (warmupEpochs > 0) c["warmup_start_factor"] = number(warmupStartFactor);
+  c["lr_decay"] = toString(lrDecay);
+  if (lrDecay == LrDecay::kStep) {
+    c["lr_step_epochs"] = std::to_string(lrStepEpochs);
+    c["lr_gamma"] = number(lrGamma);
+  }
+  // A cosine schedule spans the whole run: its length shapes every step's learning rate.
+  if (lrDecay == LrDecay::kCosine) {
+    c["min_lr"] = number(minLr);
+    c["epochs"] = std::to_string(epochs);
+  }
+  c["seed"] = std::to_string(seed);
+  c["amp"] = amp ? "on" : "off";
+  return c;
+}
+
+std::string TrainOptions::describe() const {
+  std::ostringstream os;
+  os << "model " << model << ", dataset " << dataset;
+  if (trainLimit > 0) os << " (first " << trainLimit << ")";
+  os << ", " << epochs << " epochs, batch " << batchSize << " per rank";
+  if (gradAccumSteps > 1) os << " x " << gradAccumSteps << " micro-steps";
+  os << ", " << toString(optimizer) << " lr " << number(lr);
+  if (optimizer == OptimizerKind::kSgd) os << " momentum " << number(momentum);
+  if (weightDecay > 0) os << " weight decay " << number(weightDecay);
+  if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
+  if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";
+  os << ", seed " << seed << ", snapshot " << snapshotPath.string();
+  return os.str();
+}
+
+ParsedCommandLine parseCommandLine(int argc, const char* const* argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  return parseCommandLine(args);
+}
+
+ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
+  TrainOptions o;
+  CLI::App app{"ctorch-train: data-parallel training of the seeds' models (LibTorch, DDP on c10d), resumable "
+               "from crash-safe snapshots.\nDefaults train the MNIST CNN on Fashion-MNIST from " +
+                   std::string("/usr/share/datasets/fashion-mnist."),
+               "ctorch-train"};
+  app.set_version_flag("--version", versionString());
+  app.footer(epilog());
+  app.get_formatter()->column_width(34);
+  // A repeated flag takes its last value, as Python's argparse does (scripts that append overrides).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+
+  std::string optimizer = toString(o.optimizer), lrDecay = toString(o.lrDecay), device = toString(o.device),
+              backend = toString(o.backend), progress = toString(o.progress), augment = toString(o.augment),
+              resume = "auto", metrics;
+  std::string dataDir, snapshotPath = o.snapshotPath.string(), modelDir = o.modelDir.string();
+  std::int64_t timeoutS = o.timeout.count(), stepDelayMs = 0;
+
+  const char* kData = "Data and model";
+  app.add_option("--model", o.model, "model: " + joined(kModels))->group(kData)->capture_default_str();
+  app.add_option("--dataset", o.dataset, "dataset: " + joined(kDatasets))->group(kData)->capture_default_str();
+  app.add_option("--data-dir", dataDir, "directory of the dataset's files (default: fashion-mnist's Debian package)")
+      ->group(kData);
+  app.add_option("--train-limit", o.trainLimit, "use the first N training samples (0: all)")->group(kData)->capture_default_str();
+  app.add_option("--test-limit", o.testLimit, "use the first N test samples (0: all)")->group(kData)->capture_default_str();
+  app.add_option("--synthetic-size", o.syntheticSize, "synthetic datasets: training samples (0: 2048)")->group(kData)->capture_default_str();
+  app.add_option("--augment", augment, "random crop + flip: auto (when the dataset recommends it), on, off")
+      ->group(kData)->capture_default_str();
+  app.add_option("--prefetch", o.prefetch, "batches prepared ahead on a background thread (0-2)")->group(kData)->capture_default_str();
+
+  const char* kOpt = "Optimisation";
+  app.add_option("--epochs", o.epochs, "epochs to train")->group(kOpt)->capture_default_str();
+  app.add_option("--batch-size", o.batchSize, "samples per rank per (micro-)step")->group(kOpt)->capture_default_str();
+  app.add_option("--grad-accum-steps", o.gradAccumSteps,
+                 "micro-steps per optimizer step; gradients are all-reduced on the last only")
+      ->group(kOpt)->capture_default_str();
+  app.add_option("--optimizer", optimizer, "sgd or adam")->group(kOpt)->capture_default_str();
+  app.add_option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
+  app.add_option("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
+  app.add_option("--weight-decay", o.weightDecay, "L2 weight decay")->group(kOpt)->capture_default_str();
+  app.add_option("--warmup-epochs", o.warmupEpochs,
+                 "linear warmup from lr x warmup-start-factor to lr over this many (fractional) epochs")
+      ->group(kOpt)->capture_default_str();
+  app.add_option("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
+      ->group(kOpt)->capture_default_str();
+  app.add_option("--lr-decay", lrDecay, "after warmup: none, cosine (to --min-lr at the last epoch), step")
+      ->group(kOpt)->capture_default_str();
+  app.add_option("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
+  app.add_option("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
+  app.add_option("--min-lr", o.minLr, "cosine decay: final learning rate")->group(kOpt)->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
+  app.add_option("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
+      ->group(kOpt)->capture_default_str();
+
+  const char* kEval = "Evaluation and output";
+  app.add_option("--eval-every", o.evalEvery, "epochs between test-set evaluations (0: after the last epoch only)")
+      ->group(kEval)->capture_default_str();
+  app.add_option("--eval-batch-size", o.evalBatchSize, "samples per evaluation batch")->group(kEval)->capture_default_str();
+  app.add_option("--log-interval", o.logInterval, "steps between progress lines and metrics records")
+      ->group(kEval)->capture_default_str();
+  app.add_option("--progress", progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
+      ->group(kEval)->capture_default_str();
+  app.add_option("--metrics-file", metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
+      ->group(kEval);
+
+  const char* kSnap = "Snapshots and weights";
+  app.add_option("--snapshot-path", snapshotPath, "the snapshot slot (previous ones kept as PATH.1, PATH.2, ...)")
+      ->group(kSnap)->capture_default_str();
+  app.add_option("--save-every", o.saveEvery, "epochs between snapshots (0: none at epoch ends)")->group(kSnap)->capture_default_str();
+  app.add_option("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
+      ->group(kSnap)->capture_default_str();
+  app.add_option("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
+  app.add_option("--resume", resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
+      ->group(kSnap)->capture_default_str();
+  app.add_flag("--allow-config-change", o.allowConfigChange,
+               "resume even if the snapshot's model/configuration differs (weights must still fit)")
+      ->group(kSnap);
+  app.add_option("--model-dir", modelDir, "directory of the final weights, checkpoints and metrics")->group(kSnap)->capture_default_str();
+  app.add_option("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")
+      ->group(kSnap)->capture_default_str();
+  app.add_option("--checkpoint-every", o.checkpointEvery, "epochs between checkpoint_epoch_N.pt files (0: none)")
+      ->group(kSnap)->capture_default_str();
+  app.add_option("--keep-checkpoints", o.keepCheckpoints, "checkpoint files kept (the newest)")->group(kSnap)->capture_default_str();
+
+  const char* kSys = "Devices, communication, DDP";
+  app.add_option("--device", device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
+  app.add_option("--backend", backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
+  app.add_flag("--amp", o.amp, "automatic mixed precision (float16 autocast + loss scaling; CUDA only)")->group(kSys);
+  app.add_option("--timeout", timeoutS, "seconds any collective may wait for a peer before the run fails")
+      ->group(kSys)->capture_default_str();
+  app.add_option("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
+      ->group(kSys)->capture_default_str();
+  app.add_option("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
+  app.add_flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
+      ->group(kSys);
+  bool noBucketView = false;
+  app.add_flag("--no-gradient-as-bucket-view", noBucketView,
+               "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
+               "which saves a copy)")
+      ->group(kSys);
+
+  app.add_option("--step-delay-ms", stepDelayMs, "testing aid: sleep after every step")->group("Testing");
+
+  std::vector<std::string> args;
+  for (const auto& a : rawArgs) args.push_back(kebab(a));
+  std::reverse(args.begin(), args.end());  // CLI11 consumes a reversed vector
+
+  ParsedCommandLine result;
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForHelp&) {
+    result.message = app.help();
+    return result;
+  } catch (const CLI::CallForVersion&) {
+    result.message = versionString() + "\n";
+    return result;
+  } catch (const CLI::ParseError& e) {
+    result.exitCode = contract::kExitUsage;
+    result.message = std::string("ctorch-train: error: ") + e.what() + " (see ctorch-train --help)\n";
+    result.toStderr = true;
+    return result;
+  }
+
+  try {
+    o.optimizer = pick("--optimizer", optimizer, kOptimizers);
+    o.lrDecay = pick("--lr-decay", lrDecay, kDecays);
+    o.device = pick("--device", device, kDevices);
+    o.backend = pick("--backend", backend, kBackends);
+    o.progress = pick("--progress", progress, kProgress);
+    o.augment = pick("--augment", augment, kAugment);
+    o.resume = ResumeChoice::parse(resume);
+    o.dataDir = dataDir;
+    o.snapshotPath = snapshotPath;
+    o.modelDir = modelDir;
+    if (app.count("--metrics-file")) o.metricsFile = metrics == "none" ? std::filesystem::path() : std::filesystem::path(metrics);
+    o.timeout = std::chrono::seconds(timeoutS);
+    o.stepDelay = std::chrono::milliseconds(stepDelayMs);
+    o.gradientAsBucketView = !noBucketView;
+    if (timeoutS < 1) bad("--timeout", std::to_string(timeoutS), "must be in [1, 604800] seconds");
+    o.validate();
+  } catch (const UsageError& e) {
+    result.exitCode = contract::kExitUsage;
+    result.message = std::string("ctorch-train: error: ") + e.what() + "\n";
+    result.toStderr = true;
+    return result;
+  }
+  result.options = std::move(o);
+  return result;
+}
+
+}  // namespace ctorch::train

@@ -1,0 +1,58 @@
+#include "ctorch/train/process_tuning.hpp"
+
+#include <ATen/Parallel.h>
+
+#include <dlfcn.h>
+#include <malloc.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace ctorch::train {
+
+namespace {
+
+int affinityCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+// OpenBLAS is reached through LibTorch's BLAS dependency when the system's libblas is OpenBLAS;
+// its thread count is set through its own entry point when that is loaded (no link dependency).
+void setBlasThreads(int threads) {
+  using SetThreads = void (*)(int);
+  if (auto* f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
+}
+
+}  // namespace
+
+ThreadChoice configureThreads(int requested, int localWorldSize) {
+  ThreadChoice choice;
+  if (requested > 0) {
+    choice.threads = requested;
+    choice.reason = "--threads";
+  } else if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && *omp) {
+    choice.threads = std::max(1, at::get_num_threads());
+    choice.reason = std::string("OMP_NUM_THREADS=") + omp;
+  } else {
+    const int cpus = affinityCpus();
+    choice.threads = std::max(1, cpus / std::max(1, localWorldSize));
+    choice.reason = std::to_string(cpus) + " CPUs / " + std::to_string(localWorldSize) + " local rank" +
+                    (localWorldSize == 1 ? "" : "s");
+  }
+  if (at::get_num_threads() != choice.threads) at::set_num_threads(choice.threads);
+  setBlasThreads(choice.threads);
+  return choice;
+}
+
+void tuneAllocator() {
+  // Setting either disables glibc's dynamic thresholds; both together keep per-step allocations
+  // (conv activations of several MiB) in a heap that is not trimmed back after every step.
+  mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);
+}
+
+}  // namespace ctorch::train

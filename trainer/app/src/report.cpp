@@ -1,0 +1,172 @@
+#include "ctorch/train/report.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <system_error>
+#include <vector>
+
+namespace ctorch::train {
+
+namespace {
+
+std::string fixed(double v, int digits) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%.*f", digits, v);
+  return buffer;
+}
+
+// The learning rate in a readable width: 0.05, 0.000123, 1.2e-07.
+std::string compact(double v) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%.4g", v);
+  return buffer;
+}
+
+std::string counter(std::int64_t value, std::int64_t total) {
+  const std::string t = std::to_string(total);
+  std::string v = std::to_string(value);
+  if (v.size() < t.size()) v.insert(0, t.size() - v.size(), ' ');
+  return v + "/" + t;
+}
+
+}  // namespace
+
+std::string formatDuration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  if (seconds < 9.95) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.1f s", seconds);
+    return buffer;
+  }
+  const auto total = static_cast<std::int64_t>(std::llround(seconds));
+  if (total < 60) return std::to_string(total) + " s";
+  const std::int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;
+  char buffer[64];
+  if (h > 0)
+    std::snprintf(buffer, sizeof buffer, "%lld:%02lld:%02lld", static_cast<long long>(h), static_cast<long long>(m),
+                  static_cast<long long>(s));
+  else
+    std::snprintf(buffer, sizeof buffer, "%lld:%02lld", static_cast<long long>(m), static_cast<long long>(s));
+  return buffer;
+}
+
+Console::Console(std::ostream* out, ProgressMode mode, bool terminal) : out_(out) {
+  if (mode == ProgressMode::kAuto) mode = terminal ? ProgressMode::kBar : ProgressMode::kLines;
+  bar_ = mode == ProgressMode::kBar;
+  lines_ = mode == ProgressMode::kLines;
+}
+
+void Console::finishBar() {
+  if (barShown_) {
+    *out_ << '\n';
+    barShown_ = false;
+  }
+}
+
+void Console::line(const std::string& text) {
+  if (!out_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  finishBar();
+  *out_ << text << std::endl;
+}
+
+void Console::progress(const StepReport& r, bool periodic) {
+  if (!out_ || (!bar_ && !lines_)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string epochText = "epoch " + counter(r.epoch + 1, r.epochs);
+  if (lines_) {
+    if (!periodic) return;
+    *out_ << epochText << "  step " << counter(r.stepInEpoch, r.stepsPerEpoch) << "  loss " << fixed(r.loss, 4)
+          << "  lr " << compact(r.lr) << "  " << fixed(r.samplesPerSecond, 0) << " samples/s  ETA "
+          << formatDuration(r.epochEtaSeconds) << " (run " << formatDuration(r.totalEtaSeconds) << ")"
+          << std::endl;
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  const bool last = r.stepInEpoch >= r.stepsPerEpoch;
+  if (!last && barShown_ && now - lastDraw_ < std::chrono::milliseconds(100)) return;
+  lastDraw_ = now;
+  constexpr int kWidth = 30;
+  const double fraction = r.stepsPerEpoch > 0 ? static_cast<double>(r.stepInEpoch) / r.stepsPerEpoch : 1.0;
+  const int filled = static_cast<int>(std::lround(fraction * kWidth));
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.append(static_cast<size_t>(kWidth - filled), '.');
+  *out_ << "\r" << epochText << " [" << bar << "] " << counter(r.stepInEpoch, r.stepsPerEpoch) << " loss "
+        << fixed(r.loss, 4) << " " << fixed(r.samplesPerSecond, 0) << " samples/s ETA "
+        << formatDuration(r.epochEtaSeconds) << "   " << std::flush;
+  barShown_ = true;
+}
+
+MetricsLog::MetricsLog(const std::filesystem::path& path, std::int64_t resumeStep) : path_(path) {
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  std::vector<std::string> kept;
+  if (resumeStep > 0) {
+    std::ifstream in(path);
+    std::string text;
+    while (std::getline(in, text)) {
+      const auto record = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+          record["step"].get<std::int64_t>() <= resumeStep)
+        kept.push_back(text);
+    }
+  }
+  // Rewritten whole through a temporary file: a crash leaves the old or the new file.
+  const auto temporary = path.string() + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    for (const auto& k : kept) out << k << '\n';
+    if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + temporary);
+  }
+  std::filesystem::rename(temporary, path);
+  out_.open(path, std::ios::app);
+  if (!out_) throw std::system_error(errno, std::generic_category(), "cannot open " + path.string());
+}
+
+void MetricsLog::append(const std::string& jsonLine) {
+  out_ << jsonLine << '\n';
+  out_.flush();
+}
+
+void MetricsLog::write(const TrainRecord& r) {
+  nlohmann::json j;
+  j["kind"] = "train";
+  j["step"] = r.step;
+  j["epoch"] = r.epoch;
+  j["loss"] = r.loss;
+  j["lr"] = r.lr;
+  j["samples_per_s"] = r.samplesPerSecond;
+  j["time"] = r.time;
+  append(j.dump());
+}
+
+void MetricsLog::write(const EvalRecord& r) {
+  nlohmann::json j;
+  j["kind"] = "eval";
+  j["step"] = r.step;
+  j["epoch"] = r.epoch;
+  j["loss"] = r.loss;
+  j["accuracy"] = r.accuracy ? nlohmann::json(*r.accuracy) : nlohmann::json(nullptr);
+  j["correct"] = r.correct;
+  j["count"] = r.count;
+  j["time"] = r.time;
+  append(j.dump());
+}
+
+void MetricsLog::write(const EpochRecord& r) {
+  nlohmann::json j;
+  j["kind"] = "epoch";
+  j["step"] = r.step;
+  j["epoch"] = r.epoch;
+  j["steps"] = r.steps;
+  j["seconds"] = r.seconds;
+  j["cpu_seconds"] = r.cpuSeconds;
+  j["samples_per_s"] = r.samplesPerSecond;
+  j["loss"] = r.loss;
+  j["time"] = r.time;
+  append(j.dump());
+}
+
+}  // namespace ctorch::train

@@ -1,0 +1,101 @@
+#include "ctorch/train/snapshot_writer.hpp"
+
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+namespace ctorch::train {
+
+SnapshotWriter::SnapshotWriter(bool background) : background_(background) {
+  if (background_) thread_ = std::thread([this] { loop(); });
+}
+
+SnapshotWriter::~SnapshotWriter() {
+  if (!background_) return;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return !pending_ && !busy_; });
+    stop_ = true;
+  }
+  changed_.notify_all();
+  thread_.join();
+  if (error_) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& e) {
+      std::cerr << "ctorch-train: snapshot write failed: " << e.what() << std::endl;
+    }
+  }
+}
+
+void SnapshotWriter::run(SnapshotJob& job) {
+  c10::NoGradGuard noGrad;
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t bytes = 0;
+  for (const auto& slot : job.slots) bytes = saveSnapshot(job.snapshot, slot);
+  if (job.afterWrite) job.afterWrite();
+  if (job.report) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    char size[64];
+    if (bytes >= 1000000)
+      std::snprintf(size, sizeof size, "%.1f MB in %.2f s", static_cast<double>(bytes) / 1e6, seconds);
+    else
+      std::snprintf(size, sizeof size, "%.1f kB in %.2f s", static_cast<double>(bytes) / 1e3, seconds);
+    std::ostringstream os;
+    os << "snapshot written: " << job.slots.front().path.string();
+    for (size_t i = 1; i < job.slots.size(); ++i) os << " and " << job.slots[i].path.string();
+    os << " (" << job.label << ", " << size << ")";
+    job.report(os.str());
+  }
+}
+
+void SnapshotWriter::loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stop_ || pending_.has_value(); });
+    if (!pending_) return;
+    SnapshotJob job = std::move(*pending_);
+    pending_.reset();
+    busy_ = true;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      run(job);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    busy_ = false;
+    if (error && !error_) error_ = error;
+    changed_.notify_all();
+  }
+}
+
+void SnapshotWriter::wait() {
+  if (!background_) return;
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return !pending_ && !busy_; });
+    std::swap(error, error_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void SnapshotWriter::submit(SnapshotJob job) {
+  wait();
+  if (!background_) {
+    run(job);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = std::move(job);
+  }
+  changed_.notify_all();
+}
+
+}  // namespace ctorch::train
