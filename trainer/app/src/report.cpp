@@ -130,11 +130,17 @@ void MetricsLog::append(const std::string& jsonLine) {
   out_.flush();
 }
 
-void MetricsLog::write(const TrainRecord& r) {
+// The fields every metrics record has (kind, step, epoch), whatever its kind.
+static nlohmann::json recordHead(const char* kind, std::int64_t step, nlohmann::json epoch) {
   nlohmann::json j;
-  j["kind"] = "train";
-  j["step"] = r.step;
-  j["epoch"] = r.epoch;
+  j["kind"] = kind;
+  j["step"] = step;
+  j["epoch"] = epoch;
+  return j;
+}
+
+void MetricsLog::write(const TrainRecord& r) {
+  nlohmann::json j = recordHead("train", r.step, r.epoch);
   j["loss"] = r.loss;
   j["lr"] = r.lr;
   j["samples_per_s"] = r.samplesPerSecond;
@@ -143,10 +149,7 @@ void MetricsLog::write(const TrainRecord& r) {
 }
 
 void MetricsLog::write(const EvalRecord& r) {
-  nlohmann::json j;
-  j["kind"] = "eval";
-  j["step"] = r.step;
-  j["epoch"] = r.epoch;
+  nlohmann::json j = recordHead("eval", r.step, r.epoch);
   j["loss"] = r.loss;
   j["accuracy"] = r.accuracy ? nlohmann::json(*r.accuracy) : nlohmann::json(nullptr);
   j["correct"] = r.correct;
@@ -156,10 +159,7 @@ void MetricsLog::write(const EvalRecord& r) {
 }
 
 void MetricsLog::write(const EpochRecord& r) {
-  nlohmann::json j;
-  j["kind"] = "epoch";
-  j["step"] = r.step;
-  j["epoch"] = r.epoch;
+  nlohmann::json j = recordHead("epoch", r.step, r.epoch);
   j["steps"] = r.steps;
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpuSeconds;
