@@ -597,6 +597,123 @@ def self_test(h):
     return not failures
 
 
+def damage(path, how, like):
+    """Damages one snapshot file in place, as a disk, a crash or a user might."""
+    data = bytearray(open(path, "rb").read())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "zeroed":
+        data = bytearray(len(data))
+    elif how == "empty":
+        data = bytearray()
+    elif how == "bit-flipped":
+        with zipfile.ZipFile(path) as z:
+            info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size // 2] ^= 0x04
+    elif how == "foreign":
+        torch.save({"weights": torch.zeros(3), "epoch": 2}, path)
+        return
+    elif how == "other-run":
+        shutil.copyfile(like, path)  # a valid snapshot of another configuration
+        return
+    open(path, "wb").write(bytes(data))
+
+
+# What the trainer must say for each damage: it names the file and the problem.
+DAMAGE_WORDS = {"truncated": "truncated", "zeroed": "zero", "empty": "empty", "bit-flipped": "checksum",
+                "foreign": "not a ctorch snapshot"}
+
+
+def integrity(h):
+    """Snapshot integrity with the real trainer under ctorchrun (2 ranks): a finished run's newest
+    snapshot damaged (truncated, zeroed, empty, one bit flipped, a foreign torch.save file): running the
+    same command again names the problem, falls back to snapshot.pt.1 and ends bit-identical to the
+    uninterrupted run. Every file of the slot damaged: an error naming each, unless --resume never
+    (a fresh start, again bit-identical). A snapshot of another configuration or model: refused,
+    naming what differs."""
+    results = []
+    workload, world = "synthetic", 2
+    ref = h.reference(workload, world)
+    ref_dir = os.path.dirname(ref)
+    base = [h.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs", h.trainer] + \
+        WORKLOADS[workload]["args"] + COMMON_ARGS
+    other = os.path.join(h.work, "integrity-other-lr.pt")
+    # A valid snapshot of the same model under another learning rate.
+    od = os.path.join(h.work, "integrity-other")
+    shutil.rmtree(od, ignore_errors=True)
+    os.makedirs(od)
+    subprocess.run(base + ["--lr", "0.1", "--max-steps", "4"], cwd=od, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120, check=True)
+    shutil.copyfile(os.path.join(od, "snapshot.pt"), other)
+
+    def case(name, files, how, extra, want_rc, want_words, identical):
+        d = os.path.join(h.work, f"integrity-{name}")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(ref_dir, d, ignore=shutil.ignore_patterns("logs", "output.log", "model.pt"))
+        for f in files:
+            damage(os.path.join(d, f), how, other)
+        t = time.monotonic()
+        p = subprocess.run(base + extra, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=120)
+        out = p.stdout.decode(errors="replace")
+        open(os.path.join(d, "output.log"), "w").write(out)
+        problems = []
+        if p.returncode != want_rc:
+            problems.append(f"exit {p.returncode}, expected {want_rc}")
+        for w in want_words:
+            if w not in out:
+                problems.append(f"output lacks '{w}'")
+        if "Traceback" in out or "terminate called" in out:
+            problems.append("a stack trace or an uncaught exception in the output")
+        if identical:
+            diff = compare_weights(ref, os.path.join(d, "model.pt")) if os.path.exists(
+                os.path.join(d, "model.pt")) else "no model.pt"
+            if diff:
+                problems.append(f"final parameters differ: {diff}")
+        for n in snapshot_files(d):
+            why = check_snapshot_file(os.path.join(d, n))
+            if why and not (n in files and p.returncode != 0):
+                problems.append(f"{n} left unusable: {why}")
+        line = [l for l in out.splitlines() if "resume:" in l or "error:" in l]
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  integrity {name:<24} exit {p.returncode}  {time.monotonic() - t:.1f} s  "
+              f"| {line[-1].split(']:', 1)[-1].strip()[:150] if line else ''}", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        if ok and not h.args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append(dict(name=f"integrity-{name}", ok=ok, problems=problems, injected=[], lost=[]))
+
+    for how, word in DAMAGE_WORDS.items():
+        case(how, ["snapshot.pt"], how, [], 0,
+             [f"skipped snapshot.pt: snapshot snapshot.pt is unusable", word, "resuming from snapshot.pt.1"], True)
+    slot = ["snapshot.pt", "snapshot.pt.1", "snapshot.pt.2"]
+    case("all-damaged", slot, "truncated", [], 2,
+         ["no usable snapshot in snapshot.pt", "skipped snapshot.pt.2", "--resume never"], False)
+    case("all-damaged-resume-never", slot, "truncated", ["--resume", "never"], 0, [], True)
+    case("other-config", ["snapshot.pt"], "other-run", [], 2,
+         ["does not fit this run", "config 'lr' is '0.1' in the snapshot, '0.05' in this run"], False)
+    case("other-config-elsewhere", [], None, ["--resume", other], 2,
+         ["does not fit this run", "'lr' is '0.1' in the snapshot"], False)
+    # Another model on the same data: the fashion workload's snapshot resumed by another CNN.
+    fref = os.path.dirname(h.reference("fashion", world))
+    fbase = [h.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs", h.trainer] + \
+        WORKLOADS["fashion"]["args"] + COMMON_ARGS
+    d = os.path.join(h.work, "integrity-other-model")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    args = [a if a != "mnist-cnn" else "simple-cnn" for a in fbase] + ["--resume", os.path.join(fref, "snapshot.pt")]
+    p = subprocess.run(args, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       timeout=120)
+    out = p.stdout.decode(errors="replace")
+    ok = p.returncode == 2 and "model name is 'mnist-cnn' in the snapshot, 'simple-cnn' in this run" in out
+    h.log(f"{'PASS' if ok else 'FAIL'}  integrity other-model              exit {p.returncode}  | "
+          f"{[l for l in out.splitlines() if 'error:' in l][-1:]}", always=True)
+    results.append(dict(name="integrity-other-model", ok=ok, problems=[] if ok else [out[-500:]],
+                        injected=[], lost=[]))
+    return results
+
+
 def plan_faults(rng, kinds, workload, world, count):
     """Target global steps spread over the run (never in the last few steps), one per fault."""
     w = WORKLOADS[workload]
@@ -638,7 +755,7 @@ def build_suite(args, rng):
 def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train runs.")
-    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test"], default="quick")
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity"], default="quick")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
@@ -664,6 +781,13 @@ def main():
         if ok and not args.keep and not args.work:
             shutil.rmtree(h.work, ignore_errors=True)
         return 0 if ok else 1
+    if args.suite == "integrity":
+        results = integrity(h)
+        failed = sum(1 for r in results if not r["ok"])
+        h.log(f"{len(results) - failed} passed, {failed} failed", always=True)
+        if not failed and not args.keep and not args.work:
+            shutil.rmtree(h.work, ignore_errors=True)
+        return 0 if failed == 0 else 1
     rng = random.Random(args.seed)
     suite = build_suite(args, rng)
     h.log(f"chaos: suite {args.suite} seed {args.seed}: {len(suite)} scenarios, work {h.work}", always=True)
