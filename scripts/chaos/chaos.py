@@ -203,6 +203,7 @@ class Launch:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.restarts = 0
+        self.ended = False
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -225,6 +226,9 @@ class Launch:
             if m and "rendezvous round" in line:
                 self.run.ports.add(int(m.group(2)))
         out.flush()
+        with self.run.cond:
+            self.ended = True
+            self.run.cond.notify_all()
 
     def wait(self, timeout):
         try:
@@ -324,14 +328,14 @@ class Run:
         """Runs the scenario; returns the result dict."""
         res = dict(name=self.name, workload=self.workload, world=self.world,
                    faults=[k for k, _ in self.faults], injected=[], problems=[], lost=[], relaunches=0)
-        launches = [Launch(self, 0)]
+        launches = self.launches = [Launch(self, 0)]
         expected_rcs = []
         try:
             for kind, target in self.faults:
                 cur = launches[-1]
                 # A moment in the middle of training: rank 0 has passed the target step (and, after a
                 # restart, has made progress again), then a random extra delay.
-                if not self.wait_for(lambda: self.max_step >= target, 120):
+                if not self.wait_for(lambda: self.max_step >= target or cur.ended, 120) or cur.ended:
                     res["problems"].append(f"{kind}: training never reached step {target}")
                     break
                 if cur.proc.poll() is not None:
@@ -428,7 +432,7 @@ class Run:
                     if t > starts[0] and pred(s):
                         return t
             return None
-        self.wait_for(lambda: first_step_after(lambda s: s > step_at) is not None, 120)
+        self.wait_for(lambda: first_step_after(lambda s: s > step_at) is not None or self.launches[-1].ended, 120)
         t_any = first_step_after(lambda s: True)
         t_past = first_step_after(lambda s: s > step_at)
         return dict(kind=kind, restart_s=round(t_any - t_fault, 3) if t_any else None,
@@ -442,8 +446,11 @@ class Harness:
         self.work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="ctorch-chaos-"))
         os.makedirs(self.work, exist_ok=True)
         self.log = Log(os.path.join(self.work, "chaos.log"), args.verbose)
-        self.ctorchrun = os.path.abspath(args.ctorchrun)
-        self.trainer = os.path.abspath(args.trainer)
+        # Private copies: a rebuild during a long run must not swap the programs under it.
+        bindir = os.path.join(self.work, "bin")
+        os.makedirs(bindir, exist_ok=True)
+        self.ctorchrun = shutil.copy2(os.path.abspath(args.ctorchrun), os.path.join(bindir, "ctorchrun"))
+        self.trainer = shutil.copy2(os.path.abspath(args.trainer), os.path.join(bindir, "ctorch-train"))
         self.references = {}
 
     def reference(self, workload, world):
@@ -714,6 +721,167 @@ def integrity(h):
     return results
 
 
+def slurm_suite(h):
+    """Preemption under a real Slurm cluster (scripts/lab/slurm.sh: 2 nodes in network namespaces):
+    scripts/slurm/preemptible.sbatch running `srun ctorchrun ... ctorch-train` (1 worker per node,
+    world size 2) gets SIGUSR1 as `--signal=B:USR1@<s>` would send it (scancel --signal=USR1
+    --batch); the workers save and exit 75, the script requeues, the requeued job resumes and ends
+    bit-identical to the uninterrupted run. Then a running job is scancel'ed: nothing of it may
+    survive."""
+    results = []
+    slurm_sh = os.path.join(ROOT, "scripts", "lab", "slurm.sh")
+    if subprocess.run([slurm_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: slurm.sh check: no Slurm lab possible here", always=True)
+        return None
+    ref = h.reference("synthetic", 2)
+    up = subprocess.run([slurm_sh, "up", "2", "--gpus", "1", "--owner", str(os.getpid())],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    if up.returncode != 0:
+        raise RuntimeError(f"slurm.sh up failed: {up.stderr.decode()[-500:]}")
+    env = dict(os.environ)
+    for line in up.stdout.decode().splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            env[k] = v
+    lab_dir = env.get("LAB_SLURM_DIR", "")
+
+    def sl(*cmd, timeout=30):
+        return subprocess.run(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=timeout).stdout.decode(errors="replace")
+
+    def job_state(job):
+        m = re.search(r"JobState=(\S+)", sl("scontrol", "show", "job", "-o", job))
+        return m.group(1) if m else "?"
+
+    def wait_state(job, states, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = job_state(job)
+            if st in states:
+                return st
+            time.sleep(0.2)
+        return job_state(job)
+
+    def steps_in(path):
+        try:
+            text = open(path, errors="replace").read()
+        except OSError:
+            return 0, ""
+        best = 0
+        for m in re.finditer(r"\[(?:\S+:)?default0\]:epoch (\d+)/\d+\s+step\s+(\d+)/(\d+)", text):
+            best = max(best, (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)))
+        return best, text
+
+    def submit(name, run_id):
+        d = os.path.join(h.work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        os.chmod(d, 0o777)
+        job_env = dict(env, CTORCHRUN=h.ctorchrun, MAX_RESTARTS="0", **{MARKER: run_id})
+        cmd = ["sbatch", "--parsable", "--gpus-per-node=1", "--cpus-per-task=1", f"--chdir={d}",
+               os.path.join(ROOT, "scripts", "slurm", "preemptible.sbatch"), h.trainer] + \
+            WORKLOADS["synthetic"]["args"] + COMMON_ARGS + ["--step-delay-ms", "40"]
+        p = subprocess.run(cmd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+        out = p.stdout.decode().strip()
+        if p.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {out}")
+        job = out.split(";")[0]
+        return d, job, os.path.join(d, f"ctorch-train-{job}.out")
+
+    def wait_steps(path, n, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if steps_in(path)[0] >= n:
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        # 1. Preemption and requeue.
+        problems = []
+        run_id = uuid.uuid4().hex
+        d, job, out = submit("slurm-preempt", run_id)
+        t0 = time.monotonic()
+        if not wait_steps(out, 30, 120):
+            problems.append("the job never reached step 30")
+        step_at = steps_in(out)[0]
+        t_sig = time.monotonic()
+        sl("scancel", "--signal=USR1", "--batch", job)
+        st = wait_state(job, {"PENDING"}, 60)
+        t_pending = time.monotonic()
+        if st != "PENDING":
+            problems.append(f"after SIGUSR1 the job is {st}, not PENDING (requeued)")
+        sl("scontrol", "update", f"JobId={job}", "StartTime=now")
+        t_release = time.monotonic()
+        st = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 180)
+        _, text = steps_in(out)
+        if st != "COMPLETED":
+            problems.append(f"the requeued job ended {st}")
+        show = sl("scontrol", "show", "job", "-o", job)
+        if "Restarts=1" not in show:
+            counted = re.findall(r"Restarts=\d+", show)
+            problems.append(f"Slurm counts {counted}, expected Restarts=1")
+        for want in ("SIGUSR1 received", "step ended preempted (exit 75)", f"requeueing job {job}",
+                     "resuming from snapshot.pt", "exactly where it stopped", "(restart 1)"):
+            if want not in text:
+                problems.append(f"job output lacks '{want}'")
+        t_resumed = None
+        # Time from the release of the requeued job to its first step (Slurm start + rendezvous + resume).
+        m = re.search(r"resuming from snapshot.pt at epoch (\d+), step (\d+)", text)
+        if m:
+            h.log(f"slurm: preempted at step ~{step_at}, resumed at epoch {m.group(1)} step {m.group(2)}")
+        model = os.path.join(d, "model.pt")
+        diff = compare_weights(ref, model) if os.path.exists(model) else "no model.pt"
+        if diff:
+            problems.append(f"final parameters differ from the uninterrupted run: {diff}")
+        bad = [(n, check_snapshot_file(os.path.join(d, n))) for n in snapshot_files(d)]
+        problems += [f"snapshot {n}: {why}" for n, why in bad if why]
+        left = marked_processes(run_id)
+        if left:
+            problems.append(f"processes left: {[p for p, _ in left]}")
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  slurm preempt+requeue       job {job}: SIGUSR1 at step {step_at}, "
+              f"requeued (PENDING) after {t_pending - t_sig:.1f} s, finished {time.monotonic() - t_release:.1f} s "
+              f"after release, {'bit-identical' if not diff else 'NOT identical'}", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        results.append(dict(name="slurm-preempt", ok=ok, problems=problems, injected=[], lost=[]))
+
+        # 2. scancel of a running job leaves nothing behind.
+        problems = []
+        run_id = uuid.uuid4().hex
+        d, job, out = submit("slurm-scancel", run_id)
+        if not wait_steps(out, 10, 120):
+            problems.append("the job never reached step 10")
+        before = [p for p, _ in marked_processes(run_id)]
+        if not any(proc_exe_name(p) == "ctorch-train" for p in before):
+            problems.append(f"no worker found before scancel (control): {before}")
+        t = time.monotonic()
+        sl("scancel", job)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and marked_processes(run_id):
+            time.sleep(0.05)
+        gone_s = time.monotonic() - t
+        left = marked_processes(run_id)
+        if left:
+            problems.append("processes left 30 s after scancel: " +
+                            ", ".join(f"{p} ({proc_exe_name(p)})" for p, _ in left))
+        st = wait_state(job, {"CANCELLED"}, 30)
+        if st != "CANCELLED":
+            problems.append(f"job state {st}")
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  slurm scancel               job {job}: {len(before)} processes of the job "
+              f"before, none left {gone_s:.1f} s after scancel", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        results.append(dict(name="slurm-scancel", ok=ok, problems=problems, injected=[], lost=[]))
+    finally:
+        if lab_dir:
+            subprocess.run([slurm_sh, "down", lab_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120)
+    return results
+
+
 def plan_faults(rng, kinds, workload, world, count):
     """Target global steps spread over the run (never in the last few steps), one per fault."""
     w = WORKLOADS[workload]
@@ -755,7 +923,7 @@ def build_suite(args, rng):
 def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train runs.")
-    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity"], default="quick")
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm"], default="quick")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
@@ -781,8 +949,10 @@ def main():
         if ok and not args.keep and not args.work:
             shutil.rmtree(h.work, ignore_errors=True)
         return 0 if ok else 1
-    if args.suite == "integrity":
-        results = integrity(h)
+    if args.suite in ("integrity", "slurm"):
+        results = integrity(h) if args.suite == "integrity" else slurm_suite(h)
+        if results is None:
+            return 0  # skipped
         failed = sum(1 for r in results if not r["ok"])
         h.log(f"{len(results) - failed} passed, {failed} failed", always=True)
         if not failed and not args.keep and not args.work:
