@@ -45,6 +45,11 @@ WORKLOADS = {
                             "--synthetic-size", "2048", "--batch-size", "32", "--epochs", "3",
                             "--save-every-steps", "4"],
                       steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
+    # Node loss: 3 nodes of 1 worker, a world of 3 that becomes 2.
+    "fashion-nodes": dict(args=["--model", "mnist-cnn", "--dataset", "fashion-mnist", "--train-limit", "1536",
+                                "--test-limit", "1000", "--batch-size", "32", "--epochs", "3",
+                                "--save-every-steps", "4"],
+                          steps_per_rank_world={2: 24, 3: 16}, epochs=3, delay_ms=10),
     "fashion": dict(args=["--model", "mnist-cnn", "--dataset", "fashion-mnist", "--train-limit", "2560",
                           "--test-limit", "500", "--batch-size", "32", "--epochs", "2",
                           "--save-every-steps", "8"],
@@ -882,6 +887,177 @@ def slurm_suite(h):
     return results
 
 
+def netns_of(pid):
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def nodes_suite(h):
+    """Node loss with the trainer: three hosts (network namespaces, scripts/lab/netns.sh), one
+    `ctorchrun --nnodes 2:3 --rdzv-backend c10d` agent with one worker each (world size 3), Fashion-MNIST
+    subset. Mid-epoch, host 3 is killed (every process of it SIGKILLed), or its link is cut. The two
+    others must notice, re-form with world size 2, resume from the epoch boundary and finish, with an
+    accuracy close to the undisturbed run's; a cut-off host's agent must give up by itself (exit 3, one
+    clear line, its worker stopped)."""
+    netns_sh = os.path.join(ROOT, "scripts", "lab", "netns.sh")
+    if subprocess.run([netns_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: netns.sh check: no network namespaces here", always=True)
+        return None
+    workload = "fashion-nodes"
+    ref = h.reference(workload, 3)
+    ref_acc = last_accuracy(open(os.path.join(os.path.dirname(ref), "output.log")).read())
+    # A run that loses a node trains partly under 2 ranks (a smaller global batch, more steps): its
+    # accuracy is compared with undisturbed runs of 3 and of 2 ranks.
+    ref2_acc = last_accuracy(open(os.path.join(os.path.dirname(h.reference(workload, 2)), "output.log")).read())
+    lo_acc, hi_acc = min(ref_acc, ref2_acc) - 2.0, max(ref_acc, ref2_acc) + 2.0
+    results = []
+    for mode in ("kill", "cut"):
+        up = subprocess.run([netns_sh, "up", "3", "--owner", str(os.getpid())], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, timeout=60)
+        if up.returncode != 0:
+            raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
+        lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
+        prefix = lab["LAB_PREFIX"]
+        problems = []
+        d = os.path.join(h.work, f"nodes-{mode}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        run_id = uuid.uuid4().hex
+        env = dict(os.environ, **{MARKER: run_id})
+        agents, outs = {}, {}
+        try:
+            for i in (1, 2, 3):
+                cmd = [netns_sh, "exec", prefix, str(i), h.ctorchrun, "--nnodes", "2:3", "--nproc-per-node", "1",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "chaos",
+                       "--max-restarts", "3", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                       "--log-dir", f"logs-n{i}", h.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS + \
+                      ["--step-delay-ms", str(WORKLOADS[workload]["delay_ms"])]
+                outs[i] = open(os.path.join(d, f"node{i}.log"), "w+")
+                agents[i] = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=outs[i],
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+
+            def text(i):
+                return open(os.path.join(d, f"node{i}.log"), errors="replace").read()
+
+            def step_of(t):
+                best = 0
+                for m in re.finditer(r"default0\]:epoch (\d+)/\d+\s+step\s+(\d+)/(\d+)", t):
+                    best = max(best, (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)))
+                return best
+
+            # Mid-epoch 2 of 3.
+            per_epoch = WORKLOADS[workload]["steps_per_rank_world"][3]
+            target = per_epoch + 3 + random.Random(h.args.seed).randrange(per_epoch - 6)
+            deadline = time.monotonic() + 180
+            # Rank 0 (which prints progress) is on whichever host joined first: read every log.
+            def progress():
+                return max(step_of(text(i)) for i in (1, 2, 3))
+
+            while time.monotonic() < deadline and progress() < target:
+                if any(a.poll() is not None for a in agents.values()):
+                    break
+                time.sleep(0.05)
+            step_at = progress()
+            if step_at < target:
+                problems.append(f"training never reached step {target} (at {step_at})")
+            host3 = os.stat(f"/run/netns/{prefix}-h3").st_ino
+            t_fault = time.monotonic()
+            subprocess.run([netns_sh, mode, prefix, "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=30)
+            h.log(f"nodes-{mode}: host 3 {mode} at global step {step_at}")
+            # The survivors re-form with world size 2.
+            t_reformed = None
+            # Host 1 hosts the rendezvous store (the endpoint names it); hosts 1 and 2 survive.
+            before = {i: len(text(i)) for i in (1, 2)}
+
+            def survivors_after():
+                return "".join(text(i)[before[i]:] for i in (1, 2))
+
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if re.search(r"rendezvous round \d+ complete: node 0 of 2, world size 2", survivors_after()):
+                    t_reformed = time.monotonic()
+                    break
+                time.sleep(0.02)
+            if t_reformed is None:
+                problems.append("the survivors did not re-form with world size 2 within 60 s")
+            t3_exit = None
+            if mode == "cut":
+                try:
+                    rc3 = agents[3].wait(timeout=60)
+                    t3_exit = time.monotonic()
+                except subprocess.TimeoutExpired:
+                    rc3 = None
+                    problems.append("the cut-off node's agent did not give up within 60 s")
+                if rc3 != 3:
+                    problems.append(f"the cut-off node's agent exited {rc3}, expected 3")
+                if "this node is cut off from the others" not in text(3):
+                    problems.append("the cut-off node's agent did not say it is cut off")
+                left = [p for p, _ in marked_processes(run_id) if netns_of(p) == host3]
+                if left:
+                    problems.append(f"the cut-off node left processes: {[(p, proc_exe_name(p)) for p in left]}")
+            rcs = {}
+            for i in (1, 2):
+                try:
+                    rcs[i] = agents[i].wait(timeout=240)
+                except subprocess.TimeoutExpired:
+                    rcs[i] = None
+                if rcs[i] != 0:
+                    problems.append(f"node {i}'s agent exited {rcs[i]}, expected 0")
+            t1 = text(1) + text(2)
+            after = survivors_after()
+            # The store host must not wait for the removed node's dead connection (close_timeout, 30 s).
+            if "still connected to the rendezvous store hosted here" in t1:
+                problems.append("node 1 waited for a removed node's connection before exiting: " +
+                                re.search(r".*still connected.*", t1).group(0)[:200])
+            m = re.search(r"resume: (.*continued by 2 ranks.*|.*redone with 2 ranks.*|.*2 ranks.*)", after)
+            if not m:
+                problems.append("no resume line under world size 2 on node 1")
+            acc = last_accuracy(t1)
+            if acc is None or not (lo_acc <= acc <= hi_acc):
+                problems.append(f"accuracy {acc}% outside [{lo_acc:.1f}, {hi_acc:.1f}] (undisturbed runs: "
+                                f"{ref_acc}% with 3 ranks, {ref2_acc}% with 2, +-2 points)")
+            bad = [(n, check_snapshot_file(os.path.join(d, n))) for n in snapshot_files(d)]
+            problems += [f"snapshot {n}: {why}" for n, why in bad if why]
+            ok = not problems
+            first_step = None
+            ev = f"{'PASS' if ok else 'FAIL'}  nodes {mode:<4} host 3 at global step {step_at}: "
+            ev += f"survivors re-formed (world 2) {t_reformed - t_fault:.1f} s later" if t_reformed else "no re-form"
+            if t3_exit:
+                ev += f", cut-off agent exited 3 after {t3_exit - t_fault:.1f} s"
+            ev += f"; accuracy {acc}% (undisturbed: {ref_acc}% with 3 ranks, {ref2_acc}% with 2)"
+            h.log(ev + (f" | {m.group(0)[:160]}" if m else ""), always=True)
+            for pr in problems:
+                h.log(f"      problem: {pr}", always=True)
+            results.append(dict(name=f"nodes-{mode}", ok=ok, problems=problems, injected=[], lost=[],
+                                reform_s=round(t_reformed - t_fault, 2) if t_reformed else None,
+                                cut_exit_s=round(t3_exit - t_fault, 2) if t3_exit else None,
+                                accuracy=acc, reference_accuracy=[ref_acc, ref2_acc]))
+        finally:
+            for a in agents.values():
+                if a.poll() is None:
+                    try:
+                        os.killpg(a.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    a.wait(timeout=10)
+            subprocess.run([netns_sh, "down", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120)
+            left = marked_processes(run_id)
+            if left:
+                results[-1]["ok"] = False if results else None
+                h.log(f"FAIL  nodes {mode}: processes left after teardown {[p for p, _ in left]}", always=True)
+    return results
+
+
+def last_accuracy(text):
+    """The final test accuracy rank 0 reports in its closing line."""
+    found = re.findall(r"done: .*test accuracy (\d+\.\d+)%", text)
+    return float(found[-1]) if found else None
+
+
 def plan_faults(rng, kinds, workload, world, count):
     """Target global steps spread over the run (never in the last few steps), one per fault."""
     w = WORKLOADS[workload]
@@ -923,7 +1099,7 @@ def build_suite(args, rng):
 def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train runs.")
-    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm"], default="quick")
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes"], default="quick")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
@@ -949,8 +1125,8 @@ def main():
         if ok and not args.keep and not args.work:
             shutil.rmtree(h.work, ignore_errors=True)
         return 0 if ok else 1
-    if args.suite in ("integrity", "slurm"):
-        results = integrity(h) if args.suite == "integrity" else slurm_suite(h)
+    if args.suite in ("integrity", "slurm", "nodes"):
+        results = {"integrity": integrity, "slurm": slurm_suite, "nodes": nodes_suite}[args.suite](h)
         if results is None:
             return 0  # skipped
         failed = sum(1 for r in results if not r["ok"])
