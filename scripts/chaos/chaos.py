@@ -816,12 +816,17 @@ def slurm_suite(h):
         t_pending = time.monotonic()
         if st != "PENDING":
             problems.append(f"after SIGUSR1 the job is {st}, not PENDING (requeued)")
+        # Slurm holds a requeued job back (~2 min); release it sooner, but not within the second of
+        # the requeue: slurmd refuses a credential issued in the same second as the old one's
+        # revocation ("Job credential revoked", the job FAILs without running). StartTime=now+2 would
+        # wait for the scheduler's next pass (~30 s); an update to "now" schedules at once.
+        time.sleep(2.0)
         sl("scontrol", "update", f"JobId={job}", "StartTime=now")
         t_release = time.monotonic()
         st = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 180)
         _, text = steps_in(out)
         if st != "COMPLETED":
-            problems.append(f"the requeued job ended {st}")
+            problems.append(f"the requeued job ended {st}: " + sl("scontrol", "show", "job", "-o", job).strip()[:600])
         show = sl("scontrol", "show", "job", "-o", job)
         if "Restarts=1" not in show:
             counted = re.findall(r"Restarts=\d+", show)
@@ -881,6 +886,9 @@ def slurm_suite(h):
             h.log(f"      problem: {pr}", always=True)
         results.append(dict(name="slurm-scancel", ok=ok, problems=problems, injected=[], lost=[]))
     finally:
+        if lab_dir and (not results or not all(r["ok"] for r in results)):
+            # Slurm's own logs explain most failures: keep them with the run.
+            shutil.copytree(os.path.join(lab_dir, "log"), os.path.join(h.work, "slurm-log"), dirs_exist_ok=True)
         if lab_dir:
             subprocess.run([slurm_sh, "down", lab_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=120)
