@@ -37,6 +37,7 @@ MARKER = "CTORCH_CHAOS_RUN"      # every process of a run inherits it: the /proc
 STALL_ENV = "CTORCH_TEST_SNAPSHOT_STALL_MS"
 TRAIN_TIMEOUT_S = 3              # the trainer's --timeout (collectives give up on a silent peer)
 SHUTDOWN_TIMEOUT_S = 2           # ctorchrun's --shutdown-timeout (SIGTERM -> SIGKILL grace)
+HANG_BOUND_S = TRAIN_TIMEOUT_S + SHUTDOWN_TIMEOUT_S + 20  # worker-stop: fault to the restarted first step
 
 # Workloads: the trainer's arguments (identical for the reference and the faulty runs) and the
 # step delay that gives the faulty runs time to be hit (it does not change any result).
@@ -514,6 +515,14 @@ class Harness:
         bound = sorted(set(res["ports"]) & listening_ports())
         if bound:
             res["problems"].append(f"store ports still bound: {bound}")
+        # A hung worker becomes a restart within the stated bound: the collective timeout, the
+        # launcher's grace, start-up. The slack is generous (a loaded CI machine): the check is
+        # that the hang guard works, not how fast.
+        for l in res["lost"]:
+            if l["kind"] == "worker-stop" and (l["restart_s"] is None or l["restart_s"] > HANG_BOUND_S):
+                res["problems"].append(f"a stopped worker was not restarted within {HANG_BOUND_S} s "
+                                       f"(--timeout {TRAIN_TIMEOUT_S} + --shutdown-timeout {SHUTDOWN_TIMEOUT_S} "
+                                       f"+ start-up): {l['restart_s']}")
         # A fault on the snapshot writer must have hit a half-written file.
         for f in res["injected"]:
             if f["kind"] == "snapshot-kill" and not (0 < f["bytes_at_kill"] and f["bytes_left"] >= 0):
