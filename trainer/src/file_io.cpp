@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <thread>
 
 namespace ctorch::detail {
 namespace {
@@ -78,7 +79,8 @@ std::vector<char> readWholeFile(const std::filesystem::path& path) {
 }
 
 std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
-                                    const char* data, std::size_t size) {
+                                    const char* data, std::size_t size,
+                                    std::chrono::milliseconds midWriteStall) {
   static std::atomic<unsigned> counter{0};
   std::filesystem::path tmp;
   int raw = -1;
@@ -90,7 +92,15 @@ std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std:
   if (raw < 0) throwErrno(EEXIST, "create", tmp);
   Fd fd(raw);
   try {
-    writeAll(fd.get(), data, size, tmp);
+    if (midWriteStall.count() > 0) {
+      // A test hook: a crash test can kill the writer while this file is half written.
+      const std::size_t half = size / 2;
+      writeAll(fd.get(), data, half, tmp);
+      std::this_thread::sleep_for(midWriteStall);
+      writeAll(fd.get(), data + half, size - half, tmp);
+    } else {
+      writeAll(fd.get(), data, size, tmp);
+    }
     fsyncFd(fd.get(), tmp);
     fd.close(tmp);
   } catch (...) {

@@ -2,6 +2,7 @@
 // replace). Failures become std::system_error naming the path. Private to the library.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <filesystem>
 #include <string>
@@ -13,9 +14,11 @@ namespace ctorch::detail {
 std::vector<char> readWholeFile(const std::filesystem::path& path);
 
 // Creates a new file `<dir>/<prefix><pid>-<n>` (O_EXCL), writes `size` bytes, fsyncs and closes
-// it. Removes it again if anything fails. Returns its path.
+// it. Removes it again if anything fails. Returns its path. `midWriteStall` > 0 (a test hook, see
+// snapshotWriteStall) pauses that long after the first half of the bytes is written.
 std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
-                                    const char* data, std::size_t size);
+                                    const char* data, std::size_t size,
+                                    std::chrono::milliseconds midWriteStall = {});
 
 void fsyncDirectory(const std::filesystem::path& dir);
 void renameFile(const std::filesystem::path& from, const std::filesystem::path& to);

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cctype>
 
 namespace ctorch {
@@ -25,6 +27,21 @@ fs::path directoryOf(const fs::path& slot) {
 bool pathExists(const fs::path& p) {
   std::error_code ec;
   return fs::exists(fs::symlink_status(p, ec));
+}
+
+// CTORCH_TEST_SNAPSHOT_STALL_MS=N: every snapshot write pauses N ms with its temporary file half
+// written, so that a fault-injection test (scripts/chaos) can kill the writer in the middle of a
+// write, not just before or after it. Read once; unset (the normal case) means no pause.
+std::chrono::milliseconds snapshotWriteStall() {
+  static const std::chrono::milliseconds stall = [] {
+    const char* v = std::getenv("CTORCH_TEST_SNAPSHOT_STALL_MS");
+    if (!v || !*v) return std::chrono::milliseconds(0);
+    char* end = nullptr;
+    const long ms = std::strtol(v, &end, 10);
+    return (end && *end == 0 && ms > 0 && ms <= 600000) ? std::chrono::milliseconds(ms)
+                                                        : std::chrono::milliseconds(0);
+  }();
+  return stall;
 }
 
 // The suffix number of `name` if it is "<base>.<digits>", else -1.
@@ -106,7 +123,7 @@ std::size_t saveSnapshot(Snapshot& snapshot, const SnapshotSlotOptions& options)
 
   // 1. The new content, complete and durable, under a temporary name nobody reads.
   const fs::path tmp = detail::writeTempFile(dir, slot.filename().string() + ".tmp-",
-                                             bytes.data(), bytes.size());
+                                             bytes.data(), bytes.size(), snapshotWriteStall());
   step(SnapshotWriteStep::TempSynced);
 
   try {

@@ -43,6 +43,19 @@ void setNoDelay(int fd) {
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+void setDeadPeerDetection(int fd) {
+  // Keepalive probes after 2 s of silence, every 1 s, 3 unanswered: ~5 s. A live peer's kernel
+  // answers them even when the process is stopped or busy, so only a vanished peer is dropped.
+  // TCP_USER_TIMEOUT bounds the same while data is unacknowledged (keepalive is off then).
+  int one = 1, idle = 2, interval = 1, count = 3;
+  unsigned int userTimeoutMs = 6000;
+  (void)::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &userTimeoutMs, sizeof userTimeoutMs);
+}
+
 namespace {
 
 int remainingMs(std::chrono::steady_clock::time_point deadline) {

@@ -35,6 +35,9 @@ class Fd {
 
 void setNonBlocking(int fd);
 void setNoDelay(int fd);
+// Server side: a peer that vanished without closing (its machine cut off or powered down) is
+// dropped after about 5 s instead of holding its connection (and ephemeral keys) for hours.
+void setDeadPeerDetection(int fd);
 
 // Connects to host:port, trying every resolved address; throws std::system_error.
 Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);

@@ -188,6 +188,7 @@ class TcpStoreServer::Impl {
         return;
       }
       detail::setNoDelay(fd);
+      detail::setDeadPeerDetection(fd);
       std::uint64_t id = nextId_++;
       Connection c;
       c.fd = Fd(fd);

@@ -286,12 +286,14 @@ SnapshotPoint pointOf(const Snapshot& s) {
 struct Loaded {
   std::optional<Snapshot> snapshot;
   std::string skipped;  // what was passed over, for the log
+  std::vector<std::filesystem::path> skippedFiles;
 };
 
 Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& options, bool allowNothingValid) {
   auto search = loadNewestValid(slot, options);
   Loaded out;
   out.skipped = search.describeSkipped();
+  for (const auto& k : search.skipped) out.skippedFiles.push_back(k.file);
   if (!search.snapshot && !search.skipped.empty() && !allowNothingValid)
     throw ConfigError("no usable snapshot in " + slot.string() + " (" + out.skipped +
                       "); remove the files or start over with --resume never");
@@ -300,8 +302,10 @@ Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& 
 }
 
 // Finds the snapshot to resume from (every rank reads the files itself) and says what it does.
+// `unusable` receives the slot files that were skipped as corrupt.
 std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIdentity& identity, const Names& names,
-                                        Console& console, std::int64_t worldSize) {
+                                        Console& console, std::int64_t worldSize,
+                                        std::vector<std::filesystem::path>& unusable) {
   if (o.resume.kind == ResumeChoice::Kind::kNever) {
     console.line("resume: --resume never: starting from scratch");
     return std::nullopt;
@@ -315,6 +319,7 @@ std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIde
   else
     newest = loadFromSlot(names.slot, load, /*allowNothingValid=*/false);
   if (!newest.skipped.empty()) console.line("resume: " + newest.skipped);
+  unusable = newest.skippedFiles;
 
   std::optional<SnapshotPoint> newestPoint, boundaryPoint;
   if (newest.snapshot) newestPoint = pointOf(*newest.snapshot);
@@ -322,6 +327,7 @@ std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIde
   if (needsEpochBoundary(newestPoint, worldSize)) {
     boundary = loadFromSlot(names.boundarySlot, load, /*allowNothingValid=*/true);
     if (!boundary.skipped.empty()) console.line("resume: " + boundary.skipped);
+    unusable.insert(unusable.end(), boundary.skippedFiles.begin(), boundary.skippedFiles.end());
     if (boundary.snapshot) boundaryPoint = pointOf(*boundary.snapshot);
   }
   const ResumePlan plan = planResume(newestPoint, boundaryPoint, worldSize, names.boundarySlot);
@@ -473,7 +479,8 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   // ---- the snapshot to resume from (found before DDP is built: it carries DDP's bucket layout)
   const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
   const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
-  const std::optional<Snapshot> resumeFrom = findResumePoint(o, identity, names, console, worldSize);
+  std::vector<std::filesystem::path> unusableFiles;
+  const std::optional<Snapshot> resumeFrom = findResumePoint(o, identity, names, console, worldSize, unusableFiles);
 
   // ---- DDP, optimizer, sampler, loss scaling, schedule
   if (o.gradientAsBucketView) {
@@ -520,6 +527,18 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
                              " to " + std::to_string(agreed[0]) +
                              "): every rank must see the same snapshot files (a shared file system)");
     if (agreed[2] > 0) stopPoint = StopPoint::kBeforeStart;
+  }
+  // Corrupt files of the slot are set aside now that every rank has read the slot: left in place,
+  // the next save would rotate a corrupt newest file into the kept ones (snapshot.pt.1), where it
+  // takes the place of a good fallback. The new name is never read, and keeps the evidence.
+  if (isMainProcess) {
+    for (const auto& f : unusableFiles) {
+      std::error_code ec;
+      const std::filesystem::path aside = f.string() + ".unusable";
+      std::filesystem::rename(f, aside, ec);
+      console.line("resume: set aside " + f.string() + " as " + aside.filename().string() +
+                   (ec ? " failed: " + ec.message() : " (unusable; never read again)"));
+    }
   }
 
   std::optional<MetricsLog> metrics;

@@ -1,0 +1,1197 @@
+#!/usr/bin/python3
+# The chaos harness (issue 6): runs ctorch-train under `ctorchrun --max-restarts K`, injects faults at
+# seeded random moments, and checks after every run that nothing was lost. Run with Debian's
+# /usr/bin/python3 (it needs torch to compare tensors and open snapshots). docs/reliability.md has
+# the fault kinds, the checks, the commands and the measured numbers.
+#
+#   scripts/chaos/chaos.py --suite quick --seed 1            # the CTest subset (label `chaos`)
+#   scripts/chaos/chaos.py --suite full --seed 1             # every kind on both workloads
+#   scripts/chaos/chaos.py --suite long --faults 50 --seed 7 # 50 faults, kinds drawn at random
+#
+# Everything random (scenario kinds, the rank hit, the moment) comes from --seed; the log
+# (<work>/chaos.log and each run's output.log) records every decision, so a failure is replayed
+# with the same seed.
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "snapshot", "python"))
+
+import torch  # noqa: E402
+from check_snapshot import digest  # noqa: E402  the format's content digest, independent of C++
+
+KINDS = ["worker-kill", "worker-segv", "snapshot-kill", "worker-stop", "launcher-term", "launcher-kill"]
+MARKER = "CTORCH_CHAOS_RUN"      # every process of a run inherits it: the /proc scan finds leftovers
+STALL_ENV = "CTORCH_TEST_SNAPSHOT_STALL_MS"
+TRAIN_TIMEOUT_S = 3              # the trainer's --timeout (collectives give up on a silent peer)
+SHUTDOWN_TIMEOUT_S = 2           # ctorchrun's --shutdown-timeout (SIGTERM -> SIGKILL grace)
+HANG_BOUND_S = TRAIN_TIMEOUT_S + SHUTDOWN_TIMEOUT_S + 20  # worker-stop: fault to the restarted first step
+
+# Workloads: the trainer's arguments (identical for the reference and the faulty runs) and the
+# step delay that gives the faulty runs time to be hit (it does not change any result).
+WORKLOADS = {
+    "synthetic": dict(args=["--model", "linear", "--dataset", "synthetic-regression",
+                            "--synthetic-size", "2048", "--batch-size", "32", "--epochs", "3",
+                            "--save-every-steps", "4"],
+                      steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
+    # Node loss: 3 nodes of 1 worker, a world of 3 that becomes 2.
+    "fashion-nodes": dict(args=["--model", "mnist-cnn", "--dataset", "fashion-mnist", "--train-limit", "1536",
+                                "--test-limit", "1000", "--batch-size", "32", "--epochs", "3",
+                                "--save-every-steps", "4"],
+                          steps_per_rank_world={2: 24, 3: 16}, epochs=3, delay_ms=10),
+    "fashion": dict(args=["--model", "mnist-cnn", "--dataset", "fashion-mnist", "--train-limit", "2560",
+                          "--test-limit", "500", "--batch-size", "32", "--epochs", "2",
+                          "--save-every-steps", "8"],
+                    steps_per_rank_world={1: 80, 2: 40, 3: 27}, epochs=2, delay_ms=20),
+}
+COMMON_ARGS = ["--log-interval", "1", "--progress", "lines", "--timeout", str(TRAIN_TIMEOUT_S)]
+
+STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\s")
+STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
+STORE_RE = re.compile(r"store ([0-9.:a-zA-Z\[\]-]+):(\d+)")
+TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
+
+
+class Log:
+    def __init__(self, path, verbose):
+        self.f = open(path, "a")
+        self.verbose = verbose
+        self.lock = threading.Lock()
+
+    def __call__(self, msg, always=False):
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        with self.lock:
+            self.f.write(line + "\n")
+            self.f.flush()
+            if self.verbose or always:
+                print(line, flush=True)
+
+
+# ---------------------------------------------------------------- processes of a run (/proc scan)
+def proc_environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    env = {}
+    for item in data.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+def proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def proc_exe_name(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+        return os.path.basename(argv0)
+    except OSError:
+        return ""
+
+
+def marked_processes(run_id):
+    """[(pid, env)] of live processes (zombies excluded) that carry this run's marker."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        pid = int(d)
+        env = proc_environ(pid)
+        if env is None or env.get(MARKER) != run_id:
+            continue
+        st = proc_state(pid)
+        if st is None or st == "Z":
+            continue
+        out.append((pid, env))
+    return out
+
+
+def trainer_workers(run_id):
+    """{rank: pid} of the run's ctorch-train processes."""
+    ranks = {}
+    for pid, env in marked_processes(run_id):
+        if proc_exe_name(pid) == "ctorch-train" and "RANK" in env:
+            ranks[int(env["RANK"])] = pid
+    return ranks
+
+
+def listening_ports():
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A":  # LISTEN
+                        ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+        except OSError:
+            pass
+    return ports
+
+
+# ---------------------------------------------------------------- snapshots and parameters
+def check_snapshot_file(path):
+    """None if the file is a valid ctorch snapshot (zip CRCs, torch.load, header, content digest),
+    else the problem."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+            if bad is not None:
+                return f"record {bad} fails its CRC-32"
+        snap = torch.load(path, map_location="cpu")
+        h = snap["CTORCH_SNAPSHOT"]
+        if h.get("magic") != "ctorch-snapshot":
+            return f"header magic {h.get('magic')!r}"
+        stored = h.pop("content_digest")
+        computed = digest(snap)
+        if stored != computed:
+            return f"content digest: stored {stored}, computed {computed}"
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+        return f"{type(e).__name__}: {e}"
+
+
+def snapshot_files(run_dir):
+    return sorted(n for n in os.listdir(run_dir)
+                  if re.fullmatch(r"(snapshot(-epoch)?\.pt(\.\d+)?|checkpoint_epoch_\d+\.pt)", n))
+
+
+def compare_weights(a_path, b_path):
+    """None if the two state dicts hold bit-identical tensors, else the first difference."""
+    a = torch.load(a_path, map_location="cpu")
+    b = torch.load(b_path, map_location="cpu")
+    if list(a.keys()) != list(b.keys()):
+        return f"keys differ: {list(a.keys())} vs {list(b.keys())}"
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+        if not torch.equal(x, y):
+            diff = (x.double() - y.double()).abs().max().item()
+            return f"{k} differs (max abs difference {diff:g})"
+    return None
+
+
+# ---------------------------------------------------------------- one launch of ctorchrun
+class Launch:
+    """ctorchrun running in the background; its merged output is read line by line, logged with
+    timestamps, and parsed for progress (global steps), attempts and store ports."""
+
+    def __init__(self, run, index):
+        self.run = run
+        self.index = index
+        cmd = run.command()
+        run.log(f"[{run.name}] launch {index}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, cwd=run.dir, env=run.env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.restarts = 0
+        self.ended = False
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        out = self.run.output
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            now = time.monotonic()
+            out.write(f"{now - self.run.t0:9.3f} L{self.index} {line}\n")
+            m = STEP_RE.match(line)
+            if m and m.group(1) == "0":
+                epoch, step, steps = int(m.group(2)), int(m.group(4)), int(m.group(5))
+                self.run.on_step((epoch - 1) * steps + step, now)
+                continue
+            m = STARTED_RE.search(line)
+            if m:
+                self.restarts = max(self.restarts, int(m.group(3)))
+                self.run.on_attempt(now)
+            m = STORE_RE.search(line)
+            if m and "rendezvous round" in line:
+                self.run.ports.add(int(m.group(2)))
+        out.flush()
+        with self.run.cond:
+            self.ended = True
+            self.run.cond.notify_all()
+
+    def wait(self, timeout):
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.thread.join(timeout=10)
+        return rc
+
+    def kill_all(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- one scenario
+class Run:
+    def __init__(self, h, name, workload, world, faults, rng):
+        self.h = h
+        self.log = h.log
+        self.name = name
+        self.workload = workload
+        self.world = world
+        self.faults = faults          # [(kind, target global step)]
+        self.rng = rng
+        self.dir = os.path.join(h.work, name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.output = open(os.path.join(self.dir, "output.log"), "w")
+        self.id = uuid.uuid4().hex
+        self.env = dict(os.environ)
+        self.env[MARKER] = self.id
+        if any(k == "snapshot-kill" for k, _ in faults):
+            self.env[STALL_ENV] = "300"
+        self.ports = set()
+        self.cond = threading.Condition()
+        self.max_step = 0           # highest global step rank 0 reported, over all launches
+        self.last_step = 0          # the latest one (falls back after a resume)
+        self.step_events = []       # (time, global step)
+        self.attempt_times = []
+        self.t0 = time.monotonic()
+
+    def command(self):
+        w = WORKLOADS[self.workload]
+        return [self.h.ctorchrun, "--standalone", "--nproc-per-node", str(self.world),
+                "--max-restarts", str(len(self.faults) + 2), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                "--log-dir", "logs", self.h.trainer] + w["args"] + COMMON_ARGS + \
+               ["--step-delay-ms", str(w["delay_ms"])]
+
+    def on_step(self, step, now):
+        with self.cond:
+            self.last_step = step
+            self.max_step = max(self.max_step, step)
+            self.step_events.append((now, step))
+            self.cond.notify_all()
+
+    def on_attempt(self, now):
+        with self.cond:
+            self.attempt_times.append(now)
+            self.cond.notify_all()
+
+    def wait_for(self, pred, timeout):
+        with self.cond:
+            return self.cond.wait_for(pred, timeout=timeout)
+
+    # -- the faults
+    def pick_worker(self):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ranks = trainer_workers(self.id)
+            if len(ranks) == self.world:
+                rank = self.rng.randrange(self.world)
+                return rank, ranks[rank]
+            time.sleep(0.02)
+        raise RuntimeError(f"workers not found (saw {trainer_workers(self.id)})")
+
+    def catch_snapshot_write(self, timeout):
+        """Waits until a snapshot's temporary file is being written; returns (writer pid, file, size)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in os.listdir(self.dir):
+                m = TMP_RE.match(n)
+                if not m:
+                    continue
+                pid = int(m.group(2))
+                try:
+                    size = os.path.getsize(os.path.join(self.dir, n))
+                except OSError:
+                    continue
+                if size > 0 and proc_state(pid) not in (None, "Z"):
+                    return pid, n, size
+            time.sleep(0.005)
+        return None
+
+    def execute(self):
+        """Runs the scenario; returns the result dict."""
+        res = dict(name=self.name, workload=self.workload, world=self.world,
+                   faults=[k for k, _ in self.faults], injected=[], problems=[], lost=[], relaunches=0)
+        launches = self.launches = [Launch(self, 0)]
+        expected_rcs = []
+        try:
+            for kind, target in self.faults:
+                cur = launches[-1]
+                # A moment in the middle of training: rank 0 has passed the target step (and, after a
+                # restart, has made progress again), then a random extra delay.
+                if not self.wait_for(lambda: self.max_step >= target or cur.ended, 120) or cur.ended:
+                    res["problems"].append(f"{kind}: training never reached step {target}")
+                    break
+                if cur.proc.poll() is not None:
+                    res["problems"].append(f"{kind}: ctorchrun exited ({cur.proc.returncode}) before the fault")
+                    break
+                time.sleep(self.rng.uniform(0, 0.3))
+                step_at = self.max_step
+                t_fault = time.monotonic()
+                what = self.inject(kind, cur)
+                if what is None:
+                    res["problems"].append(f"{kind}: could not inject at step {step_at}")
+                    break
+                t_fault = what.pop("t", t_fault)
+                res["injected"].append(dict(kind=kind, step=step_at, **what))
+                self.log(f"[{self.name}] fault {len(res['injected'])}: {kind} at global step {step_at}: {what}")
+                if kind in ("launcher-term", "launcher-kill"):
+                    rc = cur.wait(60)
+                    want = 75 if kind == "launcher-term" else -signal.SIGKILL
+                    expected_rcs.append((cur.index, rc, want))
+                    if kind == "launcher-kill":
+                        # The supervisors must take every worker down with the launcher.
+                        gone = self.wait_gone(10)
+                        if not gone:
+                            res["problems"].append("after SIGKILL of ctorchrun: processes left " +
+                                                   str([p for p, _ in marked_processes(self.id)]))
+                    launches.append(Launch(self, len(launches)))
+                    res["relaunches"] += 1
+                res["lost"].append(self.measure_recovery(kind, t_fault, step_at))
+            final = launches[-1]
+            rc = final.wait(300)
+            if rc is None:
+                res["problems"].append("ctorchrun did not finish within 300 s")
+                final.kill_all()
+                rc = final.wait(10)
+            expected_rcs.append((final.index, rc, 0))
+        finally:
+            for l in launches:
+                if l.proc.poll() is None:
+                    l.kill_all()
+                    l.wait(10)
+            self.output.flush()
+        res["seconds"] = round(time.monotonic() - self.t0, 2)
+        for index, rc, want in expected_rcs:
+            if rc != want:
+                res["problems"].append(f"launch {index} exited {rc}, expected {want}")
+        res["restarts"] = sum(l.restarts for l in launches) + res["relaunches"]
+        res["ports"] = sorted(self.ports)
+        self.output.close()
+        return res
+
+    def wait_gone(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not marked_processes(self.id):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def inject(self, kind, launch):
+        if kind in ("worker-kill", "worker-segv", "worker-stop"):
+            rank, pid = self.pick_worker()
+            sig = {"worker-kill": signal.SIGKILL, "worker-segv": signal.SIGSEGV,
+                   "worker-stop": signal.SIGSTOP}[kind]
+            os.kill(pid, sig)
+            return dict(rank=rank, pid=pid, t=time.monotonic())
+        if kind == "snapshot-kill":
+            caught = self.catch_snapshot_write(30)
+            if caught is None:
+                return None
+            pid, name, size = caught
+            os.kill(pid, signal.SIGKILL)
+            t = time.monotonic()
+            # Proof that the kill landed mid-write: the temporary file is still there, half written.
+            left = os.path.getsize(os.path.join(self.dir, name)) if os.path.exists(os.path.join(self.dir, name)) else -1
+            return dict(pid=pid, file=name, bytes_at_kill=size, bytes_left=left, t=t)
+        if kind == "launcher-term":
+            os.kill(launch.proc.pid, signal.SIGTERM)
+            return dict(pid=launch.proc.pid, t=time.monotonic())
+        if kind == "launcher-kill":
+            os.kill(launch.proc.pid, signal.SIGKILL)
+            return dict(pid=launch.proc.pid, t=time.monotonic())
+        raise ValueError(kind)
+
+    def measure_recovery(self, kind, t_fault, step_at):
+        """Seconds from the fault until the restarted workers' first step (detection, restart,
+        start-up: `restart_s`) and until training is past the step it had reached (plus the redone
+        steps: `lost_s`)."""
+        def first_step_after(pred):
+            with self.cond:
+                starts = [t for t in self.attempt_times if t > t_fault]
+                if not starts:
+                    return None
+                for t, s in self.step_events:
+                    if t > starts[0] and pred(s):
+                        return t
+            return None
+        self.wait_for(lambda: first_step_after(lambda s: s > step_at) is not None or self.launches[-1].ended, 120)
+        t_any = first_step_after(lambda s: True)
+        t_past = first_step_after(lambda s: s > step_at)
+        return dict(kind=kind, restart_s=round(t_any - t_fault, 3) if t_any else None,
+                    lost_s=round(t_past - t_fault, 3) if t_past else None)
+
+
+# ---------------------------------------------------------------- the harness
+class Harness:
+    def __init__(self, args):
+        self.args = args
+        self.work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="ctorch-chaos-"))
+        os.makedirs(self.work, exist_ok=True)
+        self.log = Log(os.path.join(self.work, "chaos.log"), args.verbose)
+        # Private copies: a rebuild during a long run must not swap the programs under it.
+        bindir = os.path.join(self.work, "bin")
+        os.makedirs(bindir, exist_ok=True)
+        self.ctorchrun = shutil.copy2(os.path.abspath(args.ctorchrun), os.path.join(bindir, "ctorchrun"))
+        self.trainer = shutil.copy2(os.path.abspath(args.trainer), os.path.join(bindir, "ctorch-train"))
+        self.references = {}
+
+    def reference(self, workload, world):
+        """model.pt of an uninterrupted run of this workload and world size (no step delay)."""
+        key = (workload, world)
+        if key in self.references:
+            return self.references[key]
+        d = os.path.join(self.work, f"reference-{workload}-w{world}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        cmd = [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs",
+               self.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS
+        t = time.monotonic()
+        with open(os.path.join(d, "output.log"), "w") as out:
+            rc = subprocess.run(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=600).returncode
+        if rc != 0:
+            raise RuntimeError(f"reference run {workload} w{world} failed with {rc}: see {d}/output.log")
+        self.log(f"reference {workload} w{world}: {time.monotonic() - t:.1f} s", always=True)
+        self.references[key] = os.path.join(d, "model.pt")
+        return self.references[key]
+
+    def check(self, run, res):
+        # The final parameters, tensor by tensor, against the uninterrupted run.
+        model = os.path.join(run.dir, "model.pt")
+        if not os.path.exists(model):
+            res["problems"].append("no model.pt")
+            res["identical"] = False
+        else:
+            diff = compare_weights(self.reference(run.workload, run.world), model)
+            res["identical"] = diff is None
+            if diff:
+                res["problems"].append(f"final parameters differ from the uninterrupted run: {diff}")
+        # Every snapshot on disk loads and verifies.
+        files = snapshot_files(run.dir)
+        bad = [(n, check_snapshot_file(os.path.join(run.dir, n))) for n in files]
+        bad = [(n, why) for n, why in bad if why]
+        res["snapshots"] = len(files)
+        for n, why in bad:
+            res["problems"].append(f"snapshot {n} does not load: {why}")
+        # One restart (or relaunch) per fault, no more, no fewer.
+        if res["restarts"] != len(res["injected"]) or len(res["injected"]) != len(res["faults"]):
+            res["problems"].append(f"{len(res['faults'])} faults planned, {len(res['injected'])} injected, "
+                                   f"{res['restarts']} restarts")
+        # Nothing of the run left: processes (marker scan) and the store ports it logged.
+        if not run.wait_gone(5):
+            res["problems"].append("processes left alive: " +
+                                   ", ".join(f"{p} ({proc_exe_name(p)})" for p, _ in marked_processes(run.id)))
+            for p, _ in marked_processes(run.id):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+        if not res["ports"]:
+            res["problems"].append("no store port found in ctorchrun's log")
+        bound = sorted(set(res["ports"]) & listening_ports())
+        if bound:
+            res["problems"].append(f"store ports still bound: {bound}")
+        # A hung worker becomes a restart within the stated bound: the collective timeout, the
+        # launcher's grace, start-up. The slack is generous (a loaded CI machine): the check is
+        # that the hang guard works, not how fast.
+        for l in res["lost"]:
+            if l["kind"] == "worker-stop" and (l["restart_s"] is None or l["restart_s"] > HANG_BOUND_S):
+                res["problems"].append(f"a stopped worker was not restarted within {HANG_BOUND_S} s "
+                                       f"(--timeout {TRAIN_TIMEOUT_S} + --shutdown-timeout {SHUTDOWN_TIMEOUT_S} "
+                                       f"+ start-up): {l['restart_s']}")
+        # A fault on the snapshot writer must have hit a half-written file.
+        for f in res["injected"]:
+            if f["kind"] == "snapshot-kill" and not (0 < f["bytes_at_kill"] and f["bytes_left"] >= 0):
+                res["problems"].append(f"snapshot-kill did not land during a write: {f}")
+
+    def run_scenario(self, name, workload, world, faults, seed):
+        rng = random.Random(seed)
+        self.reference(workload, world)
+        run = Run(self, name, workload, world, faults, rng)
+        self.log(f"[{name}] {workload} w{world} seed {seed} faults {faults}")
+        res = run.execute()
+        self.check(run, res)
+        res["ok"] = not res["problems"]
+        lost = " ".join(f"{l['kind']}:{l['restart_s']}/{l['lost_s']}s" for l in res["lost"])
+        line = (f"{'PASS' if res['ok'] else 'FAIL'}  {name:<28} {workload}/w{world}  faults "
+                f"{len(res['injected'])}/{len(faults)}  restarts {res['restarts']}  "
+                f"{'bit-identical' if res.get('identical') else 'NOT identical'}  snapshots {res['snapshots']} ok  "
+                f"{res['seconds']:.1f} s  [restart/lost {lost}]")
+        self.log(line, always=True)
+        for p in res["problems"]:
+            self.log(f"      problem: {p}", always=True)
+        if res["ok"] and not self.args.keep:
+            shutil.rmtree(run.dir, ignore_errors=True)
+        return res
+
+
+def self_test(h):
+    """Controls: every check of a run must bite. Each case breaks one thing on purpose (a parameter
+    off by one ulp, one flipped bit in a snapshot, a leftover process, a bound port) and fails unless
+    the check notices."""
+    failures = []
+    d = os.path.join(h.work, "self-test")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    ref = h.reference("synthetic", 2)
+    ref_dir = os.path.dirname(ref)
+    # 1. Bit-identity: the reference equals itself; one ulp in one element does not.
+    if compare_weights(ref, ref) is not None:
+        failures.append("compare_weights: the reference differs from itself")
+    sd = torch.load(ref)
+    k = next(iter(sd))
+    sd[k] = sd[k].clone()
+    flat = sd[k].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+    torch.save(sd, os.path.join(d, "model.pt"))
+    if compare_weights(ref, os.path.join(d, "model.pt")) is None:
+        failures.append("compare_weights: a one-ulp change went unnoticed")
+    # 2. Snapshots: the reference's load; a bit flip in tensor data, a truncation, a re-save with a
+    #    changed entry (valid CRCs, stale digest) do not.
+    snap = os.path.join(ref_dir, "snapshot.pt")
+    if check_snapshot_file(snap) is not None:
+        failures.append(f"check_snapshot_file refuses a good snapshot: {check_snapshot_file(snap)}")
+    data = bytearray(open(snap, "rb").read())
+    with zipfile.ZipFile(snap) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
+    flipped = os.path.join(d, "flipped.pt")
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size // 2] ^= 0x10
+    open(flipped, "wb").write(bytes(data))
+    truncated = os.path.join(d, "truncated.pt")
+    open(truncated, "wb").write(open(snap, "rb").read()[:-100])
+    edited = os.path.join(d, "edited.pt")
+    s = torch.load(snap)
+    s["GLOBAL_STEP"] += 1
+    torch.save(s, edited)
+    for bad in (flipped, truncated, edited):
+        if check_snapshot_file(bad) is None:
+            failures.append(f"check_snapshot_file accepts {os.path.basename(bad)}")
+    # 3. A process carrying the marker is found; a bound port is seen.
+    run_id = uuid.uuid4().hex
+    p = subprocess.Popen(["sleep", "30"], env=dict(os.environ, **{MARKER: run_id}))
+    try:
+        if [pid for pid, _ in marked_processes(run_id)] != [p.pid]:
+            failures.append("marked_processes does not find a live marked process")
+    finally:
+        p.kill()
+        p.wait()
+    if marked_processes(run_id):
+        failures.append("marked_processes reports a reaped process")
+    import socket
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    if port not in listening_ports():
+        failures.append(f"listening_ports misses bound port {port}")
+    sock.close()
+    if port in listening_ports():
+        failures.append(f"listening_ports reports closed port {port}")
+    for f in failures:
+        h.log(f"FAIL  self-test: {f}", always=True)
+    h.log(f"self-test: {'PASS' if not failures else 'FAIL'} (controls: ulp change, bit flip, truncation, "
+          f"stale digest, leftover process, bound port)", always=True)
+    return not failures
+
+
+def damage(path, how, like):
+    """Damages one snapshot file in place, as a disk, a crash or a user might."""
+    data = bytearray(open(path, "rb").read())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "zeroed":
+        data = bytearray(len(data))
+    elif how == "empty":
+        data = bytearray()
+    elif how == "bit-flipped":
+        with zipfile.ZipFile(path) as z:
+            info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size // 2] ^= 0x04
+    elif how == "foreign":
+        torch.save({"weights": torch.zeros(3), "epoch": 2}, path)
+        return
+    elif how == "other-run":
+        shutil.copyfile(like, path)  # a valid snapshot of another configuration
+        return
+    open(path, "wb").write(bytes(data))
+
+
+# What the trainer must say for each damage: it names the file and the problem.
+DAMAGE_WORDS = {"truncated": "truncated", "zeroed": "zero", "empty": "empty", "bit-flipped": "checksum",
+                "foreign": "not a ctorch snapshot"}
+
+
+def integrity(h):
+    """Snapshot integrity with the real trainer under ctorchrun (2 ranks): a finished run's newest
+    snapshot damaged (truncated, zeroed, empty, one bit flipped, a foreign torch.save file): running the
+    same command again names the problem, falls back to snapshot.pt.1 and ends bit-identical to the
+    uninterrupted run. Every file of the slot damaged: an error naming each, unless --resume never
+    (a fresh start, again bit-identical). A snapshot of another configuration or model: refused,
+    naming what differs."""
+    results = []
+    workload, world = "synthetic", 2
+    ref = h.reference(workload, world)
+    ref_dir = os.path.dirname(ref)
+    base = [h.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs", h.trainer] + \
+        WORKLOADS[workload]["args"] + COMMON_ARGS
+    other = os.path.join(h.work, "integrity-other-lr.pt")
+    # A valid snapshot of the same model under another learning rate.
+    od = os.path.join(h.work, "integrity-other")
+    shutil.rmtree(od, ignore_errors=True)
+    os.makedirs(od)
+    subprocess.run(base + ["--lr", "0.1", "--max-steps", "4"], cwd=od, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120, check=True)
+    shutil.copyfile(os.path.join(od, "snapshot.pt"), other)
+
+    def case(name, files, how, extra, want_rc, want_words, identical):
+        d = os.path.join(h.work, f"integrity-{name}")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(ref_dir, d, ignore=shutil.ignore_patterns("logs", "output.log", "model.pt"))
+        for f in files:
+            damage(os.path.join(d, f), how, other)
+        t = time.monotonic()
+        p = subprocess.run(base + extra, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=120)
+        out = p.stdout.decode(errors="replace")
+        open(os.path.join(d, "output.log"), "w").write(out)
+        problems = []
+        if p.returncode != want_rc:
+            problems.append(f"exit {p.returncode}, expected {want_rc}")
+        for w in want_words:
+            if w not in out:
+                problems.append(f"output lacks '{w}'")
+        if "Traceback" in out or "terminate called" in out:
+            problems.append("a stack trace or an uncaught exception in the output")
+        if identical:
+            diff = compare_weights(ref, os.path.join(d, "model.pt")) if os.path.exists(
+                os.path.join(d, "model.pt")) else "no model.pt"
+            if diff:
+                problems.append(f"final parameters differ: {diff}")
+        for n in snapshot_files(d):
+            why = check_snapshot_file(os.path.join(d, n))
+            if why and not (n in files and p.returncode != 0):
+                problems.append(f"{n} left unusable: {why}")
+        line = [l for l in out.splitlines() if "resume:" in l or "error:" in l]
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  integrity {name:<24} exit {p.returncode}  {time.monotonic() - t:.1f} s  "
+              f"| {line[-1].split(']:', 1)[-1].strip()[:150] if line else ''}", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        if ok and not h.args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append(dict(name=f"integrity-{name}", ok=ok, problems=problems, injected=[], lost=[]))
+
+    for how, word in DAMAGE_WORDS.items():
+        case(how, ["snapshot.pt"], how, [], 0,
+             [f"skipped snapshot.pt: snapshot snapshot.pt is unusable", word, "resuming from snapshot.pt.1"], True)
+    slot = ["snapshot.pt", "snapshot.pt.1", "snapshot.pt.2"]
+    case("all-damaged", slot, "truncated", [], 2,
+         ["no usable snapshot in snapshot.pt", "skipped snapshot.pt.2", "--resume never"], False)
+    case("all-damaged-resume-never", slot, "truncated", ["--resume", "never"], 0, [], True)
+    case("other-config", ["snapshot.pt"], "other-run", [], 2,
+         ["does not fit this run", "config 'lr' is '0.1' in the snapshot, '0.05' in this run"], False)
+    case("other-config-elsewhere", [], None, ["--resume", other], 2,
+         ["does not fit this run", "'lr' is '0.1' in the snapshot"], False)
+    # Another model on the same data: the fashion workload's snapshot resumed by another CNN.
+    fref = os.path.dirname(h.reference("fashion", world))
+    fbase = [h.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs", h.trainer] + \
+        WORKLOADS["fashion"]["args"] + COMMON_ARGS
+    d = os.path.join(h.work, "integrity-other-model")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    args = [a if a != "mnist-cnn" else "simple-cnn" for a in fbase] + ["--resume", os.path.join(fref, "snapshot.pt")]
+    p = subprocess.run(args, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       timeout=120)
+    out = p.stdout.decode(errors="replace")
+    ok = p.returncode == 2 and "model name is 'mnist-cnn' in the snapshot, 'simple-cnn' in this run" in out
+    h.log(f"{'PASS' if ok else 'FAIL'}  integrity other-model              exit {p.returncode}  | "
+          f"{[l for l in out.splitlines() if 'error:' in l][-1:]}", always=True)
+    results.append(dict(name="integrity-other-model", ok=ok, problems=[] if ok else [out[-500:]],
+                        injected=[], lost=[]))
+    return results
+
+
+def slurm_suite(h):
+    """Preemption under a real Slurm cluster (scripts/lab/slurm.sh: 2 nodes in network namespaces):
+    scripts/slurm/preemptible.sbatch running `srun ctorchrun ... ctorch-train` (1 worker per node,
+    world size 2) gets SIGUSR1 as `--signal=B:USR1@<s>` would send it (scancel --signal=USR1
+    --batch); the workers save and exit 75, the script requeues, the requeued job resumes and ends
+    bit-identical to the uninterrupted run. Then a running job is scancel'ed: nothing of it may
+    survive."""
+    results = []
+    slurm_sh = os.path.join(ROOT, "scripts", "lab", "slurm.sh")
+    if subprocess.run([slurm_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: slurm.sh check: no Slurm lab possible here", always=True)
+        return None
+    ref = h.reference("synthetic", 2)
+    up = subprocess.run([slurm_sh, "up", "2", "--gpus", "1", "--owner", str(os.getpid())],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    if up.returncode != 0:
+        raise RuntimeError(f"slurm.sh up failed: {up.stderr.decode()[-500:]}")
+    env = dict(os.environ)
+    for line in up.stdout.decode().splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            env[k] = v
+    lab_dir = env.get("LAB_SLURM_DIR", "")
+
+    def sl(*cmd, timeout=30):
+        return subprocess.run(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=timeout).stdout.decode(errors="replace")
+
+    def job_state(job):
+        m = re.search(r"JobState=(\S+)", sl("scontrol", "show", "job", "-o", job))
+        return m.group(1) if m else "?"
+
+    def wait_state(job, states, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = job_state(job)
+            if st in states:
+                return st
+            time.sleep(0.2)
+        return job_state(job)
+
+    def steps_in(path):
+        try:
+            text = open(path, errors="replace").read()
+        except OSError:
+            return 0, ""
+        best = 0
+        for m in re.finditer(r"\[(?:\S+:)?default0\]:epoch (\d+)/\d+\s+step\s+(\d+)/(\d+)", text):
+            best = max(best, (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)))
+        return best, text
+
+    def submit(name, run_id):
+        d = os.path.join(h.work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        os.chmod(d, 0o777)
+        job_env = dict(env, CTORCHRUN=h.ctorchrun, MAX_RESTARTS="0", **{MARKER: run_id})
+        cmd = ["sbatch", "--parsable", "--gpus-per-node=1", "--cpus-per-task=1", f"--chdir={d}",
+               os.path.join(ROOT, "scripts", "slurm", "preemptible.sbatch"), h.trainer] + \
+            WORKLOADS["synthetic"]["args"] + COMMON_ARGS + ["--step-delay-ms", "40"]
+        p = subprocess.run(cmd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+        out = p.stdout.decode().strip()
+        if p.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {out}")
+        job = out.split(";")[0]
+        return d, job, os.path.join(d, f"ctorch-train-{job}.out")
+
+    def wait_steps(path, n, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if steps_in(path)[0] >= n:
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        # 1. Preemption and requeue.
+        problems = []
+        run_id = uuid.uuid4().hex
+        d, job, out = submit("slurm-preempt", run_id)
+        t0 = time.monotonic()
+        if not wait_steps(out, 30, 120):
+            problems.append("the job never reached step 30")
+        step_at = steps_in(out)[0]
+        t_sig = time.monotonic()
+        sl("scancel", "--signal=USR1", "--batch", job)
+        st = wait_state(job, {"PENDING"}, 60)
+        t_pending = time.monotonic()
+        if st != "PENDING":
+            problems.append(f"after SIGUSR1 the job is {st}, not PENDING (requeued)")
+        # Slurm holds a requeued job back (~2 min); release it sooner, but not within the second of
+        # the requeue: slurmd refuses a credential issued in the same second as the old one's
+        # revocation ("Job credential revoked", the job FAILs without running). StartTime=now+2 would
+        # wait for the scheduler's next pass (~30 s); an update to "now" schedules at once.
+        time.sleep(2.0)
+        sl("scontrol", "update", f"JobId={job}", "StartTime=now")
+        t_release = time.monotonic()
+        st = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 180)
+        _, text = steps_in(out)
+        if st != "COMPLETED":
+            problems.append(f"the requeued job ended {st}: " + sl("scontrol", "show", "job", "-o", job).strip()[:600])
+        show = sl("scontrol", "show", "job", "-o", job)
+        if "Restarts=1" not in show:
+            counted = re.findall(r"Restarts=\d+", show)
+            problems.append(f"Slurm counts {counted}, expected Restarts=1")
+        for want in ("SIGUSR1 received", "step ended preempted (exit 75)", f"requeueing job {job}",
+                     "resuming from snapshot.pt", "exactly where it stopped", "(restart 1)"):
+            if want not in text:
+                problems.append(f"job output lacks '{want}'")
+        t_resumed = None
+        # Time from the release of the requeued job to its first step (Slurm start + rendezvous + resume).
+        m = re.search(r"resuming from snapshot.pt at epoch (\d+), step (\d+)", text)
+        if m:
+            h.log(f"slurm: preempted at step ~{step_at}, resumed at epoch {m.group(1)} step {m.group(2)}")
+        model = os.path.join(d, "model.pt")
+        diff = compare_weights(ref, model) if os.path.exists(model) else "no model.pt"
+        if diff:
+            problems.append(f"final parameters differ from the uninterrupted run: {diff}")
+        bad = [(n, check_snapshot_file(os.path.join(d, n))) for n in snapshot_files(d)]
+        problems += [f"snapshot {n}: {why}" for n, why in bad if why]
+        left = marked_processes(run_id)
+        if left:
+            problems.append(f"processes left: {[p for p, _ in left]}")
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  slurm preempt+requeue       job {job}: SIGUSR1 at step {step_at}, "
+              f"requeued (PENDING) after {t_pending - t_sig:.1f} s, finished {time.monotonic() - t_release:.1f} s "
+              f"after release, {'bit-identical' if not diff else 'NOT identical'}", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        results.append(dict(name="slurm-preempt", ok=ok, problems=problems, injected=[], lost=[]))
+
+        # 2. scancel of a running job leaves nothing behind.
+        problems = []
+        run_id = uuid.uuid4().hex
+        d, job, out = submit("slurm-scancel", run_id)
+        if not wait_steps(out, 10, 120):
+            problems.append("the job never reached step 10")
+        before = [p for p, _ in marked_processes(run_id)]
+        if not any(proc_exe_name(p) == "ctorch-train" for p in before):
+            problems.append(f"no worker found before scancel (control): {before}")
+        t = time.monotonic()
+        sl("scancel", job)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and marked_processes(run_id):
+            time.sleep(0.05)
+        gone_s = time.monotonic() - t
+        left = marked_processes(run_id)
+        if left:
+            problems.append("processes left 30 s after scancel: " +
+                            ", ".join(f"{p} ({proc_exe_name(p)})" for p, _ in left))
+        st = wait_state(job, {"CANCELLED"}, 30)
+        if st != "CANCELLED":
+            problems.append(f"job state {st}")
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  slurm scancel               job {job}: {len(before)} processes of the job "
+              f"before, none left {gone_s:.1f} s after scancel", always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        results.append(dict(name="slurm-scancel", ok=ok, problems=problems, injected=[], lost=[]))
+    finally:
+        if lab_dir and (not results or not all(r["ok"] for r in results)):
+            # Slurm's own logs explain most failures: keep them with the run.
+            shutil.copytree(os.path.join(lab_dir, "log"), os.path.join(h.work, "slurm-log"), dirs_exist_ok=True)
+        if lab_dir:
+            subprocess.run([slurm_sh, "down", lab_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120)
+    return results
+
+
+def netns_of(pid):
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def nodes_suite(h):
+    """Node loss with the trainer: three hosts (network namespaces, scripts/lab/netns.sh), one
+    `ctorchrun --nnodes 2:3 --rdzv-backend c10d` agent with one worker each (world size 3), Fashion-MNIST
+    subset. Mid-epoch, host 3 is killed (every process of it SIGKILLed), or its link is cut. The two
+    others must notice, re-form with world size 2, resume from the epoch boundary and finish, with an
+    accuracy close to the undisturbed run's; a cut-off host's agent must give up by itself (exit 3, one
+    clear line, its worker stopped)."""
+    netns_sh = os.path.join(ROOT, "scripts", "lab", "netns.sh")
+    if subprocess.run([netns_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: netns.sh check: no network namespaces here", always=True)
+        return None
+    workload = "fashion-nodes"
+    ref = h.reference(workload, 3)
+    ref_acc = last_accuracy(open(os.path.join(os.path.dirname(ref), "output.log")).read())
+    # A run that loses a node trains partly under 2 ranks (a smaller global batch, more steps): its
+    # accuracy is compared with undisturbed runs of 3 and of 2 ranks.
+    ref2_acc = last_accuracy(open(os.path.join(os.path.dirname(h.reference(workload, 2)), "output.log")).read())
+    lo_acc, hi_acc = min(ref_acc, ref2_acc) - 2.0, max(ref_acc, ref2_acc) + 2.0
+    results = []
+    for mode in ("kill", "cut"):
+        up = subprocess.run([netns_sh, "up", "3", "--owner", str(os.getpid())], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, timeout=60)
+        if up.returncode != 0:
+            raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
+        lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
+        prefix = lab["LAB_PREFIX"]
+        problems = []
+        d = os.path.join(h.work, f"nodes-{mode}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        run_id = uuid.uuid4().hex
+        env = dict(os.environ, **{MARKER: run_id})
+        agents, outs = {}, {}
+        try:
+            for i in (1, 2, 3):
+                cmd = [netns_sh, "exec", prefix, str(i), h.ctorchrun, "--nnodes", "2:3", "--nproc-per-node", "1",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "chaos",
+                       "--max-restarts", "3", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                       "--log-dir", f"logs-n{i}", h.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS + \
+                      ["--step-delay-ms", str(WORKLOADS[workload]["delay_ms"])]
+                outs[i] = open(os.path.join(d, f"node{i}.log"), "w+")
+                agents[i] = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=outs[i],
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+
+            def text(i):
+                return open(os.path.join(d, f"node{i}.log"), errors="replace").read()
+
+            def step_of(t):
+                best = 0
+                for m in re.finditer(r"default0\]:epoch (\d+)/\d+\s+step\s+(\d+)/(\d+)", t):
+                    best = max(best, (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)))
+                return best
+
+            # Mid-epoch 2 of 3.
+            per_epoch = WORKLOADS[workload]["steps_per_rank_world"][3]
+            target = per_epoch + 3 + random.Random(h.args.seed).randrange(per_epoch - 6)
+            deadline = time.monotonic() + 180
+            # Rank 0 (which prints progress) is on whichever host joined first: read every log.
+            def progress():
+                return max(step_of(text(i)) for i in (1, 2, 3))
+
+            while time.monotonic() < deadline and progress() < target:
+                if any(a.poll() is not None for a in agents.values()):
+                    break
+                time.sleep(0.05)
+            step_at = progress()
+            if step_at < target:
+                problems.append(f"training never reached step {target} (at {step_at})")
+            host3 = os.stat(f"/run/netns/{prefix}-h3").st_ino
+            t_fault = time.monotonic()
+            subprocess.run([netns_sh, mode, prefix, "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=30)
+            h.log(f"nodes-{mode}: host 3 {mode} at global step {step_at}")
+            # The survivors re-form with world size 2.
+            t_reformed = None
+            # Host 1 hosts the rendezvous store (the endpoint names it); hosts 1 and 2 survive.
+            before = {i: len(text(i)) for i in (1, 2)}
+
+            def survivors_after():
+                return "".join(text(i)[before[i]:] for i in (1, 2))
+
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if re.search(r"rendezvous round \d+ complete: node 0 of 2, world size 2", survivors_after()):
+                    t_reformed = time.monotonic()
+                    break
+                time.sleep(0.02)
+            if t_reformed is None:
+                problems.append("the survivors did not re-form with world size 2 within 60 s")
+            t3_exit = None
+            if mode == "cut":
+                try:
+                    rc3 = agents[3].wait(timeout=60)
+                    t3_exit = time.monotonic()
+                except subprocess.TimeoutExpired:
+                    rc3 = None
+                    problems.append("the cut-off node's agent did not give up within 60 s")
+                if rc3 != 3:
+                    problems.append(f"the cut-off node's agent exited {rc3}, expected 3")
+                if "this node is cut off from the others" not in text(3):
+                    problems.append("the cut-off node's agent did not say it is cut off")
+                left = [p for p, _ in marked_processes(run_id) if netns_of(p) == host3]
+                if left:
+                    problems.append(f"the cut-off node left processes: {[(p, proc_exe_name(p)) for p in left]}")
+            rcs = {}
+            for i in (1, 2):
+                try:
+                    rcs[i] = agents[i].wait(timeout=240)
+                except subprocess.TimeoutExpired:
+                    rcs[i] = None
+                if rcs[i] != 0:
+                    problems.append(f"node {i}'s agent exited {rcs[i]}, expected 0")
+            t1 = text(1) + text(2)
+            after = survivors_after()
+            # The store host must not wait for the removed node's dead connection (close_timeout, 30 s).
+            if "still connected to the rendezvous store hosted here" in t1:
+                problems.append("node 1 waited for a removed node's connection before exiting: " +
+                                re.search(r".*still connected.*", t1).group(0)[:200])
+            m = re.search(r"resume: (.*continued by 2 ranks.*|.*redone with 2 ranks.*|.*2 ranks.*)", after)
+            if not m:
+                problems.append("no resume line under world size 2 on node 1")
+            acc = last_accuracy(t1)
+            if acc is None or not (lo_acc <= acc <= hi_acc):
+                problems.append(f"accuracy {acc}% outside [{lo_acc:.1f}, {hi_acc:.1f}] (undisturbed runs: "
+                                f"{ref_acc}% with 3 ranks, {ref2_acc}% with 2, +-2 points)")
+            bad = [(n, check_snapshot_file(os.path.join(d, n))) for n in snapshot_files(d)]
+            problems += [f"snapshot {n}: {why}" for n, why in bad if why]
+            ok = not problems
+            first_step = None
+            ev = f"{'PASS' if ok else 'FAIL'}  nodes {mode:<4} host 3 at global step {step_at}: "
+            ev += f"survivors re-formed (world 2) {t_reformed - t_fault:.1f} s later" if t_reformed else "no re-form"
+            if t3_exit:
+                ev += f", cut-off agent exited 3 after {t3_exit - t_fault:.1f} s"
+            ev += f"; accuracy {acc}% (undisturbed: {ref_acc}% with 3 ranks, {ref2_acc}% with 2)"
+            h.log(ev + (f" | {m.group(0)[:160]}" if m else ""), always=True)
+            for pr in problems:
+                h.log(f"      problem: {pr}", always=True)
+            results.append(dict(name=f"nodes-{mode}", ok=ok, problems=problems, injected=[], lost=[],
+                                reform_s=round(t_reformed - t_fault, 2) if t_reformed else None,
+                                cut_exit_s=round(t3_exit - t_fault, 2) if t3_exit else None,
+                                accuracy=acc, reference_accuracy=[ref_acc, ref2_acc]))
+        finally:
+            for a in agents.values():
+                if a.poll() is None:
+                    try:
+                        os.killpg(a.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    a.wait(timeout=10)
+            subprocess.run([netns_sh, "down", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120)
+            left = marked_processes(run_id)
+            if left:
+                results[-1]["ok"] = False if results else None
+                h.log(f"FAIL  nodes {mode}: processes left after teardown {[p for p, _ in left]}", always=True)
+    return results
+
+
+def last_accuracy(text):
+    """The final test accuracy rank 0 reports in its closing line."""
+    found = re.findall(r"done: .*test accuracy (\d+\.\d+)%", text)
+    return float(found[-1]) if found else None
+
+
+def plan_faults(rng, kinds, workload, world, count):
+    """Target global steps spread over the run (never in the last few steps), one per fault."""
+    w = WORKLOADS[workload]
+    total = w["steps_per_rank_world"][world] * w["epochs"]
+    lo, hi = 6, total - 6
+    span = (hi - lo) / count
+    return [(k, int(lo + span * i + rng.uniform(0, span * 0.6))) for i, k in enumerate(kinds)]
+
+
+def build_suite(args, rng):
+    """[(name, workload, world, [(kind, target step)], seed)]"""
+    scen = []
+
+    def add(name, workload, world, kinds):
+        scen.append((name, workload, world, plan_faults(rng, kinds, workload, world, len(kinds)),
+                     rng.randrange(1 << 30)))
+
+    kinds = args.kinds.split(",") if args.kinds else KINDS
+    if args.suite == "quick":
+        # One fault of each kind on the small synthetic run (the CTest subset; the full and long
+        # suites add the Fashion-MNIST CNN).
+        for k in kinds:
+            add(f"{k}", "synthetic", 2, [k])
+    elif args.suite == "full":
+        for k in kinds:
+            add(f"{k}-synthetic", "synthetic", 2, [k, k])
+            add(f"{k}-fashion", "fashion", 2, [k])
+        add("mixed-synthetic-w3", "synthetic", 3, [rng.choice(kinds) for _ in range(3)])
+    elif args.suite == "long":
+        left, i = args.faults, 0
+        while left > 0:
+            n = min(args.per_run, left)
+            workload = "fashion" if i % 3 == 2 else "synthetic"
+            add(f"long-{i:02d}-{workload}", workload, 2, [rng.choice(kinds) for _ in range(n)])
+            left -= n
+            i += 1
+    return scen
+
+
+def main():
+    here = ROOT
+    ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train runs.")
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes"], default="quick")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
+    ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
+    ap.add_argument("--kinds", default="", help=f"comma-separated subset of {','.join(KINDS)}")
+    ap.add_argument("--only", default="", help="run only scenarios whose name contains this")
+    ap.add_argument("--ctorchrun", default=os.path.join(here, "build", "launcher", "agent", "ctorchrun"))
+    ap.add_argument("--trainer", default=os.path.join(here, "build", "trainer", "app", "ctorch-train"))
+    ap.add_argument("--work", default="", help="directory for runs and logs (default: a new temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the directories of passed runs")
+    ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    for k in (args.kinds.split(",") if args.kinds else []):
+        if k not in KINDS:
+            ap.error(f"--kinds: unknown fault kind '{k}' (known: {', '.join(KINDS)})")
+    for p in (args.ctorchrun, args.trainer):
+        if not os.access(p, os.X_OK):
+            ap.error(f"'{p}' is not an executable (build it: scripts/build.sh --target ctorchrun ctorch-train)")
+
+    h = Harness(args)
+    if args.suite == "self-test":
+        ok = self_test(h)
+        if ok and not args.keep and not args.work:
+            shutil.rmtree(h.work, ignore_errors=True)
+        return 0 if ok else 1
+    if args.suite in ("integrity", "slurm", "nodes"):
+        results = {"integrity": integrity, "slurm": slurm_suite, "nodes": nodes_suite}[args.suite](h)
+        if results is None:
+            return 0  # skipped
+        failed = sum(1 for r in results if not r["ok"])
+        h.log(f"{len(results) - failed} passed, {failed} failed", always=True)
+        if not failed and not args.keep and not args.work:
+            shutil.rmtree(h.work, ignore_errors=True)
+        return 0 if failed == 0 else 1
+    rng = random.Random(args.seed)
+    suite = build_suite(args, rng)
+    h.log(f"chaos: suite {args.suite} seed {args.seed}: {len(suite)} scenarios, work {h.work}", always=True)
+    results = []
+    for name, workload, world, faults, seed in suite:
+        if args.only and args.only not in name:
+            continue
+        try:
+            results.append(h.run_scenario(name, workload, world, faults, seed))
+        except Exception as e:  # noqa: BLE001 - a harness error fails the scenario, the rest still runs
+            h.log(f"FAIL  {name}: harness error {type(e).__name__}: {e}", always=True)
+            results.append(dict(name=name, ok=False, problems=[str(e)], injected=[], lost=[]))
+    passed = sum(1 for r in results if r["ok"])
+    failed = len(results) - passed
+    injected = sum(len(r["injected"]) for r in results)
+    survived = sum(len(r["injected"]) for r in results if r["ok"])
+    identical = sum(1 for r in results if r.get("identical"))
+    h.log(f"faults injected {injected}, survived {survived}; bit-identical runs {identical}/{len(results)}",
+          always=True)
+    by_kind = {}
+    for r in results:
+        for l in r["lost"]:
+            by_kind.setdefault(l["kind"], []).append(l)
+    for k in KINDS:
+        ls = by_kind.get(k)
+        if not ls:
+            continue
+        rs = [l["restart_s"] for l in ls if l["restart_s"] is not None]
+        lo = [l["lost_s"] for l in ls if l["lost_s"] is not None]
+        if rs and lo:
+            h.log(f"  {k:<14} n={len(ls):<3} back to training {sum(rs) / len(rs):5.2f} s (max {max(rs):.2f}), "
+                  f"time lost {sum(lo) / len(lo):5.2f} s (max {max(lo):.2f})", always=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    h.log(f"{passed} passed, {failed} failed", always=True)
+    if not failed and not args.keep and not args.work:
+        shutil.rmtree(h.work, ignore_errors=True)
+    return 0 if failed == 0 and results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
