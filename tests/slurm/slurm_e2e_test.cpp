@@ -199,6 +199,10 @@ TEST_CASE("slurm e2e: the preemptible script forwards SIGUSR1 and requeues and t
   std::string pending = waitForState(slurm, job, "PENDING", 30s);
   INFO(pending);
   REQUIRE_THAT(pending, Catch::Contains("JobState=PENDING"));
+  // Not within the second of the requeue: slurmctld has just revoked the first run's credential and a
+  // job started in that second fails at once ("Job credential revoked"; seen 3 times in 5 by the chaos
+  // harness, which waits the same 2 s).
+  std::this_thread::sleep_for(2s);
   slurm.run({"scontrol", "update", "JobId=" + job, "StartTime=now"});
   std::string done = waitForState(slurm, job, "COMPLETED", 60s);
   std::string text = test::readFile(out);
