@@ -26,6 +26,8 @@ STATE_ROOT=${CTORCH_LAB_STATE:-/run/ctorch-lab}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 die() { echo "netns.sh: $*" >&2; exit 1; }
+# shellcheck source=common.sh
+. "$HERE/common.sh"
 
 # ---- helpers ---------------------------------------------------------------------------------------
 lab_dir() { echo "$STATE_ROOT/$1"; }
@@ -54,16 +56,6 @@ owner_alive() {
   pid=${owner% *}; start=${owner#* }
   now=$(proc_id "$pid") || return 1
   [ "${now#* }" = "$start" ] && [ "${now% *}" != "Z" ]
-}
-
-# Waits (bounded) until PID leads its own session: a daemon started with `setsid ... &` must be
-# out of our process group before we exit, or a caller that kills our group on exit kills it too.
-wait_own_session() {
-  local tries=0 sid
-  while sid=$(ps -o sid= -p "$1" 2>/dev/null | tr -d ' '); [ -n "$sid" ] && [ "$sid" != "$1" ]; do
-    tries=$((tries + 1)); [ $tries -le 500 ] || return 1
-    sleep 0.01
-  done
 }
 
 lock() {
@@ -293,14 +285,7 @@ cmd_run() {
   [ $# -gt 0 ] || die "run: no command given"
   local out
   out=$(cmd_up "$n" --owner $$) || exit 1
-  local line
-  while IFS= read -r line; do export "${line?}"; done <<<"$out"
-  trap 'cmd_down "$LAB_PREFIX" || true' EXIT
-  trap 'exit 130' INT
-  trap 'exit 143' TERM
-  local status=0
-  "$@" || status=$?
-  exit $status
+  run_in_lab "$out" 'cmd_down "$LAB_PREFIX"' "$@"
 }
 
 main() {

@@ -23,14 +23,8 @@ STATE_ROOT=${CTORCH_LAB_STATE:-/run/ctorch-lab}
 export CTORCH_LAB_STATE=$STATE_ROOT
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }
-
-wait_own_session() {  # see netns.sh
-  local tries=0 sid
-  while sid=$(ps -o sid= -p "$1" 2>/dev/null | tr -d ' '); [ -n "$sid" ] && [ "$sid" != "$1" ]; do
-    tries=$((tries + 1)); [ $tries -le 500 ] || return 1
-    sleep 0.01
-  done
-}
+# shellcheck source=common.sh
+. "$HERE/common.sh"
 
 cmd_check() {
   local why
@@ -244,14 +238,7 @@ cmd_run() {
   [ $# -gt 0 ] || die "run: no command given"
   local out
   out=$(cmd_up "$n" "${opts[@]}" --owner $$) || exit 1
-  local line
-  while IFS= read -r line; do export "${line?}"; done <<<"$out"
-  trap 'cmd_down "$LAB_SLURM_DIR" || true' EXIT
-  trap 'exit 130' INT
-  trap 'exit 143' TERM
-  local status=0
-  "$@" || status=$?
-  exit $status
+  run_in_lab "$out" 'cmd_down "$LAB_SLURM_DIR"' "$@"
 }
 
 main() {
