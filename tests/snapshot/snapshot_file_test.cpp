@@ -81,6 +81,33 @@ TEST_CASE("listing ignores foreign names and orders by number", "[snapshot][file
   CHECK(ctorch::listSnapshotFiles(dir / "none.pt").empty());
 }
 
+TEST_CASE("setAsideSkipped keeps a corrupt newest file from being rotated over a good fallback", "[snapshot][files]") {
+  TempDir dir("snap-aside");
+  const auto path = dir / "snapshot.pt";
+  for (std::int64_t e = 1; e <= 2; ++e) {
+    auto s = tinySnapshot(e);
+    ctorch::saveSnapshot(s, slot(path, 1));
+  }
+  fs::resize_file(path, fs::file_size(path) / 2);  // the newest (epoch 2) is cut short
+  auto found = ctorch::loadNewestValid(path);
+  REQUIRE(found.snapshot);
+  CHECK(found.snapshot->epochsRun == 1);
+  REQUIRE(found.skipped.size() == 1);
+
+  const auto lines = ctorch::setAsideSkipped(found.skipped);
+  REQUIRE(lines.size() == 1);
+  CHECK_THAT(lines[0], Catch::Contains("snapshot.pt.unusable"));
+  CHECK(fs::exists(dir / "snapshot.pt.unusable"));
+  CHECK_FALSE(fs::exists(path));
+
+  // The next save rotates nothing corrupt: the good epoch-1 snapshot stays the kept one.
+  auto next = tinySnapshot(3);
+  ctorch::saveSnapshot(next, slot(path, 1));
+  CHECK(epochsIn(path) == 3);
+  CHECK(epochsIn(dir / "snapshot.pt.1") == 1);
+  CHECK(names(ctorch::listSnapshotFiles(path)) == std::vector<std::string>{"snapshot.pt", "snapshot.pt.1"});
+}
+
 TEST_CASE("loadNewestValid falls back past corrupt files and says why", "[snapshot][files]") {
   TempDir dir("snap-fallback");
   const auto path = dir / "snapshot.pt";

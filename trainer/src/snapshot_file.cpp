@@ -196,6 +196,18 @@ std::string SnapshotSearch::describeSkipped() const {
   return out;
 }
 
+std::vector<std::string> setAsideSkipped(const std::vector<SkippedSnapshot>& skipped) {
+  std::vector<std::string> lines;
+  for (const auto& s : skipped) {
+    std::error_code ec;
+    const fs::path aside = s.file.string() + ".unusable";
+    fs::rename(s.file, aside, ec);
+    lines.push_back("set aside " + s.file.string() + " as " + aside.filename().string() +
+                    (ec ? " failed: " + ec.message() : " (unusable; never read again)"));
+  }
+  return lines;
+}
+
 SnapshotSearch loadNewestValid(const fs::path& slot, const LoadNewestOptions& options) {
   SnapshotSearch result;
   for (const auto& file : listSnapshotFiles(slot)) {

@@ -286,14 +286,14 @@ SnapshotPoint pointOf(const Snapshot& s) {
 struct Loaded {
   std::optional<Snapshot> snapshot;
   std::string skipped;  // what was passed over, for the log
-  std::vector<std::filesystem::path> skippedFiles;
+  std::vector<SkippedSnapshot> skippedFiles;
 };
 
 Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& options, bool allowNothingValid) {
   auto search = loadNewestValid(slot, options);
   Loaded out;
   out.skipped = search.describeSkipped();
-  for (const auto& k : search.skipped) out.skippedFiles.push_back(k.file);
+  out.skippedFiles = search.skipped;
   if (!search.snapshot && !search.skipped.empty() && !allowNothingValid)
     throw ConfigError("no usable snapshot in " + slot.string() + " (" + out.skipped +
                       "); remove the files or start over with --resume never");
@@ -305,7 +305,7 @@ Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& 
 // `unusable` receives the slot files that were skipped as corrupt.
 std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIdentity& identity, const Names& names,
                                         Console& console, std::int64_t worldSize,
-                                        std::vector<std::filesystem::path>& unusable) {
+                                        std::vector<SkippedSnapshot>& unusable) {
   if (o.resume.kind == ResumeChoice::Kind::kNever) {
     console.line("resume: --resume never: starting from scratch");
     return std::nullopt;
@@ -479,7 +479,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   // ---- the snapshot to resume from (found before DDP is built: it carries DDP's bucket layout)
   const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
   const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
-  std::vector<std::filesystem::path> unusableFiles;
+  std::vector<SkippedSnapshot> unusableFiles;
   const std::optional<Snapshot> resumeFrom = findResumePoint(o, identity, names, console, worldSize, unusableFiles);
 
   // ---- DDP, optimizer, sampler, loss scaling, schedule
@@ -528,18 +528,10 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
                              "): every rank must see the same snapshot files (a shared file system)");
     if (agreed[2] > 0) stopPoint = StopPoint::kBeforeStart;
   }
-  // Corrupt files of the slot are set aside now that every rank has read the slot: left in place,
-  // the next save would rotate a corrupt newest file into the kept ones (snapshot.pt.1), where it
-  // takes the place of a good fallback. The new name is never read, and keeps the evidence.
-  if (isMainProcess) {
-    for (const auto& f : unusableFiles) {
-      std::error_code ec;
-      const std::filesystem::path aside = f.string() + ".unusable";
-      std::filesystem::rename(f, aside, ec);
-      console.line("resume: set aside " + f.string() + " as " + aside.filename().string() +
-                   (ec ? " failed: " + ec.message() : " (unusable; never read again)"));
-    }
-  }
+  // Corrupt files of the slot are set aside now that every rank has read the slot, so that the next
+  // save cannot rotate one into the place of a good fallback (setAsideSkipped).
+  if (isMainProcess)
+    for (const auto& line : setAsideSkipped(unusableFiles)) console.line("resume: " + line);
 
   std::optional<MetricsLog> metrics;
   if (isMainProcess && o.metricsPath()) metrics.emplace(*o.metricsPath(), state.globalStep);

@@ -256,4 +256,11 @@ struct LoadNewestOptions {
 SnapshotSearch loadNewestValid(const std::filesystem::path& slot,
                                const LoadNewestOptions& options = {});
 
+// Renames each skipped file to `<file>.unusable` (never read again; kept as evidence) and returns a
+// line per file saying what was done. Left in place, a corrupt newest file would be rotated by the
+// next saveSnapshot into the kept ones (`snapshot.pt.1`) in place of a good fallback. Call it on
+// one process, after every process that reads the slot has read it. Never throws for a failed
+// rename (the line says so).
+std::vector<std::string> setAsideSkipped(const std::vector<SkippedSnapshot>& skipped);
+
 } // namespace ctorch
