@@ -18,7 +18,18 @@ endif()
 
 # Interface target carrying LibTorch and the shim include directory.
 add_library(ctorch_torch_deps INTERFACE)
-target_link_libraries(ctorch_torch_deps INTERFACE ${TORCH_LIBRARIES} Threads::Threads)
+# Installed, it names no path of this machine's LibTorch: the package config adds the libraries
+# of the Torch that find_dependency(Torch) finds on the user's machine (relocatable package).
+target_link_libraries(ctorch_torch_deps INTERFACE "$<BUILD_INTERFACE:${TORCH_LIBRARIES}>" Threads::Threads)
+# The C++ standard follows LibTorch: 2.x headers (2.14 refuses anything older) get C++20, 1.13 keeps
+# C++17 (its headers predate C++20). Carried by every LibTorch target and by the installed package.
+if(Torch_VERSION VERSION_GREATER_EQUAL 2.0)
+  set(CTORCH_TORCH_CXX_STANDARD 20)
+else()
+  set(CTORCH_TORCH_CXX_STANDARD 17)
+endif()
+target_compile_features(ctorch_torch_deps INTERFACE cxx_std_${CTORCH_TORCH_CXX_STANDARD})
+message(STATUS "ctorch: LibTorch ${Torch_VERSION}, C++${CTORCH_TORCH_CXX_STANDARD}")
 if(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM)
   target_include_directories(ctorch_torch_deps INTERFACE
     $<BUILD_INTERFACE:${CMAKE_SOURCE_DIR}/trainer/shim>

@@ -24,18 +24,6 @@ torch::OrderedDict<std::string, torch::Tensor> stateDict(const torch::nn::Module
   return out;
 }
 
-void saveStateDict(const torch::nn::Module& module, const std::filesystem::path& path) {
-  c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& item : stateDict(module)) {
-    dict.insert(item.key(), item.value().detach().to(torch::kCPU));
-  }
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  out.close();
-  if (!out) throw std::runtime_error(path.string() + ": cannot write the state dict");
-}
-
 int64_t parameterCount(const torch::nn::Module& module) {
   int64_t n = 0;
   for (const auto& p : module.parameters()) n += p.numel();

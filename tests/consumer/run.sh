@@ -14,7 +14,13 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+cmake --install "$build" --prefix "$tmp/installed" >/dev/null
+# The package is relocatable: it names no path of the LibTorch it was built with (Torch comes from
+# find_dependency(Torch)), and it still works after the whole prefix is moved.
+if grep -nE '/[^";]*lib(c10|torch)[a-z_]*\.so' "$tmp"/installed/lib*/cmake/ctorch/ctorchTargets*.cmake; then
+  echo "the installed package hard-codes LibTorch library paths (above)"; exit 1
+fi
+mv "$tmp/installed" "$tmp/prefix"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the fresh temporary prefix differ on every run: relative to it, ccache hits again.

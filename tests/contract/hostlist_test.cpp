@@ -1,4 +1,4 @@
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/contract/hostlist.hpp"
 

@@ -1,7 +1,7 @@
 // Transforms, the batch pipeline and the loader: augmentation is a pure function of
 // (seed, epoch, index), the vectorised crop/flip equals a per-sample reference, both conversions give
 // identical batches, the background loader equals the synchronous one and propagates errors.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include <torch/torch.h>
 

@@ -1,6 +1,6 @@
 // Readers: IDX (plain and gzip), CIFAR-10 batches, real Fashion-MNIST, the registry, synthetic sets;
 // every error kind on a corrupt file, each a one-line message naming the file.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include <torch/torch.h>
 

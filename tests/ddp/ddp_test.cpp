@@ -20,7 +20,7 @@
 //  - BatchNorm running statistics: the same tolerance as the parameters they depend on.
 // The control (no synchronisation, 3 steps) must differ by more than 1e-2, ten times the largest
 // tolerance [MLP 0.070, conv net 0.028].
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ddp_test_util.hpp"
 #include "multiproc.hpp"

@@ -1,5 +1,5 @@
 // The environment rules of ctorch::detectDistributedEnv, as a pure function: no processes.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/distributed_env.hpp"
 #include "ctorch/errors.hpp"

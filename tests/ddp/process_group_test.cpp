@@ -2,11 +2,12 @@
 // store, the launcher's agent store (with its key prefix), plain srun, a world of 1, timeouts, and a
 // job mixing C++ and Python (PyTorch 1.13) workers, which only works if the store layout and the DDP
 // protocol are exactly Python's.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ddp_test_util.hpp"
 #include "multiproc.hpp"
 
+#include "ctorch/compat.hpp"
 #include "ctorch/ddp.hpp"
 #include "ctorch/distributed.hpp"
 
@@ -162,9 +163,10 @@ TEST_CASE("process group: rank 0 hosts the store and 3 ranks allreduce through G
   CHECK_THAT(results[1].output, Catch::Contains("backend: gloo"));
 }
 
-TEST_CASE("process group: the launcher's agent store is used as a client under /worker/attempt_<n>", "[pg]") {
+TEST_CASE("process group: the launcher's agent store is used as a client, prefixed as Python of this release", "[pg]") {
   // The test plays the launcher: it hosts the TCPStore, as torchrun's agent does.
   c10d::TCPStoreOptions so;
+  ctorch::compat::setUseLibUV(so, ctorch::compat::useLibUVFromEnvironment());
   so.port = 0;
   so.isServer = true;
   so.waitWorkers = false;
@@ -178,8 +180,14 @@ TEST_CASE("process group: the launcher's agent store is used as a client under /
                                  .masterPort = agent.getPort()});
   requireAllOk(results);
   CHECK_THAT(results[0].output, Catch::Contains("agent store 127.0.0.1:" + std::to_string(agent.getPort())));
-  // Python's layout: /worker/attempt_3 (rendezvous) / default_pg (init_process_group) / group "0".
+  // Python's layout: [/worker/attempt_3 (rendezvous, before 2.6)] / default_pg (init_process_group) /
+  // group "0".
+#if CTORCH_TORCH_AGENT_STORE_PREFIX
   const std::string root = "/worker/attempt_3/default_pg/";
+#else
+  const std::string root = "default_pg/";
+  CHECK_FALSE(agent.check({"/worker/attempt_3/default_pg/0//cpu//SEQ_NUM_STORE_KEY"}));
+#endif
 #if TORCH_VERSION_MAJOR >= 2
   const std::string backend = root + "0//cpu//";
 #else
@@ -270,6 +278,7 @@ TEST_CASE("process group: a rank whose store host never comes times out with a c
 
 TEST_CASE("process group: with the agent store a peer that never comes times out in the Gloo connect", "[pg][timeout]") {
   c10d::TCPStoreOptions so;
+  ctorch::compat::setUseLibUV(so, ctorch::compat::useLibUVFromEnvironment());
   so.port = 0;
   so.isServer = true;
   so.waitWorkers = false;
@@ -298,6 +307,7 @@ std::pair<ProcessResult, ProcessResult> runMixed(int pythonRank, bool agentStore
                                                {"MASTER_ADDR", "127.0.0.1"}, {"OMP_NUM_THREADS", "1"}};
   if (agentStore) {
     c10d::TCPStoreOptions so;
+    ctorch::compat::setUseLibUV(so, ctorch::compat::useLibUVFromEnvironment());
     so.port = 0;
     so.isServer = true;
     so.waitWorkers = false;

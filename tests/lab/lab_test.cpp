@@ -1,7 +1,7 @@
 // Tests of the multi-node lab itself (label `lab`): namespace hosts really are separate hosts,
 // failures really happen, teardown really leaves nothing, and the Slurm cluster behaves like one.
 // TCP checks run this binary's own workers inside the hosts (no ping here, no Python needed).
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "lab.hpp"
 #include "multiproc.hpp"

@@ -1,7 +1,7 @@
 // The agent's restart policy and event loop against a fake process context, a fake rendezvous and
 // fake signals: restarts, exhaustion, exit codes, the grace period, signals, rendezvous events.
 // Also the worker environment it builds. No processes are started here.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/cli.hpp"
 #include "ctorch/launcher/elastic_agent.hpp"

@@ -1,6 +1,6 @@
 // The command line and its validation, without starting anything: parsers, PET_* variables, the
 // program resolution, and every bad input the issue lists (one line naming the bad value).
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/cli.hpp"
 #include "ctorch/launcher/errors.hpp"

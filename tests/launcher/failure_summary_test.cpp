@@ -1,5 +1,5 @@
 // Error files in torchrun's schema (both forms) and the failure summary table.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/failure_summary.hpp"
 #include "multiproc.hpp"

@@ -18,6 +18,8 @@
 //   if-restart-below K           run the next command only while TORCHELASTIC_RESTART_COUNT < K
 //                                (conditions chain: "if-rank 0 if-restart-below 1 exit 3")
 //   if-world W                   run the next command only when WORLD_SIZE is W
+//   store-set KEY                set KEY (no prefix) in the store at MASTER_ADDR:MASTER_PORT
+//   store-has KEY                print "STORE KEY present" or "STORE KEY absent" for that store
 //   train FILE STEPS MS          a resumable training loop: starts at the step saved in FILE
 //                                (0 if none, prints "resumed at step S"), one step every MS ms,
 //                                saves its step to FILE (write + rename) and exits 75
@@ -29,6 +31,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "ctorch/store/tcp_store_client.hpp"
 
 #include <cerrno>
 #include <cstdio>
@@ -285,6 +289,17 @@ int main(int argc, char** argv) {
           std::fwrite(line.data() + line.size() / 2, 1, line.size() - line.size() / 2, stdout);
           std::fputc('\n', stdout);
         }
+        std::fflush(stdout);
+      }
+    } else if (cmd == "store-set" || cmd == "store-has") {
+      std::string key = arg();
+      if (!skip) {
+        const char* addr = std::getenv("MASTER_ADDR");
+        const char* port = std::getenv("MASTER_PORT");
+        ctorch::store::TcpStoreClient client(addr ? addr : "127.0.0.1",
+                                             static_cast<std::uint16_t>(std::atoi(port ? port : "0")));
+        if (cmd == "store-set") client.set(key, ctorch::store::toBytes("1"));
+        else std::printf("STORE %s %s\n", key.c_str(), client.check({key}) ? "present" : "absent");
         std::fflush(stdout);
       }
     } else if (cmd == "stamp") {

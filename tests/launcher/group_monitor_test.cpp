@@ -1,5 +1,5 @@
 // The agent's policy as a pure state machine: no processes, no clock.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/group_monitor.hpp"
 

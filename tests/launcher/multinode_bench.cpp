@@ -3,7 +3,7 @@
 // of a killed or cut-off node take to notice it and to run the next round, on network-namespace
 // hosts with ctorchrun's default heartbeat settings. Prints MEASURE lines; asserts nothing about
 // time.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "lab.hpp"
 #include "launcher_test_util.hpp"

@@ -4,7 +4,7 @@
 // heterogeneous nproc, one endpoint shared by two jobs, a late joiner, a killed node, a cut-off
 // (netns) or paused (loopback) node, fewer than MIN nodes, a worker failure restarting every
 // node. Short heartbeats and timeouts come from --rdzv-conf; every wait is bounded.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "lab.hpp"
 #include "launcher_test_util.hpp"

@@ -1,7 +1,7 @@
 // The TCPStore wire protocol without sockets: generation detection and request parsing on byte
 // sequences built by hand from the PyTorch sources (TCPStore.cpp's SendBuffer: query byte, u64
 // lengths, host-order integers; TCPStoreBackend.hpp's query codes), and the engine's semantics.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/store/store.hpp"
 #include "ctorch/store/store_engine.hpp"

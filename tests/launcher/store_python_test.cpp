@@ -1,6 +1,6 @@
 // The native TCPStore server against PyTorch 1.13's own Python client: TCPStore operations, and
 // a real init_process_group("gloo") + all_reduce of several Python ranks using it as agent store.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/store/tcp_store_server.hpp"
 #include "launcher_test_util.hpp"

@@ -1,6 +1,6 @@
 // The native TCPStore server over real sockets: our client in both protocol generations, raw
 // hand-built 2.x byte sequences (as PyTorch >= 2.2 sends them), concurrency, and bind errors.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"

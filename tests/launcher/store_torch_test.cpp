@@ -1,8 +1,9 @@
 // The native TCPStore server against LibTorch's own C++ client (c10d::TCPStore of the installed
 // LibTorch, 1.13 here): every Store operation, 1.13's watchKey callback connection, and Gloo
 // process groups that rendezvous through it. Only this test links LibTorch; ctorchrun never does.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
+#include "ctorch/compat.hpp"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -25,6 +26,7 @@ std::string str(const std::vector<uint8_t>& b) { return std::string(b.begin(), b
 
 c10::intrusive_ptr<c10d::TCPStore> client(int port, std::optional<std::size_t> workers = std::nullopt) {
   c10d::TCPStoreOptions o;
+  ctorch::compat::setUseLibUV(o, ctorch::compat::useLibUVFromEnvironment());
   o.port = static_cast<std::uint16_t>(port);
   o.isServer = false;
   if (workers) o.numWorkers = *workers;

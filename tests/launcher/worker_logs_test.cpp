@@ -1,6 +1,6 @@
 // Worker output routing without processes: line splitting, prefixes, --redirects/--tee/
 // --local-ranks-filter decisions, and the log directory layout.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/cli.hpp"
 #include "ctorch/launcher/worker_logs.hpp"

@@ -27,7 +27,8 @@ def main():
         model = ctorch_models.create_model(name, in_channels=int(channels), num_classes=int(classes),
                                            image_size=int(size))
         state = torch.load(os.path.join(folder, name + ".state.pt"))
-        io = torch.load(os.path.join(folder, name + ".io.pt"))
+        # The test's own input/output file (torch::pickle_save, type-tagged): not weights-only.
+        io = torch.load(os.path.join(folder, name + ".io.pt"), weights_only=False)
         model.load_state_dict(state, strict=True)
         model.eval()
         keys_in_order = list(state.keys()) == list(model.state_dict().keys())

@@ -1,6 +1,8 @@
 // Models: output shapes, parameter counts, state-dict names (torchvision / examples/mnist), the
 // registry's errors, and equality with the PyTorch twins in models/python on identical weights.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
+
+#include "ctorch/snapshot.hpp"
 
 #include <torch/torch.h>
 
@@ -140,7 +142,7 @@ TEST_CASE("models: identical weights give identical outputs in C++ and in PyTorc
       torch::NoGradGuard noGrad;
       output = model->forward(input);
     }
-    saveStateDict(*model, dir / (c.options.name + ".state.pt"));
+    ctorch::saveStateDict(*model, dir / (c.options.name + ".state.pt"));
     c10::Dict<std::string, torch::Tensor> io;
     io.insert("input", input);
     io.insert("output", output);

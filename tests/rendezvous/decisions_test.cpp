@@ -1,6 +1,6 @@
 // Unit tests of the c10d rendezvous decisions: no store, no clock, no threads. Each test builds a
 // state, asks a decision function what one node does, and checks the action and the new state.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/rdzv/c10d/decisions.hpp"
 #include "ctorch/rdzv/c10d/errors.hpp"

@@ -2,7 +2,7 @@
 // map, on a virtual clock: time advances only when every agent sleeps, so a 600 s join timeout
 // takes microseconds and every run is deterministic in virtual time. Agents are threads; a
 // "killed" agent simply stops (no heartbeat, no goodbye).
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"

@@ -1,6 +1,6 @@
 // The rendezvous state's JSON encoding, --rdzv-conf / --rdzv-endpoint parsing and the "is this
 // agent the store host" rule.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/settings.hpp"

@@ -3,13 +3,14 @@
 // executor relies on, agent processes on loopback, the time 2/8/32 agents need to complete a
 // round, and, on network-namespace hosts, how long peers take to notice a killed and a cut-off
 // node. Times are printed (for docs/rendezvous.md), never asserted.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"
 #include "lab.hpp"
 #include "multiproc.hpp"
 
+#include "ctorch/compat.hpp"
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <unistd.h>
@@ -52,6 +53,7 @@ long long wallMs() {
 
 c10d::TCPStoreOptions clientOptions(int port, milliseconds timeout = 10s) {
   c10d::TCPStoreOptions o;
+  ctorch::compat::setUseLibUV(o, ctorch::compat::useLibUVFromEnvironment());
   o.port = static_cast<std::uint16_t>(port);
   o.isServer = false;
   o.waitWorkers = false;
@@ -61,6 +63,7 @@ c10d::TCPStoreOptions clientOptions(int port, milliseconds timeout = 10s) {
 
 std::unique_ptr<c10d::TCPStore> server(const std::string& host) {
   c10d::TCPStoreOptions o;
+  ctorch::compat::setUseLibUV(o, ctorch::compat::useLibUVFromEnvironment());
   o.port = 0;
   o.isServer = true;
   o.waitWorkers = false;

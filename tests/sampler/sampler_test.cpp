@@ -1,6 +1,6 @@
 // DistributedSampler against Python's own index lists (tests/sampler/golden, made by
 // make_golden.py with python3-torch 1.13), plus position, state and resume rules.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/sampler.hpp"
 

@@ -1,5 +1,5 @@
 // Tests of the multi-process test support itself: a harness that cannot fail proves nothing.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "multiproc.hpp"
 

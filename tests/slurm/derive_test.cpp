@@ -1,7 +1,7 @@
 // Tests of the Slurm derivation against environments captured from real srun tasks of the lab
 // cluster (tests/slurm/data/<case>/task<N>.env, made by tests/slurm/data/capture.sh), plus a
 // live check on a running lab cluster where this machine can make one.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "ctorch/slurm/derive.hpp"
 #include "lab.hpp"

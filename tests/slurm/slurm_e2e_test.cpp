@@ -3,7 +3,7 @@
 // training program: ranks on the right nodes, the step's head node for a subset of the
 // allocation, more than one ctorchrun per node, the three sbatch scripts including preemption,
 // requeue and resume.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include "lab.hpp"
 #include "launcher_test_util.hpp"

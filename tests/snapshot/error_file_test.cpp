@@ -6,7 +6,7 @@
 #include "ctorch/snapshot.hpp"
 #include "multiproc.hpp"
 
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 #include <nlohmann/json.hpp>
 
 #include <c10/util/Exception.h>

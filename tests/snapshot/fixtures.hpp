@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include <string>
 #include <vector>

@@ -1,6 +1,6 @@
 #include "multiproc.hpp"
 
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

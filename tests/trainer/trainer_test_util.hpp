@@ -4,7 +4,7 @@
 
 #include "multiproc.hpp"
 
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
@@ -72,7 +72,7 @@ inline SpawnOptions trainUnderLauncher(const fs::path& dir, int nproc, std::vect
 
 inline std::string show(const ProcessResult& r) { return r.describe() + "\n--- output ---\n" + r.output; }
 
-// The state dict a run wrote (models::saveStateDict / torch.save format), in file order.
+// The state dict a run wrote (ctorch::saveStateDict / torch.save format), in file order.
 inline std::vector<std::pair<std::string, at::Tensor>> loadWeights(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   REQUIRE(in);

@@ -1,6 +1,6 @@
 // Pure parts of the trainer, no processes: the command line and its validation, the learning-rate
 // schedule, the resume decision, the evaluation split, formatting.
-#include <catch2/catch.hpp>
+#include "ctorch_catch.hpp"
 
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/errors.hpp>

@@ -88,10 +88,11 @@ RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout
   opts.port = static_cast<std::uint16_t>(env.masterPort);
   opts.numWorkers = static_cast<std::size_t>(env.worldSize);
   opts.timeout = timeout;
+  compat::setUseLibUV(opts, env.useLibUV);
   if (env.useAgentStore) {
     opts.isServer = false;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
-    return {c10::make_intrusive<c10d::PrefixStore>(contract::agentStorePrefix(env.restartCount), tcp)};
+    return {compat::agentStore(tcp, contract::agentStorePrefix(env.restartCount))};
   }
   opts.isServer = env.rank == 0;
   opts.waitWorkers = true;

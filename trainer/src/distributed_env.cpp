@@ -257,9 +257,11 @@ DistributedEnv detectDistributedEnv(const EnvLookup& lookup) {
     auto v = lookup(name);
     return v && !v->empty();
   };
-  if (isSet(env::kRank) || isSet(env::kWorldSize)) return fromTorchrun(lookup);
-  if (isSet(env::kSlurmProcId)) return fromSlurm(lookup);
-  return DistributedEnv{};
+  DistributedEnv e;
+  if (isSet(env::kRank) || isSet(env::kWorldSize)) e = fromTorchrun(lookup);
+  else if (isSet(env::kSlurmProcId)) e = fromSlurm(lookup);
+  if (const Var libuv = read(lookup, "USE_LIBUV"); libuv.set()) e.useLibUV = *libuv.value == "1";
+  return e;
 }
 
 } // namespace ctorch

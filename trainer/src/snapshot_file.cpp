@@ -2,6 +2,7 @@
 #include "ctorch/snapshot.hpp"
 
 #include "file_io.hpp"
+#include "portable_archive.hpp"
 
 #include <cerrno>
 #include <system_error>
@@ -225,6 +226,24 @@ SnapshotSearch loadNewestValid(const fs::path& slot, const LoadNewestOptions& op
     }
   }
   return result;
+}
+
+std::size_t saveStateDict(const torch::nn::Module& module, const fs::path& path) {
+  if (path.empty() || !path.has_filename() || path.filename() == "." || path.filename() == "..")
+    throw std::invalid_argument("state dict path '" + path.string() + "' does not name a file");
+  const std::vector<char> bytes = detail::portableArchive(c10::IValue(captureModelState(module)));
+  const fs::path dir = directoryOf(path);
+  fs::create_directories(dir);
+  const fs::path tmp = detail::writeTempFile(dir, "." + path.filename().string() + ".tmp-", bytes.data(),
+                                             bytes.size());
+  try {
+    detail::renameFile(tmp, path);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  detail::fsyncDirectory(dir);
+  return bytes.size();
 }
 
 } // namespace ctorch

@@ -1,5 +1,7 @@
 // The snapshot file format: IValue layout, header, digest, and the checks on load.
 #include "ctorch/snapshot.hpp"
+
+#include "portable_archive.hpp"
 #include "generic_dict.hpp"
 
 #include "ctorch/digest.hpp"
@@ -91,38 +93,6 @@ c10::impl::GenericDict rngDict(const RngState& r) {
   return d;
 }
 
-// torch::pickle_save's archive (Python's torch.save zip format), but with untagged containers:
-// pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
-// torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
-// tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
-std::vector<char> pickleArchive(const c10::IValue& top) {
-  std::vector<char> pickled;
-  torch::jit::Pickler pickler(
-      [&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
-      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
-      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(top);
-  pickler.stop();
-  const auto& tensors = pickler.tensorData();
-  std::size_t total = pickled.size() + 4096;
-  for (const auto& t : tensors) total += t.storage().nbytes() + 128;
-  std::vector<char> archive;
-  archive.reserve(total);
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const char*>(p);
-    archive.insert(archive.end(), c, c + n);
-    return n;
-  });
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
-    writer.writeRecord("data/" + std::to_string(i), t.storage().data(), t.storage().nbytes());
-  }
-  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
-  writer.writeEndOfFile();
-  return archive;
-}
 
 std::string describeType(const c10::IValue& v) {
   if (v.isGenericDict()) {
@@ -212,6 +182,39 @@ std::string errorText(const std::exception& e) {
 }
 
 } // namespace
+
+// torch::pickle_save's archive (Python's torch.save zip format), but with untagged containers:
+// pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
+// torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
+// tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
+std::vector<char> detail::portableArchive(const c10::IValue& top) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(top);
+  pickler.stop();
+  const auto& tensors = pickler.tensorData();
+  std::size_t total = pickled.size() + 4096;
+  for (const auto& t : tensors) total += t.storage().nbytes() + 128;
+  std::vector<char> archive;
+  archive.reserve(total);
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const char*>(p);
+    archive.insert(archive.end(), c, c + n);
+    return n;
+  });
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
+    writer.writeRecord("data/" + std::to_string(i), t.storage().data(), t.storage().nbytes());
+  }
+  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
+  writer.writeEndOfFile();
+  return archive;
+}
 
 ItemDict newItemDict() {
   return c10::impl::toTypedDict<std::string, c10::IValue>(
@@ -344,7 +347,7 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
   // it to `header` afterwards puts it into `top` too.
   s.header.contentDigest = contentDigest(top, "snapshot");
   header.insert(kDigestKey, s.header.contentDigest);
-  return pickleArchive(top);
+  return detail::portableArchive(top);
 }
 
 // ---- Decoding ---------------------------------------------------------------------------------------

@@ -14,6 +14,14 @@
 
 namespace ctorch::launcher {
 
+namespace {
+int parsePortText(const std::string& text) {
+  if (text.empty() || text.size() > 5 || text.find_first_not_of("0123456789") != std::string::npos) return -1;
+  int port = std::stoi(text);
+  return port <= 65535 ? port : -1;
+}
+} // namespace
+
 StaticRendezvousOptions staticOptionsFrom(const LaunchConfig& c) {
   StaticRendezvousOptions o;
   o.masterAddr = c.rdzvEndpointHost;
@@ -35,12 +43,8 @@ StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(s
     if (timerFd_ < 0) throw std::system_error(errno, std::generic_category(), "timerfd_create");
   }
   if (options_.nodeRank != 0) return;
-  store::TcpStoreServerOptions so;
-  so.host = options_.bindHost;
-  so.port = static_cast<std::uint16_t>(options_.masterPort);
-  so.debugLog = [](const std::string& message) { log("store").debug("{}", message); };
   try {
-    server_ = std::make_unique<store::TcpStoreServer>(so);
+    server_ = makeServer(static_cast<std::uint16_t>(options_.masterPort));
   } catch (const store::StoreBindError& e) {
     std::string flag = options_.backendName == "standalone" ? "" : "--master-port ";
     if (e.error() == EADDRINUSE)
@@ -50,6 +54,30 @@ StaticRendezvous::StaticRendezvous(StaticRendezvousOptions options) : options_(s
     throw RendezvousError(e.what());
   }
   port_ = server_->port();
+}
+
+std::unique_ptr<store::TcpStoreServer> StaticRendezvous::makeServer(std::uint16_t port) const {
+  store::TcpStoreServerOptions so;
+  so.host = options_.bindHost;
+  so.port = port;
+  so.debugLog = [](const std::string& message) { log("store").debug("{}", message); };
+  return std::make_unique<store::TcpStoreServer>(so);
+}
+
+int StaticRendezvous::freshWorkerStore() {
+  // The first round's workers use the store at --master-port, as torchrun's do; every later round
+  // gets a new store on a free port, in which no key of an earlier round can be seen. Workers of
+  // every version meet there: PyTorch < 2.6 prefixes its keys with /worker/attempt_<n>, 2.6+ does
+  // not (it relies on a fresh store per round), and a key left behind by a killed worker (even
+  // one still in flight when it died) lands in the old store, never in the new one.
+  workerServer_.reset();
+  if (round_ == 0) return port_;
+  try {
+    workerServer_ = makeServer(0);
+  } catch (const store::StoreError& e) {
+    throw RendezvousError(std::string("cannot start the workers' store for this round: ") + e.what());
+  }
+  return workerServer_->port();
 }
 
 StaticRendezvous::~StaticRendezvous() {
@@ -131,12 +159,23 @@ std::optional<std::string> StaticRendezvous::barrier(const std::string& name,
 RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
   armTimer(false);
   const int attempt = round_;
+  int workerPort = options_.nodeRank == 0 ? freshWorkerStore() : port_;
   if (options_.numNodes > 1) {
     auto deadline = std::chrono::steady_clock::now() + std::min(request.timeout, options_.joinTimeout);
+    const std::string portKey = key("attempt" + std::to_string(attempt) + "/store_port");
     try {
       if (!client_) connect(deadline, request);
+      // Announced before node 0 enters the barrier, so it is there when the barrier completes.
+      if (options_.nodeRank == 0) client_->set(portKey, store::toBytes(std::to_string(workerPort)));
       // Every attempt starts together on every node (a restart anywhere restarts all).
       barrier("attempt" + std::to_string(attempt) + "/start", deadline, &request);
+      if (options_.nodeRank != 0) {
+        const std::string text = store::toString(client_->get(portKey));
+        workerPort = parsePortText(text);
+        if (workerPort <= 0)
+          throw RendezvousError("node 0 announced an invalid workers' store port '" + text +
+                                "': is every node running the same ctorchrun version?");
+      }
     } catch (const store::StoreError& e) {
       throw RendezvousError(std::string("static rendezvous: ") + e.what() +
                             (options_.nodeRank == 0 ? "" : " (is node 0's ctorchrun still running?)"));
@@ -153,7 +192,7 @@ RendezvousInfo StaticRendezvous::next(const RendezvousRequest& request) {
   info.nprocPerNode.assign(static_cast<std::size_t>(options_.numNodes), request.localNproc);
   info.computeRanks();
   info.storeHost = options_.masterAddr;
-  info.storePort = port_;
+  info.storePort = workerPort;
   info.agentStore = true;
   info.nodeHosts.assign(static_cast<std::size_t>(options_.numNodes), std::string());
   info.nodeHosts[static_cast<std::size_t>(options_.nodeRank)] = options_.hostname;
@@ -210,6 +249,7 @@ std::optional<RendezvousEvent> StaticRendezvous::exitBarrier(std::chrono::millis
 void StaticRendezvous::shutdown(AgentOutcome) {
   armTimer(false);
   client_.reset();
+  workerServer_.reset();
   server_.reset();
 }
 

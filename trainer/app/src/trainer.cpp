@@ -392,13 +392,6 @@ std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& 
   return out;
 }
 
-// Writes `path` through a temporary file and a rename: readers see the old or the new file.
-void writeFinalWeights(const Model& model, const std::filesystem::path& path) {
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  const auto temporary = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(getpid()));
-  models::saveStateDict(model, temporary);
-  std::filesystem::rename(temporary, path);
-}
 
 // ---- one optimizer step --------------------------------------------------------------------------------
 
@@ -822,7 +815,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   if (!result.lastEval) result.lastEval = evaluate(state.epoch);
   writer.wait();
   if (isMainProcess) {
-    writeFinalWeights(*model, o.finalModelPath());
+    ctorch::saveStateDict(*model, o.finalModelPath());
     console.line("done: " + std::to_string(o.epochs) + " epochs, " + std::to_string(state.globalStep) +
                  " steps, " + formatDuration(trainSeconds()) + " of training; final weights " +
                  o.finalModelPath().string() +

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -163,6 +164,47 @@ c10::intrusive_ptr<PG> makeProcessGroup(const c10::intrusive_ptr<c10d::Store>& g
   TORCH_CHECK(backends.size() == 1, "ctorch: LibTorch 1.13 process groups have exactly one backend");
   return backends.front().backend;
 #endif
+}
+
+// ---- the agent's store (TORCHELASTIC_USE_AGENT_STORE=True) -------------------------------------------
+// PyTorch before 2.6 wraps the agent's store in PrefixStore("/worker/attempt_<restart count>");
+// 2.6 dropped the prefix (each restart round gets a fresh store instead). A C++ worker follows the
+// convention of the PyTorch release it is built with, so that it meets Python ranks of the same
+// release in one job; ctorchrun gives every round a fresh store, so both conventions are safe.
+#define CTORCH_TORCH_AGENT_STORE_PREFIX \
+  (TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 6))
+
+inline c10::intrusive_ptr<c10d::Store> agentStore(const c10::intrusive_ptr<c10d::Store>& tcp,
+                                                  const std::string& attemptPrefix) {
+#if CTORCH_TORCH_AGENT_STORE_PREFIX
+  return c10::make_intrusive<c10d::PrefixStore>(attemptPrefix, tcp);
+#else
+  (void)attemptPrefix;
+  return tcp;
+#endif
+}
+
+// ---- libuv ---------------------------------------------------------------------------------------------
+// 2.2 added TCPStoreOptions::useLibUV (default true since 2.4, which throws "use_libuv was
+// requested but PyTorch was built without libuv support" on builds without it, such as Debian's).
+// Python decides from USE_LIBUV ("0" off); C++ workers do the same. 1.13 has no libuv backend.
+namespace detail {
+template <class O, class = void>
+struct HasUseLibUV : std::false_type {};
+template <class O>
+struct HasUseLibUV<O, std::void_t<decltype(std::declval<O&>().useLibUV)>> : std::true_type {};
+} // namespace detail
+
+template <class O>
+void setUseLibUV(O& options, bool useLibUV) {
+  if constexpr (detail::HasUseLibUV<O>::value) options.useLibUV = useLibUV;
+  else (void)options, (void)useLibUV;
+}
+
+// Python's rule for USE_LIBUV: unset or "1" means yes.
+inline bool useLibUVFromEnvironment() {
+  const char* v = std::getenv("USE_LIBUV");
+  return v == nullptr || *v == '\0' || std::string(v) == "1";
 }
 
 // ---- the store-based barrier at the end of init_process_group ---------------------------------------

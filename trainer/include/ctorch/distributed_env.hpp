@@ -37,6 +37,9 @@ struct DistributedEnv {
   int masterPort = 0;             // 0 when there is no store to reach
   bool useAgentStore = false;     // connect as a client to the launcher's store, under a key prefix
   std::int64_t restartCount = 0;  // TORCHELASTIC_RESTART_COUNT (0 when unset)
+  // USE_LIBUV, as Python reads it: unset or "1" asks for LibTorch's libuv store backend (2.2+),
+  // anything else for the classic one. Builds without libuv (Debian's) need USE_LIBUV=0.
+  bool useLibUV = true;
 
   // Where each value came from, for messages and logs: "RANK", "SLURM_PROCID",
   // "first host of SLURM_STEP_NODELIST=node[01-04]", "derived from SLURM_JOB_ID=1234", "default".

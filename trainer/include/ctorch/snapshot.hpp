@@ -225,6 +225,13 @@ struct SnapshotSlotOptions {
 // Returns the number of bytes written. System call failures throw std::system_error.
 std::size_t saveSnapshot(Snapshot& snapshot, const SnapshotSlotOptions& options);
 
+// The module's state dict (parameters and buffers, in Python's state_dict order) as a file that
+// Python opens with a plain `torch.load(path)` (weights-only in PyTorch 2.6+) and
+// `model.load_state_dict(...)`: the final weights of a run (model.pt). Written crash-safely like a
+// snapshot (temporary file, fsync, rename, directory fsync): `path` holds the old or the new file,
+// never a partial one. Returns the bytes written; system call failures throw std::system_error.
+std::size_t saveStateDict(const torch::nn::Module& module, const std::filesystem::path& path);
+
 // Reads and verifies one file (see decodeSnapshot), then checks `expect`.
 Snapshot loadSnapshot(const std::filesystem::path& file, const SnapshotExpectation& expect = {});
 

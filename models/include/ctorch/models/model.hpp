@@ -25,10 +25,6 @@ class Model : public torch::nn::Module {
 // module.state_dict() for the same architecture.
 torch::OrderedDict<std::string, torch::Tensor> stateDict(const torch::nn::Module& module);
 
-// Writes stateDict(module) in torch.save's format: Python's torch.load(path) gives a dict of
-// tensors that load_state_dict accepts for the same architecture. Tensors are copied to the CPU.
-void saveStateDict(const torch::nn::Module& module, const std::filesystem::path& path);
-
 // Number of elements of all parameters (trainable or not).
 int64_t parameterCount(const torch::nn::Module& module);
 

@@ -6,10 +6,13 @@
 // records it under the attempt's key, the others see it within a poll interval (eventFd) and
 // restart too, each counting one restart, so every node's TORCHELASTIC_RESTART_COUNT agrees.
 // "standalone": one node, the store on a free port, a random run id.
+// Every restart round after the first gives the workers a fresh store on a free port (MASTER_PORT
+// changes), so no round sees an earlier round's keys, whatever the workers' key convention.
 #pragma once
 
 #include "ctorch/launcher/rendezvous.hpp"
 
+#include <cstdint>
 #include <memory>
 
 namespace ctorch::store {
@@ -61,8 +64,12 @@ class StaticRendezvous : public RendezvousHandler {
   std::string failedKey() const;
   std::optional<std::string> recordedFailure();
   void armTimer(bool on);
+  std::unique_ptr<store::TcpStoreServer> makeServer(std::uint16_t port) const;
+  // Node 0: the port of this round's workers' store (see the .cpp).
+  int freshWorkerStore();
 
-  std::unique_ptr<store::TcpStoreServer> server_;
+  std::unique_ptr<store::TcpStoreServer> server_;        // at --master-port: agents, round 0's workers
+  std::unique_ptr<store::TcpStoreServer> workerServer_;  // rounds after the first
   std::unique_ptr<store::TcpStoreClient> client_;
   int port_ = 0;
   int round_ = 0;    // attempts started (next() calls)
