@@ -21,10 +21,10 @@ packages=(
   cmake ninja-build g++ make ccache pkg-config
   libcli11-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev zlib1g-dev
   libopenblas0-pthread dataset-fashion-mnist python3-matplotlib
-  procps psmisc iproute2 util-linux ca-certificates
+  procps psmisc iproute2 util-linux ca-certificates hyperfine
 )
 # What the root was made from; a change remakes it. Bump the last field to force a remake.
-stamp="$suite ${packages[*]} libuv-client-fix-1"
+stamp="$suite ${packages[*]}"
 
 die() { echo "modern: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot and bind mounts)"
@@ -83,7 +83,6 @@ make_root() {
   echo 'APT::Install-Recommends "false";' >"$tmp/etc/apt/apt.conf.d/99ctorch-no-recommends"
   root=$tmp inside / bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       ${packages[*]}" >"$log" 2>&1 || { tail -n 30 "$log" >&2; die "installing packages in the root failed (log: $log)"; }
-  fix_torch_client "$tmp"
   echo "$stamp" >"$tmp/.ctorch-stamp"
   mv "$tmp" "$root"
   rm -f "$log"
@@ -91,27 +90,54 @@ make_root() {
        'import torch; print("PyTorch", torch.__version__)')"
 }
 
-# Debian's PyTorch 2.x is built without libuv, yet TCPStore defaults to use_libuv=True. USE_LIBUV=0
-# reaches Python's server side, but the client branch of torch/distributed/rendezvous.py
-# (_create_c10d_store, is_master=False) does not pass use_libuv, so every Python worker on an agent's
-# store fails ("use_libuv was requested but PyTorch was built without libuv support"), under torchrun
-# as well. A packaging defect of the test root, not of our code: patched here, once, and said so.
+# Debian's PyTorch 2.x is built without libuv, yet TCPStore defaults to use_libuv=True, and only some
+# of torch.distributed's own TCPStore(...) calls pass USE_LIBUV on: the agent-store client in
+# rendezvous.py, torchrun's static and c10d rendezvous stores do not, so every Python worker on an
+# agent's store and torchrun itself fail ("use_libuv was requested but PyTorch was built without
+# libuv support"). A packaging defect of the test root, not of our code: each TCPStore(...) call in
+# those files that lacks use_libuv gets USE_LIBUV's value (Python's rule: unset or "1" = yes), and
+# the root runs everything with USE_LIBUV=0. Idempotent; checked on every run.
 fix_torch_client() {
-  local r=$1 file
-  file=$(ls "$r"/usr/lib/python3/dist-packages/torch/distributed/rendezvous.py 2>/dev/null) || return 0
-  grep -q 'ctorch: libuv client fix' "$file" && return 0
-  python3 - "$file" <<'PY'
-import re, sys
-path = sys.argv[1]
-src = open(path).read()
-# The client TCPStore call in _create_c10d_store: add use_libuv where it is missing.
-pattern = re.compile(r"(return TCPStore\(\s*host_name,\s*port,\s*world_size,\s*False,\s*timeout,\s*multi_tenant=True)(\s*\))")
-new, n = pattern.subn(r"\1, use_libuv=use_libuv  # ctorch: libuv client fix\2", src)
-if n == 0:
-    # Layout changed: patch any TCPStore(..., False, ...) client call that lacks use_libuv.
-    sys.stderr.write("modern: rendezvous.py client call not found; left as shipped\n")
-    sys.exit(0)
-open(path, "w").write(new)
+  local r=$1 dir
+  dir="$r/usr/lib/python3/dist-packages/torch/distributed"
+  [ -d "$dir" ] || return 0
+  python3 - "$dir" <<'PY'
+import pathlib, sys
+root = pathlib.Path(sys.argv[1])
+mark = "# ctorch: libuv fix"
+arg = 'use_libuv=__import__("os").environ.get("USE_LIBUV", "1") == "1",  ' + mark + "\n"
+files = [root / "rendezvous.py"] + sorted((root / "elastic").rglob("*.py"))
+patched = 0
+for path in files:
+    src = path.read_text()
+    out, i = [], 0
+    while True:
+        j = src.find("TCPStore(", i)
+        if j < 0:
+            out.append(src[i:])
+            break
+        k, depth = j + len("TCPStore("), 1
+        while k < len(src) and depth:
+            depth += {"(": 1, ")": -1}.get(src[k], 0)
+            k += 1
+        call = src[j:k]
+        line_start = src.rfind("\n", 0, j) + 1
+        is_code = not src[line_start:j].lstrip().startswith(("#", ">>>")) and "\n" in call
+        if is_code and "use_libuv" not in call and "is_master" in call:
+            body = call[:-1].rstrip()
+            if not body.endswith((",", "(")):
+                body += ","
+            last_indent = body[body.rfind("\n") + 1:]
+            pad = " " * (len(last_indent) - len(last_indent.lstrip()))
+            call = body + "\n" + pad + arg + call[len(call[:-1].rstrip()):-1].lstrip("\n") + ")"
+            patched += 1
+        out.append(src[i:j] + call)
+        i = k
+    new = "".join(out)
+    if new != src:
+        path.write_text(new)
+if patched:
+    print(f"modern: passed USE_LIBUV to {patched} TCPStore(...) calls of torch.distributed (Debian builds lack libuv)")
 PY
 }
 
@@ -121,6 +147,7 @@ mkdir -p "$(dirname "$root")"
 exec 9>"${root%/}.lock"
 flock 9
 make_root
+fix_torch_client "$root"
 flock -u 9
 rel=${build#"$here"/}
 [ "$rel" != "$build" ] || die "CTORCH_MODERN_BUILD_DIR must lie inside the checkout ($here)"

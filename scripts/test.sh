@@ -4,11 +4,12 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${CTORCH_BUILD_DIR:-$root/build}
-"$root/scripts/setup.sh"
+# The modern lane (scripts/modern.sh) runs this inside its own root, whose packages it installed.
+[ "${CTORCH_SETUP:-}" = skip ] || "$root/scripts/setup.sh"
 "$root/scripts/build.sh"
 cd "$build"
 start=$(date +%s)
 status=0
 ctest --output-on-failure --parallel "${CTORCH_TEST_JOBS:-$(nproc)}" --timeout 600 "$@" || status=$?
-echo "tests: $(( $(date +%s) - start )) s"
+echo "tests (${CTORCH_LANE:-bookworm} lane): $(( $(date +%s) - start )) s"
 exit $status

@@ -70,6 +70,10 @@ size_t ByteSource::read(void* dst, size_t n) {
         throw DataFileError(path_.string() + ": truncated or corrupt gzip data (zlib: " +
                             zlibMessage(gz_, path_) + ")");
       }
+      // Some zlib builds (Debian sid's) end a stream whose header is garbage without an error:
+      // a gzip file from which nothing at all decompresses is unreadable, not an empty file.
+      if (compressed_ && offset_ + done == 0)
+        throw DataFileError(path_.string() + ": unreadable gzip data (nothing decompresses from it)");
       break;
     }
     done += static_cast<size_t>(got);

@@ -80,6 +80,9 @@ kill_host() {  # P I: SIGKILL until nothing is left (bounded)
 
 # ---- check -----------------------------------------------------------------------------------------
 cmd_check() {
+  # The modern lane (scripts/modern.sh) runs in a chroot made for LibTorch 2.x; the lab's hosts and
+  # Slurm cluster are tested in the bookworm lane, where scripts/setup.sh installs them.
+  [ "${CTORCH_LANE:-}" != modern ] || { echo "the modern lane's root has no lab (network namespaces, iptables, Slurm): the bookworm lane runs these tests"; exit 1; }
   [ "$(id -u)" -eq 0 ] || { echo "needs root to create network namespaces (uid $(id -u))"; exit 1; }
   local c
   for c in ip nsenter unshare flock iptables mount hostname; do

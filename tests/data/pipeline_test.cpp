@@ -180,8 +180,8 @@ TEST_CASE("pipeline: bad indices and bad options are one-line errors", "[pipelin
   CHECK_THROWS_WITH(BatchPipeline(regression, o), Catch::Contains("needs images"));
   o.augment->padding = -1;
   CHECK_THROWS_WITH(BatchPipeline(images(2), o), Catch::Contains("padding -1"));
-  CHECK_THROWS_WITH(BatchLoader(p, {0}, LoaderOptions{.batchSize = 0}), Catch::Contains("batch size 0"));
-  CHECK_THROWS_WITH(BatchLoader(p, {0}, LoaderOptions{.prefetch = 3}), Catch::Contains("prefetch 3"));
+  CHECK_THROWS_WITH(BatchLoader(p, std::vector<int64_t>{0}, LoaderOptions{.batchSize = 0}), Catch::Contains("batch size 0"));
+  CHECK_THROWS_WITH(BatchLoader(p, std::vector<int64_t>{0}, LoaderOptions{.prefetch = 3}), Catch::Contains("prefetch 3"));
 }
 
 TEST_CASE("loader: background batches equal synchronous ones with skip and drop-last", "[loader]") {

@@ -541,8 +541,13 @@ struct TutorialRun {
   std::string output;
 };
 
+// Rank 0's "DIGEST <hex>" line ("[default0]:" or, with several nodes, "[<host>:default0]:").
 std::string digestOf(const std::string& output) {
-  for (const auto& line : linesWith(output, "[default0]:DIGEST ")) return line.substr(line.find("DIGEST ") + 7);
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find("default0]:DIGEST ");
+    if (at != std::string::npos) return line.substr(at + 17);
+  }
   return "";
 }
 

@@ -202,7 +202,9 @@ TEST_CASE("every single-bit flip is detected or harmless", "[snapshot][corrupt]"
     }
   }
   INFO("detected " << detected << ", harmless " << harmless << " of " << good.size());
-  CHECK(detected > good.size() * 8 / 10);
+  // Most bytes are read and checked (LibTorch 1.13's archive: ~80 % of flips detected; 2.14 aligns
+  // its records with more padding: ~78 %). A decoder that checked nothing would detect none.
+  CHECK(detected > good.size() * 7 / 10);
 }
 
 TEST_CASE("content changed behind the digest's back is refused", "[snapshot][corrupt]") {

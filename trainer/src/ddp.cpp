@@ -232,8 +232,9 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
                                     std::move(names), firstBucketBytes);
     s.logger = std::make_shared<c10d::Logger>(s.reducer);
     s.reducer->set_logger(s.logger);
-    s.logger->set_construction_data_and_log(s.module->name(), {}, -1, options.broadcastBuffers(),
-                                            /*has_sync_bn=*/false, options.staticGraph());
+    if (compat::loggerCanDescribe(s.group))
+      s.logger->set_construction_data_and_log(s.module->name(), {}, -1, options.broadcastBuffers(),
+                                              /*has_sync_bn=*/false, options.staticGraph());
     if (options.staticGraph()) {
       s.staticGraph = true;
       s.reducer->set_static_graph();

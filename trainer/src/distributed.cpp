@@ -222,7 +222,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     std::vector<compat::BoundBackend> backends;
     std::vector<compat::BackendPtr> sequenced;  // backends whose sequence number Python sets
     auto setSequenceNumbers = [&] {
-      for (auto& b : sequenced) b->setSequenceNumberForGroup();
+      if constexpr (compat::kSequenceNumberFromStore)
+        for (auto& b : sequenced) b->setSequenceNumberForGroup();
     };
     if (useGloo) {
       auto store = compat::backendStore(group, "cpu");

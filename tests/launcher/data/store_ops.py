@@ -1,11 +1,16 @@
 # Exercises a TCPStore server (ours) with PyTorch's own client: python3 store_ops.py HOST PORT
 import datetime
+import os
 import sys
 
 import torch.distributed as dist
 
 host, port = sys.argv[1], int(sys.argv[2])
-s = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=20))
+kwargs = {}
+if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
+    # PyTorch 2.2+: honour USE_LIBUV as torch.distributed's rendezvous does (Debian builds lack libuv).
+    kwargs["use_libuv"] = os.environ.get("USE_LIBUV", "1") == "1"
+s = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=20), **kwargs)
 s.set("a", "hello")
 assert s.get("a") == b"hello"
 assert s.add("cnt", 5) == 5 and s.add("cnt", 2) == 7

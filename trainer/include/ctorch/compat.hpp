@@ -231,11 +231,16 @@ inline InitBarrierRule initBarrierRule(bool torchDistInitBarrierSet) {
 // it before the barrier while a Python rank 0 waits in the barrier first would deadlock: follow the
 // version's order.
 inline constexpr bool kSequenceNumberAfterInitBarrier = !CTORCH_TORCH_HAS_BACKENDS;
+// 2.14 made setSequenceNumberForGroup a deprecated no-op that warns (sequence numbers start at 0 on
+// every rank; nothing goes through the store), so it is called only where it still does something.
+inline constexpr bool kSequenceNumberFromStore =
+    TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14);
 
 // ---- the Reducer -------------------------------------------------------------------------------------
 // 1.13 and earlier 2.x: (params, bucket indices, per-bucket size limits, group, expect_sparse, cap,
 // find_unused, as_view, names, first cap). Later 2.x releases drop the size limits and add
-// skip_all_reduce_unused_params / use_python_reducer. Detected, like the ProcessGroup constructor.
+// skip_all_reduce_unused_params / use_python_reducer; 2.14 adds bucket_bytes_cap_list (and a
+// defaulted batched_grad_copy). Detected, like the ProcessGroup constructor.
 template <class R = c10d::Reducer>
 std::shared_ptr<R> makeReducer(std::vector<at::Tensor> params, std::vector<std::vector<size_t>> bucketIndices,
                                std::vector<size_t> perBucketSizeLimits,
@@ -252,6 +257,16 @@ std::shared_ptr<R> makeReducer(std::vector<at::Tensor> params, std::vector<std::
                                std::move(group), std::move(expectSparse), bucketBytesCap, findUnused,
                                gradientAsBucketView, std::move(names), firstBucketBytesCap);
   } else if constexpr (std::is_constructible_v<R, Tensors, Indices, Group, std::vector<bool>, int64_t, bool,
+                                               bool, Names, int64_t, bool, bool, std::vector<int64_t>>) {
+    // 2.14: per-bucket caps for rebuilding; empty = the Reducer's own rule, as Python's DDP passes
+    // unless the user gave bucket_cap_mb_list.
+    (void)perBucketSizeLimits;
+    return std::make_shared<R>(std::move(params), std::move(bucketIndices), std::move(group),
+                               std::move(expectSparse), bucketBytesCap, findUnused, gradientAsBucketView,
+                               std::move(names), firstBucketBytesCap,
+                               /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
+                               /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+  } else if constexpr (std::is_constructible_v<R, Tensors, Indices, Group, std::vector<bool>, int64_t, bool,
                                                bool, Names, int64_t, bool, bool>) {
     (void)perBucketSizeLimits;
     return std::make_shared<R>(std::move(params), std::move(bucketIndices), std::move(group),
@@ -261,6 +276,26 @@ std::shared_ptr<R> makeReducer(std::vector<at::Tensor> params, std::vector<std::
   } else {
     static_assert(detail::kAlwaysFalse<R>, "ctorch: unknown c10d::Reducer constructor in this LibTorch");
   }
+}
+
+// ---- the DDP logger -------------------------------------------------------------------------------------
+// 2.x's c10d::Logger::set_construction_data_and_log reads Gloo's thread count through a static_cast
+// of the group's CPU backend to ProcessGroupGloo. Under TORCH_DISTRIBUTED_DEBUG=DETAIL that backend
+// is a ProcessGroupWrapper, and the cast reads garbage (a crash in LibTorch 2.14; Python's DDP takes
+// the same path). The construction record is only logging: it is skipped where it cannot be made.
+inline bool loggerCanDescribe(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+#if CTORCH_TORCH_HAS_BACKENDS
+  try {
+    auto backend = group->getBackend(c10::DeviceType::CPU);
+    if (backend && backend->getBackendName() == "gloo")
+      return dynamic_cast<c10d::ProcessGroupGloo*>(backend.get()) != nullptr;
+  } catch (const std::exception&) {
+    // no CPU backend: nothing for the logger to misread
+  }
+#else
+  (void)group;
+#endif
+  return true;
 }
 
 // ---- zero_grad ---------------------------------------------------------------------------------------
