@@ -7,7 +7,9 @@
 #include "ctorch/store/store_engine.hpp"
 #include "ctorch/store/tcp_store_protocol.hpp"
 
+#include <cstdint>
 #include <cstring>
+#include <string>
 
 using namespace ctorch::store;
 using namespace ctorch::store::protocol;
@@ -326,4 +328,31 @@ TEST_CASE("store protocol: a PyTorch 2.1 client is served for everything a worke
   auto del = h.run(1, B().u8(7).str("/a").b);
   REQUIRE(del.size() == 1);
   CHECK(del[0].bytes == Bytes{static_cast<std::uint8_t>(WatchResponse::CallbackRegistered)});
+}
+
+// Issue 12: ADD past INT64_MAX was a signed overflow (UBSan) that wrapped the counter; the same
+// for a BARRIER count. Refused like a non-integer value (the server drops that connection), and
+// the stored counter keeps its value.
+TEST_CASE("store engine: ADD or BARRIER past the 64-bit range is refused and the counter is unchanged") {
+  EngineHarness h;
+  const auto max = static_cast<std::uint64_t>(INT64_MAX);
+  CHECK(asI64(h.run(1, B().u8(4).str("/n").u64(max).b)[0].bytes) == INT64_MAX);
+  Generation g = Generation::Validated;
+  std::vector<StoreEngine::Reply> out;
+  Bytes up = B().u8(4).str("/n").u64(1).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, up.data(), up.size()).request, out),
+                    Catch::Contains("overflows"));
+  CHECK(toString(*h.engine.peek("/n")) == std::to_string(INT64_MAX));
+  // Downwards too.
+  h.run(1, B().u8(1).str("/m").str(std::to_string(INT64_MIN)).b);
+  Bytes down = B().u8(4).str("/m").u64(static_cast<std::uint64_t>(-1)).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, down.data(), down.size()).request, out),
+                    Catch::Contains("overflows"));
+  // BARRIER counts with +1.
+  h.run(1, B().u8(1).str("/b").str(std::to_string(INT64_MAX)).b);
+  Bytes barrier = B().u8(18).str("/b").u64(2).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, barrier.data(), barrier.size()).request, out),
+                    Catch::Contains("overflows"));
+  CHECK(out.empty());
+  CHECK(h.engine.waitingConnections() == 0);
 }

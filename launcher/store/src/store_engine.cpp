@@ -28,6 +28,17 @@ std::int64_t parseCounter(const std::string& key, const Bytes& value) {
   return static_cast<std::int64_t>(v);
 }
 
+// Counter arithmetic must not wrap (signed overflow is undefined; a wrapped barrier count or rank
+// counter would be silently wrong): refused like a non-integer value, so the server drops the
+// connection that asked for it (c10d has no error reply for ADD).
+std::int64_t checkedAdd(const std::string& key, std::int64_t current, std::int64_t delta) {
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(current, delta, &sum))
+    throw std::invalid_argument("ADD of " + std::to_string(delta) + " to key '" + key + "' holding " +
+                                std::to_string(current) + " overflows a 64-bit counter");
+  return sum;
+}
+
 Bytes counterBytes(std::int64_t v) {
   std::string s = std::to_string(v);
   return Bytes(s.begin(), s.end());
@@ -208,7 +219,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Add: {
       std::int64_t v = q.number;
       auto it = data_.find(q.key);
-      if (it != data_.end()) v += parseCounter(q.key, it->second);
+      if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
       // The reply goes out before any wake-ups it causes, as in c10d.
       out.push_back({conn, Writer().i64(v).take()});
       store(q.key, counterBytes(v), out);
@@ -318,7 +329,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Barrier: {
       std::int64_t count = 1;
       auto it = data_.find(q.key);
-      if (it != data_.end()) count = parseCounter(q.key, it->second) + 1;
+      if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
       data_[q.key] = counterBytes(count);
       if (count >= q.number) {
         wakeAll(q.key, out);
