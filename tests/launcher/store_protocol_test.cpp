@@ -7,7 +7,10 @@
 #include "ctorch/store/store_engine.hpp"
 #include "ctorch/store/tcp_store_protocol.hpp"
 
+#include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string>
 
 using namespace ctorch::store;
 using namespace ctorch::store::protocol;
@@ -326,4 +329,80 @@ TEST_CASE("store protocol: a PyTorch 2.1 client is served for everything a worke
   auto del = h.run(1, B().u8(7).str("/a").b);
   REQUIRE(del.size() == 1);
   CHECK(del[0].bytes == Bytes{static_cast<std::uint8_t>(WatchResponse::CallbackRegistered)});
+}
+
+// Issue 12: ADD past INT64_MAX was a signed overflow (UBSan) that wrapped the counter; the same
+// for a BARRIER count. Refused like a non-integer value (the server drops that connection), and
+// the stored counter keeps its value.
+TEST_CASE("store engine: ADD or BARRIER past the 64-bit range is refused and the counter is unchanged") {
+  EngineHarness h;
+  const auto max = static_cast<std::uint64_t>(INT64_MAX);
+  CHECK(asI64(h.run(1, B().u8(4).str("/n").u64(max).b)[0].bytes) == INT64_MAX);
+  Generation g = Generation::Validated;
+  std::vector<StoreEngine::Reply> out;
+  Bytes up = B().u8(4).str("/n").u64(1).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, up.data(), up.size()).request, out),
+                    Catch::Contains("overflows"));
+  CHECK(toString(*h.engine.peek("/n")) == std::to_string(INT64_MAX));
+  // Downwards too.
+  h.run(1, B().u8(1).str("/m").str(std::to_string(INT64_MIN)).b);
+  Bytes down = B().u8(4).str("/m").u64(static_cast<std::uint64_t>(-1)).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, down.data(), down.size()).request, out),
+                    Catch::Contains("overflows"));
+  // BARRIER counts with +1.
+  h.run(1, B().u8(1).str("/b").str(std::to_string(INT64_MAX)).b);
+  Bytes barrier = B().u8(18).str("/b").u64(2).b;
+  CHECK_THROWS_WITH(h.engine.execute(1, parseRequest(g, barrier.data(), barrier.size()).request, out),
+                    Catch::Contains("overflows"));
+  CHECK(out.empty());
+  CHECK(h.engine.waitingConnections() == 0);
+}
+
+// Issue 12: a partial request was re-parsed from its start on every read (quadratic in its size).
+// The incremental parser takes whole fields once; a request dripped one byte at a time costs a few
+// looks at each length prefix, not a re-scan.
+TEST_CASE("store protocol: a request dripped byte by byte is parsed once (work proportional to its size)") {
+  B big;
+  big.u8(11).u64(300);  // MULTI_SET of 300 keys
+  for (int i = 0; i < 300; ++i) big.str("/k" + std::to_string(i)).str(std::string(100, 'v'));
+  const Bytes& all = big.b;
+  RequestParser parser(Limits{}, Generation::Validated);
+  Bytes pending;
+  std::optional<ParseResult> done;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    pending.push_back(all[i]);
+    ParseResult r = parser.feed(pending.data(), pending.size());
+    REQUIRE(r.status != ParseResult::Status::Error);
+    pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(r.consumed));
+    if (r.status == ParseResult::Status::Ok) {
+      CHECK(i + 1 == all.size());
+      done = std::move(r);
+    }
+  }
+  REQUIRE(done);
+  CHECK(pending.empty());
+  CHECK(done->request.op == Op::MultiSet);
+  REQUIRE(done->request.keys.size() == 300);
+  CHECK(done->request.keys[299] == "/k299");
+  CHECK(done->request.values[299] == Bytes(100, 'v'));
+  // One byte at a time, each call looks at most at an 8-byte length prefix besides the field it
+  // completes: at most 9 looks per byte. A re-parse from the start would be ~size^2/2 = 600x here.
+  CHECK(parser.bytesExamined() <= 9 * all.size());
+  CHECK(parser.partialLength() == 0);
+}
+
+TEST_CASE("store protocol: a request larger than maxRequestLength is refused as soon as a length says so") {
+  Limits limits;
+  limits.maxRequestLength = 1000;
+  RequestParser parser(limits, Generation::Validated);
+  Bytes head = B().u8(11).u64(2).str("/a").u64(600).b;  // MULTI_SET, 2 keys, the first value 600 bytes
+  Bytes value(600, 'x');
+  head.insert(head.end(), value.begin(), value.end());
+  ParseResult first = parser.feed(head.data(), head.size());
+  REQUIRE(first.status == ParseResult::Status::NeedMore);
+  CHECK(first.consumed == head.size());
+  Bytes second = B().str("/b").u64(600).b;  // 1 + 8 + 10 + 608 + 10 + 8 + 600 > 1000
+  ParseResult r = parser.feed(second.data(), second.size());
+  REQUIRE(r.status == ParseResult::Status::Error);
+  CHECK_THAT(r.error, Catch::Contains("MULTI_SET") && Catch::Contains("limit"));
 }

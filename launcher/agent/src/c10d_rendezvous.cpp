@@ -53,8 +53,10 @@ struct StoreUnreachable : store::StoreConnectionError {
 
 // The rendezvous' connection to the store: one TcpStoreClient, replaced when a request fails,
 // with every request bounded. In "patient" mode a failed request is retried (reconnecting) until
-// the store has been silent for `unreachableLimit`; otherwise one attempt is made and its error
-// passes through (the event loop tries again at its next tick).
+// the store has been silent for `unreachableLimit`, or this one request has been tried for that
+// long (a reconnect is no answer to it); otherwise one attempt is made and its error passes
+// through (the event loop tries again at its next tick). While a stop request is set (the agent
+// waits in next()), a retry also ends when the agent is asked to stop.
 class StoreLink final : public rc::CasStore {
  public:
   StoreLink(std::string host, int port, milliseconds opTimeout, milliseconds unreachableLimit,
@@ -87,6 +89,7 @@ class StoreLink final : public rc::CasStore {
   }
 
   void setPatient(bool patient) { patient_ = patient; }
+  void setRequest(const RendezvousRequest* request) { request_ = request; }
   milliseconds silentFor() const { return since(lastSuccess_); }
   std::string where() const { return host_ + ":" + std::to_string(port_); }
   std::string localAddress() {
@@ -98,8 +101,17 @@ class StoreLink final : public rc::CasStore {
       return store::toString(client_->compareSet(key, store::toBytes(expected), store::toBytes(desired)));
     });
   }
+  // c10d's get waits for a missing key; the state key exists from the executor's first
+  // compare-and-set on, so a missing one was deleted (by a hostile or confused client, or the
+  // store restarted empty): waiting for it would hang the agent. Check first, fail clearly.
   std::string get(const std::string& key) override {
-    return call([&] { return store::toString(client_->get(key)); });
+    return call([&] {
+      if (!client_->check({key}))
+        throw rc::RendezvousStateError("the rendezvous state key '" + key + "' is gone from the store at " +
+                                       where() + " (deleted by another client, or the store restarted empty): "
+                                       "this rendezvous cannot continue");
+      return store::toString(client_->get(key));
+    });
   }
   std::int64_t add(const std::string& key, std::int64_t delta) {
     return call([&] { return client_->add(key, delta); });
@@ -122,11 +134,13 @@ class StoreLink final : public rc::CasStore {
     auto c = std::make_unique<store::TcpStoreClient>(host_, static_cast<std::uint16_t>(port_), o);
     c->set(aliveKey_, store::toBytes("1"));
     client_ = std::move(c);
-    lastSuccess_ = Clock::now();
+    if (!everConnected_) lastSuccess_ = Clock::now();
+    everConnected_ = true;
   }
 
   template <typename F>
   auto call(F&& f) -> decltype(f()) {
+    const auto started = Clock::now();
     for (;;) {
       try {
         if (!client_ || !client_->usable()) connect();
@@ -136,13 +150,25 @@ class StoreLink final : public rc::CasStore {
       } catch (const store::StoreError& e) {
         client_.reset();
         lastError_ = e.what();
-        if (silentFor() > limit_)
-          throw StoreUnreachable("cannot reach the rendezvous store at " + where() + " for " +
-                                 secs(silentFor()) + " (" + lastError_ + ")");
+        if (silentFor() > limit_ || since(started) > limit_)
+          throw StoreUnreachable("no answer from the rendezvous store at " + where() + " for " +
+                                 secs(std::min(silentFor(), since(started))) + " (" + lastError_ + ")");
         if (!patient_) throw;
       }
-      std::this_thread::sleep_for(milliseconds(50));
+      pause(milliseconds(50));
     }
+  }
+
+  // Sleeps between retries; ends early (throwing) when the agent is asked to stop.
+  void pause(milliseconds d) {
+    if (!request_ || request_->cancelFd < 0) {
+      std::this_thread::sleep_for(d);
+      return;
+    }
+    if (request_->stopNow()) throw RendezvousInterrupted("interrupted while retrying the rendezvous store at " + where());
+    pollfd p{request_->cancelFd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(d.count())) > 0 && request_->stopNow())
+      throw RendezvousInterrupted("interrupted while retrying the rendezvous store at " + where());
   }
 
   std::string host_;
@@ -150,9 +176,11 @@ class StoreLink final : public rc::CasStore {
   milliseconds opTimeout_, limit_;
   std::string aliveKey_;
   std::unique_ptr<store::TcpStoreClient> client_;
-  Clock::time_point lastSuccess_ = Clock::now();
+  Clock::time_point lastSuccess_ = Clock::now();  // the last answered request (a reconnect is none)
+  bool everConnected_ = false;
   std::string lastError_;
   bool patient_ = true;
+  const RendezvousRequest* request_ = nullptr;
 };
 
 // The executor's clock: real time; its sleeps wake up for a stop request of the agent.
@@ -271,14 +299,17 @@ class C10dRendezvous::Impl {
 
     link_->setPatient(true);
     clock_.setRequest(&request);
+    link_->setRequest(&request);
     rc::RoundResult r;
     try {
       r = executor_->nextRound();
     } catch (...) {
       clock_.setRequest(nullptr);
+      link_->setRequest(nullptr);
       translate();
     }
     clock_.setRequest(nullptr);
+    link_->setRequest(nullptr);
     round_ = r;
     if (r.nodeRank != 0) workerStore_.reset();  // only node rank 0's is used
 

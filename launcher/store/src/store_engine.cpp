@@ -28,6 +28,17 @@ std::int64_t parseCounter(const std::string& key, const Bytes& value) {
   return static_cast<std::int64_t>(v);
 }
 
+// Counter arithmetic must not wrap (signed overflow is undefined; a wrapped barrier count or rank
+// counter would be silently wrong): refused like a non-integer value, so the server drops the
+// connection that asked for it (c10d has no error reply for ADD).
+std::int64_t checkedAdd(const std::string& key, std::int64_t current, std::int64_t delta) {
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(current, delta, &sum))
+    throw std::invalid_argument("ADD of " + std::to_string(delta) + " to key '" + key + "' holding " +
+                                std::to_string(current) + " overflows a 64-bit counter");
+  return sum;
+}
+
 Bytes counterBytes(std::int64_t v) {
   std::string s = std::to_string(v);
   return Bytes(s.begin(), s.end());
@@ -91,10 +102,12 @@ void StoreEngine::clearWait(ConnId conn) {
 
 std::vector<std::string> StoreEngine::disconnect(ConnId conn, std::vector<Reply>* out) {
   clearWait(conn);
-  for (auto it = watchers_.begin(); it != watchers_.end();) {
-    auto& v = it->second;
-    v.erase(std::remove(v.begin(), v.end(), conn), v.end());
-    it = v.empty() ? watchers_.erase(it) : std::next(it);
+  if (watchCount_.erase(conn)) {
+    for (auto it = watchers_.begin(); it != watchers_.end();) {
+      auto& v = it->second;
+      v.erase(std::remove(v.begin(), v.end(), conn), v.end());
+      it = v.empty() ? watchers_.erase(it) : std::next(it);
+    }
   }
   std::vector<std::string> removed;
   for (auto it = owners_.begin(); it != owners_.end();) {
@@ -196,6 +209,15 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     }
 
     case Op::MultiGet: {
+      std::size_t length = 0;
+      for (const auto& k : q.keys) {
+        auto it = data_.find(k);
+        length += 8 + (it == data_.end() ? 0 : it->second.size());
+      }
+      if (length > limits_.maxReplyLength)
+        throw std::invalid_argument("MULTI_GET of " + std::to_string(q.keys.size()) + " keys would make a reply of " +
+                                    std::to_string(length) + " bytes, over the limit of " +
+                                    std::to_string(limits_.maxReplyLength));
       Writer w;
       for (const auto& k : q.keys) {
         auto it = data_.find(k);
@@ -208,7 +230,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Add: {
       std::int64_t v = q.number;
       auto it = data_.find(q.key);
-      if (it != data_.end()) v += parseCounter(q.key, it->second);
+      if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
       // The reply goes out before any wake-ups it causes, as in c10d.
       out.push_back({conn, Writer().i64(v).take()});
       store(q.key, counterBytes(v), out);
@@ -262,10 +284,21 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       return;
     }
 
-    case Op::WatchKey:
-      watchers_[q.key].push_back(conn);
+    case Op::WatchKey: {
+      auto& watching = watchers_[q.key];
+      if (std::find(watching.begin(), watching.end(), conn) == watching.end()) {
+        std::size_t& n = watchCount_[conn];
+        if (n >= limits_.maxWatchesPerConnection) {
+          if (watching.empty()) watchers_.erase(q.key);
+          throw std::invalid_argument("WATCH_KEY: more than " + std::to_string(limits_.maxWatchesPerConnection) +
+                                      " watched keys on one connection");
+        }
+        ++n;
+        watching.push_back(conn);
+      }
       out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WatchResponse::CallbackRegistered))});
       return;
+    }
 
     case Op::Append: {
       auto it = data_.find(q.key);
@@ -308,6 +341,11 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     }
 
     case Op::ListKeys: {
+      std::size_t length = 8;
+      for (const auto& kv : data_) length += 8 + kv.first.size();
+      if (length > limits_.maxReplyLength)
+        throw std::invalid_argument("LIST_KEYS would make a reply of " + std::to_string(length) +
+                                    " bytes, over the limit of " + std::to_string(limits_.maxReplyLength));
       Writer w;
       w.i64(static_cast<std::int64_t>(data_.size()));
       for (const auto& kv : data_) w.str(kv.first);
@@ -318,7 +356,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Barrier: {
       std::int64_t count = 1;
       auto it = data_.find(q.key);
-      if (it != data_.end()) count = parseCounter(q.key, it->second) + 1;
+      if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
       data_[q.key] = counterBytes(count);
       if (count >= q.number) {
         wakeAll(q.key, out);

@@ -1,5 +1,6 @@
 #include "ctorch/store/tcp_store_protocol.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace ctorch::store::protocol {
@@ -9,61 +10,6 @@ namespace {
 // Thrown inside the parser for malformed input; turned into ParseResult::Error.
 struct Malformed {
   std::string why;
-};
-
-// Reads from a byte range; every read returns false when the range is too short (need more).
-class Reader {
- public:
-  Reader(const std::uint8_t* data, std::size_t size, const Limits& limits)
-      : data_(data), size_(size), limits_(limits) {}
-
-  std::size_t pos() const { return pos_; }
-
-  template <typename T>
-  bool value(T& out) {
-    if (size_ - pos_ < sizeof(T)) return false;
-    std::memcpy(&out, data_ + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-
-  bool str(std::string& out) {
-    std::uint64_t n = 0;
-    if (!value(n)) return false;
-    if (n > limits_.maxKeyLength)
-      throw Malformed{"key of " + std::to_string(n) + " bytes exceeds the limit of " +
-                      std::to_string(limits_.maxKeyLength)};
-    if (size_ - pos_ < n) return false;
-    out.assign(reinterpret_cast<const char*>(data_ + pos_), static_cast<std::size_t>(n));
-    pos_ += static_cast<std::size_t>(n);
-    return true;
-  }
-
-  bool bytes(Bytes& out) {
-    std::uint64_t n = 0;
-    if (!value(n)) return false;
-    if (n > limits_.maxValueLength)
-      throw Malformed{"value of " + std::to_string(n) + " bytes exceeds the limit of " +
-                      std::to_string(limits_.maxValueLength)};
-    if (size_ - pos_ < n) return false;
-    out.assign(data_ + pos_, data_ + pos_ + n);
-    pos_ += static_cast<std::size_t>(n);
-    return true;
-  }
-
-  bool count(std::uint64_t& n) {
-    if (!value(n)) return false;
-    if (n > limits_.maxKeyCount)
-      throw Malformed{std::to_string(n) + " keys in one request exceed the limit of " +
-                      std::to_string(limits_.maxKeyCount)};
-    return true;
-  }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t pos_ = 0;
-  const Limits& limits_;
 };
 
 std::optional<Op> legacyOp(std::uint8_t code) {
@@ -110,54 +56,6 @@ std::optional<Op> validatedOp(std::uint8_t code) {
   return std::nullopt;
 }
 
-// Reads the payload of `op`; false when more bytes are needed.
-bool readPayload(Reader& r, Request& q) {
-  switch (q.op) {
-    case Op::Validate:
-    case Op::Ping:
-      return r.value(q.nonce);
-    case Op::Set:
-    case Op::Append:
-    case Op::QueuePush:
-      return r.str(q.key) && r.bytes(q.value);
-    case Op::CompareSet:
-      return r.str(q.key) && r.bytes(q.value) && r.bytes(q.desired);
-    case Op::Get:
-    case Op::WatchKey:
-    case Op::DeleteKey:
-    case Op::QueuePop:
-    case Op::QueueLen:
-      return r.str(q.key);
-    case Op::Add:
-    case Op::Barrier:
-      return r.str(q.key) && r.value(q.number);
-    case Op::Check:
-    case Op::Wait:
-    case Op::MultiGet: {
-      std::uint64_t n = 0;
-      if (!r.count(n)) return false;
-      q.keys.resize(static_cast<std::size_t>(n));
-      for (auto& k : q.keys)
-        if (!r.str(k)) return false;
-      return true;
-    }
-    case Op::MultiSet: {
-      std::uint64_t n = 0;
-      if (!r.count(n)) return false;
-      q.keys.resize(static_cast<std::size_t>(n));
-      q.values.resize(static_cast<std::size_t>(n));
-      for (std::size_t i = 0; i < n; ++i)
-        if (!r.str(q.keys[i]) || !r.bytes(q.values[i])) return false;
-      return true;
-    }
-    case Op::GetNumKeys:
-    case Op::CancelWait:
-    case Op::ListKeys:
-      return true;
-  }
-  return true;
-}
-
 } // namespace
 
 const char* opName(Op op) {
@@ -186,50 +84,195 @@ const char* opName(Op op) {
   return "?";
 }
 
-ParseResult parseRequest(Generation& generation, const std::uint8_t* data, std::size_t size,
-                         const Limits& limits) {
+template <typename T>
+bool RequestParser::takeValue(const std::uint8_t* data, std::size_t size, std::size_t& pos, T& out) {
+  const std::size_t avail = size - pos;
+  examined_ += std::min(avail, sizeof(T));
+  if (avail < sizeof(T)) return false;
+  std::memcpy(&out, data + pos, sizeof(T));
+  pos += sizeof(T);
+  taken_ += sizeof(T);
+  return true;
+}
+
+// Reads the u64 length prefix at `pos` without taking it; checks it against `max` and against
+// what is left of the request's budget as soon as it is known.
+bool RequestParser::takeLength(const std::uint8_t* data, std::size_t size, std::size_t pos,
+                               std::uint64_t max, const char* what, std::uint64_t& n) {
+  const std::size_t avail = size - pos;
+  examined_ += std::min(avail, sizeof n);
+  if (avail < sizeof n) return false;
+  std::memcpy(&n, data + pos, sizeof n);
+  if (n > max)
+    throw Malformed{std::string(what) + " of " + std::to_string(n) + " bytes exceeds the limit of " +
+                    std::to_string(max)};
+  if (n > limits_.maxRequestLength || taken_ + sizeof n + n > limits_.maxRequestLength)
+    throw Malformed{"request of more than " + std::to_string(limits_.maxRequestLength) +
+                    " bytes (the limit)"};
+  return true;
+}
+
+bool RequestParser::takeString(const std::uint8_t* data, std::size_t size, std::size_t& pos, std::string& out) {
+  std::uint64_t n = 0;
+  if (!takeLength(data, size, pos, limits_.maxKeyLength, "key", n)) return false;
+  if (size - pos - sizeof n < n) return false;
+  examined_ += n;
+  out.assign(reinterpret_cast<const char*>(data + pos + sizeof n), static_cast<std::size_t>(n));
+  pos += sizeof n + static_cast<std::size_t>(n);
+  taken_ += sizeof n + static_cast<std::size_t>(n);
+  return true;
+}
+
+bool RequestParser::takeBytes(const std::uint8_t* data, std::size_t size, std::size_t& pos, Bytes& out) {
+  std::uint64_t n = 0;
+  if (!takeLength(data, size, pos, limits_.maxValueLength, "value", n)) return false;
+  if (size - pos - sizeof n < n) return false;
+  examined_ += n;
+  const std::uint8_t* from = data + pos + sizeof n;
+  out.assign(from, from + n);
+  pos += sizeof n + static_cast<std::size_t>(n);
+  taken_ += sizeof n + static_cast<std::size_t>(n);
+  return true;
+}
+
+// Takes the next field of request_ if it is complete; `done` once the request is.
+bool RequestParser::takeField(const std::uint8_t* data, std::size_t size, std::size_t& pos, bool& done) {
+  Request& q = request_;
+  bool took = false;
+  switch (q.op) {
+    case Op::Validate:
+    case Op::Ping:
+      took = takeValue(data, size, pos, q.nonce);
+      done = took;
+      return took;
+    case Op::Set:
+    case Op::Append:
+    case Op::QueuePush:
+      took = step_ == 0 ? takeString(data, size, pos, q.key) : takeBytes(data, size, pos, q.value);
+      done = took && step_ == 1;
+      break;
+    case Op::CompareSet:
+      took = step_ == 0   ? takeString(data, size, pos, q.key)
+             : step_ == 1 ? takeBytes(data, size, pos, q.value)
+                          : takeBytes(data, size, pos, q.desired);
+      done = took && step_ == 2;
+      break;
+    case Op::Get:
+    case Op::WatchKey:
+    case Op::DeleteKey:
+    case Op::QueuePop:
+    case Op::QueueLen:
+      took = takeString(data, size, pos, q.key);
+      done = took;
+      break;
+    case Op::Add:
+    case Op::Barrier:
+      took = step_ == 0 ? takeString(data, size, pos, q.key) : takeValue(data, size, pos, q.number);
+      done = took && step_ == 1;
+      break;
+    case Op::Check:
+    case Op::Wait:
+    case Op::MultiGet:
+    case Op::MultiSet:
+      if (step_ == 0) {
+        took = takeValue(data, size, pos, count_);
+        if (took && count_ > limits_.maxKeyCount)
+          throw Malformed{std::to_string(count_) + " keys in one request exceed the limit of " +
+                          std::to_string(limits_.maxKeyCount)};
+      } else if (q.op == Op::MultiSet && q.keys.size() > q.values.size()) {
+        q.values.emplace_back();
+        took = takeBytes(data, size, pos, q.values.back());
+        if (!took) q.values.pop_back();
+      } else {
+        q.keys.emplace_back();
+        took = takeString(data, size, pos, q.keys.back());
+        if (!took) q.keys.pop_back();
+      }
+      done = took && q.keys.size() == count_ && (q.op != Op::MultiSet || q.values.size() == count_);
+      break;
+    case Op::GetNumKeys:
+    case Op::CancelWait:
+    case Op::ListKeys:
+      done = true;
+      return true;
+  }
+  if (took) ++step_;
+  return took;
+}
+
+ParseResult RequestParser::feed(const std::uint8_t* data, std::size_t size) {
   ParseResult result;
-  if (size == 0) return result;
-
-  Generation gen = generation;
-  if (gen == Generation::Unknown) {
-    // A validated client opens with 00 CE F7 85 3C. A legacy client's first byte may also be 0
-    // (SET), so wait for five bytes before deciding; a legacy SET is at least nine bytes long.
-    if (data[0] == 0) {
-      if (size < 5) return result;
-      std::uint32_t magic = 0;
-      std::memcpy(&magic, data + 1, sizeof magic);
-      gen = magic == kValidationMagic ? Generation::Validated : Generation::Legacy;
-    } else {
-      gen = Generation::Legacy;
+  std::size_t pos = 0;
+  if (!inRequest_) {
+    if (size == 0) return result;
+    Generation gen = generation_;
+    if (gen == Generation::Unknown) {
+      // A validated client opens with 00 CE F7 85 3C. A legacy client's first byte may also be 0
+      // (SET), so wait for five bytes before deciding; a legacy SET is at least nine bytes long.
+      if (data[0] == 0) {
+        examined_ += std::min<std::size_t>(size, 5);
+        if (size < 5) return result;
+        std::uint32_t magic = 0;
+        std::memcpy(&magic, data + 1, sizeof magic);
+        gen = magic == kValidationMagic ? Generation::Validated : Generation::Legacy;
+      } else {
+        gen = Generation::Legacy;
+      }
     }
+    const std::uint8_t code = data[0];
+    std::optional<Op> op = gen == Generation::Legacy ? legacyOp(code) : validatedOp(code);
+    if (!op) {
+      result.status = ParseResult::Status::Error;
+      result.error = "unknown query code " + std::to_string(code) + " (" +
+                     (gen == Generation::Legacy ? "legacy" : "validated") + " protocol)";
+      return result;
+    }
+    request_ = Request{};
+    request_.op = *op;
+    pendingGeneration_ = gen;
+    inRequest_ = true;
+    step_ = 0;
+    count_ = 0;
+    taken_ = 1;
+    examined_ += 1;
+    pos = 1;
   }
-
-  const std::uint8_t code = data[0];
-  std::optional<Op> op = gen == Generation::Legacy ? legacyOp(code) : validatedOp(code);
-  if (!op) {
-    result.status = ParseResult::Status::Error;
-    result.error = "unknown query code " + std::to_string(code) + " (" +
-                   (gen == Generation::Legacy ? "legacy" : "validated") + " protocol)";
-    return result;
-  }
-  Reader reader(data + 1, size - 1, limits);
-  result.request.op = *op;
   try {
-    if (!readPayload(reader, result.request)) return result;  // NeedMore
+    for (;;) {
+      bool done = false;
+      if (!takeField(data, size, pos, done)) break;
+      if (!done) continue;
+      inRequest_ = false;
+      taken_ = 0;
+      if (request_.op == Op::Validate && request_.nonce != kValidationMagic) {
+        result.status = ParseResult::Status::Error;
+        result.error = "VALIDATE with a wrong magic number";
+        return result;
+      }
+      generation_ = pendingGeneration_;
+      result.status = ParseResult::Status::Ok;
+      result.consumed = pos;
+      result.request = std::move(request_);
+      return result;
+    }
   } catch (const Malformed& m) {
     result.status = ParseResult::Status::Error;
-    result.error = std::string(opName(*op)) + ": " + m.why;
+    result.error = std::string(opName(request_.op)) + ": " + m.why;
     return result;
   }
-  if (*op == Op::Validate && result.request.nonce != kValidationMagic) {
-    result.status = ParseResult::Status::Error;
-    result.error = "VALIDATE with a wrong magic number";
-    return result;
+  result.consumed = pos;
+  return result;
+}
+
+ParseResult parseRequest(Generation& generation, const std::uint8_t* data, std::size_t size,
+                         const Limits& limits) {
+  RequestParser parser(limits, generation);
+  ParseResult result = parser.feed(data, size);
+  if (result.status == ParseResult::Status::Ok) {
+    generation = parser.generation();
+  } else if (result.status == ParseResult::Status::NeedMore) {
+    result.consumed = 0;
   }
-  generation = gen;
-  result.status = ParseResult::Status::Ok;
-  result.consumed = 1 + reader.pos();
   return result;
 }
 

@@ -7,11 +7,16 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -30,6 +35,9 @@ constexpr std::uint64_t kListenTag = 0;
 constexpr std::uint64_t kWakeTag = 1;
 constexpr std::uint64_t kFirstConn = 2;
 constexpr std::size_t kReadChunk = 64 * 1024;
+// Bytes read from one connection per readiness event before the others get their turn (the
+// epoll interest is level-triggered: the rest is read at the next round).
+constexpr std::size_t kReadBudget = 4 * kReadChunk;
 
 std::string describeBind(const TcpStoreServerOptions& o) {
   return (o.host.empty() ? std::string("*") : o.host) + ":" + std::to_string(o.port);
@@ -109,11 +117,16 @@ std::uint16_t boundPort(int fd) {
 class TcpStoreServer::Impl {
  public:
   Impl(TcpStoreServerOptions options, Fd listenFd)
-      : options_(std::move(options)), listen_(std::move(listenFd)), engine_(options_.ephemeralKeyPrefix) {
+      : options_(std::move(options)),
+        listen_(std::move(listenFd)),
+        engine_(options_.ephemeralKeyPrefix, options_.engineLimits) {
     epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
     if (!epoll_) throwErrno("epoll_create1");
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throwErrno("eventfd");
+    // Kept to be closed when accept4 fails for want of descriptors: the pending connection can
+    // then be accepted and closed (else it stays pending and epoll reports it again at once).
+    reserve_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     add(listen_.get(), kListenTag, EPOLLIN);
     add(wake_.get(), kWakeTag, EPOLLIN);
     thread_ = std::thread([this] { run(); });
@@ -134,10 +147,12 @@ class TcpStoreServer::Impl {
  private:
   struct Connection {
     Fd fd;
-    Generation generation = Generation::Unknown;
-    protocol::Bytes in;
+    protocol::RequestParser parser;
+    protocol::Bytes in;         // bytes not taken by the parser yet (at most one incomplete field)
     protocol::Bytes out;
-    bool wantWrite = false;
+    std::uint32_t events = 0;   // the epoll interest set now
+    bool paused = false;        // not read nor served: too much unsent output
+    bool identified = false;    // has sent a complete request
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -154,7 +169,16 @@ class TcpStoreServer::Impl {
   void run() {
     epoll_event events[64];
     for (;;) {
-      int n = ::epoll_wait(epoll_.get(), events, 64, -1);
+      int timeout = -1;
+      if (listenDisarmed_) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(rearmAt_ - Clock::now()).count();
+        if (left <= 0) {
+          armListen(true);
+        } else {
+          timeout = static_cast<int>(left);
+        }
+      }
+      int n = ::epoll_wait(epoll_.get(), events, 64, timeout);
       if (n < 0) {
         if (errno == EINTR) continue;
         debug(std::string("store: epoll_wait failed: ") + std::strerror(errno));
@@ -163,35 +187,139 @@ class TcpStoreServer::Impl {
       for (int i = 0; i < n; ++i) {
         std::uint64_t tag = events[i].data.u64;
         if (tag == kWakeTag) return;  // shutting down
-        if (tag == kListenTag) {
-          acceptAll();
-          continue;
+        // Nothing a peer sends may end this thread (std::bad_alloc included): whatever goes
+        // wrong while serving one connection drops that connection.
+        try {
+          if (tag == kListenTag) {
+            acceptAll();
+          } else {
+            handle(tag, events[i].events);
+          }
+        } catch (const std::exception& e) {
+          if (tag == kListenTag)
+            debug(std::string("store: accepting failed: ") + e.what());
+          else
+            drop(tag, std::string("store: dropping a client after an internal error: ") + e.what());
         }
-        auto it = conns_.find(tag);
-        if (it == conns_.end()) continue;  // closed earlier in this batch
-        std::uint32_t ev = events[i].events;
-        if (ev & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
-          if (!readFrom(tag)) continue;
+      }
+      std::vector<std::uint64_t> resumed;
+      resumed.swap(resumed_);
+      for (std::uint64_t id : resumed) {
+        try {
+          serve(id);
+        } catch (const std::exception& e) {
+          drop(id, std::string("store: dropping a client after an internal error: ") + e.what());
         }
-        if (ev & EPOLLOUT) flush(tag);
       }
     }
   }
 
+  void handle(std::uint64_t id, std::uint32_t ev) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;  // closed earlier in this batch
+    if (it->second.paused && (ev & (EPOLLHUP | EPOLLERR)) && !(ev & EPOLLOUT)) {
+      close(id);
+      return;
+    }
+    if (!it->second.paused && (ev & (EPOLLIN | EPOLLHUP | EPOLLERR))) {
+      if (!readFrom(id)) return;
+    }
+    if (ev & EPOLLOUT) flush(id);
+  }
+
+  // ---- accepting: bounded by descriptors and by maxConnections ----------------------------------
+  std::size_t connectionCap() {
+    if (options_.maxConnections) return options_.maxConnections;
+    rlimit rl{};
+    if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
+    return static_cast<std::size_t>(rl.rlim_cur);
+  }
+
+  // Whether a just-accepted connection (descriptor `fd`) leaves the process enough descriptors.
+  bool roomFor(int fd) {
+    if (options_.maxConnections) return conns_.size() < options_.maxConnections;
+    std::size_t limit = connectionCap();
+    if (limit == SIZE_MAX) return true;
+    std::size_t reserve = std::max<std::size_t>(32, limit / 8);
+    // Descriptors are allocated lowest first: the number of the new one says how full the table is.
+    return static_cast<std::size_t>(fd) + reserve < limit;
+  }
+
+  // Closes the oldest connection that has sent no complete request yet; false if none.
+  bool evictIdle() {
+    std::uint64_t oldest = 0;
+    for (const auto& [id, c] : conns_)
+      if (!c.identified && (oldest == 0 || id < oldest)) oldest = id;
+    if (oldest == 0) return false;
+    close(oldest);
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.evictedConnections;
+    return true;
+  }
+
+  void reject(int fd, const std::string& why) {
+    ::close(fd);
+    if (!rejecting_) debug("store: rejecting new connections: " + why + " (logged once per burst)");
+    rejecting_ = true;
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.rejectedConnections;
+  }
+
+  void armListen(bool on) {
+    epoll_event ev{};
+    ev.events = on ? EPOLLIN : 0u;
+    ev.data.u64 = kListenTag;
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, listen_.get(), &ev);
+    listenDisarmed_ = !on;
+    if (!on) rearmAt_ = Clock::now() + std::chrono::milliseconds(100);
+  }
+
   void acceptAll() {
-    for (;;) {
+    for (int accepted = 0; accepted < 256; ++accepted) {
       int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-          debug(std::string("store: accept failed: ") + std::strerror(errno));
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        const int err = errno;
+        if ((err == EMFILE || err == ENFILE) && reserve_) {
+          // Out of descriptors: take the pending connection with the reserve and close it, so
+          // that the listening socket stops being readable for it.
+          reserve_ = Fd();
+          int victim = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+          if (victim >= 0) reject(victim, std::string("accept: ") + std::strerror(err));
+          reserve_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+          if (victim >= 0) continue;
+        }
+        // Nothing to make room with: stop listening for a moment instead of spinning.
+        if (!rejecting_) debug(std::string("store: accept failed: ") + std::strerror(err) +
+                               "; pausing new connections for 100 ms (logged once per burst)");
+        rejecting_ = true;
+        armListen(false);
         return;
       }
+      if (!roomFor(fd)) {
+        if (!evictIdle()) {
+          reject(fd, "too many connections (" + std::to_string(conns_.size()) + " open, descriptor limit " +
+                         std::to_string(connectionCap()) + ")");
+          continue;
+        }
+        // Move the new connection down to the descriptor just freed, so that the table does
+        // not fill up from above.
+        int lower = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        ::close(fd);
+        if (lower < 0) continue;
+        fd = lower;
+      }
+      if (rejecting_) {
+        std::lock_guard<std::mutex> lock(statsMutex_);
+        debug("store: accepting connections again (" + std::to_string(stats_.rejectedConnections) +
+              " rejected so far)");
+      }
+      rejecting_ = false;
       detail::setNoDelay(fd);
       detail::setDeadPeerDetection(fd);
       std::uint64_t id = nextId_++;
-      Connection c;
-      c.fd = Fd(fd);
+      Connection c{Fd(fd), protocol::RequestParser(options_.limits), {}, {}, EPOLLIN | EPOLLRDHUP, false, false};
       conns_.emplace(id, std::move(c));
       add(fd, id, EPOLLIN | EPOLLRDHUP);
       std::lock_guard<std::mutex> lock(statsMutex_);
@@ -199,15 +327,19 @@ class TcpStoreServer::Impl {
     }
   }
 
-  // Reads what is available and serves every complete request. False if the connection closed.
+  // ---- reading and serving ----------------------------------------------------------------------
+  // Reads what is available (up to kReadBudget) and serves every complete request. False if the
+  // connection closed.
   bool readFrom(std::uint64_t id) {
     Connection& c = conns_.at(id);
-    for (;;) {
+    std::size_t got = 0;
+    while (got < kReadBudget) {
       std::size_t old = c.in.size();
       c.in.resize(old + kReadChunk);
       ssize_t n = ::recv(c.fd.get(), c.in.data() + old, kReadChunk, 0);
       if (n > 0) {
         c.in.resize(old + static_cast<std::size_t>(n));
+        got += static_cast<std::size_t>(n);
         if (static_cast<std::size_t>(n) < kReadChunk) break;
         continue;
       }
@@ -222,60 +354,102 @@ class TcpStoreServer::Impl {
       close(id);
       return false;
     }
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      stats_.bytesReceived += got;
+    }
     return serve(id);
   }
 
+  // Feeds the parser what arrived and runs each complete request, until the input is used up or
+  // the connection has more unsent output than it may (then it is paused until it reads). The
+  // parser takes whole fields and keeps the request built so far, so `in` only ever holds an
+  // incomplete field and what follows it: nothing is parsed twice however slowly a request drips.
   bool serve(std::uint64_t id) {
     auto it = conns_.find(id);
     if (it == conns_.end()) return false;
     Connection& c = it->second;
     std::size_t offset = 0;
-    std::vector<StoreEngine::Reply> replies;
-    bool ok = true;
+    std::string failure;
+    const std::uint64_t examinedBefore = c.parser.bytesExamined();
+    std::uint64_t served = 0;
     while (offset < c.in.size()) {
-      Generation before = c.generation;
-      ParseResult r =
-          protocol::parseRequest(c.generation, c.in.data() + offset, c.in.size() - offset, options_.limits);
-      if (r.status == ParseResult::Status::NeedMore) break;
-      if (r.status == ParseResult::Status::Error) {
-        debug("store: dropping a client: " + r.error);
-        countError();
-        ok = false;
+      if (c.out.size() >= options_.maxPendingOutput) {
+        c.paused = true;
         break;
       }
-      if (before == Generation::Unknown) countGeneration(c.generation);
+      Generation before = c.parser.generation();
+      ParseResult r = c.parser.feed(c.in.data() + offset, c.in.size() - offset);
       offset += r.consumed;
+      if (r.status == ParseResult::Status::NeedMore) break;
+      if (r.status == ParseResult::Status::Error) {
+        failure = r.error;
+        break;
+      }
+      if (before == Generation::Unknown) countGeneration(c.parser.generation());
+      c.identified = true;
+      std::vector<StoreEngine::Reply> replies;
       try {
         engine_.execute(id, r.request, replies);
       } catch (const std::exception& e) {
-        debug(std::string("store: dropping a client: ") + e.what());
-        countError();
-        ok = false;
+        failure = e.what();
         break;
       }
-      std::lock_guard<std::mutex> lock(statsMutex_);
-      ++stats_.requests;
+      ++served;
+      queue(id, replies);
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
-    ephemeral_.store(engine_.ephemeralKeyCount());
-    deliver(replies);
-    if (!ok) {
-      close(id);
-      return false;
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      stats_.requests += served;
+      stats_.bytesParsed += c.parser.bytesExamined() - examinedBefore;
     }
+    ephemeral_.store(engine_.ephemeralKeyCount());
+    if (!failure.empty()) {
+      drop(id, "store: dropping a client: " + failure);
+    } else {
+      flush(id);
+    }
+    flushTouched();
     return conns_.count(id) > 0;
   }
 
-  void deliver(std::vector<StoreEngine::Reply>& replies) {
+  // Appends replies to their connections' output (sent by flush/flushTouched). Output pushed to
+  // a connection other than the requester (a watch notification, a wake-up) that takes it past
+  // maxPendingOutput drops that connection: it does not read what it asked to be told.
+  void queue(std::uint64_t requester, std::vector<StoreEngine::Reply>& replies) {
     for (auto& r : replies) {
       auto it = conns_.find(r.conn);
       if (it == conns_.end()) continue;
       Connection& c = it->second;
-      c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
+      if (r.conn != requester && c.out.size() + r.bytes.size() > options_.maxPendingOutput) {
+        overflowing_.push_back(r.conn);
+        continue;
+      }
+      if (c.out.empty()) {
+        c.out = std::move(r.bytes);
+      } else {
+        c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
+      }
+      notePending(c.out.size());
+      if (r.conn != requester) touched_.push_back(r.conn);
     }
-    // Flush after queueing everything, once per connection.
-    for (auto& r : replies)
-      if (conns_.count(r.conn) && !conns_.at(r.conn).out.empty()) flush(r.conn);
+  }
+
+  void flushTouched() {
+    std::vector<std::uint64_t> overflowing;
+    overflowing.swap(overflowing_);
+    for (std::uint64_t id : overflowing)
+      drop(id, "store: dropping a client that does not read its notifications (over " +
+                   std::to_string(options_.maxPendingOutput) + " bytes unsent)");
+    std::vector<std::uint64_t> touched;
+    touched.swap(touched_);
+    for (std::uint64_t id : touched) flush(id);
+  }
+
+  void notePending(std::size_t n) {
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    stats_.peakPendingOutput = std::max<std::uint64_t>(stats_.peakPendingOutput, n);
   }
 
   void flush(std::uint64_t id) {
@@ -295,14 +469,36 @@ class TcpStoreServer::Impl {
       return;
     }
     c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
-    bool want = !c.out.empty();
-    if (want != c.wantWrite) {
-      epoll_event ev{};
-      ev.events = EPOLLIN | EPOLLRDHUP | (want ? EPOLLOUT : 0u);
-      ev.data.u64 = id;
-      ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
-      c.wantWrite = want;
+    if (c.paused && c.out.size() <= options_.maxPendingOutput / 2) {
+      // Drained enough: read again, and serve what it sent meanwhile (after this round of events,
+      // not from here: serving may fill the output and flush again).
+      c.paused = false;
+      if (!c.in.empty()) resumed_.push_back(id);
     }
+    updateInterest(c, id);
+  }
+
+  // Paused connections are not read (nor watched for a half-close, which would be reported
+  // again and again); hang-ups and errors are reported whatever the interest set.
+  void updateInterest(Connection& c, std::uint64_t id) {
+    std::uint32_t want = (c.paused ? 0u : (EPOLLIN | EPOLLRDHUP)) | (c.out.empty() ? 0u : EPOLLOUT);
+    if (want == c.events) return;
+    epoll_event ev{};
+    ev.events = want;
+    ev.data.u64 = id;
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
+    c.events = want;
+  }
+
+  void drop(std::uint64_t id, const std::string& why) {
+    if (!conns_.count(id)) return;
+    debug(why);
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      ++stats_.protocolErrors;
+      ++stats_.droppedConnections;
+    }
+    close(id);
   }
 
   void close(std::uint64_t id) {
@@ -313,11 +509,12 @@ class TcpStoreServer::Impl {
     std::vector<StoreEngine::Reply> replies;
     auto lost = engine_.disconnect(id, &replies);
     ephemeral_.store(engine_.ephemeralKeyCount());
-    deliver(replies);
+    queue(0, replies);
     for (const auto& key : lost) {
       debug("store: ephemeral key '" + key + "' removed: its connection closed");
       if (options_.onEphemeralKeyLost) options_.onEphemeralKeyLost(key);
     }
+    flushTouched();
   }
 
   void countGeneration(Generation g) {
@@ -326,18 +523,22 @@ class TcpStoreServer::Impl {
     if (g == Generation::Validated) ++stats_.validatedConnections;
   }
 
-  void countError() {
-    std::lock_guard<std::mutex> lock(statsMutex_);
-    ++stats_.protocolErrors;
-  }
+  using Clock = std::chrono::steady_clock;
 
   TcpStoreServerOptions options_;
   Fd listen_;
   Fd epoll_;
   Fd wake_;
+  Fd reserve_;
+  bool rejecting_ = false;       // in a burst of refused connections (logged once)
+  bool listenDisarmed_ = false;  // accept4 failed with nothing to make room: retry at rearmAt_
+  Clock::time_point rearmAt_{};
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
   std::unordered_map<std::uint64_t, Connection> conns_;
+  std::vector<std::uint64_t> touched_;      // connections given output by another's request
+  std::vector<std::uint64_t> overflowing_;  // connections to drop once the current step is done
+  std::vector<std::uint64_t> resumed_;      // unpaused connections with requests still buffered
   std::uint64_t nextId_ = kFirstConn;
   mutable std::mutex statsMutex_;
   TcpStoreServerStats stats_;

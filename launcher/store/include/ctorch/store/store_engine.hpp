@@ -15,13 +15,24 @@
 
 namespace ctorch::store {
 
+// What one connection may make the engine hold or produce (a peer beyond them is dropped).
+struct StoreEngineLimits {
+  // Distinct keys one connection may watch (legacy WATCH_KEY); a repeated registration of the
+  // same key is one registration, so a SET is copied at most once per watching connection.
+  std::size_t maxWatchesPerConnection = 1024;
+  // One reply (MULTI_GET of a large value under many keys, LIST_KEYS); a request asking for
+  // more is refused before anything is built.
+  std::size_t maxReplyLength = 264u << 20;
+};
+
 class StoreEngine {
  public:
   // Keys under `ephemeralPrefix` (when non-empty) belong to the connection that last wrote them
   // and are deleted when it disconnects, like ZooKeeper's ephemeral nodes: the rendezvous uses
   // them to learn at once that an agent's connection dropped (a killed node), instead of waiting
   // for its heartbeat to expire.
-  explicit StoreEngine(std::string ephemeralPrefix = "") : ephemeralPrefix_(std::move(ephemeralPrefix)) {}
+  explicit StoreEngine(std::string ephemeralPrefix = "", StoreEngineLimits limits = {})
+      : ephemeralPrefix_(std::move(ephemeralPrefix)), limits_(limits) {}
 
   using ConnId = std::uint64_t;
   struct Reply {
@@ -31,8 +42,8 @@ class StoreEngine {
 
   // Runs one request of connection `conn`; replies (to it, or to connections whose wait ends or
   // whose watched key changes) are appended to `out`. Throws std::invalid_argument when the
-  // request cannot be served (e.g. ADD on a non-integer value): the server then drops `conn`,
-  // as both c10d backends do.
+  // request cannot be served (e.g. ADD on a non-integer value, a reply over the limits): the
+  // server then drops `conn`, as both c10d backends do.
   void execute(ConnId conn, const protocol::Request& request, std::vector<Reply>& out);
 
   // Forgets a closed connection's waits and watches and deletes the ephemeral keys it owned
@@ -61,7 +72,9 @@ class StoreEngine {
   std::unordered_map<std::string, std::vector<ConnId>> waiters_;   // key -> waiting connections
   std::unordered_map<ConnId, std::size_t> awaiting_;               // connection -> keys missing
   std::unordered_map<std::string, std::vector<ConnId>> watchers_;  // key -> watching connections
+  std::unordered_map<ConnId, std::size_t> watchCount_;             // connection -> keys it watches
   std::string ephemeralPrefix_;
+  StoreEngineLimits limits_;
   std::unordered_map<std::string, ConnId> owners_;                 // ephemeral key -> its writer
 };
 

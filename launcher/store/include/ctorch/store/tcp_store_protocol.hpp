@@ -69,18 +69,64 @@ struct Limits {
   std::size_t maxKeyLength = 1u << 20;           // 1 MiB
   std::size_t maxValueLength = 256u << 20;       // 256 MiB
   std::size_t maxKeyCount = 128u * 1024u;
+  // A whole request (MULTI_SET, CHECK, ... add up their keys and values): the largest value with
+  // its key and some room, so that one request never holds more than about one maximal value.
+  std::size_t maxRequestLength = 264u << 20;     // 264 MiB
 };
 
 struct ParseResult {
   enum class Status { NeedMore, Ok, Error } status = Status::NeedMore;
-  std::size_t consumed = 0;   // bytes of the request (Ok only)
+  // Ok: bytes of the request. NeedMore: 0 from parseRequest(); from RequestParser::feed(), the
+  // bytes of complete fields it has taken (the caller drops them either way).
+  std::size_t consumed = 0;
   Request request;            // Ok only
   std::string error;          // Error only
 };
 
-// Parses one request from the front of `data`. With generation Unknown the first message decides:
-// VALIDATE + magic makes the connection Validated (and is returned as a Validate request),
-// anything else makes it Legacy; `generation` is updated in place once decided.
+// One connection's incremental parser. It takes whole fields only and keeps the request built so
+// far, so a request that arrives a few bytes at a time is never re-parsed from its start: every
+// byte is copied once, and an incomplete field costs a look at its length prefix per call. Sizes
+// are checked against `Limits` as soon as a length is known, before anything is allocated.
+class RequestParser {
+ public:
+  explicit RequestParser(Limits limits = {}, Generation generation = Generation::Unknown)
+      : limits_(limits), generation_(generation) {}
+
+  // Parses from the front of `data` (what arrived after the bytes consumed so far). With
+  // generation Unknown the first message decides: VALIDATE + magic makes the connection
+  // Validated (and is returned as a Validate request), anything else makes it Legacy. After an
+  // Error the parser must not be fed again (the connection is dropped).
+  ParseResult feed(const std::uint8_t* data, std::size_t size);
+
+  Generation generation() const { return generation_; }
+  // Bytes of the request in progress taken so far (0 between requests).
+  std::size_t partialLength() const { return taken_; }
+  // Bytes looked at since construction (copied, or inspected and left for later): the parse work,
+  // which stays proportional to the bytes fed however they are split.
+  std::uint64_t bytesExamined() const { return examined_; }
+
+ private:
+  bool takeField(const std::uint8_t* data, std::size_t size, std::size_t& pos, bool& done);
+  bool takeLength(const std::uint8_t* data, std::size_t size, std::size_t pos, std::uint64_t max,
+                  const char* what, std::uint64_t& n);
+  bool takeString(const std::uint8_t* data, std::size_t size, std::size_t& pos, std::string& out);
+  bool takeBytes(const std::uint8_t* data, std::size_t size, std::size_t& pos, Bytes& out);
+  template <typename T>
+  bool takeValue(const std::uint8_t* data, std::size_t size, std::size_t& pos, T& out);
+
+  Limits limits_;
+  Generation generation_;
+  Generation pendingGeneration_ = Generation::Unknown;  // decided by the request in progress
+  bool inRequest_ = false;
+  Request request_;
+  std::size_t step_ = 0;       // fields of request_ taken so far
+  std::uint64_t count_ = 0;    // Check / Wait / MultiGet / MultiSet: number of keys
+  std::size_t taken_ = 0;
+  std::uint64_t examined_ = 0;
+};
+
+// Parses one request from the front of `data`, stateless (a fresh RequestParser fed once):
+// NeedMore consumes nothing. `generation` is updated in place once decided.
 ParseResult parseRequest(Generation& generation, const std::uint8_t* data, std::size_t size,
                          const Limits& limits = {});
 

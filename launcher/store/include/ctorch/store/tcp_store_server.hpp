@@ -5,6 +5,7 @@
 #pragma once
 
 #include "ctorch/store/store.hpp"
+#include "ctorch/store/store_engine.hpp"
 #include "ctorch/store/tcp_store_protocol.hpp"
 
 #include <atomic>
@@ -32,6 +33,16 @@ struct TcpStoreServerOptions {
   // 0 picks a free port (read it back with port()).
   std::uint16_t port = 0;
   protocol::Limits limits;
+  StoreEngineLimits engineLimits;
+  // Unsent replies one connection may accumulate. Past it, that connection's further requests
+  // wait until it reads (backpressure: a client that pipelines and never reads stalls only
+  // itself), and output pushed to it by others (watch notifications, wake-ups) drops it.
+  std::size_t maxPendingOutput = 64u << 20;
+  // Connections served at once; 0: as many as the file-descriptor limit allows while leaving a
+  // reserve (1/8 of RLIMIT_NOFILE, at least 32) to the rest of the process (a restart's new
+  // store, the workers' pipes). At the cap the oldest connection that has not sent a complete
+  // request yet makes room for the new one; without such a connection the new one is closed.
+  std::size_t maxConnections = 0;
   // Optional sink for diagnostics (protocol errors, dropped connections); called on the server
   // thread. Kept as a callback so that this library stays free of any logging framework.
   std::function<void(const std::string&)> debugLog;
@@ -49,6 +60,12 @@ struct TcpStoreServerStats {
   std::uint64_t validatedConnections = 0; // detected as PyTorch >= 2.2
   std::uint64_t requests = 0;
   std::uint64_t protocolErrors = 0;
+  std::uint64_t bytesReceived = 0;        // request bytes read from clients
+  std::uint64_t bytesParsed = 0;          // the parser's work: bytes it copied or looked at
+  std::uint64_t peakPendingOutput = 0;    // the most unsent output one connection has had
+  std::uint64_t droppedConnections = 0;   // closed by the server (limits, protocol errors)
+  std::uint64_t rejectedConnections = 0;  // accepted and closed at once: no room (cap, no fds)
+  std::uint64_t evictedConnections = 0;   // idle (no request yet) connections closed for a new one
 };
 
 class TcpStoreServer {
