@@ -16,6 +16,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 using namespace ctorch;
 using namespace ctorch::launcher_test;
@@ -263,6 +264,56 @@ TEST_CASE("e2e signals: SIGTERM / SIGINT and SIGUSR1 to ctorchrun reach every wo
     if (sig == SIGTERM) CHECK(countOf(r.output, "]:got SIGTERM") == 2);  // forwarded, handled
     CHECK(countOf(r.output, "]:ready") == 2);  // not restarted
   }
+}
+
+// Issue 13.1: `timeout` signals ctorchrun and then its whole process group; Slurm signals the step's
+// tree while srun forwards too. Those copies are one stop: every worker gets exactly one SIGTERM,
+// saves its snapshot (which takes a while) and exits 75 - nobody is SIGKILLed.
+TEST_CASE("e2e signals: copies of one stop (timeout / process-group kill) are one stop - snapshot saved, exit 75") {
+  test::TempDir dir;
+  const std::string snapshot = (dir / "step").string();
+  auto check = [&](const test::ProcessResult& r) {
+    INFO(r.describe() << "\n" << r.output);
+    CHECK(r.exitCode == 75);
+    CHECK(countOf(r.output, "]:preempted at step") == 2);
+    CHECK(countOf(r.output, "]:stop signals received: 1") == 2);
+    CHECK(r.output.find("grace period over") == std::string::npos);
+    CHECK(r.output.find("killing the workers") == std::string::npos);
+    CHECK(std::filesystem::exists(snapshot));
+  };
+  const std::vector<std::string> job = args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "20"},
+                                            {"save-delay", "1500", "train", snapshot, "100000", "50"});
+  SECTION("coreutils timeout: the signal to ctorchrun, then to its process group") {
+    auto so = ctorchrunSpawn(job);
+    so.argv.insert(so.argv.begin(), {"timeout", "-s", "TERM", "--preserve-status", "3"});
+    test::Process p(so);
+    REQUIRE(waitForLines(p, "]:resumed at step", 2, 3s));  // started before timeout fires
+    check(p.wait());
+  }
+  SECTION("kill PID then kill -TERM -PGID a moment later (not coalesced by the kernel)") {
+    test::Process p(ctorchrunSpawn(job));
+    REQUIRE(waitForLines(p, "]:resumed at step", 2));
+    ::kill(p.pid(), SIGTERM);
+    std::this_thread::sleep_for(50ms);
+    p.signalGroup(SIGTERM);
+    check(p.wait());
+  }
+}
+
+TEST_CASE("e2e signals: a deliberate second stop after the duplicate window kills at once") {
+  test::TempDir dir;
+  test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "30"},
+                                      {"save-delay", "20000", "train", (dir / "step").string(), "100000", "50"})));
+  REQUIRE(waitForLines(p, "]:resumed at step", 2));
+  ::kill(p.pid(), SIGTERM);
+  std::this_thread::sleep_for(1500ms);  // > kDuplicateStopWindow: the user means it
+  auto second = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  auto r = p.wait();
+  INFO(r.describe() << "\n" << r.output);
+  CHECK(r.exitCode == 128 + SIGTERM);
+  CHECK(std::chrono::steady_clock::now() - second < 10s);  // not the 30 s grace, nor the 20 s save
+  CHECK(r.output.find("killing the workers now") != std::string::npos);
 }
 
 TEST_CASE("e2e signals: a worker ignoring SIGTERM is killed after --shutdown-timeout") {

@@ -178,8 +178,17 @@ GroupOutcome ElasticAgent::monitor() {
               if (options_.reapOrphans) reapOrphans();
               continue;
             }
-            log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
-            apply(mon.onSignal(*s));
+            MonitorActions a = mon.onSignal(*s, std::chrono::steady_clock::now());
+            if (a.duplicateSignal) {
+              log("agent").info("received {} again within {} ms: a copy of the same stop, not forwarded",
+                                signalName(*s), kDuplicateStopWindow.count());
+              continue;
+            }
+            if (a.killWorkers)
+              log("agent").warn("received {} again while stopping: killing the workers now", signalName(*s));
+            else
+              log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
+            apply(a);
           }
           break;
         case kTimerTag: {

@@ -29,7 +29,13 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
   return beginStop(Reason::Failure, SIGTERM);
 }
 
-MonitorActions GroupMonitor::onSignal(int signo) {
+MonitorActions GroupMonitor::onSignal(int signo, std::chrono::steady_clock::time_point at) {
+  if (firstSignalAt_ && at - *firstSignalAt_ < kDuplicateStopWindow) {
+    MonitorActions a;
+    a.duplicateSignal = true;
+    return a;
+  }
+  if (!firstSignalAt_) firstSignalAt_ = at;
   if (reason_ == Reason::Signal) {
     // A second signal while stopping: the user means it, do not wait for the grace period.
     MonitorActions a;
