@@ -28,6 +28,7 @@
 //                                ("done at step STEPS"); rank 0 writes FILE, the others read it
 //   save-delay MS                train's snapshot on a stop takes MS (a real save is not instant);
 //                                it then also prints "stop signals received: N"
+//   partial TEXT                 TEXT on stdout without a newline, flushed ("\r" becomes a CR)
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -224,6 +225,13 @@ int main(int argc, char** argv) {
     if (cmd == "save-delay") {
       int ms = std::atoi(arg().c_str());
       if (!skip) gSaveDelayMs = ms;
+    } else if (cmd == "partial") {
+      std::string t = arg();
+      if (!skip) {
+        for (auto p = t.find("\\r"); p != std::string::npos; p = t.find("\\r")) t.replace(p, 2, "\r");
+        std::fputs(expand(t).c_str(), stdout);
+        std::fflush(stdout);
+      }
     } else if (cmd == "print") {
       std::string t = arg();
       if (!skip) std::printf("%s\n", expand(t).c_str());

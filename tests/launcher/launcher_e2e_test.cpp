@@ -8,9 +8,15 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
+#include <pty.h>
+#include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <regex>
@@ -47,6 +53,54 @@ std::size_t countOf(const std::string& hay, const std::string& needle) {
   std::size_t n = 0;
   for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
   return n;
+}
+
+// ctorchrun with its stdout on `stdoutFd` (a pipe nobody reads, a pty) and its stderr into
+// `stderrPath`, in its own process group.
+pid_t spawnWithStdout(const test::SpawnOptions& so, int stdoutFd, const std::string& stderrPath) {
+  std::vector<std::string> envStore;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    std::string key = kv.substr(0, kv.find('='));
+    if (so.setEnv.count(key) || std::find(so.unsetEnv.begin(), so.unsetEnv.end(), key) != so.unsetEnv.end()) continue;
+    envStore.push_back(kv);
+  }
+  for (const auto& [k, v] : so.setEnv) envStore.push_back(k + "=" + v);
+  std::vector<std::string> argvStore = so.argv;
+  std::vector<char*> argv, envp;
+  for (auto& a : argvStore) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : envStore) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  int err = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(err >= 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    ::dup2(stdoutFd, STDOUT_FILENO);
+    ::dup2(err, STDERR_FILENO);
+    ::execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  ::setpgid(pid, pid);
+  ::close(err);
+  return pid;
+}
+
+// The wait status, or nullopt after killing the process group at the deadline.
+std::optional<int> waitWithin(pid_t pid, std::chrono::milliseconds deadline) {
+  auto end = std::chrono::steady_clock::now() + deadline;
+  for (;;) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
+    if (std::chrono::steady_clock::now() >= end) {
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return std::nullopt;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
 }
 
 // Guards against leftovers when an assertion fails half-way.
@@ -416,6 +470,84 @@ TEST_CASE("e2e logs: lines of four fast workers never interleave mid-line") {
   INFO("first malformed line: " << firstBad);
   CHECK(bad == 0);
   CHECK(good == 4 * kLines);
+}
+
+// Issue 12.5: `ctorchrun ... | less` (paused) or a stuck log shipper. The agent must act on a
+// worker's exit and on SIGTERM while its stdout is full: output that cannot be written is dropped
+// (counted), never waited for.
+TEST_CASE("e2e console: a stdout pipe nobody reads never blocks the agent - exit code and SIGTERM are prompt") {
+  test::TempDir dir;
+  int pipeFds[2];
+  REQUIRE(::pipe2(pipeFds, O_CLOEXEC) == 0);  // the test never reads pipeFds[0]
+  const std::string errPath = (dir / "stderr").string();
+  // 8 MB of output: more than the pipe and ctorchrun's console buffer (4 MiB) hold.
+  SECTION("a worker floods the console, then exits 7: ctorchrun exits 7") {
+    pid_t pid = spawnWithStdout(ctorchrunSpawn(args({"--standalone"}, {"lines", "40000", "200", "exit", "7"})),
+                                pipeFds[1], errPath);
+    auto status = waitWithin(pid, 30s);
+    INFO(test::readFile(errPath));
+    REQUIRE(status);
+    CHECK(WIFEXITED(*status));
+    CHECK(WEXITSTATUS(*status) == 7);
+    CHECK(test::readFile(errPath).find("bytes of worker output were dropped: the console was not read") !=
+          std::string::npos);
+  }
+  SECTION("a worker floods the console and hangs: SIGTERM still stops everything") {
+    pid_t pid = spawnWithStdout(
+        ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2"}, {"lines", "40000", "200", "eprint", "flooded", "hang"})),
+        pipeFds[1], errPath);
+    bool flooded = eventually([&] { return countOf(test::readFile(errPath), "]:flooded") == 2; }, 20s);
+    ::kill(pid, SIGTERM);
+    auto sent = std::chrono::steady_clock::now();
+    auto status = waitWithin(pid, 20s);
+    INFO(test::readFile(errPath));
+    CHECK(flooded);  // the agent kept passing stderr on while stdout was stuck
+    REQUIRE(status);
+    CHECK(WIFEXITED(*status));
+    CHECK(WEXITSTATUS(*status) == 128 + SIGTERM);
+    CHECK(std::chrono::steady_clock::now() - sent < 10s);
+  }
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+}
+
+// Issue 13.4: tqdm writes "\r 33%|###" without a newline; on a terminal it must show at once, not
+// when the line (or the job) ends.
+TEST_CASE("e2e console: on a terminal, partial lines (\\r progress bars) pass through at once") {
+  test::TempDir dir;
+  int master = -1, slave = -1;
+  REQUIRE(::openpty(&master, &slave, nullptr, nullptr, nullptr) == 0);
+  ::fcntl(master, F_SETFD, FD_CLOEXEC);
+  pid_t pid = spawnWithStdout(
+      ctorchrunSpawn(args({"--standalone"}, {"partial", "\\r 33%|###", "sleep", "4000", "partial", "\\r 66%|######",
+                                             "print", "", "print", "done"})),
+      slave, (dir / "stderr").string());
+  ::close(slave);
+  std::string seen;
+  auto readSome = [&](int ms) {
+    pollfd p{master, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::read(master, buf, sizeof buf);
+    if (n <= 0) return false;  // EIO once every slave is closed
+    seen.append(buf, static_cast<std::size_t>(n));
+    return true;
+  };
+  auto start = std::chrono::steady_clock::now();
+  while (seen.find("33%") == std::string::npos && std::chrono::steady_clock::now() - start < 10s) readSome(100);
+  INFO("terminal so far: " << Catch::Detail::stringify(seen));
+  CHECK(seen.find("[default0]: 33%|###") != std::string::npos);
+  CHECK(seen.find("done") == std::string::npos);  // shown while the worker still sleeps
+  while (seen.find("done") == std::string::npos && std::chrono::steady_clock::now() - start < 20s) readSome(100);
+  auto status = waitWithin(pid, 20s);
+  while (readSome(50)) {
+  }
+  ::close(master);
+  REQUIRE(status);
+  CHECK(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == 0);
+  CHECK(seen.find("\r[default0]: 66%|######") != std::string::npos);
+  CHECK(seen.find("[default0]:done") != std::string::npos);
 }
 
 // ---- Bad input --------------------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 #include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/cli.hpp"
+#include "ctorch/launcher/console_writer.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
 #include "multiproc.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <sstream>
 
 using namespace ctorch::launcher;
 namespace fs = std::filesystem;
@@ -157,4 +161,48 @@ TEST_CASE("worker logs: a temporary log directory is removed unless kept") {
   }
   CHECK(fs::exists(kept));
   fs::remove_all(kept);
+}
+
+// Issue 12.5: a console nobody reads. The writer never blocks (the pipe here is a blocking one, as
+// a shell's is), keeps a bounded backlog, drops beyond it and says so once the console moves again.
+TEST_CASE("console writer: never blocks on a full pipe - bounded backlog, counted drop, marker, order kept") {
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);  // blocking, like ctorchrun's inherited stdout
+  ::fcntl(p[1], F_SETPIPE_SZ, 4096);
+  std::size_t written = 0;
+  std::uint64_t dropped = 0;
+  {
+    ConsoleWriter w(p[1], 16 * 1024);
+    CHECK_FALSE(w.isTerminal());
+    const std::string line(99, 'x');
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 2000; ++i) {
+      w.write(line + "\n");  // 200 KB into a 4 KiB pipe nobody reads
+      written += line.size() + 1;
+    }
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+    CHECK(w.pending());
+    CHECK(w.droppedBytes() > 0);
+    CHECK(w.droppedBytes() < written);
+    dropped = w.droppedBytes();
+    // The reader comes back: the backlog flows, then the marker, then new output.
+    std::string got;
+    for (int round = 0; round < 100 && (w.pending() || got.find("dropped") == std::string::npos); ++round) {
+      ::fcntl(p[0], F_SETFL, O_NONBLOCK);
+      got += drain(p[0]);
+      w.flush();
+    }
+    w.write("after\n");
+    got += drain(p[0]);
+    INFO(got.size());
+    CHECK(got.find("[... " + std::to_string(dropped) + " bytes dropped: console not read]\n") != std::string::npos);
+    CHECK(got.size() >= 16 * 1024);  // the backlog was kept
+    CHECK(got.substr(got.size() - 6) == "after\n");
+    // Whole lines only: every line is the 99 x's, the marker or "after".
+    std::istringstream in(got);
+    std::string l;
+    while (std::getline(in, l)) CHECK((l == line || l == "after" || l.rfind("[... ", 0) == 0));
+  }
+  ::close(p[0]);
+  ::close(p[1]);
 }

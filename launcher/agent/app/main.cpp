@@ -69,6 +69,11 @@ int launch(int argc, char** argv) {
   int code = agent.run();
   if (code != 0 && logs.temporary())
     log("ctorchrun").info("worker logs and error files kept in {}", logs.baseDir().string());
+  // A console nobody reads must not keep ctorchrun from exiting: a short wait, then drop.
+  if (auto dropped = logs.drainConsoles(std::chrono::seconds(2)))
+    log("ctorchrun").warn("{} bytes of worker output were dropped: the console was not read (the log "
+                          "files of --tee/--redirects are complete)",
+                          dropped);
   return code;
 }
 
