@@ -142,9 +142,10 @@ TEST_CASE("e2e contract: every variable for 1 to 4 workers (standalone)") {
       CHECK(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1");
       CHECK(e["NCCL_ASYNC_ERROR_HANDLING"] == "1");
       CHECK(e["OMP_NUM_THREADS"] == (n > 1 ? "1" : "<unset>"));
-      std::string suffix = "/" + e["TORCHELASTIC_RUN_ID"] + "/attempt_0/" + std::to_string(rank) + "/error.json";
-      CHECK(e["TORCHELASTIC_ERROR_FILE"].size() > suffix.size());
-      CHECK(e["TORCHELASTIC_ERROR_FILE"].compare(e["TORCHELASTIC_ERROR_FILE"].size() - suffix.size(), suffix.size(), suffix) == 0);
+      // torchrun's layout: <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/error.json.
+      CHECK(std::regex_search(e["TORCHELASTIC_ERROR_FILE"],
+                              std::regex("/" + e["TORCHELASTIC_RUN_ID"] + "_[A-Za-z0-9]{6}/attempt_0/" +
+                                         std::to_string(rank) + "/error\\.json$")));
       ports.insert(e["MASTER_PORT"]);
       runIds.insert(e["TORCHELASTIC_RUN_ID"]);
     }
@@ -431,11 +432,42 @@ TEST_CASE("e2e logs: prefixes / --tee / --redirects and the log directory layout
   CHECK(r.output.find("[default0]:hello 0\n") != std::string::npos);
   CHECK(r.output.find("[default1]:hello 1\n") != std::string::npos);
   CHECK(r.output.find("problem") == std::string::npos);  // stderr redirected: file only
+  // torchrun's layout: <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/.
+  std::vector<std::filesystem::path> runs;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) runs.push_back(e.path());
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].filename().string().rfind("logjob_", 0) == 0);
   for (int rank = 0; rank < 2; ++rank) {
-    auto rd = dir.path() / "logjob" / "attempt_0" / std::to_string(rank);
+    auto rd = runs[0] / "attempt_0" / std::to_string(rank);
     CHECK(test::readFile(rd / "stdout.log") == "hello " + std::to_string(rank) + "\n");
     CHECK(test::readFile(rd / "stderr.log") == "problem " + std::to_string(rank) + "\n");
   }
+}
+
+// Issue 13.2: -r without --log-dir used to write into a temporary directory, never name it and
+// delete it on success; a reused --log-dir overwrote the previous run.
+TEST_CASE("e2e logs: -r without --log-dir keeps and names the files / a reused --log-dir keeps both runs") {
+  auto r = runCtorchrun(args({"--log-level", "info", "--standalone", "-r", "3"}, {"print", "only in the file"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("]:only in the file") == std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex(R"(worker logs and error files: (\S+))")));
+  const std::filesystem::path run = m[1].str();
+  CHECK(test::readFile(run / "attempt_0" / "0" / "stdout.log") == "only in the file\n");
+  std::filesystem::remove_all(run.parent_path());
+
+  test::TempDir dir;
+  for (const char* text : {"first run", "second run"}) {
+    auto again = runCtorchrun(args({"--nproc-per-node", "1", "--master-port", "0", "--rdzv-id", "samejob",
+                                    "--log-dir", dir.path().string(), "-r", "1"},
+                                   {"print", text}));
+    REQUIRE(again.ok());
+  }
+  std::set<std::string> outputs;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    outputs.insert(test::readFile(e.path() / "attempt_0" / "0" / "stdout.log"));
+  CHECK(outputs == std::set<std::string>{"first run\n", "second run\n"});
 }
 
 TEST_CASE("e2e logs: --local-ranks-filter shows only the chosen ranks") {

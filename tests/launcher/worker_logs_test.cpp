@@ -108,7 +108,7 @@ TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter"
   CHECK_FALSE(routeFor(d, 0, Stream::Stdout).file);
 }
 
-TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and tee copies") {
+TEST_CASE("worker logs: layout <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/ and tee copies") {
   ctorch::test::TempDir dir;
   auto c = logsConfigFor({"--log-dir", dir.path().string(), "-t", "3", "/bin/true"});
   Console con;
@@ -116,8 +116,12 @@ TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and 
   CHECK_FALSE(logs.temporary());
   auto files = logs.beginAttempt(oneNode(2, "run42"), 1);
   REQUIRE(files.size() == 2);
-  CHECK(files[1].rankDir == dir.path() / "run42" / "attempt_1" / "1");
-  CHECK(files[1].errorFile == dir.path() / "run42" / "attempt_1" / "1" / "error.json");
+  const fs::path run = logs.runDir();
+  CHECK(run.parent_path() == dir.path());
+  CHECK(run.filename().string().rfind("run42_", 0) == 0);
+  CHECK(run.filename().string().size() == std::string("run42_").size() + 6);
+  CHECK(files[1].rankDir == run / "attempt_1" / "1");
+  CHECK(files[1].errorFile == run / "attempt_1" / "1" / "error.json");
   CHECK(files[0].out.toAgent);
   REQUIRE(files[0].out.file);
   logs.onOutput(0, Stream::Stdout, "first li");
@@ -142,6 +146,40 @@ TEST_CASE("worker logs: a new attempt starts with a clean directory") {
   ctorch::test::writeFile(f[0].errorFile, "{}");
   auto g = logs.beginAttempt(oneNode(1), 0);  // same attempt number (re-rendezvous)
   CHECK_FALSE(fs::exists(g[0].errorFile));
+}
+
+TEST_CASE("worker logs: a reused --log-dir and run id (a requeued job) never overwrite an earlier run") {
+  ctorch::test::TempDir dir;
+  auto c = logsConfigFor({"--log-dir", dir.path().string(), "-r", "3", "/bin/true"});
+  fs::path first, second;
+  for (fs::path* run : {&first, &second}) {
+    WorkerLogs logs(c, -1, -1);
+    auto f = logs.beginAttempt(oneNode(1, "job7"), 0);
+    ctorch::test::writeFile(f[0].errorFile, "{}");
+    *run = logs.runDir();
+  }
+  CHECK(first != second);
+  CHECK(fs::exists(first / "attempt_0" / "0" / "error.json"));  // still there
+  // Within one run, attempts share the run directory.
+  WorkerLogs logs(c, -1, -1);
+  auto a0 = logs.beginAttempt(oneNode(1, "job7"), 0);
+  auto a1 = logs.beginAttempt(oneNode(1, "job7"), 1);
+  CHECK(a0[0].rankDir.parent_path().parent_path() == a1[0].rankDir.parent_path().parent_path());
+}
+
+TEST_CASE("worker logs: -r/--tee without --log-dir keep the temporary directory (the output is there)") {
+  auto c = logsConfigFor({"-r", "3", "/bin/true"});
+  fs::path base;
+  {
+    WorkerLogs logs(c, -1, -1);
+    CHECK(logs.temporary());
+    CHECK(logs.kept());
+    base = logs.baseDir();
+    logs.beginAttempt(oneNode(1), 0);
+  }
+  CHECK(fs::exists(base));
+  fs::remove_all(base);
+  CHECK_FALSE(WorkerLogs(logsConfigFor({"/bin/true"}), -1, -1).kept());
 }
 
 TEST_CASE("worker logs: a temporary log directory is removed unless kept") {

@@ -1,6 +1,7 @@
 #include "ctorch/launcher/worker_logs.hpp"
 
 #include "ctorch/launcher/errors.hpp"
+#include "log.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -52,7 +53,31 @@ WorkerLogs::WorkerLogs(const LaunchConfig& config, int consoleOut, int consoleEr
                           std::strerror(errno));
     base_ = templ;
     temporary_ = true;
+    // Redirected or tee'd output lives only in these files: never delete them.
+    if (writesFiles(config)) keep_ = true;
   }
+}
+
+bool writesFiles(const LaunchConfig& c) {
+  for (const StdSpec* spec : {&c.redirects, &c.tee}) {
+    if (!spec->mapped && spec->all != StdStreams::None) return true;
+    for (const auto& [rank, streams] : spec->perRank)
+      if (streams != StdStreams::None) return true;
+  }
+  return false;
+}
+
+const fs::path& WorkerLogs::runDir(const std::string& runId) {
+  if (runDir_.empty()) {
+    // torchrun's <log_dir>/<run_id>_<random>: a reused --log-dir or a requeued Slurm job with the
+    // same run id never overwrites an earlier run's logs.
+    std::string templ = (base_ / (runId + "_XXXXXX")).string();
+    if (!::mkdtemp(templ.data()))
+      throw LauncherError("cannot create the log directory " + templ + ": " + std::strerror(errno));
+    runDir_ = templ;
+    log("agent").info("worker logs and error files: {}", runDir_.string());
+  }
+  return runDir_;
 }
 
 WorkerLogs::~WorkerLogs() {
@@ -65,7 +90,7 @@ WorkerLogs::~WorkerLogs() {
 
 std::vector<WorkerLogs::WorkerFiles> WorkerLogs::beginAttempt(const RendezvousInfo& info, int attempt) {
   endAttempt();
-  fs::path attemptDir = base_ / info.runId / ("attempt_" + std::to_string(attempt));
+  fs::path attemptDir = runDir(info.runId) / ("attempt_" + std::to_string(attempt));
   std::error_code ec;
   fs::remove_all(attemptDir, ec);  // a re-rendezvous reuses the attempt number, as torchrun
   fs::create_directories(attemptDir, ec);
