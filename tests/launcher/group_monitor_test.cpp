@@ -70,6 +70,22 @@ TEST_CASE("group monitor: grace expiry kills once") {
   CHECK_FALSE(m.onGraceExpired().killWorkers);
 }
 
+TEST_CASE("group monitor: a worker that fails on its own while the group stops is a failure, not 'stopped'") {
+  GroupMonitor m(4, 10s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(3), 10));
+  m.noteStopSent(std::chrono::system_clock::time_point{} + 20ms);
+  m.onWorkerExit(exitOf(1, ExitStatus::exited(1), 40));              // its own error, after the stop
+  m.onWorkerExit(exitOf(2, ExitStatus::killed(SIGTERM), 40));        // our SIGTERM
+  m.onWorkerExit(exitOf(3, ExitStatus::exited(75), 50));             // saved its state on our SIGTERM
+  auto o = m.outcome();
+  REQUIRE(o.failures.size() == 2);
+  CHECK(o.failures[0].localRank == 0);  // still the root cause
+  CHECK(o.failures[1].localRank == 1);
+  REQUIRE(o.stopped.size() == 2);
+  CHECK(o.stopped[0].localRank == 2);
+  CHECK(o.stopped[1].localRank == 3);
+}
+
 TEST_CASE("group monitor: grace expiry while running does nothing") {
   GroupMonitor m(2, 1s);
   CHECK_FALSE(m.onGraceExpired().killWorkers);

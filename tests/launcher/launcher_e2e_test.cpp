@@ -470,6 +470,28 @@ TEST_CASE("e2e logs: -r without --log-dir keeps and names the files / a reused -
   CHECK(outputs == std::set<std::string>{"first run\n", "second run\n"});
 }
 
+// Issue 13.8: after a clean stop (every worker saved its state, exit 75) ctorchrun claimed "worker
+// logs kept in /tmp/ctorchrun_..." - nothing failed, so nothing is kept, and nothing piles up.
+TEST_CASE("e2e logs: a clean stop (exit 75) leaves no temporary directory and claims none / a failure keeps it") {
+  test::TempDir tmp("ctorch-tmpdir");
+  test::TempDir dir;
+  test::Process p(ctorchrunSpawn(args({"--log-level", "info", "--standalone", "--nproc-per-node", "2"},
+                                      {"train", (dir / "step").string(), "100000", "50"}),
+                                 {{"TMPDIR", tmp.path().string()}}));
+  REQUIRE(waitForLines(p, "]:resumed at step", 2));
+  ::kill(p.pid(), SIGTERM);
+  auto r = p.wait();
+  INFO(r.describe() << "\n" << r.output);
+  CHECK(r.exitCode == 75);
+  CHECK(r.output.find("kept in") == std::string::npos);
+  CHECK(std::filesystem::is_empty(tmp.path()));
+  auto failed = runCtorchrun(args({"--log-level", "info", "--standalone"}, {"exit", "3"}), {{"TMPDIR", tmp.path().string()}});
+  INFO(failed.output);
+  CHECK(failed.exitCode == 3);
+  CHECK(failed.output.find("worker logs and error files kept in " + tmp.path().string()) != std::string::npos);
+  CHECK_FALSE(std::filesystem::is_empty(tmp.path()));
+}
+
 TEST_CASE("e2e logs: --local-ranks-filter shows only the chosen ranks") {
   auto r = runCtorchrun(args({"--standalone", "--nproc-per-node", "3", "--local-ranks-filter", "1"},
                              {"print", "line {rank}"}));

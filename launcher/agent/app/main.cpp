@@ -67,8 +67,9 @@ int launch(int argc, char** argv) {
   ao.reapOrphans = true;
   ElasticAgent agent(config, *rendezvous, processes, logs, signals, ao);
   int code = agent.run();
-  if (code != 0 && logs.temporary())
-    log("ctorchrun").info("worker logs and error files kept in {}", logs.baseDir().string());
+  if (logs.temporary() && logs.kept())
+    log("ctorchrun").info("worker logs and error files kept in {}",
+                          (logs.runDir().empty() ? logs.baseDir() : logs.runDir()).string());
   // A console nobody reads must not keep ctorchrun from exiting: a short wait, then drop.
   if (auto dropped = logs.drainConsoles(std::chrono::seconds(2)))
     log("ctorchrun").warn("{} bytes of worker output were dropped: the console was not read (the log "

@@ -36,7 +36,7 @@ struct GroupOutcome {
   };
   Kind kind = Kind::Succeeded;
   std::vector<WorkerExit> failures;  // failed on their own, in observed order: [0] is the root cause
-  std::vector<WorkerExit> stopped;   // exited after the agent began stopping the group
+  std::vector<WorkerExit> stopped;   // ended by the agent's stop (its signal, SIGKILL, exit 75)
   int signal = 0;                    // Interrupted
   std::string reason;                // RemoteFailure / membership / rendezvous text
 };
@@ -68,6 +68,7 @@ class GroupMonitor {
   std::chrono::milliseconds shutdownTimeout_;
   Reason reason_ = Reason::None;
   int signal_ = 0;
+  int stopSignal_ = 0;  // what the workers were sent when the stop began
   std::optional<std::chrono::steady_clock::time_point> firstSignalAt_;
   int exited_ = 0;
   bool killed_ = false;
