@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include <csignal>
+#include <set>
 
 using namespace ctorch::launcher;
 namespace lt = ctorch::launcher_test;
@@ -253,6 +254,59 @@ TEST_CASE("config: --help ends with the exit codes and the worker contract") {
   auto contractAt = cl.message.find("Worker contract");
   REQUIRE(contractAt != std::string::npos);
   CHECK(cl.message.find("--nnodes") < contractAt);  // the contract comes last
+}
+
+// Issue 13.3: a venv's or /usr/local's python3 without torch first on PATH must not shadow one that
+// has it; when none has torch, say what was tried and how to choose.
+TEST_CASE("config: a .py program runs under an interpreter that can import torch, or says why none can") {
+  ctorch::test::TempDir dir;
+  auto fake = (dir / "python3").string();
+  ctorch::test::writeFile(fake, "#!/bin/sh\nexec /usr/bin/python3 -S \"$@\"\n");
+  ::chmod(fake.c_str(), 0755);
+  auto script = (dir / "train.py").string();
+  ctorch::test::writeFile(script, "print(1)\n");
+  std::vector<std::string> probed;
+  auto machine = [&](std::set<std::string> withTorch) {
+    auto m = fakeMachine(0);
+    m.pythonHasTorch = [&probed, withTorch](const std::string& p) {
+      probed.push_back(p);
+      return withTorch.count(p) > 0;
+    };
+    return m;
+  };
+  auto cfg = [&](std::set<std::string> withTorch, std::map<std::string, std::string> env) {
+    env["PATH"] = dir.path().string() + ":/usr/bin:/bin";
+    auto cl = parseCommandLine({script});
+    return makeLaunchConfig(cl.options, envOf(env), machine(withTorch));
+  };
+  if (!std::filesystem::exists("/usr/bin/python3")) CTORCH_SKIP("/usr/bin/python3 is not installed");
+  auto sys = cfg({"/usr/bin/python3"}, {});
+  CHECK(sys.executable == "/usr/bin/python3");
+  CHECK(sys.workerArgv.front() == "/usr/bin/python3");
+  CHECK(sys.pythonChoice.find("/usr/bin/python3") != std::string::npos);
+  CHECK(sys.pythonWarning.empty());
+  CHECK(probed.front() == fake);  // PATH's python3 was asked first
+
+  auto first = cfg({fake, "/usr/bin/python3"}, {});
+  CHECK(first.executable == fake);
+
+  auto none = cfg({}, {});
+  CHECK(none.executable == fake);  // as before: python3 on PATH
+  INFO(none.pythonWarning);
+  CHECK(none.pythonWarning.find("PYTHON_EXEC=") != std::string::npos);
+  CHECK(none.pythonWarning.find(fake + ": no torch") != std::string::npos);
+  CHECK(none.pythonWarning.find("/usr/bin/python3") != std::string::npos);
+
+  auto exec = cfg({}, {{"PYTHON_EXEC", fake}});
+  CHECK(exec.executable == fake);  // PYTHON_EXEC wins, as in torchrun, with a warning
+  CHECK(exec.pythonWarning.find("cannot import torch") != std::string::npos);
+  try {
+    cfg({}, {{"PYTHON_EXEC", "/no/such/python"}});
+    FAIL("no error");
+  } catch (const ProgramError& e) {
+    CHECK(e.exitCode() == 127);
+    CHECK(std::string(e.what()).find("'/no/such/python'") != std::string::npos);
+  }
 }
 
 // ---- c10d and Slurm ---------------------------------------------------------------------------------

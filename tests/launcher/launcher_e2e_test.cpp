@@ -13,6 +13,7 @@
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -690,6 +691,26 @@ TEST_CASE("e2e logging: the resolved configuration is logged once at start") {
 }
 
 // ---- Python workers ---------------------------------------------------------------------------------
+
+// Issue 13.3: python3 first on PATH has no torch (here: one that skips site-packages); ctorchrun
+// must pick one that has it, and log which.
+TEST_CASE("e2e python: without PYTHON_EXEC a .py runs under an interpreter that finds torch, named in the log") {
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  test::TempDir dir;
+  auto fake = (dir / "python3").string();
+  test::writeFile(fake, "#!/bin/sh\nexec /usr/bin/python3 -S \"$@\"\n");
+  ::chmod(fake.c_str(), 0755);
+  auto script = (dir / "has_torch.py").string();
+  test::writeFile(script, "import importlib.util, sys\nprint('HAS-TORCH', importlib.util.find_spec('torch') is not None, sys.executable)\n");
+  auto so = ctorchrunSpawn({"--log-level", "info", "--standalone", script}, {{"PATH", dir.path().string() + ":/usr/bin:/bin"}});
+  so.setEnv.erase("PYTHON_EXEC");
+  so.unsetEnv.push_back("PYTHON_EXEC");
+  auto r = test::run(so);
+  INFO(r.describe() << "\n" << r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("[default0]:HAS-TORCH True") != std::string::npos);
+  CHECK(r.output.find("Python interpreter: /usr/bin/python3") != std::string::npos);
+}
 
 TEST_CASE("e2e python: init_process_group gloo + all_reduce with 2 and 4 Python workers") {
   if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");

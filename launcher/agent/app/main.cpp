@@ -42,6 +42,8 @@ int launch(int argc, char** argv) {
   for (const auto& line : config.slurmLines) log("ctorchrun").info("slurm: {}", line);
   for (const auto& line : config.slurmWarnings) log("ctorchrun").warn("slurm: {}", line);
   log("ctorchrun").info("{}", describeConfig(config));
+  if (!config.pythonChoice.empty()) log("ctorchrun").info("Python interpreter: {}", config.pythonChoice);
+  if (!config.pythonWarning.empty()) log("ctorchrun").warn("{}", config.pythonWarning);
 
   // Before any thread exists (the store starts one): the signals we handle are read from a
   // signalfd, never delivered; the workers get the mask we started with.
