@@ -151,7 +151,7 @@ TEST_CASE("config: standalone picks a random run id and a free port") {
 }
 
 TEST_CASE("config: --redirects/--tee values / --local-ranks-filter / --rdzv-conf") {
-  auto c = configFor({"-r", "0:3,1:1", "-t", "2", "--local-ranks-filter", "0,2",
+  auto c = configFor({"--nproc-per-node", "3", "-r", "0:3,1:1", "-t", "2", "--local-ranks-filter", "0,2",
                       "--rdzv-conf", "join_timeout=5, is_host=1", "/bin/true"});
   CHECK(c.redirects.forRank(0) == StdStreams::All);
   CHECK(c.redirects.forRank(1) == StdStreams::Out);
@@ -307,6 +307,41 @@ TEST_CASE("config: a .py program runs under an interpreter that can import torch
     CHECK(e.exitCode() == 127);
     CHECK(std::string(e.what()).find("'/no/such/python'") != std::string::npos);
   }
+}
+
+TEST_CASE("config: --help shows value types, backends, defaults and exit code 75") {
+  auto cl = parseCommandLine({"--help"});
+  REQUIRE(cl.exitNow);
+  const std::string& h = cl.message;
+  CHECK(h.find("TEXT") == std::string::npos);  // every option names what it takes
+  for (const char* s : {"N|MIN:MAX", "N|gpu|cpu|auto", "PORT", "SECONDS", "c10d|static", "HOST[:PORT]",
+                        "localhost:29400", "SLURM_NODEID", "default 0", "auto|on|off"})
+    CHECK(h.find(s) != std::string::npos);
+  CHECK(h.find("\n  75 ") != std::string::npos);
+}
+
+TEST_CASE("config: unambiguous prefixes of long options, as torchrun's argparse") {
+  auto c = configFor({"--nproc", "2", "--max-re=3", "--shutdown_t", "5", "--stand", "/bin/true", "--nproc", "x"});
+  CHECK(c.nprocPerNode == 2);
+  CHECK(c.maxRestarts == 3);
+  CHECK(c.shutdownTimeout == std::chrono::seconds(5));
+  CHECK(c.standalone);
+  // What follows the program is the program's own.
+  CHECK(c.programArgs == std::vector<std::string>{"--nproc", "x"});
+  // Ambiguous: an error naming the candidates.
+  auto cl = parseCommandLine({"--n", "2", "/bin/true"});
+  REQUIRE(cl.exitNow);
+  CHECK(cl.exitCode == 2);
+  CHECK(cl.message.find("'--n'") != std::string::npos);
+  CHECK(cl.message.find("--nnodes") != std::string::npos);
+  CHECK(cl.message.find("--nproc-per-node") != std::string::npos);
+}
+
+TEST_CASE("config: --local-ranks-filter naming a local rank that does not exist is refused") {
+  std::string msg = errorFor({"--nproc-per-node", "2", "--local-ranks-filter", "5", "/bin/true"});
+  CHECK(msg.find("'5'") != std::string::npos);
+  CHECK(msg.find("--nproc-per-node 2") != std::string::npos);
+  CHECK(configFor({"--nproc-per-node", "2", "--local-ranks-filter", "1", "/bin/true"}).localRanksFilter->count(1));
 }
 
 // ---- c10d and Slurm ---------------------------------------------------------------------------------

@@ -674,6 +674,21 @@ TEST_CASE("e2e help and version") {
   CHECK(v.output.rfind("ctorchrun ", 0) == 0);
 }
 
+// Issue 13.9: torchrun's users type prefixes (argparse); a filter naming no existing rank hid everything.
+TEST_CASE("e2e help: exit code 75 and value types listed / --nproc 2 / --local-ranks-filter 5 of 2 refused") {
+  auto h = runCtorchrun({"--help"});
+  CHECK(h.output.find("\n  75 ") != std::string::npos);
+  CHECK(h.output.find(" TEXT") == std::string::npos);
+  auto r = runCtorchrun(args({"--stand", "--nproc", "2"}, {"env"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(envByRank(r.output).size() == 2);
+  auto f = runCtorchrun(args({"--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "5"}, {"print", "x"}));
+  INFO(f.output);
+  CHECK(f.exitCode == 2);
+  CHECK(f.output.find("'5'") != std::string::npos);
+}
+
 TEST_CASE("e2e logging: the resolved configuration is logged once at start") {
   auto r = runCtorchrun(args({"--log-level", "info", "--standalone", "--nproc-per-node", "2"}, {"print", "x"}));
   REQUIRE(r.ok());

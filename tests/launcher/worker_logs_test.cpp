@@ -94,7 +94,7 @@ TEST_CASE("worker logs: torchrun's prefix / with the host when there are several
 }
 
 TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter") {
-  auto c = logsConfigFor({"-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
+  auto c = logsConfigFor({"--nproc-per-node", "3", "-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
   auto out0 = routeFor(c, 0, Stream::Stdout);
   CHECK((out0.file && !out0.console));  // redirected: file only
   auto err0 = routeFor(c, 0, Stream::Stderr);

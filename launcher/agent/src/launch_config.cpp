@@ -542,7 +542,16 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   if (!trim(raw.logDir).empty()) c.logDir = fs::path(trim(raw.logDir));
   c.redirects = StdSpec::parse(raw.redirects, "--redirects");
   c.tee = StdSpec::parse(raw.tee, "--tee");
-  if (!trim(raw.localRanksFilter).empty()) c.localRanksFilter = parseRanksFilter(raw.localRanksFilter);
+  if (!trim(raw.localRanksFilter).empty()) {
+    c.localRanksFilter = parseRanksFilter(raw.localRanksFilter);
+    // A rank that does not exist would silently hide everything (a typo, or 5 with 2 workers).
+    for (int r : *c.localRanksFilter)
+      if (r >= c.nprocPerNode)
+        throw UsageError("--local-ranks-filter " + quote(raw.localRanksFilter) + ": local rank " +
+                         std::to_string(r) + " does not exist with --nproc-per-node " +
+                         std::to_string(c.nprocPerNode) + " (local ranks are 0.." +
+                         std::to_string(c.nprocPerNode - 1) + ")");
+  }
 
   // Empty: SPDLOG_LEVEL (spdlog's own syntax, applied by main) or info.
   std::string level = trim(raw.logLevel);
