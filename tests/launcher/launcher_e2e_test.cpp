@@ -568,7 +568,7 @@ TEST_CASE("e2e console: a stdout pipe nobody reads never blocks the agent - exit
 
 // Issue 13.4: tqdm writes "\r 33%|###" without a newline; on a terminal it must show at once, not
 // when the line (or the job) ends.
-TEST_CASE("e2e console: on a terminal, partial lines (\\r progress bars) pass through at once") {
+TEST_CASE("e2e console: on a terminal, partial lines (CR progress bars) pass through at once") {
   test::TempDir dir;
   int master = -1, slave = -1;
   REQUIRE(::openpty(&master, &slave, nullptr, nullptr, nullptr) == 0);
@@ -815,7 +815,14 @@ struct TutorialRun {
 };
 
 std::string digestOf(const std::string& output) {
-  for (const auto& line : linesWith(output, "[default0]:DIGEST ")) return line.substr(line.find("DIGEST ") + 7);
+  // "[default0]:DIGEST ..." on one node, "[<host>:default0]:DIGEST ..." with several (c10d mode).
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    const std::string tag = "default0]:DIGEST ";
+    auto at = line.find(tag);
+    if (line.rfind("[", 0) == 0 && at != std::string::npos) return line.substr(at + tag.size());
+  }
   return "";
 }
 
