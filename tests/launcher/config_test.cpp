@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include <csignal>
+#include <set>
 
 using namespace ctorch::launcher;
 namespace lt = ctorch::launcher_test;
@@ -150,7 +151,7 @@ TEST_CASE("config: standalone picks a random run id and a free port") {
 }
 
 TEST_CASE("config: --redirects/--tee values / --local-ranks-filter / --rdzv-conf") {
-  auto c = configFor({"-r", "0:3,1:1", "-t", "2", "--local-ranks-filter", "0,2",
+  auto c = configFor({"--nproc-per-node", "3", "-r", "0:3,1:1", "-t", "2", "--local-ranks-filter", "0,2",
                       "--rdzv-conf", "join_timeout=5, is_host=1", "/bin/true"});
   CHECK(c.redirects.forRank(0) == StdStreams::All);
   CHECK(c.redirects.forRank(1) == StdStreams::Out);
@@ -253,6 +254,94 @@ TEST_CASE("config: --help ends with the exit codes and the worker contract") {
   auto contractAt = cl.message.find("Worker contract");
   REQUIRE(contractAt != std::string::npos);
   CHECK(cl.message.find("--nnodes") < contractAt);  // the contract comes last
+}
+
+// Issue 13.3: a venv's or /usr/local's python3 without torch first on PATH must not shadow one that
+// has it; when none has torch, say what was tried and how to choose.
+TEST_CASE("config: a .py program runs under an interpreter that can import torch, or says why none can") {
+  ctorch::test::TempDir dir;
+  auto fake = (dir / "python3").string();
+  ctorch::test::writeFile(fake, "#!/bin/sh\nexec /usr/bin/python3 -S \"$@\"\n");
+  ::chmod(fake.c_str(), 0755);
+  auto script = (dir / "train.py").string();
+  ctorch::test::writeFile(script, "print(1)\n");
+  std::vector<std::string> probed;
+  auto machine = [&](std::set<std::string> withTorch) {
+    auto m = fakeMachine(0);
+    m.pythonHasTorch = [&probed, withTorch](const std::string& p) {
+      probed.push_back(p);
+      return withTorch.count(p) > 0;
+    };
+    return m;
+  };
+  auto cfg = [&](std::set<std::string> withTorch, std::map<std::string, std::string> env) {
+    env["PATH"] = dir.path().string() + ":/usr/bin:/bin";
+    auto cl = parseCommandLine({script});
+    return makeLaunchConfig(cl.options, envOf(env), machine(withTorch));
+  };
+  if (!std::filesystem::exists("/usr/bin/python3")) CTORCH_SKIP("/usr/bin/python3 is not installed");
+  auto sys = cfg({"/usr/bin/python3"}, {});
+  CHECK(sys.executable == "/usr/bin/python3");
+  CHECK(sys.workerArgv.front() == "/usr/bin/python3");
+  CHECK(sys.pythonChoice.find("/usr/bin/python3") != std::string::npos);
+  CHECK(sys.pythonWarning.empty());
+  CHECK(probed.front() == fake);  // PATH's python3 was asked first
+
+  auto first = cfg({fake, "/usr/bin/python3"}, {});
+  CHECK(first.executable == fake);
+
+  auto none = cfg({}, {});
+  CHECK(none.executable == fake);  // as before: python3 on PATH
+  INFO(none.pythonWarning);
+  CHECK(none.pythonWarning.find("PYTHON_EXEC=") != std::string::npos);
+  CHECK(none.pythonWarning.find(fake + ": no torch") != std::string::npos);
+  CHECK(none.pythonWarning.find("/usr/bin/python3") != std::string::npos);
+
+  auto exec = cfg({}, {{"PYTHON_EXEC", fake}});
+  CHECK(exec.executable == fake);  // PYTHON_EXEC wins, as in torchrun, with a warning
+  CHECK(exec.pythonWarning.find("cannot import torch") != std::string::npos);
+  try {
+    cfg({}, {{"PYTHON_EXEC", "/no/such/python"}});
+    FAIL("no error");
+  } catch (const ProgramError& e) {
+    CHECK(e.exitCode() == 127);
+    CHECK(std::string(e.what()).find("'/no/such/python'") != std::string::npos);
+  }
+}
+
+TEST_CASE("config: --help shows value types, backends, defaults and exit code 75") {
+  auto cl = parseCommandLine({"--help"});
+  REQUIRE(cl.exitNow);
+  const std::string& h = cl.message;
+  CHECK(h.find("TEXT") == std::string::npos);  // every option names what it takes
+  for (const char* s : {"N|MIN:MAX", "N|gpu|cpu|auto", "PORT", "SECONDS", "c10d|static", "HOST[:PORT]",
+                        "localhost:29400", "SLURM_NODEID", "default 0", "auto|on|off"})
+    CHECK(h.find(s) != std::string::npos);
+  CHECK(h.find("\n  75 ") != std::string::npos);
+}
+
+TEST_CASE("config: unambiguous prefixes of long options, as torchrun's argparse") {
+  auto c = configFor({"--nproc", "2", "--max-re=3", "--shutdown_t", "5", "--stand", "/bin/true", "--nproc", "x"});
+  CHECK(c.nprocPerNode == 2);
+  CHECK(c.maxRestarts == 3);
+  CHECK(c.shutdownTimeout == std::chrono::seconds(5));
+  CHECK(c.standalone);
+  // What follows the program is the program's own.
+  CHECK(c.programArgs == std::vector<std::string>{"--nproc", "x"});
+  // Ambiguous: an error naming the candidates.
+  auto cl = parseCommandLine({"--n", "2", "/bin/true"});
+  REQUIRE(cl.exitNow);
+  CHECK(cl.exitCode == 2);
+  CHECK(cl.message.find("'--n'") != std::string::npos);
+  CHECK(cl.message.find("--nnodes") != std::string::npos);
+  CHECK(cl.message.find("--nproc-per-node") != std::string::npos);
+}
+
+TEST_CASE("config: --local-ranks-filter naming a local rank that does not exist is refused") {
+  std::string msg = errorFor({"--nproc-per-node", "2", "--local-ranks-filter", "5", "/bin/true"});
+  CHECK(msg.find("'5'") != std::string::npos);
+  CHECK(msg.find("--nproc-per-node 2") != std::string::npos);
+  CHECK(configFor({"--nproc-per-node", "2", "--local-ranks-filter", "1", "/bin/true"}).localRanksFilter->count(1));
 }
 
 // ---- c10d and Slurm ---------------------------------------------------------------------------------

@@ -28,6 +28,35 @@ TEST_CASE("failure summary: error files in both torchrun forms / and broken ones
   CHECK_FALSE(readErrorFile(dir / "missing.json"));
 }
 
+TEST_CASE("failure summary: error-file times keep the precision they have - no invented .000") {
+  ctorch::test::TempDir dir;
+  auto whole = dir / "whole.json";
+  ctorch::test::writeFile(whole, R"({"message": {"message": "E", "extraInfo": {"timestamp": "1700000000"}}})");
+  auto frac = dir / "frac.json";
+  ctorch::test::writeFile(frac, R"({"message": {"message": "E", "extraInfo": {"timestamp": "1700000000.257"}}})");
+  auto num = dir / "num.json";
+  ctorch::test::writeFile(num, R"({"message": {"message": "E", "extraInfo": {"timestamp": 1700000000.5}}})");
+  FailureReport r;
+  r.program = "train";
+  r.numWorkers = 3;
+  int rank = 0;
+  for (const auto& path : {whole, frac, num}) {
+    FailureRecord f;
+    f.globalRank = rank++;
+    f.status = ExitStatus::exited(1);
+    f.errorFile = path;
+    f.error = readErrorFile(path);
+    REQUIRE(f.error);
+    r.failures.push_back(f);
+  }
+  std::string table = formatFailureSummary(r);
+  INFO(table);
+  CHECK(table.find(".000") == std::string::npos);
+  CHECK(table.find(formatTime(std::chrono::system_clock::from_time_t(1700000000), false) + "  ") != std::string::npos);
+  CHECK(table.find(":20.257") != std::string::npos);  // 1700000000 is ..:13:20 in any whole-hour zone
+  CHECK(table.find(":20.500") != std::string::npos);
+}
+
 TEST_CASE("failure summary: table with the root cause first and marked") {
   FailureReport r;
   r.program = "train";

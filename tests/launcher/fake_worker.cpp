@@ -26,6 +26,9 @@
 //                                (contract::kExitPreempted) on SIGUSR1 or SIGTERM ("preempted at
 //                                step S by SIGUSR1"), or saves STEPS and exits 0 when done
 //                                ("done at step STEPS"); rank 0 writes FILE, the others read it
+//   save-delay MS                train's snapshot on a stop takes MS (a real save is not instant);
+//                                it then also prints "stop signals received: N"
+//   partial TEXT                 TEXT on stdout without a newline, flushed ("\r" becomes a CR)
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -105,7 +108,18 @@ long long nowNs() {
 }
 
 volatile sig_atomic_t gStopSignal = 0;
-void onStop(int signo) { gStopSignal = signo; }
+volatile sig_atomic_t gStopCount = 0;
+int gSaveDelayMs = 0;
+void onStop(int signo) {
+  if (!gStopSignal) gStopSignal = signo;
+  gStopCount = gStopCount + 1;
+}
+
+void sleepMs(int ms) {
+  timespec ts{ms / 1000, (ms % 1000) * 1000000L};
+  while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
 
 int readStep(const std::string& path) {
   std::ifstream f(path);
@@ -136,8 +150,10 @@ int train(const std::string& path, int steps, int ms) {
   std::fflush(stdout);
   while (step < steps) {
     if (gStopSignal) {
+      if (gSaveDelayMs > 0) sleepMs(gSaveDelayMs);
       writeStep(path, step);
       std::printf("preempted at step %d by %s\n", step, gStopSignal == SIGUSR1 ? "SIGUSR1" : "SIGTERM");
+      if (gSaveDelayMs > 0) std::printf("stop signals received: %d\n", static_cast<int>(gStopCount));
       std::fflush(stdout);
       return 75;
     }
@@ -206,7 +222,17 @@ int main(int argc, char** argv) {
       if (!skip) return train(path, steps, ms);
       continue;
     }
-    if (cmd == "print") {
+    if (cmd == "save-delay") {
+      int ms = std::atoi(arg().c_str());
+      if (!skip) gSaveDelayMs = ms;
+    } else if (cmd == "partial") {
+      std::string t = arg();
+      if (!skip) {
+        for (auto p = t.find("\\r"); p != std::string::npos; p = t.find("\\r")) t.replace(p, 2, "\r");
+        std::fputs(expand(t).c_str(), stdout);
+        std::fflush(stdout);
+      }
+    } else if (cmd == "print") {
       std::string t = arg();
       if (!skip) std::printf("%s\n", expand(t).c_str());
     } else if (cmd == "eprint") {

@@ -70,6 +70,22 @@ TEST_CASE("group monitor: grace expiry kills once") {
   CHECK_FALSE(m.onGraceExpired().killWorkers);
 }
 
+TEST_CASE("group monitor: a worker that fails on its own while the group stops is a failure, not 'stopped'") {
+  GroupMonitor m(4, 10s);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(3), 10));
+  m.noteStopSent(std::chrono::system_clock::time_point{} + 20ms);
+  m.onWorkerExit(exitOf(1, ExitStatus::exited(1), 40));              // its own error, after the stop
+  m.onWorkerExit(exitOf(2, ExitStatus::killed(SIGTERM), 40));        // our SIGTERM
+  m.onWorkerExit(exitOf(3, ExitStatus::exited(75), 50));             // saved its state on our SIGTERM
+  auto o = m.outcome();
+  REQUIRE(o.failures.size() == 2);
+  CHECK(o.failures[0].localRank == 0);  // still the root cause
+  CHECK(o.failures[1].localRank == 1);
+  REQUIRE(o.stopped.size() == 2);
+  CHECK(o.stopped[0].localRank == 2);
+  CHECK(o.stopped[1].localRank == 3);
+}
+
 TEST_CASE("group monitor: grace expiry while running does nothing") {
   GroupMonitor m(2, 1s);
   CHECK_FALSE(m.onGraceExpired().killWorkers);
@@ -77,12 +93,14 @@ TEST_CASE("group monitor: grace expiry while running does nothing") {
 
 TEST_CASE("group monitor: a signal is forwarded as is - a second one kills - outcome interrupted") {
   GroupMonitor m(2, 10s);
-  auto a = m.onSignal(SIGINT);
+  const auto t0 = std::chrono::steady_clock::time_point{} + 100s;
+  auto a = m.onSignal(SIGINT, t0);
   REQUIRE(a.signalWorkers);
   CHECK(*a.signalWorkers == SIGINT);
   CHECK(a.armGrace);
-  auto b = m.onSignal(SIGINT);
+  auto b = m.onSignal(SIGINT, t0 + kDuplicateStopWindow + 500ms);  // a deliberate second Ctrl-C
   CHECK(b.killWorkers);
+  CHECK_FALSE(b.duplicateSignal);
   m.onWorkerExit(exitOf(0, ExitStatus::killed(SIGINT)));
   m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL)));
   auto o = m.outcome();
@@ -91,10 +109,32 @@ TEST_CASE("group monitor: a signal is forwarded as is - a second one kills - out
   CHECK(o.failures.empty());
 }
 
+TEST_CASE("group monitor: copies of one stop within the window are one stop - no second signal, no kill") {
+  GroupMonitor m(2, 10s);
+  const auto t0 = std::chrono::steady_clock::time_point{} + 100s;
+  auto a = m.onSignal(SIGTERM, t0);
+  REQUIRE(a.signalWorkers);
+  // `timeout` signals ctorchrun and then its group; Slurm signals the tree while srun forwards.
+  for (auto later : {0ms, 1ms, 300ms, kDuplicateStopWindow - 1ms}) {
+    auto b = m.onSignal(later == 300ms ? SIGINT : SIGTERM, t0 + later);
+    CHECK(b.duplicateSignal);
+    CHECK_FALSE(b.signalWorkers);
+    CHECK_FALSE(b.killWorkers);
+    CHECK_FALSE(b.armGrace);
+  }
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(75)));
+  m.onWorkerExit(exitOf(1, ExitStatus::exited(75)));
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Interrupted);
+  CHECK(o.signal == SIGTERM);
+  // The grace period still ends in SIGKILL for workers that do not stop.
+  CHECK(m.onGraceExpired().killWorkers);
+}
+
 TEST_CASE("group monitor: a signal during a failure stop makes the outcome an interruption") {
   GroupMonitor m(2, 10s);
   m.onWorkerExit(exitOf(0, ExitStatus::exited(2)));
-  auto a = m.onSignal(SIGTERM);
+  auto a = m.onSignal(SIGTERM, std::chrono::steady_clock::time_point{} + 100s);
   CHECK(a.signalWorkers);
   auto o = m.outcome();
   CHECK(o.kind == GroupOutcome::Kind::Interrupted);

@@ -8,14 +8,22 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
+#include <pty.h>
+#include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 using namespace ctorch;
 using namespace ctorch::launcher_test;
@@ -46,6 +54,54 @@ std::size_t countOf(const std::string& hay, const std::string& needle) {
   std::size_t n = 0;
   for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
   return n;
+}
+
+// ctorchrun with its stdout on `stdoutFd` (a pipe nobody reads, a pty) and its stderr into
+// `stderrPath`, in its own process group.
+pid_t spawnWithStdout(const test::SpawnOptions& so, int stdoutFd, const std::string& stderrPath) {
+  std::vector<std::string> envStore;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    std::string key = kv.substr(0, kv.find('='));
+    if (so.setEnv.count(key) || std::find(so.unsetEnv.begin(), so.unsetEnv.end(), key) != so.unsetEnv.end()) continue;
+    envStore.push_back(kv);
+  }
+  for (const auto& [k, v] : so.setEnv) envStore.push_back(k + "=" + v);
+  std::vector<std::string> argvStore = so.argv;
+  std::vector<char*> argv, envp;
+  for (auto& a : argvStore) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : envStore) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  int err = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(err >= 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    ::dup2(stdoutFd, STDOUT_FILENO);
+    ::dup2(err, STDERR_FILENO);
+    ::execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  ::setpgid(pid, pid);
+  ::close(err);
+  return pid;
+}
+
+// The wait status, or nullopt after killing the process group at the deadline.
+std::optional<int> waitWithin(pid_t pid, std::chrono::milliseconds deadline) {
+  auto end = std::chrono::steady_clock::now() + deadline;
+  for (;;) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
+    if (std::chrono::steady_clock::now() >= end) {
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return std::nullopt;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
 }
 
 // Guards against leftovers when an assertion fails half-way.
@@ -87,9 +143,10 @@ TEST_CASE("e2e contract: every variable for 1 to 4 workers (standalone)") {
       CHECK(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1");
       CHECK(e["NCCL_ASYNC_ERROR_HANDLING"] == "1");
       CHECK(e["OMP_NUM_THREADS"] == (n > 1 ? "1" : "<unset>"));
-      std::string suffix = "/" + e["TORCHELASTIC_RUN_ID"] + "/attempt_0/" + std::to_string(rank) + "/error.json";
-      CHECK(e["TORCHELASTIC_ERROR_FILE"].size() > suffix.size());
-      CHECK(e["TORCHELASTIC_ERROR_FILE"].compare(e["TORCHELASTIC_ERROR_FILE"].size() - suffix.size(), suffix.size(), suffix) == 0);
+      // torchrun's layout: <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/error.json.
+      CHECK(std::regex_search(e["TORCHELASTIC_ERROR_FILE"],
+                              std::regex("/" + e["TORCHELASTIC_RUN_ID"] + "_[A-Za-z0-9]{6}/attempt_0/" +
+                                         std::to_string(rank) + "/error\\.json$")));
       ports.insert(e["MASTER_PORT"]);
       runIds.insert(e["TORCHELASTIC_RUN_ID"]);
     }
@@ -265,6 +322,56 @@ TEST_CASE("e2e signals: SIGTERM / SIGINT and SIGUSR1 to ctorchrun reach every wo
   }
 }
 
+// Issue 13.1: `timeout` signals ctorchrun and then its whole process group; Slurm signals the step's
+// tree while srun forwards too. Those copies are one stop: every worker gets exactly one SIGTERM,
+// saves its snapshot (which takes a while) and exits 75 - nobody is SIGKILLed.
+TEST_CASE("e2e signals: copies of one stop (timeout / process-group kill) are one stop - snapshot saved, exit 75") {
+  test::TempDir dir;
+  const std::string snapshot = (dir / "step").string();
+  auto check = [&](const test::ProcessResult& r) {
+    INFO(r.describe() << "\n" << r.output);
+    CHECK(r.exitCode == 75);
+    CHECK(countOf(r.output, "]:preempted at step") == 2);
+    CHECK(countOf(r.output, "]:stop signals received: 1") == 2);
+    CHECK(r.output.find("grace period over") == std::string::npos);
+    CHECK(r.output.find("killing the workers") == std::string::npos);
+    CHECK(std::filesystem::exists(snapshot));
+  };
+  const std::vector<std::string> job = args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "20"},
+                                            {"save-delay", "1500", "train", snapshot, "100000", "50"});
+  SECTION("coreutils timeout: the signal to ctorchrun, then to its process group") {
+    auto so = ctorchrunSpawn(job);
+    so.argv.insert(so.argv.begin(), {"timeout", "-s", "TERM", "--preserve-status", "3"});
+    test::Process p(so);
+    REQUIRE(waitForLines(p, "]:resumed at step", 2, 3s));  // started before timeout fires
+    check(p.wait());
+  }
+  SECTION("kill PID then kill -TERM -PGID a moment later (not coalesced by the kernel)") {
+    test::Process p(ctorchrunSpawn(job));
+    REQUIRE(waitForLines(p, "]:resumed at step", 2));
+    ::kill(p.pid(), SIGTERM);
+    std::this_thread::sleep_for(50ms);
+    p.signalGroup(SIGTERM);
+    check(p.wait());
+  }
+}
+
+TEST_CASE("e2e signals: a deliberate second stop after the duplicate window kills at once") {
+  test::TempDir dir;
+  test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "30"},
+                                      {"save-delay", "20000", "train", (dir / "step").string(), "100000", "50"})));
+  REQUIRE(waitForLines(p, "]:resumed at step", 2));
+  ::kill(p.pid(), SIGTERM);
+  std::this_thread::sleep_for(1500ms);  // > kDuplicateStopWindow: the user means it
+  auto second = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  auto r = p.wait();
+  INFO(r.describe() << "\n" << r.output);
+  CHECK(r.exitCode == 128 + SIGTERM);
+  CHECK(std::chrono::steady_clock::now() - second < 10s);  // not the 30 s grace, nor the 20 s save
+  CHECK(r.output.find("killing the workers now") != std::string::npos);
+}
+
 TEST_CASE("e2e signals: a worker ignoring SIGTERM is killed after --shutdown-timeout") {
   test::Process p(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "0.3"},
                                       {"ignore-term", "print", "ready", "hang"})));
@@ -326,11 +433,64 @@ TEST_CASE("e2e logs: prefixes / --tee / --redirects and the log directory layout
   CHECK(r.output.find("[default0]:hello 0\n") != std::string::npos);
   CHECK(r.output.find("[default1]:hello 1\n") != std::string::npos);
   CHECK(r.output.find("problem") == std::string::npos);  // stderr redirected: file only
+  // torchrun's layout: <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/.
+  std::vector<std::filesystem::path> runs;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) runs.push_back(e.path());
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].filename().string().rfind("logjob_", 0) == 0);
   for (int rank = 0; rank < 2; ++rank) {
-    auto rd = dir.path() / "logjob" / "attempt_0" / std::to_string(rank);
+    auto rd = runs[0] / "attempt_0" / std::to_string(rank);
     CHECK(test::readFile(rd / "stdout.log") == "hello " + std::to_string(rank) + "\n");
     CHECK(test::readFile(rd / "stderr.log") == "problem " + std::to_string(rank) + "\n");
   }
+}
+
+// Issue 13.2: -r without --log-dir used to write into a temporary directory, never name it and
+// delete it on success; a reused --log-dir overwrote the previous run.
+TEST_CASE("e2e logs: -r without --log-dir keeps and names the files / a reused --log-dir keeps both runs") {
+  auto r = runCtorchrun(args({"--log-level", "info", "--standalone", "-r", "3"}, {"print", "only in the file"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("]:only in the file") == std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex(R"(worker logs and error files: (\S+))")));
+  const std::filesystem::path run = m[1].str();
+  CHECK(test::readFile(run / "attempt_0" / "0" / "stdout.log") == "only in the file\n");
+  std::filesystem::remove_all(run.parent_path());
+
+  test::TempDir dir;
+  for (const char* text : {"first run", "second run"}) {
+    auto again = runCtorchrun(args({"--nproc-per-node", "1", "--master-port", "0", "--rdzv-id", "samejob",
+                                    "--log-dir", dir.path().string(), "-r", "1"},
+                                   {"print", text}));
+    REQUIRE(again.ok());
+  }
+  std::set<std::string> outputs;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    outputs.insert(test::readFile(e.path() / "attempt_0" / "0" / "stdout.log"));
+  CHECK(outputs == std::set<std::string>{"first run\n", "second run\n"});
+}
+
+// Issue 13.8: after a clean stop (every worker saved its state, exit 75) ctorchrun claimed "worker
+// logs kept in /tmp/ctorchrun_..." - nothing failed, so nothing is kept, and nothing piles up.
+TEST_CASE("e2e logs: a clean stop (exit 75) leaves no temporary directory and claims none / a failure keeps it") {
+  test::TempDir tmp("ctorch-tmpdir");
+  test::TempDir dir;
+  test::Process p(ctorchrunSpawn(args({"--log-level", "info", "--standalone", "--nproc-per-node", "2"},
+                                      {"train", (dir / "step").string(), "100000", "50"}),
+                                 {{"TMPDIR", tmp.path().string()}}));
+  REQUIRE(waitForLines(p, "]:resumed at step", 2));
+  ::kill(p.pid(), SIGTERM);
+  auto r = p.wait();
+  INFO(r.describe() << "\n" << r.output);
+  CHECK(r.exitCode == 75);
+  CHECK(r.output.find("kept in") == std::string::npos);
+  CHECK(std::filesystem::is_empty(tmp.path()));
+  auto failed = runCtorchrun(args({"--log-level", "info", "--standalone"}, {"exit", "3"}), {{"TMPDIR", tmp.path().string()}});
+  INFO(failed.output);
+  CHECK(failed.exitCode == 3);
+  CHECK(failed.output.find("worker logs and error files kept in " + tmp.path().string()) != std::string::npos);
+  CHECK_FALSE(std::filesystem::is_empty(tmp.path()));
 }
 
 TEST_CASE("e2e logs: --local-ranks-filter shows only the chosen ranks") {
@@ -365,6 +525,84 @@ TEST_CASE("e2e logs: lines of four fast workers never interleave mid-line") {
   INFO("first malformed line: " << firstBad);
   CHECK(bad == 0);
   CHECK(good == 4 * kLines);
+}
+
+// Issue 12.5: `ctorchrun ... | less` (paused) or a stuck log shipper. The agent must act on a
+// worker's exit and on SIGTERM while its stdout is full: output that cannot be written is dropped
+// (counted), never waited for.
+TEST_CASE("e2e console: a stdout pipe nobody reads never blocks the agent - exit code and SIGTERM are prompt") {
+  test::TempDir dir;
+  int pipeFds[2];
+  REQUIRE(::pipe2(pipeFds, O_CLOEXEC) == 0);  // the test never reads pipeFds[0]
+  const std::string errPath = (dir / "stderr").string();
+  // 8 MB of output: more than the pipe and ctorchrun's console buffer (4 MiB) hold.
+  SECTION("a worker floods the console, then exits 7: ctorchrun exits 7") {
+    pid_t pid = spawnWithStdout(ctorchrunSpawn(args({"--standalone"}, {"lines", "40000", "200", "exit", "7"})),
+                                pipeFds[1], errPath);
+    auto status = waitWithin(pid, 30s);
+    INFO(test::readFile(errPath));
+    REQUIRE(status);
+    CHECK(WIFEXITED(*status));
+    CHECK(WEXITSTATUS(*status) == 7);
+    CHECK(test::readFile(errPath).find("bytes of worker output were dropped: the console was not read") !=
+          std::string::npos);
+  }
+  SECTION("a worker floods the console and hangs: SIGTERM still stops everything") {
+    pid_t pid = spawnWithStdout(
+        ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2"}, {"lines", "40000", "200", "eprint", "flooded", "hang"})),
+        pipeFds[1], errPath);
+    bool flooded = eventually([&] { return countOf(test::readFile(errPath), "]:flooded") == 2; }, 20s);
+    ::kill(pid, SIGTERM);
+    auto sent = std::chrono::steady_clock::now();
+    auto status = waitWithin(pid, 20s);
+    INFO(test::readFile(errPath));
+    CHECK(flooded);  // the agent kept passing stderr on while stdout was stuck
+    REQUIRE(status);
+    CHECK(WIFEXITED(*status));
+    CHECK(WEXITSTATUS(*status) == 128 + SIGTERM);
+    CHECK(std::chrono::steady_clock::now() - sent < 10s);
+  }
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+}
+
+// Issue 13.4: tqdm writes "\r 33%|###" without a newline; on a terminal it must show at once, not
+// when the line (or the job) ends.
+TEST_CASE("e2e console: on a terminal, partial lines (CR progress bars) pass through at once") {
+  test::TempDir dir;
+  int master = -1, slave = -1;
+  REQUIRE(::openpty(&master, &slave, nullptr, nullptr, nullptr) == 0);
+  ::fcntl(master, F_SETFD, FD_CLOEXEC);
+  pid_t pid = spawnWithStdout(
+      ctorchrunSpawn(args({"--standalone"}, {"partial", "\\r 33%|###", "sleep", "4000", "partial", "\\r 66%|######",
+                                             "print", "", "print", "done"})),
+      slave, (dir / "stderr").string());
+  ::close(slave);
+  std::string seen;
+  auto readSome = [&](int ms) {
+    pollfd p{master, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::read(master, buf, sizeof buf);
+    if (n <= 0) return false;  // EIO once every slave is closed
+    seen.append(buf, static_cast<std::size_t>(n));
+    return true;
+  };
+  auto start = std::chrono::steady_clock::now();
+  while (seen.find("33%") == std::string::npos && std::chrono::steady_clock::now() - start < 10s) readSome(100);
+  INFO("terminal so far: " << Catch::Detail::stringify(seen));
+  CHECK(seen.find("[default0]: 33%|###") != std::string::npos);
+  CHECK(seen.find("done") == std::string::npos);  // shown while the worker still sleeps
+  while (seen.find("done") == std::string::npos && std::chrono::steady_clock::now() - start < 20s) readSome(100);
+  auto status = waitWithin(pid, 20s);
+  while (readSome(50)) {
+  }
+  ::close(master);
+  REQUIRE(status);
+  CHECK(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == 0);
+  CHECK(seen.find("\r[default0]: 66%|######") != std::string::npos);
+  CHECK(seen.find("[default0]:done") != std::string::npos);
 }
 
 // ---- Bad input --------------------------------------------------------------------------------------
@@ -436,6 +674,21 @@ TEST_CASE("e2e help and version") {
   CHECK(v.output.rfind("ctorchrun ", 0) == 0);
 }
 
+// Issue 13.9: torchrun's users type prefixes (argparse); a filter naming no existing rank hid everything.
+TEST_CASE("e2e help: exit code 75 and value types listed / --nproc 2 / --local-ranks-filter 5 of 2 refused") {
+  auto h = runCtorchrun({"--help"});
+  CHECK(h.output.find("\n  75 ") != std::string::npos);
+  CHECK(h.output.find(" TEXT") == std::string::npos);
+  auto r = runCtorchrun(args({"--stand", "--nproc", "2"}, {"env"}));
+  INFO(r.output);
+  REQUIRE(r.ok());
+  CHECK(envByRank(r.output).size() == 2);
+  auto f = runCtorchrun(args({"--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "5"}, {"print", "x"}));
+  INFO(f.output);
+  CHECK(f.exitCode == 2);
+  CHECK(f.output.find("'5'") != std::string::npos);
+}
+
 TEST_CASE("e2e logging: the resolved configuration is logged once at start") {
   auto r = runCtorchrun(args({"--log-level", "info", "--standalone", "--nproc-per-node", "2"}, {"print", "x"}));
   REQUIRE(r.ok());
@@ -453,6 +706,26 @@ TEST_CASE("e2e logging: the resolved configuration is logged once at start") {
 }
 
 // ---- Python workers ---------------------------------------------------------------------------------
+
+// Issue 13.3: python3 first on PATH has no torch (here: one that skips site-packages); ctorchrun
+// must pick one that has it, and log which.
+TEST_CASE("e2e python: without PYTHON_EXEC a .py runs under an interpreter that finds torch, named in the log") {
+  if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");
+  test::TempDir dir;
+  auto fake = (dir / "python3").string();
+  test::writeFile(fake, "#!/bin/sh\nexec /usr/bin/python3 -S \"$@\"\n");
+  ::chmod(fake.c_str(), 0755);
+  auto script = (dir / "has_torch.py").string();
+  test::writeFile(script, "import importlib.util, sys\nprint('HAS-TORCH', importlib.util.find_spec('torch') is not None, sys.executable)\n");
+  auto so = ctorchrunSpawn({"--log-level", "info", "--standalone", script}, {{"PATH", dir.path().string() + ":/usr/bin:/bin"}});
+  so.setEnv.erase("PYTHON_EXEC");
+  so.unsetEnv.push_back("PYTHON_EXEC");
+  auto r = test::run(so);
+  INFO(r.describe() << "\n" << r.output);
+  REQUIRE(r.ok());
+  CHECK(r.output.find("[default0]:HAS-TORCH True") != std::string::npos);
+  CHECK(r.output.find("Python interpreter: /usr/bin/python3") != std::string::npos);
+}
 
 TEST_CASE("e2e python: init_process_group gloo + all_reduce with 2 and 4 Python workers") {
   if (!pythonHasTorch()) CTORCH_SKIP("/usr/bin/python3 cannot import torch (install python3-torch)");

@@ -4,6 +4,7 @@
 
 #include "multiproc.hpp"
 
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <optional>
@@ -12,7 +13,12 @@
 
 namespace ctorch::launcher_test {
 
-inline const char* ctorchrunBin() { return CTORCHRUN_BIN; }
+// CTORCH_TEST_CTORCHRUN runs the tests against another build (e.g. to see a new test fail on the
+// binary from before a fix).
+inline const char* ctorchrunBin() {
+  const char* other = std::getenv("CTORCH_TEST_CTORCHRUN");
+  return other && *other ? other : CTORCHRUN_BIN;
+}
 inline const char* fakeWorkerBin() { return FAKE_WORKER_BIN; }
 inline std::string dataDir() { return LAUNCHER_TEST_DATA; }
 inline const char* kSystemPython = "/usr/bin/python3";

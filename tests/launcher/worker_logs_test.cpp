@@ -3,11 +3,15 @@
 #include "ctorch_catch.hpp"
 
 #include "ctorch/launcher/cli.hpp"
+#include "ctorch/launcher/console_writer.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
 #include "multiproc.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <sstream>
 
 using namespace ctorch::launcher;
 namespace fs = std::filesystem;
@@ -90,7 +94,7 @@ TEST_CASE("worker logs: torchrun's prefix / with the host when there are several
 }
 
 TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter") {
-  auto c = logsConfigFor({"-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
+  auto c = logsConfigFor({"--nproc-per-node", "3", "-r", "0:1,1:3", "-t", "2:2", "--local-ranks-filter", "1,2", "/bin/true"});
   auto out0 = routeFor(c, 0, Stream::Stdout);
   CHECK((out0.file && !out0.console));  // redirected: file only
   auto err0 = routeFor(c, 0, Stream::Stderr);
@@ -104,7 +108,7 @@ TEST_CASE("worker logs: routes for --redirects / --tee and --local-ranks-filter"
   CHECK_FALSE(routeFor(d, 0, Stream::Stdout).file);
 }
 
-TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and tee copies") {
+TEST_CASE("worker logs: layout <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/ and tee copies") {
   ctorch::test::TempDir dir;
   auto c = logsConfigFor({"--log-dir", dir.path().string(), "-t", "3", "/bin/true"});
   Console con;
@@ -112,8 +116,12 @@ TEST_CASE("worker logs: layout <log-dir>/<run_id>/attempt_<k>/<local_rank>/ and 
   CHECK_FALSE(logs.temporary());
   auto files = logs.beginAttempt(oneNode(2, "run42"), 1);
   REQUIRE(files.size() == 2);
-  CHECK(files[1].rankDir == dir.path() / "run42" / "attempt_1" / "1");
-  CHECK(files[1].errorFile == dir.path() / "run42" / "attempt_1" / "1" / "error.json");
+  const fs::path run = logs.runDir();
+  CHECK(run.parent_path() == dir.path());
+  CHECK(run.filename().string().rfind("run42_", 0) == 0);
+  CHECK(run.filename().string().size() == std::string("run42_").size() + 6);
+  CHECK(files[1].rankDir == run / "attempt_1" / "1");
+  CHECK(files[1].errorFile == run / "attempt_1" / "1" / "error.json");
   CHECK(files[0].out.toAgent);
   REQUIRE(files[0].out.file);
   logs.onOutput(0, Stream::Stdout, "first li");
@@ -140,6 +148,40 @@ TEST_CASE("worker logs: a new attempt starts with a clean directory") {
   CHECK_FALSE(fs::exists(g[0].errorFile));
 }
 
+TEST_CASE("worker logs: a reused --log-dir and run id (a requeued job) never overwrite an earlier run") {
+  ctorch::test::TempDir dir;
+  auto c = logsConfigFor({"--log-dir", dir.path().string(), "-r", "3", "/bin/true"});
+  fs::path first, second;
+  for (fs::path* run : {&first, &second}) {
+    WorkerLogs logs(c, -1, -1);
+    auto f = logs.beginAttempt(oneNode(1, "job7"), 0);
+    ctorch::test::writeFile(f[0].errorFile, "{}");
+    *run = logs.runDir();
+  }
+  CHECK(first != second);
+  CHECK(fs::exists(first / "attempt_0" / "0" / "error.json"));  // still there
+  // Within one run, attempts share the run directory.
+  WorkerLogs logs(c, -1, -1);
+  auto a0 = logs.beginAttempt(oneNode(1, "job7"), 0);
+  auto a1 = logs.beginAttempt(oneNode(1, "job7"), 1);
+  CHECK(a0[0].rankDir.parent_path().parent_path() == a1[0].rankDir.parent_path().parent_path());
+}
+
+TEST_CASE("worker logs: -r/--tee without --log-dir keep the temporary directory (the output is there)") {
+  auto c = logsConfigFor({"-r", "3", "/bin/true"});
+  fs::path base;
+  {
+    WorkerLogs logs(c, -1, -1);
+    CHECK(logs.temporary());
+    CHECK(logs.kept());
+    base = logs.baseDir();
+    logs.beginAttempt(oneNode(1), 0);
+  }
+  CHECK(fs::exists(base));
+  fs::remove_all(base);
+  CHECK_FALSE(WorkerLogs(logsConfigFor({"/bin/true"}), -1, -1).kept());
+}
+
 TEST_CASE("worker logs: a temporary log directory is removed unless kept") {
   auto c = logsConfigFor({"/bin/true"});
   fs::path kept, removed;
@@ -157,4 +199,48 @@ TEST_CASE("worker logs: a temporary log directory is removed unless kept") {
   }
   CHECK(fs::exists(kept));
   fs::remove_all(kept);
+}
+
+// Issue 12.5: a console nobody reads. The writer never blocks (the pipe here is a blocking one, as
+// a shell's is), keeps a bounded backlog, drops beyond it and says so once the console moves again.
+TEST_CASE("console writer: never blocks on a full pipe - bounded backlog, counted drop, marker, order kept") {
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);  // blocking, like ctorchrun's inherited stdout
+  ::fcntl(p[1], F_SETPIPE_SZ, 4096);
+  std::size_t written = 0;
+  std::uint64_t dropped = 0;
+  {
+    ConsoleWriter w(p[1], 16 * 1024);
+    CHECK_FALSE(w.isTerminal());
+    const std::string line(99, 'x');
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 2000; ++i) {
+      w.write(line + "\n");  // 200 KB into a 4 KiB pipe nobody reads
+      written += line.size() + 1;
+    }
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+    CHECK(w.pending());
+    CHECK(w.droppedBytes() > 0);
+    CHECK(w.droppedBytes() < written);
+    dropped = w.droppedBytes();
+    // The reader comes back: the backlog flows, then the marker, then new output.
+    std::string got;
+    for (int round = 0; round < 100 && (w.pending() || got.find("dropped") == std::string::npos); ++round) {
+      ::fcntl(p[0], F_SETFL, O_NONBLOCK);
+      got += drain(p[0]);
+      w.flush();
+    }
+    w.write("after\n");
+    got += drain(p[0]);
+    INFO(got.size());
+    CHECK(got.find("[... " + std::to_string(dropped) + " bytes dropped: console not read]\n") != std::string::npos);
+    CHECK(got.size() >= 16 * 1024);  // the backlog was kept
+    CHECK(got.substr(got.size() - 6) == "after\n");
+    // Whole lines only: every line is the 99 x's, the marker or "after".
+    std::istringstream in(got);
+    std::string l;
+    while (std::getline(in, l)) CHECK((l == line || l == "after" || l.rfind("[... ", 0) == 0));
+  }
+  ::close(p[0]);
+  ::close(p[1]);
 }

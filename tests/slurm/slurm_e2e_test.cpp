@@ -222,3 +222,37 @@ TEST_CASE("slurm e2e: the preemptible script forwards SIGUSR1 and requeues and t
   CHECK(countOf(text, "done at step 60") == 2);
   CHECK(test::readFile(state).rfind("60", 0) == 0);
 }
+
+// Issue 13.1 under Slurm: `scancel --signal=TERM` signals every process of the step (ctorchrun and
+// its workers) and ctorchrun forwards too. That is one stop: every worker saves its snapshot (which
+// takes a while) and exits 75, nobody is SIGKILLed, and the step ends 75.
+TEST_CASE("slurm e2e: scancel --signal=TERM of a step is one stop - every worker saves, nobody is SIGKILLed", "[slurm][lab]") {
+  CTORCH_REQUIRE_SLURM();
+  test::lab::SlurmLab slurm({.nodes = 1, .gpusPerNode = 1});
+  test::TempDir dir("ctorch-scancel");
+  fs::permissions(dir.path(), fs::perms::all);
+  const auto state = (dir / "step.txt").string();
+  const auto batch = (dir / "job.sh").string();
+  const auto out = dir / "job.out";
+  test::writeFile(batch, "#!/bin/bash\nsrun \"$CTORCHRUN\" --nproc-per-node 2 --shutdown-timeout 20 \"$@\"\necho \"srun exit $?\"\n");
+  fs::permissions(batch, fs::perms::all);
+  auto sub = slurm.run({"sbatch", "--parsable", "--cpus-per-task=1", "--chdir=" + dir.path().string(),
+                        "--output=" + out.string(), batch, fakeWorkerBin(), "save-delay", "1500", "train", state,
+                        "100000", "50"},
+                       30s, launcherEnv());
+  INFO(sub.output);
+  REQUIRE(sub.ok());
+  const std::string job = sub.output.substr(0, sub.output.find_first_of(";\n"));
+  REQUIRE(eventually([&] { return fs::exists(out) && countOf(test::readFile(out), "resumed at step 0") == 2; }, 60s));
+  auto sig = slurm.run({"scancel", "--signal=TERM", job});
+  INFO(sig.output);
+  REQUIRE(sig.ok());
+  REQUIRE(eventually([&] { return test::readFile(out).find("srun exit") != std::string::npos; }, 60s));
+  const std::string text = test::readFile(out);
+  INFO(text);
+  CHECK_THAT(text, Catch::Contains("srun exit 75"));
+  CHECK(countOf(text, "]:preempted at step") == 2);
+  CHECK(text.find("grace period over") == std::string::npos);
+  CHECK(text.find("killing the workers") == std::string::npos);
+  CHECK(fs::exists(state));
+}

@@ -42,6 +42,8 @@ int launch(int argc, char** argv) {
   for (const auto& line : config.slurmLines) log("ctorchrun").info("slurm: {}", line);
   for (const auto& line : config.slurmWarnings) log("ctorchrun").warn("slurm: {}", line);
   log("ctorchrun").info("{}", describeConfig(config));
+  if (!config.pythonChoice.empty()) log("ctorchrun").info("Python interpreter: {}", config.pythonChoice);
+  if (!config.pythonWarning.empty()) log("ctorchrun").warn("{}", config.pythonWarning);
 
   // Before any thread exists (the store starts one): the signals we handle are read from a
   // signalfd, never delivered; the workers get the mask we started with.
@@ -67,8 +69,14 @@ int launch(int argc, char** argv) {
   ao.reapOrphans = true;
   ElasticAgent agent(config, *rendezvous, processes, logs, signals, ao);
   int code = agent.run();
-  if (code != 0 && logs.temporary())
-    log("ctorchrun").info("worker logs and error files kept in {}", logs.baseDir().string());
+  if (logs.temporary() && logs.kept())
+    log("ctorchrun").info("worker logs and error files kept in {}",
+                          (logs.runDir().empty() ? logs.baseDir() : logs.runDir()).string());
+  // A console nobody reads must not keep ctorchrun from exiting: a short wait, then drop.
+  if (auto dropped = logs.drainConsoles(std::chrono::seconds(2)))
+    log("ctorchrun").warn("{} bytes of worker output were dropped: the console was not read (the log "
+                          "files of --tee/--redirects are complete)",
+                          dropped);
   return code;
 }
 

@@ -2,9 +2,11 @@
 
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/exit_status.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <sstream>
 
 namespace ctorch::launcher {
@@ -43,10 +45,11 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
     return app.add_flag(f.names, target, help)->envname(f.env);
   };
 
-  opt("nnodes", o.nnodes, "Number of nodes, N or MIN:MAX (elastic)")->capture_default_str();
+  opt("nnodes", o.nnodes, "Number of nodes, N or MIN:MAX (elastic)")->capture_default_str()->type_name("N|MIN:MAX");
   opt("nproc-per-node", o.nprocPerNode,
       "Workers per node: a number, 'gpu' (visible NVIDIA GPUs), 'cpu' (CPU count) or 'auto'")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->type_name("N|gpu|cpu|auto");
   boolFlag("standalone", o.standalone,
            "Single node on localhost: the store on a free port, a random run id (ignores "
            "--rdzv-backend/--rdzv-endpoint/--rdzv-id)");
@@ -55,69 +58,97 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
                    o.nodeRank = r.front();
                    return true;
                  },
-                 "Rank of this node (static rendezvous)")
+                 "Rank of this node (static rendezvous; default 0, under srun SLURM_NODEID; c10d "
+                 "assigns ranks itself)")
       ->envname(flag("node-rank").env)
       ->type_name("INT");
   opt("master-addr", o.masterAddr, "Address of node 0, where the workers' store lives (static)")
-      ->capture_default_str();
-  opt("master-port", o.masterPort, "Port of the workers' store on node 0 (static)")->capture_default_str();
-  opt("rdzv-backend", o.rdzvBackend, "Rendezvous backend")->capture_default_str();
-  opt("rdzv-endpoint", o.rdzvEndpoint, "Rendezvous endpoint HOST[:PORT]");
-  opt("rdzv-id", o.rdzvId, "Job id shared by all nodes of one job")->capture_default_str();
-  opt("rdzv-conf", o.rdzvConf, "Rendezvous settings key1=value1,key2=value2");
-  opt("max-restarts", o.maxRestarts, "Restarts of the worker group before failing")->capture_default_str();
+      ->capture_default_str()
+      ->type_name("ADDR");
+  opt("master-port", o.masterPort, "Port of the workers' store on node 0 (static; 0: a free port, one node only)")
+      ->capture_default_str()
+      ->type_name("PORT");
+  std::string backends;
+  for (const auto& b : availableRendezvousBackends()) backends += (backends.empty() ? "" : "|") + b;
+  opt("rdzv-backend", o.rdzvBackend, "Rendezvous backend: " + backends)
+      ->capture_default_str()
+      ->type_name(backends);
+  opt("rdzv-endpoint", o.rdzvEndpoint,
+      "Rendezvous endpoint (c10d default: localhost:29400; static: --master-addr:--master-port)")
+      ->type_name("HOST[:PORT]");
+  opt("rdzv-id", o.rdzvId, "Job id shared by all nodes of one job")->capture_default_str()->type_name("ID");
+  opt("rdzv-conf", o.rdzvConf, "Rendezvous settings key1=value1,key2=value2")->type_name("K=V,...");
+  opt("max-restarts", o.maxRestarts, "Restarts of the worker group before failing")
+      ->capture_default_str()
+      ->type_name("INT");
   opt("monitor-interval", o.monitorInterval,
       "Seconds (accepted for torchrun compatibility: exits are detected at once here)")
-      ->capture_default_str();
-  opt("role", o.role, "Role of the workers (ROLE_NAME, log prefix)")->capture_default_str();
+      ->capture_default_str()
+      ->type_name("SECONDS");
+  opt("role", o.role, "Role of the workers (ROLE_NAME, log prefix)")->capture_default_str()->type_name("NAME");
   opt("log-dir", o.logDir,
-      "Directory for <run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log and error.json "
-      "(default: a temporary directory)");
+      "Directory for <run_id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log and error.json, "
+      "one directory per run (default: a temporary directory, kept when a worker failed or with "
+      "-r/-t; its path is logged)")
+      ->type_name("DIR");
   opt("redirects", o.redirects,
       "Send worker streams to their log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per "
       "local rank 0:3,1:1",
       "-r")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->type_name("0-3|R:V,...");
   opt("tee", o.tee, "Copy worker streams to their log files too (same values as --redirects)", "-t")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->type_name("0-3|R:V,...");
   opt("local-ranks-filter", o.localRanksFilter,
-      "Show only these local ranks on the console, e.g. 0 or 0,1 (files are unaffected)");
-  opt("local-addr", o.localAddr, "Address of this node for the rendezvous");
+      "Show only these local ranks on the console, e.g. 0 or 0,1 (files are unaffected; each must "
+      "be below --nproc-per-node)")
+      ->type_name("RANKS");
+  opt("local-addr", o.localAddr, "Address of this node for the rendezvous")->type_name("ADDR");
   opt("shutdown-timeout", o.shutdownTimeout,
       "Seconds between SIGTERM and SIGKILL when stopping workers")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->type_name("SECONDS");
   opt("signals-to-handle", o.signalsToHandle,
-      "Signals forwarded to the workers, comma-separated")
-      ->capture_default_str();
+      "Signals forwarded to the workers, comma-separated (copies of one signal within 1 s, e.g. "
+      "from `timeout` or Slurm, are one stop)")
+      ->capture_default_str()
+      ->type_name("SIGNALS");
   boolFlag("module", o.module, "Run the program as a Python module (python -u -m ...)", "-m");
   boolFlag("no-python", o.noPython, "Execute the program directly, even if it ends in .py");
   boolFlag("run-path", o.runPath, "Run the program as a Python script");
   app.add_option("--log-level", o.logLevel,
                  "Launcher log level: trace, debug, info, warn, error, critical, off "
-                 "(default: SPDLOG_LEVEL, else info)");
+                 "(default: SPDLOG_LEVEL, else info)")
+      ->type_name("LEVEL");
   opt("slurm", o.slurm,
       "Under srun, fill what is not given (--nnodes, node rank, rendezvous endpoint and id, "
       "--nproc-per-node) from the Slurm step: auto, on (fail outside a step) or off")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->type_name("auto|on|off");
   std::string startMethod;
   app.add_option("--start-method,--start_method", startMethod,
                  "Accepted for torchrun compatibility (workers are always new processes)")
-      ->envname("PET_START_METHOD");
+      ->envname("PET_START_METHOD")
+      ->type_name("METHOD");
 }
 
 std::string contractFooter() {
   std::ostringstream os;
   os << "\nThe program runs under Python (PYTHON_EXEC, else python3, with -u) when it ends in .py or "
         "with -m/--run-path;\notherwise it is executed directly. Everything after it is passed on "
-        "untouched. Every flag is also\nread from PET_<FLAG> (e.g. PET_NPROC_PER_NODE), and "
-        "torchrun's underscore spellings are accepted.\n";
+        "untouched. Every flag is also\nread from PET_<FLAG> (e.g. PET_NPROC_PER_NODE); torchrun's "
+        "underscore spellings and unambiguous\nprefixes (--nproc 2) are accepted.\n";
   os << "\nExit status:\n"
         "  0    every worker succeeded\n"
         "  N    otherwise: the exit code of the root-cause worker (the first one to fail), not a "
         "blanket 1;\n"
         "       128+S when that worker died of signal S (e.g. 139 for SIGSEGV)\n"
         "  128+S  ctorchrun itself was stopped by signal S (after forwarding it and the grace "
-        "period)\n";
+        "period)\n"
+        "  75   stopped by a signal, and every worker exited 75 (state saved, "
+        "contract::kExitPreempted):\n"
+        "       the job can be requeued\n";
   os << "  " << contract::kExitFailure << "    launcher failure    " << contract::kExitUsage
      << "  bad command line    " << contract::kExitRendezvousFailed << "  rendezvous failed\n";
   os << "  " << contract::kExitCannotExecute << "  program not executable    "
@@ -133,6 +164,56 @@ std::string contractFooter() {
         "<what>\",\n  \"extraInfo\": {\"py_callstack\": \"...\", \"timestamp\": \"<unix s>\"}}}; "
         "ctorchrun shows it in its failure summary.\n";
   return os.str();
+}
+
+// torchrun (argparse) accepts any unambiguous prefix of a long option: --nproc 2. CLI11 does not,
+// so the options before the training program are spelled out first. An ambiguous prefix is an
+// error naming the candidates.
+std::vector<std::string> expandPrefixes(const CLI::App& app, const std::vector<std::string>& args) {
+  std::vector<std::string> out = args;
+  auto options = app.get_options();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::string& a = out[i];
+    if (a == "--" || a.size() < 2 || a[0] != '-') break;  // the training program starts here
+    const CLI::Option* found = nullptr;
+    if (a.rfind("--", 0) == 0) {
+      auto eq = a.find('=');
+      std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      std::vector<const CLI::Option*> matches;
+      std::string spelled;
+      for (const CLI::Option* o : options) {
+        for (const auto& l : o->get_lnames()) {
+          if (l == name) {
+            matches = {o};
+            spelled = l;
+            break;
+          }
+          if (l.rfind(name, 0) == 0 && std::find(matches.begin(), matches.end(), o) == matches.end()) {
+            matches.push_back(o);
+            spelled = l;
+          }
+        }
+        if (!spelled.empty() && spelled == name) break;
+      }
+      if (matches.size() > 1) {
+        std::string names;
+        for (const auto* m : matches) names += (names.empty() ? "" : ", ") + std::string("--") + m->get_lnames().front();
+        throw CLI::ParseError("ambiguous option '" + a + "' could match " + names, CLI::ExitCodes::ExtrasError);
+      }
+      if (matches.size() == 1) {
+        found = matches.front();
+        if (spelled != name) out[i] = "--" + spelled + (eq == std::string::npos ? "" : a.substr(eq));
+        if (eq != std::string::npos) continue;
+      }
+    } else {
+      for (const CLI::Option* o : options)
+        for (const auto& sn : o->get_snames())
+          if (a == "-" + sn) found = o;
+    }
+    if (!found) continue;  // unknown: CLI11 reports it, or it is the program's own
+    if (found->get_items_expected_max() > 0) ++i;  // skip the value (flags take none)
+  }
+  return out;
 }
 
 } // namespace
@@ -162,10 +243,11 @@ CommandLine parseCommandLine(const std::vector<std::string>& args) {
   build(app, result.options, version);
   std::vector<std::string> storage;
   storage.push_back("ctorchrun");
-  storage.insert(storage.end(), args.begin(), args.end());
   std::vector<char*> argv;
-  for (auto& s : storage) argv.push_back(s.data());
   try {
+    auto expanded = expandPrefixes(app, args);
+    storage.insert(storage.end(), expanded.begin(), expanded.end());
+    for (auto& s : storage) argv.push_back(s.data());
     app.parse(static_cast<int>(argv.size()), argv.data());
   } catch (const CLI::CallForHelp&) {
     result.exitNow = true;

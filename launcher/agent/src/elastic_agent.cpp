@@ -23,6 +23,7 @@ constexpr std::uint64_t kProcessesTag = 1;
 constexpr std::uint64_t kSignalsTag = 2;
 constexpr std::uint64_t kTimerTag = 3;
 constexpr std::uint64_t kRendezvousTag = 4;
+constexpr std::uint64_t kConsoleTag = 5;
 
 void writeStderr(const std::string& text) {
   const char* p = text.data();
@@ -148,11 +149,27 @@ std::optional<int> ElasticAgent::pendingStopSignal() {
   return std::nullopt;
 }
 
+void ElasticAgent::watchConsoles() {
+  // Only while a console has output waiting: a writable terminal would wake us all the time.
+  std::vector<int> wanted = logs_.blockedConsoles();
+  for (int fd : watchedConsoles_)
+    if (std::find(wanted.begin(), wanted.end(), fd) == wanted.end()) ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
+  for (int fd : wanted) {
+    if (std::find(watchedConsoles_.begin(), watchedConsoles_.end(), fd) != watchedConsoles_.end()) continue;
+    epoll_event ev{};
+    ev.events = EPOLLOUT;
+    ev.data.u64 = kConsoleTag;
+    if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, fd, &ev) != 0 && errno != EEXIST) throwErrno("epoll_ctl console");
+  }
+  watchedConsoles_ = std::move(wanted);
+}
+
 GroupOutcome ElasticAgent::monitor() {
   GroupMonitor& mon = *monitor_;
   epoll_event events[16];
   for (;;) {
     if (processes_.finished()) break;
+    watchConsoles();
     int n = ::epoll_wait(epollFd_, events, 16, -1);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -178,8 +195,17 @@ GroupOutcome ElasticAgent::monitor() {
               if (options_.reapOrphans) reapOrphans();
               continue;
             }
-            log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
-            apply(mon.onSignal(*s));
+            MonitorActions a = mon.onSignal(*s, std::chrono::steady_clock::now());
+            if (a.duplicateSignal) {
+              log("agent").info("received {} again within {} ms: a copy of the same stop, not forwarded",
+                                signalName(*s), kDuplicateStopWindow.count());
+              continue;
+            }
+            if (a.killWorkers)
+              log("agent").warn("received {} again while stopping: killing the workers now", signalName(*s));
+            else
+              log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
+            apply(a);
           }
           break;
         case kTimerTag: {
@@ -187,6 +213,9 @@ GroupOutcome ElasticAgent::monitor() {
           if (::read(timerFd_, &expirations, sizeof expirations) > 0) apply(mon.onGraceExpired());
           break;
         }
+        case kConsoleTag:
+          logs_.flushConsoles();
+          break;
         case kRendezvousTag:
           while (auto ev = rendezvous_.takeEvent()) {
             log("agent").warn("rendezvous: {}", ev->reason);
@@ -200,6 +229,8 @@ GroupOutcome ElasticAgent::monitor() {
   }
   itimerspec off{};
   ::timerfd_settime(timerFd_, 0, &off, nullptr);
+  for (int fd : watchedConsoles_) ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
+  watchedConsoles_.clear();
   return mon.outcome();
 }
 

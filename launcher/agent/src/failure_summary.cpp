@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <iomanip>
@@ -43,11 +44,28 @@ std::optional<ErrorFileInfo> readErrorFile(const std::filesystem::path& path) {
       if (x.contains("py_callstack") && x["py_callstack"].is_string())
         info.callstack = x["py_callstack"].get<std::string>();
       if (x.contains("timestamp")) {
+        // torchrun writes whole seconds ("1700000000"); others may write "1700000000.123".
         try {
-          long long secs = x["timestamp"].is_string() ? std::stoll(x["timestamp"].get<std::string>())
-                                                      : x["timestamp"].get<long long>();
-          info.timestamp = std::chrono::system_clock::time_point(std::chrono::seconds(secs));
+          const auto& ts = x["timestamp"];
+          double secs = 0;
+          if (ts.is_string()) {
+            std::string text = ts.get<std::string>();
+            std::size_t used = 0;
+            secs = std::stod(text, &used);
+            if (used != text.size()) throw std::invalid_argument(text);
+            info.timestampHasMillis = text.find('.') != std::string::npos;
+          } else if (ts.is_number()) {
+            secs = ts.get<double>();
+            info.timestampHasMillis = ts.is_number_float();
+          } else {
+            throw std::invalid_argument("timestamp");
+          }
+          info.timestamp = std::chrono::system_clock::time_point(
+              std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                  std::chrono::milliseconds(std::llround(secs * 1000.0))));
         } catch (const std::exception&) {
+          info.timestamp.reset();
+          info.timestampHasMillis = false;
         }
       }
     }
@@ -57,13 +75,14 @@ std::optional<ErrorFileInfo> readErrorFile(const std::filesystem::path& path) {
   return info;
 }
 
-std::string formatTime(std::chrono::system_clock::time_point t) {
-  std::time_t secs = std::chrono::system_clock::to_time_t(t);
-  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count() % 1000;
+std::string formatTime(std::chrono::system_clock::time_point t, bool millis) {
+  auto sinceEpochMs = std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+  std::time_t secs = static_cast<std::time_t>(sinceEpochMs / 1000);
   std::tm tm{};
   ::localtime_r(&secs, &tm);
   std::ostringstream os;
-  os << std::put_time(&tm, "%Y-%m-%d %H:%M:%S") << '.' << std::setw(3) << std::setfill('0') << ms;
+  os << std::put_time(&tm, "%Y-%m-%d %H:%M:%S");
+  if (millis) os << '.' << std::setw(3) << std::setfill('0') << sinceEpochMs % 1000;
   return os.str();
 }
 
@@ -91,9 +110,11 @@ std::string formatFailureSummary(const FailureReport& r) {
     } else if (!f.errorFile.empty()) {
       err = "<no error file>";
     }
-    auto when = f.error && f.error->timestamp ? *f.error->timestamp : f.time;
+    // The error file's own time when it has one (to the precision it has), else the exit time.
+    bool fromFile = f.error && f.error->timestamp;
+    std::string when = fromFile ? formatTime(*f.error->timestamp, f.error->timestampHasMillis) : formatTime(f.time);
     rows.push_back({{std::to_string(f.globalRank) + (i == 0 ? "*" : ""), std::to_string(f.localRank),
-                     f.host, std::to_string(f.pid), f.status.describe(), formatTime(when), err}});
+                     f.host, std::to_string(f.pid), f.status.describe(), when, err}});
   }
   std::size_t width[7] = {};
   for (const auto& row : rows)

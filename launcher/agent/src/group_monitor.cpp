@@ -1,14 +1,21 @@
 #include "ctorch/launcher/group_monitor.hpp"
 
+#include "ctorch/contract/worker_contract.hpp"
+
 #include <csignal>
 
 namespace ctorch::launcher {
+
+namespace {
+constexpr int kExitPreempted = contract::kExitPreempted;
+} // namespace
 
 GroupMonitor::GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout)
     : numWorkers_(numWorkers), shutdownTimeout_(shutdownTimeout) {}
 
 MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
   reason_ = reason;
+  stopSignal_ = signo;
   MonitorActions a;
   a.signalWorkers = signo;
   a.armGrace = shutdownTimeout_;
@@ -18,9 +25,16 @@ MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
 MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
   ++exited_;
   if (stopping()) {
-    bool failedBeforeStop = !e.status.success() && reason_ == Reason::Failure &&
-                            (!stopSentAt_ || e.time < *stopSentAt_);
-    (failedBeforeStop ? failures_ : stopped_).push_back(e);
+    // Stopped by us: it ended the way a stop ends a worker (our signal, SIGKILL, 128+signal, or
+    // exit 75 after saving its state). Anything else while stopping after a failure is a failure
+    // of its own (e.g. exit 1 from a peer's broken connection), as torchrun lists it.
+    const ExitStatus& st = e.status;
+    bool stopLike = st.signal == stopSignal_ || st.signal == SIGKILL ||
+                    (st.signal == 0 && st.execErrno == 0 &&
+                     (st.exitCode == 128 + stopSignal_ || st.exitCode == kExitPreempted));
+    bool failedOnItsOwn = !st.success() && reason_ == Reason::Failure &&
+                          ((!stopSentAt_ || e.time < *stopSentAt_) || !stopLike);
+    (failedOnItsOwn ? failures_ : stopped_).push_back(e);
     return {};
   }
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
@@ -29,7 +43,13 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
   return beginStop(Reason::Failure, SIGTERM);
 }
 
-MonitorActions GroupMonitor::onSignal(int signo) {
+MonitorActions GroupMonitor::onSignal(int signo, std::chrono::steady_clock::time_point at) {
+  if (firstSignalAt_ && at - *firstSignalAt_ < kDuplicateStopWindow) {
+    MonitorActions a;
+    a.duplicateSignal = true;
+    return a;
+  }
+  if (!firstSignalAt_) firstSignalAt_ = at;
   if (reason_ == Reason::Signal) {
     // A second signal while stopping: the user means it, do not wait for the grace period.
     MonitorActions a;

@@ -134,6 +134,62 @@ RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig&
   return r;
 }
 
+// The interpreter of a Python program: PYTHON_EXEC when set (as torchrun), else the first of
+// python3 on PATH and /usr/bin/python3 that can import torch (a venv's python3 without torch
+// must not shadow the system one that has it). Logged, and when none has torch, a warning that
+// says what was tried and how to choose.
+void choosePython(LaunchConfig& c, const EnvLookup& env, const MachineProbe& probe) {
+  auto hasTorch = [&](const std::string& path) { return !probe.pythonHasTorch || probe.pythonHasTorch(path); };
+  const std::string exec = trim(env("PYTHON_EXEC").value_or(""));
+  if (!exec.empty()) {
+    auto interp = findExecutable(exec, env);
+    if (!interp)
+      throw ProgramError("PYTHON_EXEC " + quote(exec) + " not found (the Python interpreter for " +
+                             quote(c.program) + "; or use --no-python)",
+                         contract::kExitNotFound);
+    if (!isExecutableFile(*interp))
+      throw ProgramError("PYTHON_EXEC " + quote(interp->string()) + " is not executable",
+                         contract::kExitCannotExecute);
+    c.executable = interp->string();
+    c.pythonChoice = c.executable + " (PYTHON_EXEC)";
+    if (!hasTorch(c.executable))
+      c.pythonWarning = "PYTHON_EXEC " + c.executable +
+                        " cannot import torch: a torch program will fail with \"No module named 'torch'\"";
+    return;
+  }
+  std::vector<std::string> tried;
+  std::optional<std::string> first;
+  for (const std::string candidate : {"python3", "/usr/bin/python3"}) {
+    auto interp = findExecutable(candidate, env);
+    const std::string what = candidate == "python3" ? "python3 on PATH" : candidate;
+    if (!interp || !isExecutableFile(*interp)) {
+      tried.push_back(what + ": not found");
+      continue;
+    }
+    std::error_code ec;
+    std::string path = interp->string();
+    if (first && fs::equivalent(*first, path, ec)) continue;  // PATH's python3 is /usr/bin/python3
+    if (!first) first = path;
+    if (hasTorch(path)) {
+      c.executable = path;
+      c.pythonChoice = path + " (" + what + ", can import torch)";
+      return;
+    }
+    tried.push_back(what + " = " + path + ": no torch");
+  }
+  std::string list;
+  for (const auto& t : tried) list += (list.empty() ? "" : "; ") + t;
+  if (!first)
+    throw ProgramError("no Python interpreter for " + quote(c.program) + " (" + list +
+                           "): set PYTHON_EXEC=/path/to/python, or use --no-python",
+                       contract::kExitNotFound);
+  c.executable = *first;
+  c.pythonChoice = *first + " (python3 on PATH)";
+  c.pythonWarning = "no Python interpreter found here can import torch (" + list + "); running " + *first +
+                    " anyway: a torch program will fail with \"No module named 'torch'\". Set "
+                    "PYTHON_EXEC=/path/to/python of the environment that has torch";
+}
+
 } // namespace
 
 EnvLookup processEnvironment() {
@@ -149,6 +205,7 @@ MachineProbe MachineProbe::real(const EnvLookup& env) {
   p.visibleGpus = [env] { return visibleGpuCount(countNvidiaDevices(), env("CUDA_VISIBLE_DEVICES")); };
   p.cpuCount = [] { return onlineCpuCount(); };
   p.hostname = [] { return hostName(); };
+  p.pythonHasTorch = [](const std::string& python) { return pythonFindsTorch(python); };
   return p;
 }
 
@@ -379,17 +436,8 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
 
   c.usesPython = !raw.noPython && (raw.module || raw.runPath || endsWith(c.program, ".py"));
   if (c.usesPython) {
-    std::string python = env("PYTHON_EXEC").value_or("python3");
-    auto interp = findExecutable(python, env);
-    if (!interp)
-      throw ProgramError("Python interpreter " + quote(python) + " not found (needed for " +
-                             quote(c.program) + "; set PYTHON_EXEC or use --no-python)",
-                         contract::kExitNotFound);
-    if (!isExecutableFile(*interp))
-      throw ProgramError("Python interpreter " + quote(interp->string()) + " is not executable",
-                         contract::kExitCannotExecute);
-    c.executable = interp->string();
-    c.workerArgv = {python, "-u"};
+    choosePython(c, env, probe);
+    c.workerArgv = {c.executable, "-u"};
     if (raw.module) {
       c.workerArgv.push_back("-m");
     } else {
@@ -494,7 +542,16 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   if (!trim(raw.logDir).empty()) c.logDir = fs::path(trim(raw.logDir));
   c.redirects = StdSpec::parse(raw.redirects, "--redirects");
   c.tee = StdSpec::parse(raw.tee, "--tee");
-  if (!trim(raw.localRanksFilter).empty()) c.localRanksFilter = parseRanksFilter(raw.localRanksFilter);
+  if (!trim(raw.localRanksFilter).empty()) {
+    c.localRanksFilter = parseRanksFilter(raw.localRanksFilter);
+    // A rank that does not exist would silently hide everything (a typo, or 5 with 2 workers).
+    for (int r : *c.localRanksFilter)
+      if (r >= c.nprocPerNode)
+        throw UsageError("--local-ranks-filter " + quote(raw.localRanksFilter) + ": local rank " +
+                         std::to_string(r) + " does not exist with --nproc-per-node " +
+                         std::to_string(c.nprocPerNode) + " (local ranks are 0.." +
+                         std::to_string(c.nprocPerNode - 1) + ")");
+  }
 
   // Empty: SPDLOG_LEVEL (spdlog's own syntax, applied by main) or info.
   std::string level = trim(raw.logLevel);

@@ -1,10 +1,15 @@
 #include "ctorch/launcher/machine.hpp"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cctype>
 #include <climits>
+#include <chrono>
 #include <system_error>
+#include <thread>
 
 namespace ctorch::launcher {
 
@@ -70,6 +75,36 @@ std::string hostName() {
   char buf[HOST_NAME_MAX + 1] = {};
   if (::gethostname(buf, sizeof buf - 1) != 0) return "localhost";
   return buf;
+}
+
+bool pythonFindsTorch(const std::string& python) {
+  const char* code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 1)";
+  pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    int null = ::open("/dev/null", O_RDWR);
+    if (null >= 0) {
+      ::dup2(null, STDIN_FILENO);
+      ::dup2(null, STDOUT_FILENO);
+      ::dup2(null, STDERR_FILENO);
+    }
+    ::execl(python.c_str(), python.c_str(), "-c", code, static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // A broken interpreter must not hang ctorchrun's start: 10 s, then it counts as "no torch".
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (r < 0 && errno != EINTR) return false;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 } // namespace ctorch::launcher

@@ -1,12 +1,14 @@
 #include "ctorch/launcher/worker_logs.hpp"
 
 #include "ctorch/launcher/errors.hpp"
+#include "log.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <system_error>
@@ -35,7 +37,9 @@ std::string consolePrefix(const std::string& role, int rank, const std::string& 
 }
 
 WorkerLogs::WorkerLogs(const LaunchConfig& config, int consoleOut, int consoleErr)
-    : config_(config), consoleOut_(consoleOut), consoleErr_(consoleErr) {
+    : config_(config),
+      consoleOut_(std::make_unique<ConsoleWriter>(consoleOut)),
+      consoleErr_(std::make_unique<ConsoleWriter>(consoleErr)) {
   std::error_code ec;
   if (config.logDir) {
     base_ = *config.logDir;
@@ -49,7 +53,31 @@ WorkerLogs::WorkerLogs(const LaunchConfig& config, int consoleOut, int consoleEr
                           std::strerror(errno));
     base_ = templ;
     temporary_ = true;
+    // Redirected or tee'd output lives only in these files: never delete them.
+    if (writesFiles(config)) keep_ = true;
   }
+}
+
+bool writesFiles(const LaunchConfig& c) {
+  for (const StdSpec* spec : {&c.redirects, &c.tee}) {
+    if (!spec->mapped && spec->all != StdStreams::None) return true;
+    for (const auto& [rank, streams] : spec->perRank)
+      if (streams != StdStreams::None) return true;
+  }
+  return false;
+}
+
+const fs::path& WorkerLogs::runDir(const std::string& runId) {
+  if (runDir_.empty()) {
+    // torchrun's <log_dir>/<run_id>_<random>: a reused --log-dir or a requeued Slurm job with the
+    // same run id never overwrites an earlier run's logs.
+    std::string templ = (base_ / (runId + "_XXXXXX")).string();
+    if (!::mkdtemp(templ.data()))
+      throw LauncherError("cannot create the log directory " + templ + ": " + std::strerror(errno));
+    runDir_ = templ;
+    log("agent").info("worker logs and error files: {}", runDir_.string());
+  }
+  return runDir_;
 }
 
 WorkerLogs::~WorkerLogs() {
@@ -62,7 +90,7 @@ WorkerLogs::~WorkerLogs() {
 
 std::vector<WorkerLogs::WorkerFiles> WorkerLogs::beginAttempt(const RendezvousInfo& info, int attempt) {
   endAttempt();
-  fs::path attemptDir = base_ / info.runId / ("attempt_" + std::to_string(attempt));
+  fs::path attemptDir = runDir(info.runId) / ("attempt_" + std::to_string(attempt));
   std::error_code ec;
   fs::remove_all(attemptDir, ec);  // a re-rendezvous reuses the attempt number, as torchrun
   fs::create_directories(attemptDir, ec);
@@ -130,7 +158,46 @@ void writeAll(int fd, const char* data, std::size_t size) {
 
 void WorkerLogs::writeConsole(Stream stream, const std::string& text) {
   if (text.empty()) return;
-  writeAll(stream == Stream::Stdout ? consoleOut_ : consoleErr_, text.data(), text.size());
+  console(stream).write(text);
+}
+
+std::vector<int> WorkerLogs::blockedConsoles() const {
+  std::vector<int> fds;
+  for (const auto* c : {consoleOut_.get(), consoleErr_.get()})
+    if (c->pending()) fds.push_back(c->pollFd());
+  return fds;
+}
+
+void WorkerLogs::flushConsoles() {
+  consoleOut_->flush();
+  consoleErr_->flush();
+}
+
+std::uint64_t WorkerLogs::drainConsoles(std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (auto* c : {consoleOut_.get(), consoleErr_.get()}) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    c->drain(std::max(left, std::chrono::milliseconds(0)));
+  }
+  return consoleOut_->droppedBytes() + consoleErr_->droppedBytes();
+}
+
+// A terminal shows partial lines at once (tqdm's "\r 45%|####"): every piece that starts a line
+// (after '\n' or '\r') gets the prefix, a lone '\r' or the '\n' of "\r\n" does not.
+void WorkerLogs::appendTerminal(Channel& ch, const std::string& prefix, std::string_view data) {
+  std::size_t i = 0;
+  while (i < data.size()) {
+    std::size_t j = data.find_first_of("\r\n", i);
+    std::size_t end = j == std::string_view::npos ? data.size() : j + 1;
+    std::string_view piece = data.substr(i, end - i);
+    bool bare = piece.size() == 1 && (piece[0] == '\r' || (piece[0] == '\n' && ch.afterCR));
+    if (!ch.midLine && !bare) batch_.append(prefix);
+    batch_.append(piece);
+    char last = piece.back();
+    ch.midLine = last != '\n' && last != '\r';
+    ch.afterCR = last == '\r';
+    i = end;
+  }
 }
 
 void WorkerLogs::onOutput(int localRank, Stream stream, std::string_view data) {
@@ -139,11 +206,15 @@ void WorkerLogs::onOutput(int localRank, Stream stream, std::string_view data) {
   if (ch.teeFd >= 0) writeAll(ch.teeFd, data.data(), data.size());
   if (!ch.console) return;
   const std::string& prefix = ranks_[static_cast<std::size_t>(localRank)].prefix;
-  // All complete lines of this chunk go out in one write: whole lines, never a partial one.
   batch_.clear();
-  ch.lines.feed(data, [&](std::string_view line) {
-    batch_.append(prefix).append(line).push_back('\n');
-  });
+  if (console(stream).isTerminal()) {
+    appendTerminal(ch, prefix, data);
+  } else {
+    // All complete lines of this chunk go out in one write: whole lines, never a partial one.
+    ch.lines.feed(data, [&](std::string_view line) {
+      batch_.append(prefix).append(line).push_back('\n');
+    });
+  }
   writeConsole(stream, batch_);
 }
 
@@ -151,6 +222,8 @@ void WorkerLogs::closeChannel(Channel& ch, Stream stream, const std::string& pre
   if (ch.console) {
     batch_.clear();
     ch.lines.finish([&](std::string_view line) { batch_.append(prefix).append(line).push_back('\n'); });
+    if (ch.midLine) batch_.push_back('\n');
+    ch.midLine = ch.afterCR = false;
     writeConsole(stream, batch_);
   }
   if (ch.teeFd >= 0) {

@@ -60,6 +60,7 @@ class ElasticAgent {
   GroupOutcome monitor();
   void apply(const MonitorActions& actions);
   void reapOrphans();
+  void watchConsoles();
   FailureReport makeReport(const GroupOutcome& outcome, const RendezvousInfo& info, int restartCount,
                            const std::vector<WorkerLogs::WorkerFiles>& files) const;
   std::optional<int> pendingStopSignal();
@@ -76,6 +77,7 @@ class ElasticAgent {
   bool stopNoted_ = false;
   std::optional<GroupMonitor> monitor_;
   std::vector<Attempt> attempts_;
+  std::vector<int> watchedConsoles_;
   std::optional<FailureReport> report_;
 };
 

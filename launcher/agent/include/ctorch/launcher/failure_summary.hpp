@@ -19,6 +19,7 @@ struct ErrorFileInfo {
   std::string message;    // first line is what the table shows
   std::string callstack;  // extraInfo.py_callstack, if any
   std::optional<std::chrono::system_clock::time_point> timestamp;
+  bool timestampHasMillis = false;  // torchrun writes whole seconds: shown without a fraction
 };
 
 // Reads an error file; nullopt when it does not exist or cannot be parsed (a worker that dies
@@ -46,8 +47,8 @@ struct FailureReport {
   std::vector<FailureRecord> failures;  // in the order observed; [0] is the root cause
 };
 
-// "2024-05-01 12:00:00.123" in local time.
-std::string formatTime(std::chrono::system_clock::time_point t);
+// "2024-05-01 12:00:00.123" in local time ("2024-05-01 12:00:00" without millis).
+std::string formatTime(std::chrono::system_clock::time_point t, bool millis = true);
 
 std::string formatFailureSummary(const FailureReport& report);
 

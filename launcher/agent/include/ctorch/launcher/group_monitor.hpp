@@ -18,7 +18,13 @@ struct MonitorActions {
   std::optional<int> signalWorkers;                    // send this signal to every worker group
   bool killWorkers = false;                            // SIGKILL every worker tree now
   std::optional<std::chrono::milliseconds> armGrace;   // start the grace timer
+  bool duplicateSignal = false;  // a copy of the stop already under way: nothing to do
 };
+
+// Copies of one stop arrive together: `timeout` signals ctorchrun and then its process group,
+// slurmstepd signals the whole step while srun forwards too. A stop signal within this window of
+// the first is the same request; only a later one (a deliberate second Ctrl-C) kills at once.
+inline constexpr std::chrono::milliseconds kDuplicateStopWindow{1000};
 
 struct GroupOutcome {
   enum class Kind {
@@ -30,7 +36,7 @@ struct GroupOutcome {
   };
   Kind kind = Kind::Succeeded;
   std::vector<WorkerExit> failures;  // failed on their own, in observed order: [0] is the root cause
-  std::vector<WorkerExit> stopped;   // exited after the agent began stopping the group
+  std::vector<WorkerExit> stopped;   // ended by the agent's stop (its signal, SIGKILL, exit 75)
   int signal = 0;                    // Interrupted
   std::string reason;                // RemoteFailure / membership / rendezvous text
 };
@@ -43,7 +49,8 @@ class GroupMonitor {
   // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
   // supervisor) precedes it failed on its own and is listed as a failure, not as stopped.
   void noteStopSent(std::chrono::system_clock::time_point time) { stopSentAt_ = time; }
-  MonitorActions onSignal(int signo);
+  // `at` is when the agent read the signal (steady clock), for kDuplicateStopWindow.
+  MonitorActions onSignal(int signo, std::chrono::steady_clock::time_point at);
   MonitorActions onGraceExpired();
   MonitorActions onRendezvousEvent(const RendezvousEvent& event);
 
@@ -61,6 +68,8 @@ class GroupMonitor {
   std::chrono::milliseconds shutdownTimeout_;
   Reason reason_ = Reason::None;
   int signal_ = 0;
+  int stopSignal_ = 0;  // what the workers were sent when the stop began
+  std::optional<std::chrono::steady_clock::time_point> firstSignalAt_;
   int exited_ = 0;
   bool killed_ = false;
   std::string detail_;

@@ -63,6 +63,8 @@ struct LaunchConfig {
   std::string executable;               // resolved path that is executed
   std::vector<std::string> workerArgv;  // argv of every worker (interpreter + program + args)
   bool usesPython = false;
+  std::string pythonChoice;   // how the interpreter was chosen, for the log
+  std::string pythonWarning;  // e.g. no interpreter here can import torch
 
   // --- Logs
   std::optional<std::filesystem::path> logDir;
@@ -123,6 +125,8 @@ struct MachineProbe {
   std::function<int()> visibleGpus;
   std::function<int()> cpuCount;
   std::function<std::string()> hostname;
+  // Whether a Python interpreter (a path) can import torch; unset: assume it can.
+  std::function<bool(const std::string&)> pythonHasTorch;
   static MachineProbe real(const EnvLookup& env);
 };
 

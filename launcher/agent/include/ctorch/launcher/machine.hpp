@@ -17,6 +17,10 @@ int countNvidiaDevices(const std::filesystem::path& procRoot = "/proc",
 int visibleGpuCount(int physical, const std::optional<std::string>& cudaVisibleDevices);
 
 int onlineCpuCount();
+
+// Whether `python` (an executable path) finds the torch package: importlib's find_spec, which
+// locates it without importing it (tens of milliseconds, not the seconds `import torch` takes).
+bool pythonFindsTorch(const std::string& python);
 std::string hostName();
 
 } // namespace ctorch::launcher

@@ -1,16 +1,21 @@
 // Worker output and the log directory. Console lines get torchrun's "[<role><rank>]:" prefix
 // ("[<host>:<role><rank>]:" with several nodes) and are written whole, so lines of different
-// workers never interleave mid-line. --redirects sends a stream to its file only, --tee to the
-// console and the file, --local-ranks-filter hides other ranks from the console. Files live in
-// <log-dir>/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log, next to the error.json that
-// TORCHELASTIC_ERROR_FILE points to (a temporary <log-dir> when none is given).
+// workers never interleave mid-line (on a terminal, partial lines pass at once, for progress bars).
+// --redirects sends a stream to its file only, --tee to the console and the file,
+// --local-ranks-filter hides other ranks from the console. Files live in
+// <log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log (torchrun's layout: one
+// directory per run), next to the error.json that TORCHELASTIC_ERROR_FILE points to (a temporary
+// <log-dir> when none is given, removed after a run that neither failed nor wrote output files).
 #pragma once
 
+#include "ctorch/launcher/console_writer.hpp"
 #include "ctorch/launcher/launch_config.hpp"
 #include "ctorch/launcher/process_context.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
 
+#include <chrono>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,6 +67,8 @@ struct StreamRoute {
   bool file = false;    // <rank dir>/{stdout,stderr}.log
 };
 StreamRoute routeFor(const LaunchConfig& config, int localRank, Stream stream);
+// Whether --redirects/--tee send any stream of any rank to a file.
+bool writesFiles(const LaunchConfig& config);
 
 std::string consolePrefix(const std::string& role, int rank, const std::string& host, bool multiNode);
 
@@ -80,7 +87,8 @@ class WorkerLogs : public OutputSink {
   WorkerLogs(const WorkerLogs&) = delete;
   WorkerLogs& operator=(const WorkerLogs&) = delete;
 
-  // Creates (afresh) <base>/<run_id>/attempt_<attempt>/<local_rank>/ for every local worker.
+  // Creates (afresh) <base>/<run_id>_<random>/attempt_<attempt>/<local_rank>/ for every local
+  // worker; the run directory is created once per WorkerLogs (logged at info level).
   std::vector<WorkerFiles> beginAttempt(const RendezvousInfo& info, int attempt);
   // Flushes unfinished lines and closes tee files.
   void endAttempt();
@@ -88,8 +96,19 @@ class WorkerLogs : public OutputSink {
   void onOutput(int localRank, Stream stream, std::string_view data) override;
   void onClosed(int localRank, Stream stream) override;
 
+  // The console never blocks the agent (see console_writer.hpp): while a console has output
+  // waiting, the agent watches these fds for POLLOUT and calls flushConsoles().
+  std::vector<int> blockedConsoles() const;
+  void flushConsoles();
+  // At the end: gives the consoles up to `timeout` to take what is left; returns the bytes that
+  // were dropped over the whole run because a console was not read.
+  std::uint64_t drainConsoles(std::chrono::milliseconds timeout);
+
   const std::filesystem::path& baseDir() const { return base_; }
   bool temporary() const { return temporary_; }
+  bool kept() const { return keep_; }
+  // <base>/<run_id>_<random> once the first attempt began; empty before.
+  const std::filesystem::path& runDir() const { return runDir_; }
   // A temporary log directory is removed at destruction unless kept (e.g. after a failure).
   void keep() { keep_ = true; }
 
@@ -98,6 +117,9 @@ class WorkerLogs : public OutputSink {
     bool console = false;
     int teeFd = -1;
     LineSplitter lines;
+    // On a terminal, partial lines pass at once (progress bars): where the cursor is.
+    bool midLine = false;
+    bool afterCR = false;
   };
   struct RankState {
     std::string prefix;
@@ -106,12 +128,16 @@ class WorkerLogs : public OutputSink {
   };
   Channel& channel(int localRank, Stream stream);
   void writeConsole(Stream stream, const std::string& text);
+  ConsoleWriter& console(Stream stream) { return stream == Stream::Stdout ? *consoleOut_ : *consoleErr_; }
+  const std::filesystem::path& runDir(const std::string& runId);
+  void appendTerminal(Channel& ch, const std::string& prefix, std::string_view data);
   void closeChannel(Channel& c, Stream stream, const std::string& prefix);
 
   const LaunchConfig& config_;
-  int consoleOut_;
-  int consoleErr_;
+  std::unique_ptr<ConsoleWriter> consoleOut_;
+  std::unique_ptr<ConsoleWriter> consoleErr_;
   std::filesystem::path base_;
+  std::filesystem::path runDir_;
   bool temporary_ = false;
   bool keep_ = false;
   std::vector<RankState> ranks_;
