@@ -134,6 +134,23 @@ TEST_CASE("preemption: SIGTERM to one worker stops both after the same step, exi
   CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
 }
 
+TEST_CASE("preemption: one stop delivered three times at once (Slurm signals the step, ctorchrun forwards) is one stop",
+          "[trainer][process][signals]") {
+  TempDir dir("train-preempt-copies");
+  Process p(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "3", "--step-delay-ms", "20"})));
+  REQUIRE(waitForOutput(p, std::regex(R"(epoch 1/3  step  8/16)"), std::chrono::seconds(60)));
+  // scancel --signal=TERM: slurmstepd signals every process of the step and ctorchrun forwards its
+  // own copy, so a worker sees the same SIGTERM several times within milliseconds.
+  for (int i = 0; i < 3; ++i) signalWorker(dir.path(), 1, SIGTERM);
+  const auto r = p.wait();
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitPreempted);  // not 143: the copies did not kill rank 1
+  const auto steps = stoppedSteps(r.output);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0] == steps[1]);
+  CHECK(ctorch::loadSnapshot(dir / "snapshot.pt").globalStep == steps[0]);
+}
+
 TEST_CASE("preemption: SIGUSR1 to ctorchrun (Slurm's warning) stops every worker after the same step",
           "[trainer][process][signals]") {
   TempDir dir("train-usr1");

@@ -1,6 +1,10 @@
 #include "ctorch/train/stop_signal.hpp"
 
+#include "ctorch/contract/worker_contract.hpp"
+
 #include <atomic>
+#include <cstdint>
+#include <ctime>
 #include <csignal>
 #include <system_error>
 
@@ -12,11 +16,23 @@ namespace ctorch::train {
 namespace {
 
 std::atomic<int> gStopSignal{0};
+std::atomic<std::int64_t> gFirstStopMs{0};  // CLOCK_MONOTONIC ms of the first stop signal
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
+static_assert(std::atomic<std::int64_t>::is_always_lock_free, "the signal handler needs a lock-free clock");
+
+std::int64_t monotonicMs() {  // clock_gettime is async-signal-safe
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
 
 extern "C" void onStopSignal(int signo) {
+  const std::int64_t now = monotonicMs();
+  std::int64_t first = 0;
+  gFirstStopMs.compare_exchange_strong(first, now);  // keeps the first stop's time
+  if (first != 0 && now - first < contract::kDuplicateStopWindowMs) return;  // a copy of the same stop
   const int previous = gStopSignal.exchange(signo);
-  // Asked twice: the user (or a scheduler) means now. SIGUSR1 is only ever a warning.
+  // Asked again, seconds later: the user (or a scheduler) means now. SIGUSR1 is only ever a warning.
   if (previous != 0 && signo != SIGUSR1) {
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
@@ -40,6 +56,9 @@ void installStopHandlers() {
 
 int stopSignal() { return gStopSignal.load(); }
 
-void setStopSignal(int signo) { gStopSignal.store(signo); }
+void setStopSignal(int signo) {
+  gStopSignal.store(signo);
+  gFirstStopMs.store(signo == 0 ? 0 : monotonicMs());
+}
 
 }  // namespace ctorch::train

@@ -4,6 +4,7 @@
 // decides between success, restart, re-rendezvous and exit. No processes, clocks or I/O here.
 #pragma once
 
+#include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/process_context.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
 
@@ -21,10 +22,9 @@ struct MonitorActions {
   bool duplicateSignal = false;  // a copy of the stop already under way: nothing to do
 };
 
-// Copies of one stop arrive together: `timeout` signals ctorchrun and then its process group,
-// slurmstepd signals the whole step while srun forwards too. A stop signal within this window of
-// the first is the same request; only a later one (a deliberate second Ctrl-C) kills at once.
-inline constexpr std::chrono::milliseconds kDuplicateStopWindow{1000};
+// Copies of one stop arrive together (see contract::kDuplicateStopWindowMs): a stop signal within
+// this window of the first is the same request; only a later one kills at once.
+inline constexpr std::chrono::milliseconds kDuplicateStopWindow{contract::kDuplicateStopWindowMs};
 
 struct GroupOutcome {
   enum class Kind {

@@ -110,6 +110,13 @@ inline constexpr int kExitSignalBase = 128;     // 128 + signal number
 // snapshot exits with this code (EX_TEMPFAIL: "try again later"); the job can be requeued.
 inline constexpr int kExitPreempted = 75;
 
+// Copies of one stop arrive together: `timeout` signals ctorchrun and then its process group,
+// slurmstepd signals the whole step while ctorchrun forwards too, so a worker may see the same
+// SIGTERM two or three times within milliseconds. A stop signal within this window of the first is
+// the same request (ctorchrun and ctorch's stop handling both ignore it); only a later one, a
+// deliberate second Ctrl-C, means "now".
+inline constexpr std::int64_t kDuplicateStopWindowMs = 1000;
+
 inline constexpr int exitCodeForSignal(int signo) { return kExitSignalBase + signo; }
 
 // ---- The error file (torchrun's JSON schema) --------------------------------------------------------

@@ -1,7 +1,9 @@
 // Stop requests: SIGTERM and SIGUSR1 (Slurm's preemption warnings; ctorchrun forwards them) and
 // SIGINT only set a flag here; the training loop reads it after every step, all ranks agree on it
-// through an allreduce, write a snapshot and exit with contract::kExitPreempted. A second SIGTERM or
-// SIGINT while stopping ends the process at once (the default action).
+// through an allreduce, write a snapshot and exit with contract::kExitPreempted. Copies of the same
+// stop (within contract::kDuplicateStopWindowMs of the first: `timeout`, a process-group kill and
+// Slurm's scancel deliver one stop two or three times) are one request; a SIGTERM or SIGINT that
+// comes later, while stopping, ends the process at once (the default action).
 #pragma once
 
 namespace ctorch::train {
