@@ -99,6 +99,27 @@ TEST_CASE("nested causes and LibTorch errors are described", "[errorfile]") {
   CHECK_THAT(message, !Catch::Contains("Exception raised from"));  // backtrace only in the details
   CHECK_THAT(j["message"]["extraInfo"]["py_callstack"].get<std::string>(),
              Catch::Contains("Exception raised from"));
+  // LibTorch's backtraces are mostly frames without symbols: none of them reaches the file.
+  CHECK_THAT(j["message"]["extraInfo"]["py_callstack"].get<std::string>(), !Catch::Contains("<unknown function>"));
+}
+
+TEST_CASE("backtrace frames without symbols are left out, one line per run", "[errorfile]") {
+  const std::string trace =
+      "shapes do not match\n"
+      "Exception raised from f at x.cpp:1 (most recent call first):\n"
+      "frame #0: c10::Error::Error(c10::SourceLocation) + 0x96 (0x7f in libc10.so)\n"
+      "frame #1: <unknown function> + 0x1 (0x7f in libtorch_cpu.so)\n"
+      "frame #2: <unknown function> + 0x2 (0x7f in libtorch_cpu.so)\n"
+      "frame #3: main + 0x10 (0x55 in app)\n"
+      "frame #4: <unknown function> + 0x3 (0x7f in libc.so.6)\n";
+  CHECK(ctorch::trimBacktrace(trace) ==
+        "shapes do not match\n"
+        "Exception raised from f at x.cpp:1 (most recent call first):\n"
+        "frame #0: c10::Error::Error(c10::SourceLocation) + 0x96 (0x7f in libc10.so)\n"
+        "(2 frames without symbols left out)\n"
+        "frame #3: main + 0x10 (0x55 in app)\n"
+        "(1 frame without symbols left out)\n");
+  CHECK(ctorch::trimBacktrace("no frames here") == "no frames here");
 }
 
 TEST_CASE("an unwritable error file warns and returns false", "[errorfile]") {

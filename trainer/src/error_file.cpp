@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <string_view>
 #include <typeinfo>
 
 namespace ctorch {
@@ -123,12 +124,40 @@ std::string errorFileJson(const std::string& message, const std::string& details
          jsonString(ef::kTimestamp) + ": " + jsonString(std::to_string(seconds)) + "}}}";
 }
 
+std::string trimBacktrace(const std::string& text) {
+  std::string out;
+  std::size_t omitted = 0;
+  auto flush = [&] {
+    if (omitted == 0) return;
+    out += "(" + std::to_string(omitted) + (omitted == 1 ? " frame" : " frames") + " without symbols left out)\n";
+    omitted = 0;
+  };
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line(text.data() + start, end - start);
+    const auto first = line.find_first_not_of(' ');
+    const bool frame = first != std::string_view::npos && line.substr(first, 7) == "frame #";
+    if (frame && line.find("<unknown function>") != std::string_view::npos) {
+      ++omitted;
+    } else {
+      flush();
+      out.append(line);
+      if (end < text.size()) out += '\n';
+    }
+    start = end + 1;
+  }
+  flush();
+  return out;
+}
+
 bool recordError(const std::exception& error) {
   try {
     const std::string message = describeException(error);
     std::string details = message;
     appendNested(error, details);
-    if (dynamic_cast<const c10::Error*>(&error)) details += "\n\n" + std::string(error.what());
+    if (dynamic_cast<const c10::Error*>(&error)) details += "\n\n" + trimBacktrace(error.what());
     return writeRecord(message, details);
   } catch (...) {
     return false;

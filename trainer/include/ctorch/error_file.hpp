@@ -25,6 +25,11 @@ bool recordErrorMessage(const std::string& message, const std::string& details =
 // without their backtrace).
 std::string describeException(const std::exception& error);
 
+// A LibTorch backtrace ("frame #3: <symbol> + 0x12 (0x... in lib.so)" lines) without the frames
+// that carry no symbol: each run of "<unknown function>" frames becomes one line saying how many
+// were left out. Other lines are kept as they are. Used for the error file's details.
+std::string trimBacktrace(const std::string& text);
+
 // The JSON text of an error file (ASCII only, as Python's json.dump writes it).
 std::string errorFileJson(const std::string& message, const std::string& details,
                           std::chrono::system_clock::time_point when);
