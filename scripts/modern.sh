@@ -16,15 +16,20 @@ root=${CTORCH_MODERN_ROOT:-/var/cache/ctorch/sid-root}
 suite=${CTORCH_MODERN_SUITE:-sid}
 build=${CTORCH_MODERN_BUILD_DIR:-$here/build-modern}
 
+components=${CTORCH_MODERN_COMPONENTS:-main}
+# The LibTorch flavour: CPU (libtorch-dev + python3-torch, the lane CI runs) unless overridden
+# (scripts/cuda-check.sh: trixie contrib's libtorch-cuda-dev).
+read -r -a torch_packages <<<"${CTORCH_MODERN_TORCH_PACKAGES:-libtorch-dev libgloo-dev python3-torch}"
 packages=(
-  libtorch-dev libgloo-dev python3-torch
+  "${torch_packages[@]}"
   cmake ninja-build g++ make ccache pkg-config
   libcli11-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev zlib1g-dev
   libopenblas0-pthread dataset-fashion-mnist python3-matplotlib
   procps psmisc iproute2 util-linux ca-certificates hyperfine
 )
-# What the root was made from; a change remakes it. Bump the last field to force a remake.
+# What the root was made from; a change remakes it.
 stamp="$suite ${packages[*]}"
+[ "$components" = main ] || stamp="$stamp components=$components"
 
 die() { echo "modern: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot and bind mounts)"
@@ -57,6 +62,7 @@ inside() {
       PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
       CI="${CI:-}" CTORCH_LANE=modern USE_LIBUV=0 CCACHE_DIR=/root/.cache/ccache \
       CTORCH_TEST_JOBS="${CTORCH_TEST_JOBS:-}" CTORCH_JOBS="${CTORCH_JOBS:-}" \
+      CTORCH_CMAKE_ARGS="${CTORCH_CMAKE_ARGS:-}" \
       bash -c "cd \"\$0\" && exec \"\$@\"" "$wd" "$@"
   ' bash "$root" "$here" "$workdir" "$@"
 }
@@ -76,7 +82,7 @@ make_root() {
   mkdir -p "$(dirname "$root")"
   log=$(mktemp)
   echo "modern: making a Debian $suite root in $root (debootstrap from $url)"
-  debootstrap --variant=minbase "$suite" "$tmp" "$url" >"$log" 2>&1 || {
+  debootstrap --variant=minbase --components="${components// /,}" "$suite" "$tmp" "$url" >"$log" 2>&1 || {
     tail -n 20 "$log" >&2; die "debootstrap failed (log: $log)"; }
   # The mirror's sid Release file can be past its Valid-Until date: apt would refuse it.
   echo 'Acquire::Check-Valid-Until "false";' >"$tmp/etc/apt/apt.conf.d/99ctorch-valid-until"
