@@ -85,6 +85,13 @@ size_t ByteSource::read(void* dst, size_t n) {
 void ByteSource::readExactly(void* dst, size_t n, const std::string& what) {
   uint64_t start = offset_;
   size_t got = read(dst, n);
+  if (got != n && compressed_) {
+    // Where zlib reports a stream cut short as a clean end (Debian sid's zlib does), the short read
+    // is the only sign: a gzip file that ends inside the data it must hold is truncated.
+    throw DataFileError(path_.string() + ": truncated or corrupt gzip data: " + what + " needs " +
+                        std::to_string(n) + " bytes at offset " + std::to_string(start) + ", found " +
+                        std::to_string(got));
+  }
   if (got != n) {
     throw DataFormatError(path_.string() + ": truncated: " + what + " needs " + std::to_string(n) +
                           " bytes at offset " + std::to_string(start) + ", found " +

@@ -320,7 +320,14 @@ std::vector<at::Tensor> detail::DDPCore::endForward(const std::vector<at::Tensor
 }
 
 bool detail::DDPCore::requireBackwardGradSync() const { return impl_->requireBackwardGradSync; }
-void detail::DDPCore::setRequireBackwardGradSync(bool on) { impl_->requireBackwardGradSync = on; }
+void detail::DDPCore::setRequireBackwardGradSync(bool on) {
+  if (!on && impl_->staticGraph && !compat::kStaticGraphNoSync)
+    throw ConfigError("DistributedDataParallel: noSync() with staticGraph is refused on LibTorch " +
+                      std::string(TORCH_VERSION) +
+                      ": its Reducer averages such accumulated gradients wrongly (measured against one process); "
+                      "accumulate without staticGraph, or synchronise every micro-batch");
+  impl_->requireBackwardGradSync = on;
+}
 
 void detail::DDPCore::registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
   Impl& s = *impl_;

@@ -225,9 +225,13 @@ std::string helpText() {
                "(C++/LibTorch or Python workers)",
                "ctorchrun");
   build(app, o, version);
-  app.footer(contractFooter());
+  // The footer (worker contract, exit codes) is appended as it is written: CLI11 2.4+ reflows a
+  // footer given to app.footer() into paragraphs, which would merge its table rows.
   // CLI11's own usage line knows nothing about the program and its arguments: replace it.
   std::string text = app.help();
+  if (!text.empty() && text.back() != '\n') text += '\n';
+  text += "\n" + contractFooter();
+  if (text.back() != '\n') text += '\n';
   auto usage = text.find("Usage:");
   if (usage != std::string::npos) {
     auto eol = text.find('\n', usage);

@@ -3,9 +3,11 @@ import datetime
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 host, port = sys.argv[1], int(sys.argv[2])
+print(f"torch {torch.__version__}", flush=True)
 kwargs = {}
 if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
     # PyTorch 2.2+: honour USE_LIBUV as torch.distributed's rendezvous does (Debian builds lack libuv).
@@ -24,7 +26,7 @@ try:
 except RuntimeError as e:
     assert "imeout" in str(e), str(e)
 # A fresh client: the one that timed out may have a stale reply pending (1.13 has no CANCEL_WAIT).
-s2 = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=20))
+s2 = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=20), **kwargs)
 n = s2.num_keys()
 assert n == 4, n  # init/, /a, /cnt, /fresh
 assert s2.delete_key("a") is True and s2.delete_key("a") is False

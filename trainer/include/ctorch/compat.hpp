@@ -278,6 +278,14 @@ std::shared_ptr<R> makeReducer(std::vector<at::Tensor> params, std::vector<std::
   }
 }
 
+// ---- static graph with no_sync ---------------------------------------------------------------------------
+// 1.13: gradient accumulation under no_sync with static_graph equals one process on the union of
+// the batches. With LibTorch 2.14's Reducer it does not (max difference 0.05 on the MLP of the
+// equivalence matrix), and Python 2.14's own rule (the _DDPSink on a no_sync forward) trips an
+// internal assert in the Reducer; ctorch refuses the combination there rather than train wrongly.
+inline constexpr bool kStaticGraphNoSync =
+    TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14);
+
 // ---- the DDP logger -------------------------------------------------------------------------------------
 // 2.x's c10d::Logger::set_construction_data_and_log reads Gloo's thread count through a static_cast
 // of the group's CPU backend to ProcessGroupGloo. Under TORCH_DISTRIBUTED_DEBUG=DETAIL that backend
