@@ -10,7 +10,8 @@ generator=()
 if [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null; then
   generator=(-G Ninja)
 fi
-if [ ! -f "$build/CMakeCache.txt" ]; then
+# A configure that failed half-way leaves a cache but no build system: configure again then.
+if [ ! -f "$build/CMakeCache.txt" ] || { [ ! -f "$build/build.ninja" ] && [ ! -f "$build/Makefile" ]; }; then
   cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${CTORCH_CMAKE_ARGS:-} >/dev/null
 fi
 start=$(date +%s)

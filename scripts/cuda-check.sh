@@ -10,7 +10,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export CTORCH_MODERN_SUITE=trixie
 export CTORCH_MODERN_COMPONENTS="main contrib non-free non-free-firmware"
-export CTORCH_MODERN_TORCH_PACKAGES="libtorch-cuda-dev libgloo-cuda-dev"
+export CTORCH_MODERN_TORCH_PACKAGES="libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit libnccl-dev"
 # nvidia-cudnn's installer downloads cuDNN from NVIDIA, which this machine cannot reach: without it
 # there is no libcudnn, so the check compiles (static libraries) and links nothing against CUDA.
 export CTORCH_MODERN_SKIP_POSTINST="nvidia-cudnn"
