@@ -170,6 +170,24 @@ TEST_CASE("self-referencing and shared-reference blow-ups are refused", "[snapsh
   CHECK_THAT(msg, Catch::Contains("values through shared references"));
 }
 
+TEST_CASE("SETITEMS or DICT with an odd number of items is refused (found by the fuzzer)",
+          "[snapshot][hostile]") {
+  // LibTorch 1.13 pairs items by index and reads one past its stack: an IValue of garbage that
+  // later aborted the digest (std::terminate from an internal assert).
+  std::string msg;
+  CHECK(corruptionOf(archiveOf({{"data.pkl", pickle(std::string("}(X\x01\x00\x00\x00" "a" "u", 9))}}), &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("SETITEMS with an odd number (1) of keys and values"));
+  CHECK(corruptionOf(archiveOf({{"data.pkl", pickle("(NNNd")}}), &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("DICT with an odd number (3)"));
+}
+
+TEST_CASE("a memo index far beyond the pickle is refused (found by the fuzzer)", "[snapshot][hostile]") {
+  // LONG_BINPUT 0x6e6f6973: LibTorch 1.13 grew its memo table to that index, a 29 GB allocation.
+  std::string msg;
+  CHECK(corruptionOf(archiveOf({{"data.pkl", pickle("Nr" + le32(0x6e6f6973u))}}), &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("memo index 1852795251 is larger than the 9-byte pickle"));
+}
+
 TEST_CASE("legitimate pickles pass the scan: Python-style OrderedDict, typed lists, shared strings",
           "[snapshot][hostile]") {
   // pickle_save tags dicts and typed lists through REDUCE and memoizes repeated strings; a good

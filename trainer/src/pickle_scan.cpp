@@ -260,9 +260,12 @@ class Scanner {
       case ']': case '}': case 0x8f:                              // EMPTY_LIST EMPTY_DICT EMPTY_SET
         stack_.push_back(container({}, true, false));
         return;
-      case 'l': case 'd':                                         // LIST DICT
-        stack_.push_back(container(popToMark(), true, false));
+      case 'l': case 'd': {                                       // LIST DICT
+        auto items = popToMark();
+        if (code == 'd') evenItems(items, "DICT");
+        stack_.push_back(container(std::move(items), true, false));
         return;
+      }
       case 0x91: stack_.push_back(container(popToMark(), false, false)); return;  // FROZENSET
       case 'a': {                                                 // APPEND
         Item v = pop();
@@ -277,6 +280,7 @@ class Scanner {
       }
       case 'e': case 'u': case 0x90: {                            // APPENDS SETITEMS ADDITEMS
         auto items = popToMark();
+        if (code == 'u') evenItems(items, "SETITEMS");
         addAll(mutableTarget(code == 'e' ? "APPENDS" : code == 'u' ? "SETITEMS" : "ADDITEMS"), items);
         return;
       }
@@ -322,6 +326,12 @@ class Scanner {
     }
   }
 
+  // LibTorch 1.13 pairs keys and values by index: an odd count makes it read past its stack.
+  void evenItems(const std::vector<Item>& items, const char* opname) const {
+    if (items.size() % 2 != 0)
+      malformed(std::string(opname) + " with an odd number (" + std::to_string(items.size()) +
+                ") of keys and values");
+  }
   void pushInt(std::int64_t v) {
     pushLeaf(Item::Tag::Int);
     stack_.back().integer = v;
@@ -351,7 +361,14 @@ class Scanner {
     }
     return v;
   }
-  void memoPut(std::uint64_t index) { memo_[index] = top(); }
+  // LibTorch sizes its memo table by the largest index: 4-byte indices would let a few bytes ask
+  // for 64 GB. Writers number memo entries from 0, so an index never exceeds the pickle's size.
+  void memoPut(std::uint64_t index) {
+    if (index > size_)
+      fail(PickleRefused::Kind::Limit, "memo index " + std::to_string(index) + " is larger than the " +
+                                           std::to_string(size_) + "-byte pickle");
+    memo_[index] = top();
+  }
   void memoGet(std::uint64_t index) {
     auto it = memo_.find(index);
     if (it == memo_.end()) malformed("memo entry " + std::to_string(index) + " was never stored");
