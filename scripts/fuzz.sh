@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Fuzzes the store's request parser and engine (launcher/store/fuzz) with libFuzzer + ASan/UBSan for
-# a bounded time, outside the normal build. Skips (exit 0, saying why) without clang's libFuzzer.
-# Usage: scripts/fuzz.sh [seconds=60]   (CTORCH_FUZZ_DIR: build/work folder, default build-fuzz/)
+# Fuzzes, each for a bounded time and outside the normal build, with clang's libFuzzer:
+#  1. the store's request parser and engine (launcher/store/fuzz), with ASan/UBSan;
+#  2. the snapshot loader, ctorch::decodeSnapshot on arbitrary bytes (trainer/fuzz), linked with
+#     LibTorch; seeded with a small valid snapshot the target writes itself.
+# Skips (exit 0, saying why) without clang's libFuzzer; skips target 2 (exit 0) without LibTorch.
+# Usage: scripts/fuzz.sh [seconds per target=60] [targets=store,snapshot]
+#        (CTORCH_FUZZ_DIR: build/work folder, default build-fuzz/)
 # Needs: apt-get install -y clang libclang-rt-14-dev   (Debian bookworm: clang 14)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 seconds=${1:-60}
+targets=${2:-store,snapshot}
 out=${CTORCH_FUZZ_DIR:-$root/build-fuzz}
 cxx=${CXX_FUZZ:-$(command -v clang++ || command -v clang++-14 || true)}
 if [ -z "$cxx" ]; then
@@ -19,12 +24,59 @@ if ! "$cxx" -fsanitize=fuzzer "$probe" -o "$out/probe" 2>/dev/null; then
   echo "fuzz: skipped: $cxx cannot link -fsanitize=fuzzer (apt-get install -y libclang-rt-14-dev)"
   exit 0
 fi
-src=$root/launcher/store
-"$cxx" -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -I"$src/include" "$src/fuzz/store_request_fuzz.cpp" "$src/src/tcp_store_protocol.cpp" \
-  "$src/src/store_engine.cpp" -o "$out/store_request_fuzz"
-mkdir -p "$out/corpus"
-# The seeds stay in the repo; what the fuzzer finds goes to the work folder.
-"$out/store_request_fuzz" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 \
-  -print_final_stats=1 "$out/corpus" "$src/fuzz/corpus" 2>&1 | tee "$out/fuzz.log" | tail -n 30
-echo "fuzz: store_request_fuzz ran ${seconds} s without a finding (corpus: $out/corpus)"
+fuzz_store() {
+  local src=$root/launcher/store
+  "$cxx" -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    -I"$src/include" "$src/fuzz/store_request_fuzz.cpp" "$src/src/tcp_store_protocol.cpp" \
+    "$src/src/store_engine.cpp" -o "$out/store_request_fuzz"
+  mkdir -p "$out/corpus"
+  # The seeds stay in the repo; what the fuzzer finds goes to the work folder.
+  "$out/store_request_fuzz" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 \
+    -print_final_stats=1 "$out/corpus" "$src/fuzz/corpus" 2>&1 | tee "$out/fuzz.log" | tail -n 30
+  echo "fuzz: store_request_fuzz ran ${seconds} s without a finding (corpus: $out/corpus)"
+}
+
+fuzz_snapshot() {
+  local torch_include=${CTORCH_TORCH_INCLUDE:-/usr/include}
+  local torch_lib=${CTORCH_TORCH_LIB:-/usr/lib/x86_64-linux-gnu}
+  if [ ! -f "$torch_include/torch/csrc/api/include/torch/torch.h" ] || [ ! -e "$torch_lib/libtorch_cpu.so" ]; then
+    echo "fuzz: snapshot_decode_fuzz skipped: no LibTorch headers/libraries under $torch_include, $torch_lib"
+    echo "      (set CTORCH_TORCH_INCLUDE and CTORCH_TORCH_LIB)"
+    return 0
+  fi
+  local t=$root/trainer
+  # The definitions LibTorch's CMake config gives every consumer (compat.hpp includes c10d headers).
+  local torch_defines="-DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_RPC -DUSE_TENSORPIPE -D_GLIBCXX_USE_CXX11_ABI=1 -DCTORCH_VERSION=\"fuzz\""
+  # LibTorch itself is not instrumented; ASan still sees every heap buffer (it intercepts malloc), so
+  # a read past a record's storage in our code is reported. CTORCH_FUZZ_SANITIZE=fuzzer drops ASan.
+  local sanitize=${CTORCH_FUZZ_SANITIZE:-fuzzer,address}
+  local objs=()
+  mkdir -p "$out/snapshot-obj"
+  for f in snapshot_format digest zip_check pickle_scan snapshot_state sampler version; do
+    if [ ! "$out/snapshot-obj/$f.o" -nt "$t/src/$f.cpp" ] || [ "$out/snapshot-obj/$f.o" -ot "$t/src/pickle_scan.hpp" ]; then
+      "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -c $torch_defines -I"$t/include" -I"$t/src" -I"$t/shim" -I"$torch_include" \
+        -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$out/snapshot-obj/$f.o"
+    fi
+    objs+=("$out/snapshot-obj/$f.o")
+  done
+  "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" $torch_defines -I"$t/include" -I"$t/shim" -I"$torch_include" \
+    -I"$torch_include/torch/csrc/api/include" "$t/fuzz/snapshot_decode_fuzz.cpp" "${objs[@]}" \
+    -L"$torch_lib" -Wl,-rpath,"$torch_lib" -ltorch -ltorch_cpu -lc10 -lz -o "$out/snapshot_decode_fuzz"
+  mkdir -p "$out/snapshot-corpus" "$out/snapshot-seed"
+  # The seed (a valid ~3 kB snapshot) is written by the target itself, so it always matches the format.
+  # Leaks are not findings here: LibTorch keeps allocations alive on purpose.
+  CTORCH_FUZZ_SEED_DIR="$out/snapshot-seed" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+    "$out/snapshot_decode_fuzz" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+    -malloc_limit_mb=2048 -max_len=65536 -print_final_stats=1 -artifact_prefix="$out/" "$out/snapshot-corpus" "$out/snapshot-seed" \
+    2>&1 | tee "$out/snapshot-fuzz.log" | tail -n 30
+  echo "fuzz: snapshot_decode_fuzz ran ${seconds} s without a finding (corpus: $out/snapshot-corpus)"
+}
+
+IFS=, read -r -a wanted <<<"$targets"
+for target in "${wanted[@]}"; do
+  case $target in
+    store) fuzz_store ;;
+    snapshot) fuzz_snapshot ;;
+    *) echo "fuzz: unknown target '$target' (store, snapshot)" >&2; exit 2 ;;
+  esac
+done

@@ -3,7 +3,9 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <fstream>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <zlib.h>
 
@@ -24,29 +26,60 @@ std::string zlibMessage(void* gz, const std::filesystem::path& path) {
 }
 }  // namespace
 
+namespace {
+std::string fileTypeName(mode_t mode) {
+  switch (mode & S_IFMT) {
+    case S_IFIFO: return "a FIFO";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    case S_IFSOCK: return "a socket";
+    default: return "not a regular file";
+  }
+}
+}  // namespace
+
 ByteSource::ByteSource(const std::filesystem::path& file) : path_(file) {
-  std::error_code ec;
-  auto status = std::filesystem::status(file, ec);
-  if (!std::filesystem::exists(status)) {
-    throw DataFileError(file.string() + ": missing file");
+  // O_NONBLOCK: opening a FIFO would wait for a writer forever; fstat on the descriptor then sees
+  // exactly what was opened, so only a regular file is ever read (never /dev/zero or a pipe).
+  int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) throw DataFileError(file.string() + ": missing file");
+    throw DataFileError(file.string() + ": cannot open: " + std::strerror(err));
   }
-  if (std::filesystem::is_directory(status)) {
-    throw DataFileError(file.string() + ": is a directory, expected a file");
+  struct stat st {};
+  std::string refusal;
+  if (::fstat(fd, &st) != 0) refusal = std::string("cannot stat: ") + std::strerror(errno);
+  else if (S_ISDIR(st.st_mode)) refusal = "is a directory, expected a file";
+  else if (!S_ISREG(st.st_mode)) refusal = "is " + fileTypeName(st.st_mode) + ", expected a regular file";
+  const int flags = refusal.empty() ? ::fcntl(fd, F_GETFL) : 0;
+  if (refusal.empty() && (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0))
+    refusal = std::string("cannot open: ") + std::strerror(errno);
+  // zlib reads a plain file transparently; look at the magic ourselves to word errors right.
+  unsigned char magic[2] = {0, 0};
+  if (refusal.empty() && ::pread(fd, magic, 2, 0) < 0)
+    refusal = std::string("cannot read: ") + std::strerror(errno);
+  if (!refusal.empty()) {
+    ::close(fd);
+    throw DataFileError(file.string() + ": " + refusal);
   }
-  {
-    // zlib reads a plain file transparently; look at the magic ourselves to word errors right.
-    std::ifstream probe(file, std::ios::binary);
-    unsigned char magic[2] = {0, 0};
-    probe.read(reinterpret_cast<char*>(magic), 2);
-    compressed_ = probe.gcount() == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
-  }
+  fileSize_ = static_cast<uint64_t>(st.st_size);
+  compressed_ = fileSize_ >= 2 && magic[0] == 0x1f && magic[1] == 0x8b;
   errno = 0;
-  gz_ = gzopen(file.c_str(), "rb");
+  gz_ = gzdopen(fd, "rb");
   if (gz_ == nullptr) {
-    throw DataFileError(file.string() + ": cannot open: " +
-                        (errno ? std::strerror(errno) : "out of memory"));
+    const int err = errno;
+    ::close(fd);
+    throw DataFileError(file.string() + ": cannot open: " + (err ? std::strerror(err) : "out of memory"));
   }
   gzbuffer(handle(gz_), 1 << 18);
+}
+
+uint64_t ByteSource::maxContentBytes() const {
+  // Deflate cannot expand more than 1032:1 (zlib's FAQ); the gzip header and trailer only add.
+  constexpr uint64_t kMaxInflateRatio = 1032;
+  if (!compressed_) return fileSize_;
+  return fileSize_ > UINT64_MAX / kMaxInflateRatio ? UINT64_MAX : fileSize_ * kMaxInflateRatio;
 }
 
 ByteSource::~ByteSource() {

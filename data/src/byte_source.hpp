@@ -11,7 +11,8 @@ namespace ctorch::data::detail {
 
 class ByteSource {
  public:
-  // Throws DataFileError if the file is missing, a directory, or cannot be opened.
+  // Throws DataFileError if the file is missing, a directory, not a regular file (a FIFO, a device:
+  // refused without blocking or reading), or cannot be opened (saying what errno says).
   explicit ByteSource(const std::filesystem::path& file);
   ~ByteSource();
   ByteSource(const ByteSource&) = delete;
@@ -27,12 +28,16 @@ class ByteSource {
   // Decompressed bytes read so far.
   uint64_t offset() const { return offset_; }
   bool compressed() const { return compressed_; }
+  // The most bytes the content can have: the file's size, or for gzip what deflate's largest
+  // ratio allows. A header announcing more is lying; check before allocating for it.
+  uint64_t maxContentBytes() const;
   const std::filesystem::path& path() const { return path_; }
 
  private:
   std::filesystem::path path_;
   void* gz_ = nullptr;   // gzFile, kept out of this header
   uint64_t offset_ = 0;
+  uint64_t fileSize_ = 0;
   bool compressed_ = false;
 };
 

@@ -10,30 +10,28 @@ namespace ctorch::data {
 namespace {
 constexpr int64_t kCifarClasses = 10;
 constexpr int kCifarTrainBatches = 5;
+constexpr int64_t kCifarBatchRecords = 10000;  // every batch of the published data set
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> readCifar10Batch(const std::filesystem::path& file) {
   detail::ByteSource in(file);
-  // Read everything, then check the size: the file may be gzip-compressed, so its size on disk
-  // says nothing. A standard batch is 10,000 records (30.7 MB).
-  std::vector<torch::Tensor> chunks;
-  constexpr int64_t kChunkRecords = 10000;
-  int64_t records = 0;
-  while (true) {
-    auto chunk = torch::empty({kChunkRecords * kCifarRecordBytes}, torch::kByte);
-    size_t got = in.read(chunk.data_ptr(), static_cast<size_t>(chunk.numel()));
-    if (got % kCifarRecordBytes != 0 || (got == 0 && records == 0)) {
-      uint64_t total = in.offset();
-      throw DataFormatError(file.string() + ": truncated: " + std::to_string(total) +
-                            " bytes is not a positive multiple of the " +
-                            std::to_string(kCifarRecordBytes) + "-byte CIFAR-10 record");
-    }
-    int64_t n = static_cast<int64_t>(got) / kCifarRecordBytes;
-    if (n > 0) chunks.push_back(chunk.narrow(0, 0, n * kCifarRecordBytes));
-    records += n;
-    if (n < kChunkRecords) break;
+  // The file may be gzip-compressed, so its size on disk says little: read at most one standard
+  // batch (10,000 records, 30.7 MB) and refuse anything longer before inflating further, so a
+  // small gzip bomb cannot grow into gigabytes.
+  auto buffer = torch::empty({kCifarBatchRecords * kCifarRecordBytes}, torch::kByte);
+  const size_t got = in.read(buffer.data_ptr(), static_cast<size_t>(buffer.numel()));
+  if (got == static_cast<size_t>(buffer.numel()) && !in.atEnd()) {
+    throw DataFormatError(file.string() + ": more than " + std::to_string(kCifarBatchRecords) +
+                          " records (" + std::to_string(buffer.numel()) +
+                          " bytes); a CIFAR-10 batch has exactly that many, refusing to read further");
   }
-  auto all = (chunks.size() == 1 ? chunks[0] : torch::cat(chunks)).view({records, kCifarRecordBytes});
+  if (got % kCifarRecordBytes != 0 || got == 0) {
+    throw DataFormatError(file.string() + ": truncated: " + std::to_string(got) +
+                          " bytes is not a positive multiple of the " +
+                          std::to_string(kCifarRecordBytes) + "-byte CIFAR-10 record");
+  }
+  const int64_t records = static_cast<int64_t>(got) / kCifarRecordBytes;
+  auto all = buffer.narrow(0, 0, records * kCifarRecordBytes).view({records, kCifarRecordBytes});
   auto labels = all.select(1, 0).to(torch::kLong);
   auto bad = (labels >= kCifarClasses).nonzero();
   if (bad.numel() > 0) {
@@ -48,6 +46,8 @@ std::pair<torch::Tensor, torch::Tensor> readCifar10Batch(const std::filesystem::
 InMemoryDataset readCifar10(const std::filesystem::path& dir, Split split, DatasetInfo info) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+      throw DataFileError(dir.string() + ": cannot access data directory: " + ec.message());
     throw DataFileError(dir.string() + ": missing data directory (expected CIFAR-10 binary batches "
                         "data_batch_1.bin ... test_batch.bin)");
   }

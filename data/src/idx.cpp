@@ -76,11 +76,21 @@ torch::Tensor readIdxExpecting(const std::filesystem::path& file, std::optional<
   for (int d = 0; d < ndim; ++d) {
     uint32_t size = bigEndian32(dimBytes.data() + 4 * d);
     shape.push_back(size);
-    bytes *= size;
-    if (bytes > kMaxIdxBytes) {
+    // Checked: unchecked, sizes like 2^20 x 2^20 x 2^24 wrap the product to 0 and pass the cap.
+    if (__builtin_mul_overflow(bytes, uint64_t{size}, &bytes) || bytes > kMaxIdxBytes) {
       throw DataFormatError(file.string() + ": header announces more than " +
                             std::to_string(kMaxIdxBytes) + " bytes of data: corrupt header");
     }
+  }
+  // Checked before allocating: the file cannot hold what the header announces.
+  const uint64_t headerBytes = 4 + dimBytes.size();
+  const uint64_t room = in.maxContentBytes() - std::min(in.maxContentBytes(), headerBytes);
+  if (bytes > room) {
+    throw DataFormatError(file.string() + ": truncated: the data of shape " + c10::str(shape) +
+                          " needs " + std::to_string(bytes) + " bytes, found " +
+                          (in.compressed() ? "at most " + std::to_string(room) +
+                                                 " (the most this gzip file can inflate to)"
+                                           : std::to_string(room)));
   }
   auto tensor = torch::empty(shape, torch::TensorOptions().dtype(type->dtype));
   in.readExactly(tensor.data_ptr(), bytes, "the data of shape " + c10::str(tensor.sizes()));
@@ -92,10 +102,14 @@ torch::Tensor readIdxExpecting(const std::filesystem::path& file, std::optional<
   return tensor;
 }
 
+// The first candidate that exists; a candidate that cannot be looked at (EACCES, ELOOP, EIO, ...)
+// is an error saying what errno says, not a missing file.
 std::optional<std::filesystem::path> firstExisting(const std::vector<std::filesystem::path>& paths) {
   for (const auto& p : paths) {
     std::error_code ec;
     if (std::filesystem::is_regular_file(p, ec)) return p;
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+      throw DataFileError(p.string() + ": cannot access: " + ec.message());
   }
   return std::nullopt;
 }
@@ -126,6 +140,8 @@ torch::Tensor readIdxLabels(const std::filesystem::path& file, int64_t numClasse
 MnistFiles findMnistFiles(const std::filesystem::path& dir, Split split) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+      throw DataFileError(dir.string() + ": cannot access data directory: " + ec.message());
     throw DataFileError(dir.string() + ": missing data directory (expected MNIST-format files such "
                         "as train-images-idx3-ubyte.gz)");
   }

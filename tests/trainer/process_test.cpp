@@ -256,6 +256,16 @@ TEST_CASE("resume: a snapshot of another configuration is refused, naming the di
   CHECK(allowed.output.find("resuming from") != std::string::npos);
   const auto model = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "3", "--model", "mnist-cnn"})));
   CHECK(model.exitCode == ctorch::contract::kExitUsage);  // not even the model fits the data
+  // --allow-config-change lets the configuration differ, never the model: one line naming both
+  // (issue 12: it used to fail later with a DDP bucket message).
+  const auto otherModel = ctorch::test::run(trainAlone(
+      dir.path(), with(kToy, {"--epochs", "3", "--model", "mnist-cnn", "--dataset", "synthetic-images",
+                              "--allow-config-change"})));
+  INFO(show(otherModel));
+  CHECK(otherModel.exitCode == ctorch::contract::kExitUsage);
+  CHECK(otherModel.output.find("model name is 'linear' in the snapshot, 'mnist-cnn' in this run") !=
+        std::string::npos);
+  CHECK(otherModel.output.find("bucket") == std::string::npos);
 }
 
 TEST_CASE("hang guard: a stopped peer turns into a timeout error within --timeout", "[trainer][process][errors]") {

@@ -9,8 +9,14 @@
 #include <ctorch/train/report.hpp>
 #include <ctorch/train/resume.hpp>
 #include <ctorch/train/schedule.hpp>
+#include <ctorch/train/snapshot_writer.hpp>
 
+#include "multiproc.hpp"
+
+#include <chrono>
 #include <cmath>
+#include <mutex>
+#include <thread>
 #include <set>
 
 using namespace ctorch::train;
@@ -279,4 +285,37 @@ TEST_CASE("durations read naturally", "[trainer][report]") {
   CHECK(formatDuration(3723) == "1:02:03");
   CHECK(formatDuration(-1) == "?");
   CHECK(formatDuration(std::nan("")) == "?");
+}
+
+TEST_CASE("snapshot writer: a failed background write is reported at once and seen by the loop",
+          "[trainer][snapshot]") {
+  // Issue 12: the error used to surface only at the next save, possibly an epoch later.
+  ctorch::test::TempDir dir("writer-fail");
+  ctorch::test::writeFile(dir / "not-a-dir", "a file where the snapshot directory should be");
+  SnapshotWriter writer(/*background=*/true);
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  SnapshotJob job;
+  job.snapshot.header.modelName = "tiny";
+  ctorch::SnapshotSlotOptions slot;
+  slot.path = dir / "not-a-dir" / "snapshot.pt";
+  job.slots.push_back(slot);
+  job.label = "epoch 1, step 3";
+  job.reportError = [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(mutex);
+    lines.push_back(line);
+  };
+  writer.submit(std::move(job));
+  // Nobody calls wait() or submit(): the failure must show by itself.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!writer.failed() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE(writer.failed());
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    REQUIRE(lines.size() == 1);
+    CHECK_THAT(lines[0], Catch::Contains("snapshot write failed (epoch 1, step 3)") &&
+                             Catch::Contains("not-a-dir"));
+  }
+  CHECK_THROWS(writer.wait());  // the loop stops with it
 }

@@ -56,11 +56,29 @@ void fsyncFd(int fd, const std::filesystem::path& p) {
 
 } // namespace
 
+static std::string fileTypeName(unsigned mode) {
+  switch (mode & S_IFMT) {
+    case S_IFIFO: return "a FIFO";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    case S_IFSOCK: return "a socket";
+    case S_IFDIR: return "a directory";
+    default: return "not a regular file";
+  }
+}
+
 std::vector<char> readWholeFile(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. Only regular
+  // files are read, so /dev/zero or a pipe cannot feed us bytes until memory runs out.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
   if (fd.get() < 0) throwErrno(errno, "open", path);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throwErrno(errno, "stat", path);
+  if (!S_ISREG(st.st_mode))
+    throw NotRegularFile(path.string() + " is " + fileTypeName(st.st_mode) +
+                         ", not a regular file");
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) throwErrno(errno, "fcntl", path);
   // Read straight into a buffer of the size stat reports; grow if the file turns out longer.
   std::vector<char> data(static_cast<std::size_t>(st.st_size) + 1);
   std::size_t have = 0;

@@ -5,12 +5,20 @@
 #include <chrono>
 #include <cstddef>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace ctorch::detail {
 
-// The whole content of `path`; throws std::system_error (ENOENT when missing).
+// A path that names a FIFO, a device, a socket or a directory where a file's bytes are expected.
+class NotRegularFile : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The whole content of the regular file `path`; throws std::system_error (ENOENT when missing) or
+// NotRegularFile, without blocking on a FIFO or reading a device.
 std::vector<char> readWholeFile(const std::filesystem::path& path);
 
 // Creates a new file `<dir>/<prefix><pid>-<n>` (O_EXCL), writes `size` bytes, fsyncs and closes

@@ -167,6 +167,8 @@ Snapshot loadSnapshot(const fs::path& file, const SnapshotExpectation& expect) {
   } catch (const std::system_error& e) {
     if (e.code().value() == ENOENT) throw SnapshotNotFound(file);
     throw SnapshotError(file, "snapshot " + file.string() + " cannot be read: " + e.what());
+  } catch (const detail::NotRegularFile& e) {
+    throw SnapshotError(file, "snapshot " + file.string() + " cannot be read: " + e.what());
   }
   Snapshot s = decodeSnapshot(bytes, file);
   auto diffs = compareWithExpectation(s.header, expect);

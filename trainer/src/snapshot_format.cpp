@@ -5,6 +5,7 @@
 #include "generic_dict.hpp"
 
 #include "ctorch/digest.hpp"
+#include "pickle_scan.hpp"
 #include "zip_check.hpp"
 
 #include <caffe2/serialize/inline_container.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <ctime>
+#include <optional>
 #include <sstream>
 
 namespace ctorch {
@@ -179,6 +181,100 @@ std::string leadingBytes(const std::vector<char>& bytes) {
 std::string errorText(const std::exception& e) {
   if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
   return e.what();
+}
+
+// Every tensor's view (sizes, strides, offset) must lie inside its storage before anything reads
+// its data: LibTorch's unpickler takes them from the file unchecked. Returns a description of the
+// first that does not, naming it by its path in the snapshot. The pickle scan bounded the depth.
+std::optional<std::string> badTensorView(const c10::IValue& v, const std::string& where) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return std::nullopt;
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    const std::int64_t offset = t.storage_offset();
+    std::string shape = "sizes " + c10::str(sizes) + ", strides " + c10::str(strides) +
+                        ", offset " + std::to_string(offset);
+    if (offset < 0) return where + " has a negative storage offset (" + shape + ")";
+    bool empty = false;
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] < 0) return where + " has a negative size (" + shape + ")";
+      if (strides[d] < 0) return where + " has a negative stride (" + shape + ")";
+      empty = empty || sizes[d] == 0;
+    }
+    if (empty) return std::nullopt;
+    std::uint64_t last = static_cast<std::uint64_t>(offset), needed = 0;
+    bool overflow = false;
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      std::uint64_t span = 0;
+      overflow = overflow ||
+                 __builtin_mul_overflow(static_cast<std::uint64_t>(sizes[d] - 1),
+                                        static_cast<std::uint64_t>(strides[d]), &span) ||
+                 __builtin_add_overflow(last, span, &last);
+    }
+    overflow = overflow || __builtin_add_overflow(last, std::uint64_t(1), &last) ||
+               __builtin_mul_overflow(last, static_cast<std::uint64_t>(t.element_size()), &needed);
+    const std::uint64_t have = t.storage().nbytes();
+    if (overflow || needed > have)
+      return where + " (" + shape + ") reaches " + (overflow ? std::string("beyond 2^64") : std::to_string(needed)) +
+             " bytes into a storage of " + std::to_string(have) + " bytes";
+    return std::nullopt;
+  }
+  if (v.isList()) {
+    const auto list = v.toListRef();
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (auto bad = badTensorView(list[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isTuple()) {
+    const auto& elements = v.toTupleRef().elements();
+    for (std::size_t i = 0; i < elements.size(); ++i)
+      if (auto bad = badTensorView(elements[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      const std::string key = e.key().isString() ? "'" + e.key().toStringRef() + "'" : e.key().tagKind();
+      if (auto bad = badTensorView(e.key(), where + " key " + key)) return bad;
+      if (auto bad = badTensorView(e.value(), where + "[" + key + "]")) return bad;
+    }
+  }
+  return std::nullopt;
+}
+
+// Checks data.pkl with the bounded scan (see pickle_scan.hpp) and every storage it declares
+// against the record that has to hold it, before LibTorch's unpickler runs.
+void checkPickle(const std::vector<char>& bytes, const detail::ZipCheckResult& zip,
+                 const std::filesystem::path& file) {
+  // LibTorch's reader takes the archive's name from the first record's directory.
+  const std::string& first = zip.records.front().name;
+  const std::string archive = first.substr(0, first.find('/'));
+  auto record = [&](const std::string& name) -> const detail::ZipRecord* {
+    for (const auto& r : zip.records)
+      if (r.name == name) return &r;
+    return nullptr;
+  };
+  const auto* pkl = record(archive + "/data.pkl");
+  if (!pkl)
+    throw SnapshotCorrupt(file, Kind::Foreign, "a zip archive without the record " + archive +
+                                                   "/data.pkl, not a torch.save file");
+  detail::PickleScan scan;
+  try {
+    scan = detail::scanPickle(bytes.data() + pkl->dataOffset, pkl->compressedSize);
+  } catch (const detail::PickleRefused& e) {
+    std::string why = e.what();
+    if (e.kind() == detail::PickleRefused::Kind::Unsupported) {
+      if (why.find("Unknown opcode") != std::string::npos)
+        why += " (not an opcode LibTorch's unpickler reads)";
+      throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+    }
+    throw SnapshotCorrupt(file, Kind::BadContent, archive + "/data.pkl is refused: " + why);
+  }
+  for (const auto& s : scan.storages) {
+    const auto* r = record(archive + "/data/" + s.key);
+    const std::uint64_t have = r ? r->compressedSize : 0;
+    if (s.bytes > 0 && (!r || have < s.bytes))
+      throw SnapshotCorrupt(file, Kind::BadContent,
+                            "storage '" + s.key + "' declares " + std::to_string(s.bytes) +
+                                " bytes but its record " + archive + "/data/" + s.key +
+                                (r ? " holds " + std::to_string(have) : std::string(" is missing")));
+  }
 }
 
 } // namespace
@@ -383,7 +479,9 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
   if (!hasPickle) throw corrupt(Kind::Foreign, "a zip archive without a data.pkl record, not a torch.save file");
 
   // 2. The pickle. The records are intact, so a failure here means a file written by something
-  //    else (e.g. torch.save of Python objects LibTorch cannot rebuild).
+  //    else (e.g. torch.save of Python objects LibTorch cannot rebuild) or crafted: a bounded scan
+  //    first, then LibTorch's unpickler, then every tensor's view against its storage.
+  checkPickle(bytes, zip, file);
   c10::IValue top;
   try {
     top = torch::jit::pickle_load(bytes);
@@ -394,6 +492,8 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
              "a one-element list when Python re-saved the file; LibTorch 1.13 has this gap)";
     throw corrupt(Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
   }
+  if (auto bad = badTensorView(top, "the pickle"))
+    throw corrupt(Kind::BadContent, "a tensor's view lies outside its storage: " + *bad);
   if (!top.isGenericDict()) throw corrupt(Kind::Foreign, "a torch.save file holding " + describeType(top));
   auto topDict = top.toGenericDict();
   auto headerIt = topDict.find(kHeaderKey);

@@ -153,6 +153,11 @@ ZipCheckResult checkZipArchive(const char* bytes, std::size_t size) {
       return fail(ZipProblem::Kind::NotZip,
                   "record '" + rec.name + "' is compressed (method " +
                       std::to_string(rec.method) + "); torch.save archives store records");
+    // A stored record's two sizes are the same; LibTorch allocates by the uncompressed one.
+    if (rec.size != rec.compressedSize)
+      return fail(ZipProblem::Kind::Damaged,
+                  "stored record '" + rec.name + "' claims " + std::to_string(rec.size) +
+                      " bytes but holds " + std::to_string(rec.compressedSize));
     const std::uint32_t actual = crcOf(r.data + rec.dataOffset, rec.compressedSize);
     if (actual != rec.crc32)
       return fail(ZipProblem::Kind::Checksum,

@@ -331,7 +331,7 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   app.add_option("--resume", resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
       ->group(kSnap)->capture_default_str();
   app.add_flag("--allow-config-change", o.allowConfigChange,
-               "resume even if the snapshot's model/configuration differs (weights must still fit)")
+               "resume even if the snapshot's configuration differs (the model must be the same)")
       ->group(kSnap);
   app.add_option("--model-dir", modelDir, "directory of the final weights, checkpoints and metrics")->group(kSnap)->capture_default_str();
   app.add_option("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")

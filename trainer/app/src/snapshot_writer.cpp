@@ -21,13 +21,16 @@ SnapshotWriter::~SnapshotWriter() {
     stop_ = true;
   }
   changed_.notify_all();
-  thread_.join();
-  if (error_) {
-    try {
-      std::rethrow_exception(error_);
-    } catch (const std::exception& e) {
-      std::cerr << "ctorch-train: snapshot write failed: " << e.what() << std::endl;
-    }
+  thread_.join();  // a failed write was reported when it failed (see loop)
+}
+
+std::string SnapshotWriter::describe(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
   }
 }
 
@@ -67,6 +70,14 @@ void SnapshotWriter::loop() {
     } catch (...) {
       error = std::current_exception();
     }
+    if (error) {
+      // Said at once, not at the next save: the run may go on for a long time believing its last
+      // snapshot exists. The loop sees failed() and stops at its next step (wait() rethrows).
+      const std::string line = "snapshot write failed (" + job.label + "): " + describe(error);
+      if (job.reportError) job.reportError(line);
+      else std::cerr << "ctorch-train: " << line << std::endl;
+      failed_ = true;
+    }
     lock.lock();
     busy_ = false;
     if (error && !error_) error_ = error;
@@ -88,7 +99,12 @@ void SnapshotWriter::wait() {
 void SnapshotWriter::submit(SnapshotJob job) {
   wait();
   if (!background_) {
-    run(job);
+    try {
+      run(job);
+    } catch (...) {
+      failed_ = true;
+      throw;
+    }
     return;
   }
   {

@@ -311,7 +311,10 @@ std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIde
     return std::nullopt;
   }
   LoadNewestOptions load;
-  if (!o.allowConfigChange) load.expect = {identity.modelName, identity.config, std::nullopt};
+  // --allow-config-change lets hyper-parameters differ, never the model: another model's weights
+  // cannot fit, and the refusal should name both models rather than fail later in DDP or restore.
+  load.expect.modelName = identity.modelName;
+  if (!o.allowConfigChange) load.expect.config = identity.config;
 
   Loaded newest;
   if (o.resume.kind == ResumeChoice::Kind::kPath)
@@ -532,6 +535,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   const bool snapshotsOn = o.saveEvery > 0 || o.saveEverySteps > 0;
   auto trainSeconds = [&] { return state.trainSecondsBefore + secondsSince(runStart); };
   auto report = [&console](const std::string& text) { console.line(text); };
+  auto reportError = [](const std::string& text) { std::cerr << "ctorch-train: " << text << std::endl; };
 
   // Rank 0 captures a copy now; the writer thread encodes and writes it while training goes on.
   // kEpochEnd records the next epoch's start; the other two the step just taken. Epoch boundaries
@@ -566,6 +570,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     for (const auto& extra : extraFiles) add(extra, 0);
     job.afterWrite = std::move(afterWrite);
     job.report = report;
+    job.reportError = reportError;
     job.label = end ? "end of epoch " + std::to_string(state.epoch + 1)
                     : "epoch " + std::to_string(state.epoch + 1) + ", step " + std::to_string(state.stepInEpoch);
     job.label += ", global step " + std::to_string(state.globalStep);
@@ -589,6 +594,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     job.slots.push_back(slot);
     job.afterWrite = std::move(afterWrite);
     job.report = report;
+    job.reportError = reportError;
     job.label = "checkpoint of epoch " + std::to_string(state.epoch + 1);
     writer.submit(std::move(job));
   };
@@ -711,6 +717,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
         stopPoint = StopPoint::kAfterStep;
         break;
       }
+      if (writer.failed()) writer.wait();  // rethrows the failed write: no training on without it
       if (snapshotsOn && o.saveEverySteps > 0 && state.globalStep % o.saveEverySteps == 0 && !sampler.exhausted())
         snapshot(When::kMidEpoch, {}, nullptr);
       if (o.stepDelay.count() > 0) std::this_thread::sleep_for(o.stepDelay);

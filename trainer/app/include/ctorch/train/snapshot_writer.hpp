@@ -5,6 +5,7 @@
 
 #include <ctorch/snapshot.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -21,6 +22,8 @@ struct SnapshotJob {
   std::vector<SnapshotSlotOptions> slots;     // written in order (the newest-snapshot slot first)
   std::function<void()> afterWrite;           // e.g. prune old checkpoint files
   std::function<void(const std::string&)> report;  // one line per job when done (may be empty)
+  // The error line, at the moment a write fails (empty: printed to stderr).
+  std::function<void(const std::string&)> reportError;
   std::string label;                          // "epoch 2 step 120" for the report
 };
 
@@ -35,10 +38,13 @@ class SnapshotWriter {
   void submit(SnapshotJob job);
   // Waits until nothing is in flight; rethrows the error of a failed job.
   void wait();
+  // True once a write has failed (already reported); the loop then calls wait() to stop with it.
+  bool failed() const { return failed_; }
 
  private:
   void run(SnapshotJob& job);
   void loop();
+  static std::string describe(const std::exception_ptr& error);
 
   bool background_;
   std::mutex mutex_;
@@ -47,6 +53,7 @@ class SnapshotWriter {
   bool busy_ = false;
   bool stop_ = false;
   std::exception_ptr error_;
+  std::atomic<bool> failed_{false};
   std::thread thread_;
 };
 
