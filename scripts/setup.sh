@@ -16,6 +16,8 @@ packages=(
   python3-torch
   # scripts/plot_metrics.py (loss/accuracy curves of ctorch-train's metrics file)
   python3-matplotlib
+  # scripts/fuzz.sh: libFuzzer (the store's request parser, the snapshot loader), run by CI
+  clang libclang-rt-14-dev
   # multi-node tests: network namespaces and a real single-host Slurm cluster
   iproute2 iptables procps psmisc util-linux slurmctld slurmd slurm-client munge
 )
