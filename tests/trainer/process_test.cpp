@@ -196,6 +196,28 @@ TEST_CASE("ctorch-train: weights and metrics land beside the snapshot by default
   CHECK_FALSE(fs::exists(dir / "run2" / "model.pt"));
 }
 
+TEST_CASE("metrics: a classification run stopped before its first evaluation is still classification",
+          "[trainer][process][outputs]") {
+  TempDir dir("train-task");
+  const auto r = ctorch::test::run(trainAlone(
+      dir.path(), {"--model", "simple-cnn", "--dataset", "synthetic-images", "--synthetic-size", "64",
+                   "--test-limit", "16", "--batch-size", "16", "--max-steps", "2", "--log-interval", "1",
+                   "--save-every", "0"}));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  // plot_metrics.py's decision, without matplotlib: from the records' loss kind.
+  SpawnOptions py;
+  py.argv = {"/usr/bin/python3", "-c",
+             "import sys; sys.path.insert(0, sys.argv[1]); import plot_metrics as p; d = p.read(sys.argv[2]); "
+             "print('task:', p.task(d.get('train', []), d.get('eval', [])))",
+             CTORCH_SOURCE_DIR "/scripts", (dir / "metrics.jsonl").string()};
+  py.timeout = std::chrono::seconds(60);
+  const auto decided = ctorch::test::run(py);
+  INFO(show(decided));
+  CHECK(decided.output == "task: classification\n");
+  CHECK(ctorch::test::readFile(dir / "metrics.jsonl").find("\"loss_kind\":\"cross_entropy\"") != std::string::npos);
+}
+
 TEST_CASE("preemption: SIGTERM to one worker stops both after the same step, exit 75, then resume",
           "[trainer][process][signals]") {
   TempDir dir("train-preempt"), reference("train-preempt-ref");

@@ -766,6 +766,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
             t.lr = lr;
             t.samplesPerSecond = r.samplesPerSecond;
             t.time = trainSeconds();
+            t.lossKind = lossKindName(model->output());
             metrics->write(t);
           }
           intervalLoss = 0.0;
