@@ -11,11 +11,6 @@ import argparse
 import json
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def read(path):
     records = {}
@@ -35,6 +30,20 @@ def read(path):
     return by_kind
 
 
+def task(train, evals):
+    """classification, regression, or None (unknown): from the loss kind the records carry (ctorch-train
+    writes loss_kind: nll, cross_entropy or mse), not from the presence of accuracy, which a run stopped
+    before its first evaluation lacks."""
+    kinds = {r["loss_kind"] for r in train + evals if r.get("loss_kind")}
+    if kinds:
+        return "regression" if kinds == {"mse"} else "classification"
+    if any(r.get("accuracy") is not None for r in evals):
+        return "classification"
+    if evals:  # files of older versions: their classification evals always carry accuracy
+        return "regression"
+    return None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("metrics", help="the JSONL file ctorch-train wrote (--metrics-file)")
@@ -46,6 +55,11 @@ def main():
     if not train and not evals:
         sys.exit(f"{args.metrics}: no train or eval records")
 
+    kind = task(train, evals)
+    import matplotlib  # here, so that read() and task() work (and are tested) without it
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     if train:
         left.plot([r["epoch"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
@@ -65,13 +79,15 @@ def main():
         right.set_ylabel("test accuracy (%)")
         best = max(acc, key=lambda r: r["accuracy"])
         right.set_title(f"best {100 * best['accuracy']:.2f}% after epoch {best['epoch']:g}")
-    else:
+    elif kind == "regression":
         right.text(0.5, 0.5, "no accuracy (regression)", ha="center", va="center")
+    else:
+        right.text(0.5, 0.5, "no evaluation yet (stopped before the first)", ha="center", va="center")
     right.set_xlabel("epoch")
     right.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(output, dpi=100)
-    print(f"wrote {output}")
+    print(f"wrote {output} ({kind or 'task unknown'})")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ TEST_CASE("slurm e2e: the single-node and multi-node sbatch scripts run the job 
   test::lab::SlurmLab slurm({.nodes = 2, .gpusPerNode = 2});
   test::TempDir dir("ctorch-sbatch");
   fs::permissions(dir.path(), fs::perms::all);
-  // The scripts ask for 4 GPUs and 16 CPUs per node; the lab's nodes have 2 and 4.
+  // single-node.sbatch asks for 4 GPUs and 16 CPUs per node (multi-node.sbatch for none); the lab's nodes have 2 and 4.
   const std::vector<std::string> fit = {"--gpus-per-node=2", "--cpus-per-task=1", "--chdir=" + dir.path().string()};
   for (const auto& [name, nodes] : std::vector<std::pair<std::string, int>>{{"single-node.sbatch", 1},
                                                                             {"multi-node.sbatch", 2}}) {

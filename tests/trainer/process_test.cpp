@@ -104,6 +104,120 @@ TEST_CASE("ctorch-train: a failure found late is recorded in the error file", "[
   CHECK(message.find("train-images-idx3-ubyte") != std::string::npos);
 }
 
+TEST_CASE("ctorch-train: a mistyped flag or value is one line saying what to type", "[trainer][process][cli]") {
+  TempDir dir("train-typo");
+  const auto typo = ctorch::test::run(trainAlone(dir.path(), {"--epoch", "1"}));
+  INFO(show(typo));
+  CHECK(typo.exitCode == ctorch::contract::kExitUsage);
+  CHECK(typo.output == "ctorch-train: error: unknown option '--epoch' (did you mean --epochs?)\n");
+  const auto number = ctorch::test::run(trainAlone(dir.path(), {"--lr", "abc"}));
+  INFO(show(number));
+  CHECK(number.exitCode == ctorch::contract::kExitUsage);
+  CHECK(number.output == "ctorch-train: error: --lr 'abc' is not a number\n");
+}
+
+TEST_CASE("ctorch-train: a malformed data file is one line with its message, no C++ type", "[trainer][process][errors]") {
+  TempDir dir("train-format");
+  fs::create_directories(dir / "bad-data");
+  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                           "t10k-labels-idx1-ubyte"})
+    ctorch::test::writeFile(dir / "bad-data" / name, "this is not an IDX file");
+  auto spawn = trainAlone(dir.path(), {"--dataset", "mnist", "--data-dir", (dir / "bad-data").string()});
+  spawn.setEnv["TORCHELASTIC_ERROR_FILE"] = (dir / "error.json").string();
+  const auto r = ctorch::test::run(spawn);
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitUsage);  // bad input: fix the file
+  const auto start = r.output.find("ctorch-train: error: ");
+  REQUIRE(start != std::string::npos);
+  const std::string line = r.output.substr(start);
+  CHECK(std::count(line.begin(), line.end(), '\n') == 1);
+  CHECK(line.find("train-images-idx3-ubyte") != std::string::npos);
+  CHECK(line.find("ctorch::") == std::string::npos);
+  CHECK(line.find("DataFormatError") == std::string::npos);
+  // The error file keeps the type for the launcher's summary.
+  CHECK(ctorch::test::readFile(dir / "error.json").find("ctorch::data::DataFormatError") != std::string::npos);
+}
+
+TEST_CASE("ctorch-train: missing CIFAR-10 says where the data comes from", "[trainer][process][errors]") {
+  TempDir dir("train-cifar");
+  fs::create_directories(dir / "empty");
+  const auto r = ctorch::test::run(trainAlone(dir.path(), {"--dataset", "cifar10", "--model", "resnet18",
+                                                           "--data-dir", (dir / "empty").string()}));
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitUsage);
+  CHECK(r.output.find("data_batch_1.bin") != std::string::npos);
+  CHECK(r.output.find("cifar-10-binary.tar.gz") != std::string::npos);
+  CHECK(r.output.find("https://www.cs.toronto.edu/~kriz/cifar.html") != std::string::npos);
+  CHECK(r.output.find("--data-dir") != std::string::npos);
+}
+
+TEST_CASE("ctorch-train: a batch larger than the rank's share of the data is refused before training",
+          "[trainer][process][memory]") {
+  TempDir dir("train-batch");
+  const auto r = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--batch-size", "1000000"})));
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitUsage);
+  CHECK(r.output.find("ctorch-train: error: --batch-size '1000000' is larger than this rank's share of the "
+                      "training set (512 of 512 samples over 1 rank): use at most 512") != std::string::npos);
+  CHECK(r.output.find("epoch 1/") == std::string::npos);  // refused before the first step
+}
+
+TEST_CASE("ctorch-train: ResNet-18 trains on CIFAR-shaped synthetic images (--synthetic-shape 3,32,32)",
+          "[trainer][process][data]") {
+  TempDir dir("train-shape");
+  const auto r = ctorch::test::run(trainAlone(
+      dir.path(), {"--model", "resnet18", "--dataset", "synthetic-images", "--synthetic-shape", "3,32,32",
+                   "--synthetic-size", "32", "--test-limit", "16", "--batch-size", "16", "--epochs", "1",
+                   "--eval-batch-size", "16"}));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("samples of [3, 32, 32]") != std::string::npos);
+  CHECK(r.output.find("model: resnet18") != std::string::npos);
+}
+
+TEST_CASE("ctorch-train: weights and metrics land beside the snapshot by default", "[trainer][process][outputs]") {
+  TempDir dir("train-beside");
+  const auto r = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "1", "--snapshot-path",
+                                                                      (dir / "run1" / "snapshot.pt").string()})));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(fs::exists(dir / "run1" / "snapshot.pt"));
+  CHECK(fs::exists(dir / "run1" / "model.pt"));
+  CHECK(fs::exists(dir / "run1" / "metrics.jsonl"));
+  CHECK_FALSE(fs::exists(dir / "model.pt"));
+  CHECK_FALSE(fs::exists(dir / "metrics.jsonl"));
+  const auto given = ctorch::test::run(trainAlone(
+      dir.path(), with(kToy, {"--epochs", "1", "--snapshot-path", (dir / "run2" / "snapshot.pt").string(),
+                              "--model-dir", (dir / "weights").string()})));
+  INFO(show(given));
+  REQUIRE(given.ok());
+  CHECK(fs::exists(dir / "weights" / "model.pt"));
+  CHECK(fs::exists(dir / "weights" / "metrics.jsonl"));
+  CHECK_FALSE(fs::exists(dir / "run2" / "model.pt"));
+}
+
+TEST_CASE("metrics: a classification run stopped before its first evaluation is still classification",
+          "[trainer][process][outputs]") {
+  TempDir dir("train-task");
+  const auto r = ctorch::test::run(trainAlone(
+      dir.path(), {"--model", "simple-cnn", "--dataset", "synthetic-images", "--synthetic-size", "64",
+                   "--test-limit", "16", "--batch-size", "16", "--max-steps", "2", "--log-interval", "1",
+                   "--save-every", "0"}));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  // plot_metrics.py's decision, without matplotlib: from the records' loss kind.
+  SpawnOptions py;
+  py.argv = {"/usr/bin/python3", "-c",
+             "import sys; sys.path.insert(0, sys.argv[1]); import plot_metrics as p; d = p.read(sys.argv[2]); "
+             "print('task:', p.task(d.get('train', []), d.get('eval', [])))",
+             CTORCH_SOURCE_DIR "/scripts", (dir / "metrics.jsonl").string()};
+  py.timeout = std::chrono::seconds(60);
+  const auto decided = ctorch::test::run(py);
+  INFO(show(decided));
+  CHECK(decided.output == "task: classification\n");
+  CHECK(ctorch::test::readFile(dir / "metrics.jsonl").find("\"loss_kind\":\"cross_entropy\"") != std::string::npos);
+}
+
 TEST_CASE("preemption: SIGTERM to one worker stops both after the same step, exit 75, then resume",
           "[trainer][process][signals]") {
   TempDir dir("train-preempt"), reference("train-preempt-ref");
@@ -249,6 +363,10 @@ TEST_CASE("resume: a snapshot of another configuration is refused, naming the di
   INFO(show(refused));
   CHECK(refused.exitCode == ctorch::contract::kExitUsage);
   CHECK(refused.output.find("config 'lr' is '0.05' in the snapshot, '0.1' in this run") != std::string::npos);
+  // ... and says how to go on.
+  CHECK(refused.output.find("to go on, pass --resume never (start over") != std::string::npos);
+  CHECK(refused.output.find("--allow-config-change") != std::string::npos);
+  CHECK(refused.output.find("or another --snapshot-path") != std::string::npos);
   const auto allowed = ctorch::test::run(
       trainAlone(dir.path(), with(kToy, {"--epochs", "2", "--lr", "0.1", "--allow-config-change"})));
   INFO(show(allowed));

@@ -5,6 +5,7 @@
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/errors.hpp>
 #include <ctorch/train/evaluate.hpp>
+#include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
 #include <ctorch/train/report.hpp>
 #include <ctorch/train/resume.hpp>
@@ -138,6 +139,105 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
     CHECK(p.message.rfind("ctorch-train: error: ", 0) == 0);
     CHECK(std::count(p.message.begin(), p.message.end(), '\n') == 1);  // one line
   }
+}
+
+TEST_CASE("trainer options: a mistyped flag or value says what to type instead", "[trainer][options]") {
+  struct Bad {
+    std::vector<std::string> args;
+    std::string message;  // the whole line after "ctorch-train: error: "
+  };
+  const std::vector<Bad> cases = {
+      {{"--epoch", "1"}, "unknown option '--epoch' (did you mean --epochs?)"},
+      {{"--lr-deacy", "cosine"}, "unknown option '--lr-deacy' (did you mean --lr-decay?)"},
+      {{"--batch_sise", "8"}, "unknown option '--batch_sise' (did you mean --batch-size?)"},
+      {{"--save-ev", "2"}, "unknown option '--save-ev' (did you mean --save-every or --save-every-steps?)"},
+      {{"--zzzzzz"}, "unknown option '--zzzzzz' (see ctorch-train --help)"},
+      {{"--lr", "abc"}, "--lr 'abc' is not a number"},
+      {{"--lr=1e-3x"}, "--lr '1e-3x' is not a number"},
+      {{"--epochs", "2.5"}, "--epochs '2.5' is not a whole number in range"},
+      {{"--prefetch", "99999999999"}, "--prefetch '99999999999' is not a whole number in range"},
+      {{"--seed", "one"}, "--seed 'one' is not a number"},
+      {{"--lr"}, "--lr needs a value (see ctorch-train --help)"},
+      {{"--lr", "--epochs", "2"}, "--lr needs a value (see ctorch-train --help)"},
+      {{"--epochs", "2", "3"}, "unexpected argument '3': ctorch-train takes options only (a value needs its flag "
+                               "before it, e.g. --epochs 3)"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.message);
+    const auto p = parse(c.args);
+    CHECK_FALSE(p.options);
+    CHECK(p.exitCode == ctorch::contract::kExitUsage);
+    CHECK(p.message == "ctorch-train: error: " + c.message + "\n");
+  }
+  // Negative values still reach the range check that explains them.
+  CHECK(parse({"--lr", "-1"}).message.find("--lr '-1' must be in") != std::string::npos);
+}
+
+TEST_CASE("trainer options: --synthetic-shape C,H,W for synthetic images, validated", "[trainer][options]") {
+  const auto p = parse({"--model", "resnet18", "--dataset", "synthetic-images", "--synthetic-shape", "3,32,32"});
+  REQUIRE(p.options);
+  CHECK(p.options->syntheticShape == std::vector<std::int64_t>{3, 32, 32});
+  CHECK(p.options->bindingConfig().at("synthetic_shape") == "3,32,32");
+  CHECK(parse({"--dataset", "synthetic-images"}).options->bindingConfig().count("synthetic_shape") == 0);
+  for (const char* bad : {"3,32", "3,32,32,1", "0,32,32", "3,-1,32", "a,b,c", "3,,32", "", "65,8,8", "3,5000,32"}) {
+    INFO(bad);
+    const auto q = parse({"--dataset", "synthetic-images", "--synthetic-shape", bad});
+    CHECK_FALSE(q.options);
+    CHECK(q.message.find("--synthetic-shape '" + std::string(bad) + "' must be C,H,W") != std::string::npos);
+  }
+  const auto other = parse({"--synthetic-shape", "3,32,32"});
+  CHECK(other.message.find("--synthetic-shape applies to --dataset synthetic-images only") != std::string::npos);
+}
+
+TEST_CASE("trainer options: weights and metrics go beside the snapshot unless --model-dir says otherwise",
+          "[trainer][options]") {
+  namespace fs = std::filesystem;
+  const auto beside = parse({"--snapshot-path", "/shared/run1/snapshot.pt"});
+  REQUIRE(beside.options);
+  CHECK(beside.options->finalModelPath() == fs::path("/shared/run1/model.pt"));
+  CHECK(*beside.options->metricsPath() == fs::path("/shared/run1/metrics.jsonl"));
+  const auto given = parse({"--snapshot-path", "/shared/run1/snapshot.pt", "--model-dir", "out"});
+  REQUIRE(given.options);
+  CHECK(given.options->finalModelPath() == fs::path("out/model.pt"));
+  CHECK(*given.options->metricsPath() == fs::path("out/metrics.jsonl"));
+  const auto help = parse({"--help"}).message;
+  CHECK(help.find("default: the --snapshot-path's directory") != std::string::npos);
+}
+
+TEST_CASE("batch size: larger than the rank's share, or than the memory left, is refused with the numbers",
+          "[trainer][memory]") {
+  BatchMemoryInputs in;
+  in.batchSize = 64;
+  in.shardSize = 30000;
+  in.datasetSize = 60000;
+  in.worldSize = 2;
+  in.inputBytes = 28 * 28 * 4;
+  in.activationBytes = 500 * 1024;
+  in.availableBytes = std::int64_t{8} << 30;
+  in.availableSource = "MemAvailable";
+  CHECK(checkBatchSize(in).empty());
+
+  in.batchSize = 1000000;
+  CHECK(checkBatchSize(in) ==
+        "--batch-size '1000000' is larger than this rank's share of the training set (30000 of 60000 samples "
+        "over 2 ranks): use at most 30000");
+
+  in.batchSize = 30000;  // 30000 x (2 x 3136 B + 500 KiB) = 14.5 GiB > 8 GiB
+  const std::string refused = checkBatchSize(in);
+  INFO(refused);
+  CHECK(refused.rfind("--batch-size '30000' needs about 14.5 GiB of memory (3.1 KiB of input x 2 copies + 500.0 "
+                      "KiB of activations per sample), but 8.0 GiB is available (MemAvailable): use at most "
+                      "--batch-size 16574",
+                      0) == 0);
+  in.batchSize = 16574;
+  CHECK(checkBatchSize(in).empty());
+  in.localRanks = 2;  // two ranks share the node's memory
+  CHECK(checkBatchSize(in).find("x 2 ranks on this node") != std::string::npos);
+  in.availableBytes.reset();  // unknown: only the share is checked
+  CHECK(checkBatchSize(in).empty());
+
+  CHECK(parseMemAvailable("MemTotal:  16 kB\nMemFree: 1 kB\nMemAvailable:    2048 kB\n") == 2048 * 1024);
+  CHECK_FALSE(parseMemAvailable("MemTotal: 16 kB\n"));
 }
 
 TEST_CASE("trainer options: the binding configuration holds what shapes training, not logging", "[trainer][options]") {

@@ -24,6 +24,14 @@ int configurationFailure(const std::exception& e) {
   return ctorch::contract::kExitUsage;
 }
 
+// Any other failure of the project's own (a peer lost, a collective timed out): recorded with its type
+// for the launcher's summary, printed as its message alone (it names what failed), exit code 1.
+int ownFailure(const std::exception& e) {
+  ctorch::recordError(e);
+  std::cerr << "ctorch-train: error: " << e.what() << std::endl;
+  return ctorch::contract::kExitFailure;
+}
+
 int trainMain(int argc, char** argv) {
   auto parsed = ctorch::train::parseCommandLine(argc, argv);
   if (!parsed.options) {
@@ -43,12 +51,12 @@ int trainMain(int argc, char** argv) {
     return configurationFailure(e);
   } catch (const ctorch::SamplerResumeRefused& e) {
     return configurationFailure(e);
-  } catch (const ctorch::data::DataFileError& e) {
-    return configurationFailure(e);
-  } catch (const ctorch::data::DataOptionsError& e) {
+  } catch (const ctorch::data::DataError& e) {  // a data file missing, unreadable or malformed; a bad data option
     return configurationFailure(e);
   } catch (const ctorch::models::ModelOptionsError& e) {
     return configurationFailure(e);
+  } catch (const ctorch::Error& e) {
+    return ownFailure(e);
   }
 }
 

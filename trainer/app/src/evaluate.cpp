@@ -7,6 +7,15 @@
 
 namespace ctorch::train {
 
+const char* lossKindName(models::ModelOutput output) {
+  switch (output) {
+    case models::ModelOutput::LogProbabilities: return "nll";
+    case models::ModelOutput::Logits: return "cross_entropy";
+    case models::ModelOutput::Values: return "mse";
+  }
+  return "?";
+}
+
 torch::Tensor lossFor(models::ModelOutput output, const torch::Tensor& prediction, const torch::Tensor& target,
                       bool sum) {
   namespace F = torch::nn::functional;

@@ -7,8 +7,13 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
+#include <type_traits>
 
 namespace ctorch::train {
 
@@ -60,6 +65,131 @@ std::string kebab(const std::string& arg) {
   std::string name = arg.substr(0, eq);
   std::replace(name.begin() + 2, name.end(), '_', '-');
   return eq == std::string::npos ? name : name + arg.substr(eq);
+}
+
+
+// ---- the command line before CLI11 sees it ----------------------------------------------------------
+// CLI11's own messages ("The following arguments were not expected: 1 --epoch", "Could not convert")
+// neither quote the flag the way the other errors do nor say what to type instead, and their text
+// differs between CLI11 releases. Everything a user can get wrong in the shape of the command line is
+// therefore checked here first, against the options as they were added to the app.
+
+enum class ValueKind { kFlag, kInt64, kInt32, kNumber, kText };
+
+// The flags ctorch-train knows, by their kebab spelling ("--batch-size").
+using FlagKinds = std::map<std::string, ValueKind>;
+
+// Restricted Damerau-Levenshtein distance: insertions, deletions, substitutions and swaps of two
+// neighbouring characters (--lr-deacy) each cost one.
+std::size_t editDistance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// " (did you mean --epochs?)" for --epoch: the known flags that start with what was typed, else the
+// nearest ones within a third of its length in edits (at least 2); "" when nothing is close.
+std::string didYouMean(const std::string& typed, const FlagKinds& known) {
+  std::vector<std::string> near;
+  for (const auto& [name, kind] : known)
+    if (typed.size() > 2 && name.rfind(typed, 0) == 0) near.push_back(name);
+  if (near.empty()) {
+    const std::size_t limit = std::max<std::size_t>(2, (typed.size() - 2) / 3);
+    std::size_t best = limit + 1;
+    for (const auto& [name, kind] : known) {
+      const std::size_t dist = editDistance(typed.substr(2), name.substr(2));
+      if (dist < best) near.clear(), best = dist;
+      if (dist == best) near.push_back(name);
+    }
+  }
+  if (near.empty()) return "";
+  if (near.size() > 3) near.resize(3);
+  std::string out = " (did you mean ";
+  for (std::size_t i = 0; i < near.size(); ++i) out += (i == 0 ? "" : i + 1 == near.size() ? " or " : ", ") + near[i];
+  return out + "?)";
+}
+
+bool isWholeNumber(const std::string& text, ValueKind kind) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (*end != '\0' || errno == ERANGE) return false;
+  return kind != ValueKind::kInt32 || (v >= INT_MIN && v <= INT_MAX);
+}
+
+bool isNumber(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return false;
+  char* end = nullptr;
+  std::strtod(text.c_str(), &end);
+  return *end == '\0';
+}
+
+// Throws UsageError for the first argument that is not a known option, lacks its value, or has a
+// value that is not a number where one is needed. `typed` are the arguments as given, `args` the
+// same with kebab flag names.
+void checkArguments(const std::vector<std::string>& typed, const std::vector<std::string>& args,
+                    const FlagKinds& known) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const bool negativeNumber = a.size() > 1 && a[0] == '-' && (std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.');
+    if (a == "--") {
+      if (i + 1 < args.size())
+        throw UsageError("unexpected argument '" + typed[i + 1] + "' after '--': ctorch-train takes options only");
+      return;
+    }
+    if (a.size() < 2 || a[0] != '-' || negativeNumber)
+      throw UsageError("unexpected argument '" + typed[i] +
+                       "': ctorch-train takes options only (a value needs its flag before it, e.g. --epochs 3)");
+    const auto eq = a.find('=');
+    const std::string name = a.substr(0, eq);
+    const std::string typedName = typed[i].substr(0, typed[i].find('='));
+    const auto found = known.find(name);
+    if (found == known.end()) {
+      const std::string hint = a.rfind("--", 0) == 0 ? didYouMean(name, known) : "";
+      throw UsageError("unknown option '" + typedName + "'" + (hint.empty() ? " (see ctorch-train --help)" : hint));
+    }
+    if (found->second == ValueKind::kFlag) continue;  // a value after '=' is CLI11's to judge
+    std::string value;
+    if (eq != std::string::npos) {
+      value = a.substr(eq + 1);
+    } else {
+      const bool missing = i + 1 >= args.size() ||
+                           (args[i + 1].rfind("--", 0) == 0 && known.count(args[i + 1].substr(0, args[i + 1].find('='))));
+      if (missing) throw UsageError(typedName + " needs a value (see ctorch-train --help)");
+      value = typed[++i];
+    }
+    if ((found->second == ValueKind::kInt64 || found->second == ValueKind::kInt32) &&
+        !isWholeNumber(value, found->second))
+      bad(typedName, value, isNumber(value) ? "is not a whole number in range" : "is not a number");
+    if (found->second == ValueKind::kNumber && !isNumber(value)) bad(typedName, value, "is not a number");
+  }
+}
+
+// "3,32,32" -> {3, 32, 32}.
+std::vector<std::int64_t> parseShape(const std::string& text) {
+  std::vector<std::int64_t> shape;
+  std::size_t start = 0;
+  while (true) {
+    const auto comma = text.find(',', start);
+    const std::string part = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!isWholeNumber(part, ValueKind::kInt64)) shape.clear(), shape.push_back(-1);
+    else shape.push_back(std::strtoll(part.c_str(), nullptr, 10));
+    if (comma == std::string::npos || shape.back() < 0) break;
+    start = comma + 1;
+  }
+  const bool ok = shape.size() == 3 && std::all_of(shape.begin(), shape.end(), [](std::int64_t v) { return v >= 1; }) &&
+                  shape[0] <= 64 && shape[1] <= 4096 && shape[2] <= 4096;
+  if (!ok)
+    bad("--synthetic-shape", text,
+        "must be C,H,W: channels 1-64, height and width 1-4096 (e.g. 3,32,32 for CIFAR-shaped images)");
+  return shape;
 }
 
 template <class E>
@@ -151,6 +281,8 @@ void TrainOptions::validate() const {
   atLeast("--train-limit", trainLimit, 0);
   atLeast("--test-limit", testLimit, 0);
   atLeast("--synthetic-size", syntheticSize, 0);
+  if (!syntheticShape.empty() && dataset != "synthetic-images")
+    throw UsageError("--synthetic-shape applies to --dataset synthetic-images only, not '" + dataset + "'");
   if (prefetch < 0 || prefetch > 2) bad("--prefetch", std::to_string(prefetch), "must be 0, 1 or 2");
 
   atLeast("--epochs", epochs, 1);
@@ -182,7 +314,6 @@ void TrainOptions::validate() const {
   if (modelFilename.empty() || modelFilename.find('/') != std::string::npos || modelFilename == "." ||
       modelFilename == "..")
     bad("--model-filename", modelFilename, "must be a plain file name (the directory is --model-dir)");
-  if (modelDir.empty()) bad("--model-dir", "", "must name a directory");
   atLeast("--checkpoint-every", checkpointEvery, 0);
   if (keepCheckpoints < 1 || keepCheckpoints > 1000)
     bad("--keep-checkpoints", std::to_string(keepCheckpoints), "must be in [1, 1000]");
@@ -199,8 +330,13 @@ void TrainOptions::validate() const {
     bad("--step-delay-ms", std::to_string(stepDelay.count()), "must be in [0, 60000]");
 }
 
+std::filesystem::path TrainOptions::outputDir() const {
+  if (!modelDir.empty()) return modelDir;
+  return snapshotPath.has_parent_path() ? snapshotPath.parent_path() : std::filesystem::path(".");
+}
+
 std::optional<std::filesystem::path> TrainOptions::metricsPath() const {
-  if (!metricsFile) return modelDir / "metrics.jsonl";
+  if (!metricsFile) return outputDir() / "metrics.jsonl";
   if (metricsFile->empty()) return std::nullopt;
   return *metricsFile;
 }
@@ -211,6 +347,12 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   c["dataset"] = dataset;
   c["train_limit"] = std::to_string(trainLimit);
   c["synthetic_size"] = std::to_string(syntheticSize);
+  // Only when given, so that snapshots written before the flag existed still match.
+  if (!syntheticShape.empty()) {
+    std::string shape;
+    for (auto v : syntheticShape) shape += (shape.empty() ? "" : ",") + std::to_string(v);
+    c["synthetic_shape"] = shape;
+  }
   c["augment"] = toString(augment);
   c["batch_size"] = std::to_string(batchSize);
   c["grad_accum_steps"] = std::to_string(gradAccumSteps);
@@ -268,102 +410,132 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   // A repeated flag takes its last value, as Python's argparse does (scripts that append overrides).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
+  // Every option goes through these two, which remember what kind of value it takes (checkArguments).
+  FlagKinds known{{"--help", ValueKind::kFlag}, {"-h", ValueKind::kFlag}, {"--version", ValueKind::kFlag}};
+  auto opt = [&app, &known](const std::string& name, auto& target, const std::string& help) {
+    using T = std::decay_t<decltype(target)>;
+    if constexpr (std::is_integral_v<T>)
+      known[name] = sizeof(T) > sizeof(int) ? ValueKind::kInt64 : ValueKind::kInt32;
+    else if constexpr (std::is_floating_point_v<T>)
+      known[name] = ValueKind::kNumber;
+    else
+      known[name] = ValueKind::kText;
+    return app.add_option(name, target, help);
+  };
+  auto flag = [&app, &known](const std::string& name, bool& target, const std::string& help) {
+    known[name] = ValueKind::kFlag;
+    return app.add_flag(name, target, help);
+  };
+
   std::string optimizer = toString(o.optimizer), lrDecay = toString(o.lrDecay), device = toString(o.device),
               backend = toString(o.backend), progress = toString(o.progress), augment = toString(o.augment),
               resume = "auto", metrics;
-  std::string dataDir, snapshotPath = o.snapshotPath.string(), modelDir = o.modelDir.string();
+  std::string dataDir, snapshotPath = o.snapshotPath.string(), modelDir, syntheticShape;
   std::int64_t timeoutS = o.timeout.count(), stepDelayMs = 0;
 
   const char* kData = "Data and model";
-  app.add_option("--model", o.model, "model: " + joined(kModels))->group(kData)->capture_default_str();
-  app.add_option("--dataset", o.dataset, "dataset: " + joined(kDatasets))->group(kData)->capture_default_str();
-  app.add_option("--data-dir", dataDir, "directory of the dataset's files (default: fashion-mnist's Debian package)")
+  opt("--model", o.model, "model: " + joined(kModels))->group(kData)->capture_default_str();
+  opt("--dataset", o.dataset, "dataset: " + joined(kDatasets))->group(kData)->capture_default_str();
+  opt("--data-dir", dataDir, "directory of the dataset's files (default: fashion-mnist's Debian package)")
       ->group(kData);
-  app.add_option("--train-limit", o.trainLimit, "use the first N training samples (0: all)")->group(kData)->capture_default_str();
-  app.add_option("--test-limit", o.testLimit, "use the first N test samples (0: all)")->group(kData)->capture_default_str();
-  app.add_option("--synthetic-size", o.syntheticSize, "synthetic datasets: training samples (0: 2048)")->group(kData)->capture_default_str();
-  app.add_option("--augment", augment, "random crop + flip: auto (when the dataset recommends it), on, off")
+  opt("--train-limit", o.trainLimit, "use the first N training samples (0: all)")->group(kData)->capture_default_str();
+  opt("--test-limit", o.testLimit, "use the first N test samples (0: all)")->group(kData)->capture_default_str();
+  opt("--synthetic-size", o.syntheticSize, "synthetic datasets: training samples (0: 2048)")->group(kData)->capture_default_str();
+  opt("--synthetic-shape", syntheticShape,
+      "synthetic-images: sample shape C,H,W (default 1,28,28; 3,32,32 is CIFAR-shaped)")
+      ->group(kData);
+  opt("--augment", augment, "random crop + flip: auto (when the dataset recommends it), on, off")
       ->group(kData)->capture_default_str();
-  app.add_option("--prefetch", o.prefetch, "batches prepared ahead on a background thread (0-2)")->group(kData)->capture_default_str();
+  opt("--prefetch", o.prefetch, "batches prepared ahead on a background thread (0-2)")->group(kData)->capture_default_str();
 
   const char* kOpt = "Optimisation";
-  app.add_option("--epochs", o.epochs, "epochs to train")->group(kOpt)->capture_default_str();
-  app.add_option("--batch-size", o.batchSize, "samples per rank per (micro-)step")->group(kOpt)->capture_default_str();
-  app.add_option("--grad-accum-steps", o.gradAccumSteps,
+  opt("--epochs", o.epochs, "epochs to train")->group(kOpt)->capture_default_str();
+  opt("--batch-size", o.batchSize, "samples per rank per (micro-)step")->group(kOpt)->capture_default_str();
+  opt("--grad-accum-steps", o.gradAccumSteps,
                  "micro-steps per optimizer step; gradients are all-reduced on the last only")
       ->group(kOpt)->capture_default_str();
-  app.add_option("--optimizer", optimizer, "sgd or adam")->group(kOpt)->capture_default_str();
-  app.add_option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
-  app.add_option("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
-  app.add_option("--weight-decay", o.weightDecay, "L2 weight decay")->group(kOpt)->capture_default_str();
-  app.add_option("--warmup-epochs", o.warmupEpochs,
+  opt("--optimizer", optimizer, "sgd or adam")->group(kOpt)->capture_default_str();
+  opt("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
+  opt("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
+  opt("--weight-decay", o.weightDecay, "L2 weight decay")->group(kOpt)->capture_default_str();
+  opt("--warmup-epochs", o.warmupEpochs,
                  "linear warmup from lr x warmup-start-factor to lr over this many (fractional) epochs")
       ->group(kOpt)->capture_default_str();
-  app.add_option("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
+  opt("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
       ->group(kOpt)->capture_default_str();
-  app.add_option("--lr-decay", lrDecay, "after warmup: none, cosine (to --min-lr at the last epoch), step")
+  opt("--lr-decay", lrDecay, "after warmup: none, cosine (to --min-lr at the last epoch), step")
       ->group(kOpt)->capture_default_str();
-  app.add_option("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
-  app.add_option("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
-  app.add_option("--min-lr", o.minLr, "cosine decay: final learning rate")->group(kOpt)->capture_default_str();
-  app.add_option("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
-  app.add_option("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
+  opt("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
+  opt("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
+  opt("--min-lr", o.minLr, "cosine decay: final learning rate")->group(kOpt)->capture_default_str();
+  opt("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
+  opt("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
       ->group(kOpt)->capture_default_str();
 
   const char* kEval = "Evaluation and output";
-  app.add_option("--eval-every", o.evalEvery, "epochs between test-set evaluations (0: after the last epoch only)")
+  opt("--eval-every", o.evalEvery, "epochs between test-set evaluations (0: after the last epoch only)")
       ->group(kEval)->capture_default_str();
-  app.add_option("--eval-batch-size", o.evalBatchSize, "samples per evaluation batch")->group(kEval)->capture_default_str();
-  app.add_option("--log-interval", o.logInterval, "steps between progress lines and metrics records")
+  opt("--eval-batch-size", o.evalBatchSize, "samples per evaluation batch")->group(kEval)->capture_default_str();
+  opt("--log-interval", o.logInterval, "steps between progress lines and metrics records")
       ->group(kEval)->capture_default_str();
-  app.add_option("--progress", progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
+  opt("--progress", progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
       ->group(kEval)->capture_default_str();
-  app.add_option("--metrics-file", metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
+  opt("--metrics-file", metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
       ->group(kEval);
 
   const char* kSnap = "Snapshots and weights";
-  app.add_option("--snapshot-path", snapshotPath, "the snapshot slot (previous ones kept as PATH.1, PATH.2, ...)")
+  opt("--snapshot-path", snapshotPath, "the snapshot slot (previous ones kept as PATH.1, PATH.2, ...)")
       ->group(kSnap)->capture_default_str();
-  app.add_option("--save-every", o.saveEvery, "epochs between snapshots (0: none at epoch ends)")->group(kSnap)->capture_default_str();
-  app.add_option("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
+  opt("--save-every", o.saveEvery, "epochs between snapshots (0: none at epoch ends)")->group(kSnap)->capture_default_str();
+  opt("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
       ->group(kSnap)->capture_default_str();
-  app.add_option("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
-  app.add_option("--resume", resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
+  opt("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
+  opt("--resume", resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
       ->group(kSnap)->capture_default_str();
-  app.add_flag("--allow-config-change", o.allowConfigChange,
-               "resume even if the snapshot's configuration differs (the model must be the same)")
+  flag("--allow-config-change", o.allowConfigChange,
+       "resume even if the snapshot's configuration differs (the model must be the same)")
       ->group(kSnap);
-  app.add_option("--model-dir", modelDir, "directory of the final weights, checkpoints and metrics")->group(kSnap)->capture_default_str();
-  app.add_option("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")
+  opt("--model-dir", modelDir,
+      "directory of the final weights, checkpoints and metrics (default: the --snapshot-path's directory)")
+      ->group(kSnap);
+  opt("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")
       ->group(kSnap)->capture_default_str();
-  app.add_option("--checkpoint-every", o.checkpointEvery, "epochs between checkpoint_epoch_N.pt files (0: none)")
+  opt("--checkpoint-every", o.checkpointEvery, "epochs between checkpoint_epoch_N.pt files (0: none)")
       ->group(kSnap)->capture_default_str();
-  app.add_option("--keep-checkpoints", o.keepCheckpoints, "checkpoint files kept (the newest)")->group(kSnap)->capture_default_str();
+  opt("--keep-checkpoints", o.keepCheckpoints, "checkpoint files kept (the newest)")->group(kSnap)->capture_default_str();
 
   const char* kSys = "Devices, communication, DDP";
-  app.add_option("--device", device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
-  app.add_option("--backend", backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
-  app.add_flag("--amp", o.amp, "automatic mixed precision (float16 autocast + loss scaling; CUDA only)")->group(kSys);
-  app.add_option("--timeout", timeoutS, "seconds any collective may wait for a peer before the run fails")
+  opt("--device", device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
+  opt("--backend", backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
+  flag("--amp", o.amp, "automatic mixed precision (float16 autocast + loss scaling; CUDA only)")->group(kSys);
+  opt("--timeout", timeoutS, "seconds any collective may wait for a peer before the run fails")
       ->group(kSys)->capture_default_str();
-  app.add_option("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
+  opt("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
       ->group(kSys)->capture_default_str();
-  app.add_option("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
-  app.add_flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
+  opt("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
+  flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);
   bool noBucketView = false;
-  app.add_flag("--no-gradient-as-bucket-view", noBucketView,
+  flag("--no-gradient-as-bucket-view", noBucketView,
                "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
                "which saves a copy)")
       ->group(kSys);
 
-  app.add_option("--step-delay-ms", stepDelayMs, "testing aid: sleep after every step")->group("Testing");
+  opt("--step-delay-ms", stepDelayMs, "testing aid: sleep after every step")->group("Testing");
 
   std::vector<std::string> args;
   for (const auto& a : rawArgs) args.push_back(kebab(a));
-  std::reverse(args.begin(), args.end());  // CLI11 consumes a reversed vector
 
   ParsedCommandLine result;
+  try {
+    checkArguments(rawArgs, args, known);
+  } catch (const UsageError& e) {
+    result.exitCode = contract::kExitUsage;
+    result.message = std::string("ctorch-train: error: ") + e.what() + "\n";
+    result.toStderr = true;
+    return result;
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 consumes a reversed vector
   try {
     app.parse(args);
   } catch (const CLI::CallForHelp&) {
@@ -390,6 +562,7 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
     o.dataDir = dataDir;
     o.snapshotPath = snapshotPath;
     o.modelDir = modelDir;
+    if (app.count("--synthetic-shape")) o.syntheticShape = parseShape(syntheticShape);
     if (app.count("--metrics-file")) o.metricsFile = metrics == "none" ? std::filesystem::path() : std::filesystem::path(metrics);
     o.timeout = std::chrono::seconds(timeoutS);
     o.stepDelay = std::chrono::milliseconds(stepDelayMs);

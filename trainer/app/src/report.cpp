@@ -145,6 +145,7 @@ void MetricsLog::write(const TrainRecord& r) {
   j["lr"] = r.lr;
   j["samples_per_s"] = r.samplesPerSecond;
   j["time"] = r.time;
+  if (!r.lossKind.empty()) j["loss_kind"] = r.lossKind;
   append(j.dump());
 }
 

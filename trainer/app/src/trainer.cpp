@@ -10,6 +10,7 @@
 #include "ctorch/train/trainer.hpp"
 
 #include "ctorch/train/grad_scaler.hpp"
+#include "ctorch/train/memory_check.hpp"
 #include "ctorch/train/process_tuning.hpp"
 #include "ctorch/train/report.hpp"
 #include "ctorch/train/resume.hpp"
@@ -175,11 +176,21 @@ TrainData loadData(const TrainOptions& o) {
     d.limit = limit;
     d.seed = static_cast<std::uint64_t>(o.seed);
     d.syntheticSize = split == data::Split::Train ? o.syntheticSize : 0;
+    if (!o.syntheticShape.empty()) d.imageShape = o.syntheticShape;
     return d;
   };
   TrainData d;
-  d.train = std::make_shared<const data::InMemoryDataset>(data::loadDataset(options(data::Split::Train, o.trainLimit)));
-  d.test = std::make_shared<const data::InMemoryDataset>(data::loadDataset(options(data::Split::Test, o.testLimit)));
+  try {
+    d.train = std::make_shared<const data::InMemoryDataset>(data::loadDataset(options(data::Split::Train, o.trainLimit)));
+    d.test = std::make_shared<const data::InMemoryDataset>(data::loadDataset(options(data::Split::Test, o.testLimit)));
+  } catch (const data::DataFileError& e) {
+    // Unlike Fashion-MNIST (Debian's package), CIFAR-10 is not installed anywhere: say where it comes from.
+    if (o.dataset != "cifar10") throw;
+    throw data::DataFileError(std::string(e.what()) +
+                              "; --dataset cifar10 reads the CIFAR-10 binary version: download cifar-10-binary.tar.gz "
+                              "from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it, and pass the directory "
+                              "holding data_batch_1.bin ... data_batch_5.bin and test_batch.bin as --data-dir");
+  }
   data::PipelineOptions trainOptions;
   d.augmented = o.augment == AugmentChoice::kOn ||
                 (o.augment == AugmentChoice::kAuto && d.train->info().recommendsCropFlip);
@@ -214,6 +225,30 @@ models::ModelOptions modelOptionsFor(const TrainOptions& o, const data::InMemory
   m.imageSize = shape[1];
   m.numClasses = train.info().numClasses;
   return m;
+}
+
+// Heap bytes one sample's forward pass keeps for backward, measured on a throw-away copy of the model
+// with a few zero samples before the real one is seeded and built. CPU only (on a GPU the activations
+// are not on this heap); 0 when it cannot be measured.
+std::int64_t measureActivationBytes(const models::ModelOptions& options, const std::vector<std::int64_t>& sampleShape) {
+  constexpr std::int64_t kSamples = 8;
+  const auto probe = models::createModel(options);
+  probe->train();
+  std::vector<std::int64_t> shape{kSamples};
+  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
+  const auto input = torch::zeros(shape);
+  probe->forward(input.narrow(0, 0, 2));  // one-time allocations (thread pools, kernel caches) first
+  const auto before = heapBytesInUse();
+  const auto output = probe->forward(input);
+  const auto after = heapBytesInUse();
+  if (!before || !after || *after <= *before) return 0;
+  return (*after - *before) / kSamples;
+}
+
+std::int64_t sampleBytes(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = static_cast<std::int64_t>(sizeof(float));
+  for (auto d : shape) n *= d;
+  return n;
 }
 
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
@@ -343,6 +378,14 @@ std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIde
   return std::nullopt;
 }
 
+// A snapshot of another configuration is refused naming each difference; this adds the ways on.
+[[noreturn]] void refuseSnapshot(const SnapshotIncompatible& e, const TrainOptions& o) {
+  throw ConfigError(std::string(e.what()) + "; to go on, pass --resume never (start over, replacing " +
+                    o.snapshotPath.string() + ")" +
+                    (o.allowConfigChange ? "" : ", --allow-config-change (continue from its weights with this run's settings)") +
+                    " or another --snapshot-path (keep that run)");
+}
+
 // The DDP bucket layout the snapshot's run used (absent in snapshots of other writers).
 std::optional<std::vector<std::vector<size_t>>> bucketsOf(const std::optional<Snapshot>& snap) {
   if (!snap || !snap->userState.contains(kDdpBuckets)) return std::nullopt;
@@ -468,15 +511,22 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
                withThousands(data.test->size()) + " test samples of " + shapeText(data.train->sampleShape()) +
                (data.augmented ? ", crop+flip augmentation" : "") + " (loaded in " +
                formatDuration(secondsSince(dataStart)) + ")");
+  const models::ModelOptions modelOptions = modelOptionsFor(o, *data.train);
+  const std::int64_t activationBytes = device.is_cpu() ? measureActivationBytes(modelOptions, data.train->sampleShape()) : 0;
   torch::manual_seed(static_cast<std::uint64_t>(o.seed));  // initial weights (DDP broadcasts rank 0's anyway)
-  const std::shared_ptr<Model> model = models::createModel(modelOptionsFor(o, *data.train));
+  const std::shared_ptr<Model> model = models::createModel(modelOptions);
   model->to(device);
 
   // ---- the snapshot to resume from (found before DDP is built: it carries DDP's bucket layout)
   const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
   const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
   std::vector<SkippedSnapshot> unusableFiles;
-  const std::optional<Snapshot> resumeFrom = findResumePoint(o, identity, names, console, worldSize, unusableFiles);
+  std::optional<Snapshot> resumeFrom;
+  try {
+    resumeFrom = findResumePoint(o, identity, names, console, worldSize, unusableFiles);
+  } catch (const SnapshotIncompatible& e) {
+    refuseSnapshot(e, o);
+  }
 
   // ---- DDP, optimizer, sampler, loss scaling, schedule
   if (o.gradientAsBucketView) {
@@ -501,6 +551,19 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   samplerOptions.rank = rank;
   samplerOptions.seed = o.seed;
   DistributedSampler sampler(samplerOptions);
+  {
+    BatchMemoryInputs batch;
+    batch.batchSize = o.batchSize;
+    batch.shardSize = sampler.size();
+    batch.datasetSize = data.train->size();
+    batch.worldSize = worldSize;
+    batch.localRanks = getLocalWorldSize();
+    batch.inputBytes = sampleBytes(data.train->sampleShape());
+    batch.activationBytes = activationBytes;
+    batch.prefetch = o.prefetch;
+    batch.availableBytes = availableMemory(batch.availableSource);
+    if (const std::string problem = checkBatchSize(batch); !problem.empty()) throw UsageError(problem);
+  }
   const std::int64_t stepsPerEpoch = ceilDiv(ceilDiv(sampler.size(), o.batchSize), o.gradAccumSteps);
   const LrSchedule schedule = LrSchedule::fromOptions(o);
   console.line("model: " + o.model + ", " + withThousands(models::parameterCount(*model)) + " parameters; global batch " +
@@ -511,7 +574,12 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
 
   // ---- restore; every rank loaded the files itself, and all must stand at the same step
   const TrainingObjects objects{model.get(), optimizer.get(), &sampler};
-  RunState state = resumeFrom ? restoreFrom(*resumeFrom, objects, scaler) : RunState{};
+  RunState state;
+  try {
+    if (resumeFrom) state = restoreFrom(*resumeFrom, objects, scaler);
+  } catch (const SnapshotIncompatible& e) {
+    refuseSnapshot(e, o);
+  }
   // A stop requested while starting up ends the run here (nothing new to save).
   enum class StopPoint { kNone, kBeforeStart, kAfterStep, kEpochEnd };
   StopPoint stopPoint = StopPoint::kNone;
@@ -704,6 +772,7 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
             t.lr = lr;
             t.samplesPerSecond = r.samplesPerSecond;
             t.time = trainSeconds();
+            t.lossKind = lossKindName(model->output());
             metrics->write(t);
           }
           intervalLoss = 0.0;
@@ -753,9 +822,9 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
     std::vector<std::filesystem::path> checkpoint;
     std::function<void()> prune;
     if (checkpointDue) {
-      if (isMainProcess) std::filesystem::create_directories(o.modelDir);
-      checkpoint.push_back(o.modelDir / ("checkpoint_epoch_" + std::to_string(completed) + ".pt"));
-      prune = [dir = o.modelDir, keep = static_cast<size_t>(o.keepCheckpoints)] {
+      if (isMainProcess) std::filesystem::create_directories(o.outputDir());
+      checkpoint.push_back(o.outputDir() / ("checkpoint_epoch_" + std::to_string(completed) + ".pt"));
+      prune = [dir = o.outputDir(), keep = static_cast<size_t>(o.keepCheckpoints)] {
         const auto files = checkpointFiles(dir);
         for (size_t i = 0; i + keep < files.size(); ++i) std::filesystem::remove(files[i]);
       };

@@ -19,6 +19,10 @@ namespace ctorch::train {
 torch::Tensor lossFor(models::ModelOutput output, const torch::Tensor& prediction, const torch::Tensor& target,
                       bool sum = false);
 
+// The name of that loss in the metrics file: "nll", "cross_entropy" (both classification) or "mse"
+// (regression), so that a reader tells the task from any record, not from the presence of accuracy.
+const char* lossKindName(models::ModelOutput output);
+
 struct EvalTotals {
   double lossSum = 0.0;          // per-sample losses added up
   std::int64_t correct = 0;      // classification only

@@ -51,6 +51,7 @@ struct TrainOptions {
   std::int64_t trainLimit = 0;       // first N training samples (0: all)
   std::int64_t testLimit = 0;        // first N test samples (0: all)
   std::int64_t syntheticSize = 0;    // synthetic datasets: training samples (0: the dataset's default)
+  std::vector<std::int64_t> syntheticShape;  // synthetic-images: C, H, W (empty: 1, 28, 28)
   AugmentChoice augment = AugmentChoice::kAuto;  // crop + flip; auto: when the dataset recommends it
   int prefetch = 0;                  // batches prepared ahead on a background thread (0..2)
 
@@ -77,7 +78,7 @@ struct TrainOptions {
   std::int64_t evalBatchSize = 100;  // 1000 (the seeds' value) is 2.2x slower on CPU: activations overflow the caches
   std::int64_t logInterval = 10;     // steps between progress lines / metrics records
   ProgressMode progress = ProgressMode::kAuto;
-  std::optional<std::filesystem::path> metricsFile;  // unset: <modelDir>/metrics.jsonl; empty: none
+  std::optional<std::filesystem::path> metricsFile;  // unset: <outputDir()>/metrics.jsonl; empty: none
 
   // ---- snapshots, checkpoints, final weights
   std::filesystem::path snapshotPath = "snapshot.pt";
@@ -86,7 +87,8 @@ struct TrainOptions {
   int keepSnapshots = 2;             // previous snapshots kept next to the newest
   ResumeChoice resume;
   bool allowConfigChange = false;    // resume a snapshot whose configuration differs
-  std::filesystem::path modelDir = ".";
+  // Final weights, checkpoints and metrics; empty: beside the snapshot (one directory per run).
+  std::filesystem::path modelDir;
   std::string modelFilename = "model.pt";
   std::int64_t checkpointEvery = 0;  // epochs between checkpoint_epoch_N.pt files (0: none)
   int keepCheckpoints = 3;
@@ -109,7 +111,9 @@ struct TrainOptions {
 
   // The metrics file to write, or nullopt for none.
   std::optional<std::filesystem::path> metricsPath() const;
-  std::filesystem::path finalModelPath() const { return modelDir / modelFilename; }
+  // --model-dir when given, else the snapshot's directory ("." for a bare file name).
+  std::filesystem::path outputDir() const;
+  std::filesystem::path finalModelPath() const { return outputDir() / modelFilename; }
 
   // The settings that shape the training trajectory, as text: stored in snapshots, compared on
   // resume (a change is refused unless allowConfigChange). Logging, paths and limits are not in it.

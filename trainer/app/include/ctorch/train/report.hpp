@@ -62,6 +62,7 @@ struct TrainRecord {
   double lr = 0.0;
   double samplesPerSecond = 0.0;
   double time = 0.0;               // training seconds since the run began (across resumes)
+  std::string lossKind;            // lossKindName: "nll", "cross_entropy", "mse" (omitted when empty)
 };
 
 struct EvalRecord {
