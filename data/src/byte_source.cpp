@@ -115,12 +115,25 @@ size_t ByteSource::read(void* dst, size_t n) {
   return done;
 }
 
+bool ByteSource::gzipTrailerMatches(uint64_t decompressed) const {
+  unsigned char trailer[4];
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return false;
+  const bool read = fileSize_ >= 18 &&
+                    ::pread(fd, trailer, 4, static_cast<off_t>(fileSize_ - 4)) == 4;
+  ::close(fd);
+  if (!read) return false;
+  const uint32_t isize = static_cast<uint32_t>(trailer[0]) | static_cast<uint32_t>(trailer[1]) << 8 |
+                         static_cast<uint32_t>(trailer[2]) << 16 | static_cast<uint32_t>(trailer[3]) << 24;
+  return isize == static_cast<uint32_t>(decompressed);
+}
+
 void ByteSource::readExactly(void* dst, size_t n, const std::string& what) {
   uint64_t start = offset_;
   size_t got = read(dst, n);
-  if (got != n && compressed_) {
-    // Where zlib reports a stream cut short as a clean end (Debian sid's zlib does), the short read
-    // is the only sign: a gzip file that ends inside the data it must hold is truncated.
+  if (got != n && compressed_ && !gzipTrailerMatches(offset_)) {
+    // Where zlib reports a stream cut short as a clean end (Debian sid's zlib does), the trailer
+    // tells: a whole gzip file ends with its content's size (ISIZE), a cut one with anything else.
     throw DataFileError(path_.string() + ": truncated or corrupt gzip data: " + what + " needs " +
                         std::to_string(n) + " bytes at offset " + std::to_string(start) + ", found " +
                         std::to_string(got));

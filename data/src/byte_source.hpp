@@ -34,6 +34,9 @@ class ByteSource {
   const std::filesystem::path& path() const { return path_; }
 
  private:
+  // Whether the last 4 bytes of the (gzip) file, its ISIZE, equal `decompressed` mod 2^32: the
+  // stream ended where its writer ended it, not cut short.
+  bool gzipTrailerMatches(uint64_t decompressed) const;
   std::filesystem::path path_;
   void* gz_ = nullptr;   // gzFile, kept out of this header
   uint64_t offset_ = 0;
