@@ -45,6 +45,9 @@ std::vector<std::string> linesWith(const std::string& output, const std::string&
 std::map<int, std::map<std::string, std::string>> envByRank(const std::string& output,
                                                             const std::string& role = "default");
 
+// A TCP connection to 127.0.0.1:port (a raw store client in tests); -1 if it cannot connect.
+int connectLoopback(int port);
+
 // Whether /usr/bin/python3 can import torch (cached).
 bool pythonHasTorch();
 

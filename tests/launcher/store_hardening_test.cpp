@@ -4,6 +4,7 @@
 // count work and memory through the server's stats rather than timing it, and give latency
 // only generous bounds (this machine is shared).
 #include "ctorch_catch.hpp"
+#include "launcher_test_util.hpp"
 
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
@@ -35,12 +36,8 @@ namespace {
 class Hostile {
  public:
   explicit Hostile(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    fd_ = ctorch::launcher_test::connectLoopback(port);
+    REQUIRE(fd_ >= 0);
   }
   ~Hostile() { ::close(fd_); }
   Hostile(const Hostile&) = delete;

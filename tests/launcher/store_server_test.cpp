@@ -1,6 +1,7 @@
 // The native TCPStore server over real sockets: our client in both protocol generations, raw
 // hand-built 2.x byte sequences (as PyTorch >= 2.2 sends them), concurrency, and bind errors.
 #include "ctorch_catch.hpp"
+#include "launcher_test_util.hpp"
 
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
@@ -34,12 +35,8 @@ TcpStoreClientOptions clientOptions(protocol::Generation g, std::chrono::millise
 class RawConn {
  public:
   explicit RawConn(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    fd_ = ctorch::launcher_test::connectLoopback(port);
+    REQUIRE(fd_ >= 0);
   }
   ~RawConn() { ::close(fd_); }
   void send(const Bytes& b) { REQUIRE(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(b.size())); }
