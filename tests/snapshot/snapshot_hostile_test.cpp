@@ -6,6 +6,7 @@
 #include "multiproc.hpp"
 
 #include <caffe2/serialize/inline_container.h>
+#include <torch/version.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <sys/resource.h>
@@ -113,9 +114,17 @@ TEST_CASE("a tensor whose view is larger than its storage is named and skipped",
   const auto crafted = torch::jit::pickle_save(top);
   const auto o = resumeBeside(crafted, "view");
   CHECK((o.has("skipped /") && o.has("/snapshot.pt: snapshot ")));
-  CHECK(o.has("(bad content): a tensor's view lies outside its storage"));
-  CHECK(o.has("['USER_STATE']['marker'] (sizes [268435456], strides [1], offset 0) reaches "
-              "1073741824 bytes into a storage of 256 bytes"));
+  // LibTorch 1.13 unpickles the tensor and ctorch's own check names it; 2.14's unpickler already
+  // refuses it ("... require a storage of at least 1073741824 bytes, but storage only has 256
+  // bytes"). Either way the file is named, skipped, and nothing reads past the buffer.
+  const bool ours = o.has("(bad content): a tensor's view lies outside its storage") &&
+                    o.has("['USER_STATE']['marker'] (sizes [268435456], strides [1], offset 0) reaches "
+                          "1073741824 bytes into a storage of 256 bytes");
+  const bool libtorchs = o.has("1073741824") && o.has("storage only has 256");
+  CHECK((ours || libtorchs));
+#if TORCH_VERSION_MAJOR < 2
+  CHECK(ours);
+#endif
 }
 
 TEST_CASE("a storage that declares more bytes than its record holds is named and skipped",
