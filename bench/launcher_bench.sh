@@ -80,8 +80,8 @@ rss_tr=$(peak_rss_kib "$TORCHRUN" --standalone --nproc_per_node 2 --monitor_inte
 python3 - "$tmp" "$rss_ct" "$rss_tr" <<'EOF'
 import json, math, statistics, sys
 tmp, rss_ct, rss_tr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-res = {r["command"]: r for r in json.load(open(f"{tmp}/overhead.json"))["results"]}
-ct, tr = res["ctorchrun"], res["torchrun"]
+# In the order hyperfine ran them (newer hyperfine puts the command, not the -n name, in "command").
+ct, tr = json.load(open(f"{tmp}/overhead.json"))["results"][:2]
 def crash(name):
     v = [float(x) for x in open(f"{tmp}/crash_{name}.txt") if x.strip() != "nan"]
     return v
