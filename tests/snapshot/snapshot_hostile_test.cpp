@@ -74,21 +74,27 @@ struct Outcome {
   bool has(const std::string& text) const { return process.output.find(text) != std::string::npos; }
 };
 
-// snapshot.pt = crafted, snapshot.pt.1 and .2 good (epochs 2 and 1): what --resume auto does.
-Outcome resumeBeside(const std::vector<char>& crafted, const std::string& tag) {
-  TempDir dir("snap-hostile-" + tag);
-  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
-  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
-  ctorch::test::writeFile(dir / "snapshot.pt.2", asString(encoded(populatedSnapshot(1))));
+// What --resume auto does in `dir` (in a child: a crash or a hang must not take the test with it);
+// it must skip snapshot.pt and resume from the good snapshot.pt.1 (epoch 2).
+Outcome resumeIn(const TempDir& dir, std::chrono::seconds timeout) {
   ctorch::test::SpawnOptions so;
   so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "resume_newest_valid",
              (dir / "snapshot.pt").string()};
-  so.timeout = std::chrono::seconds(60);
+  so.timeout = timeout;
   Outcome o{ctorch::test::run(so)};
   INFO(o.process.output);
   CHECK(o.process.ok());
   CHECK(o.has("resumed from snapshot.pt.1 at epoch 2"));
   return o;
+}
+
+// snapshot.pt = crafted, snapshot.pt.1 and .2 good (epochs 2 and 1).
+Outcome resumeBeside(const std::vector<char>& crafted, const std::string& tag) {
+  TempDir dir("snap-hostile-" + tag);
+  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
+  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
+  ctorch::test::writeFile(dir / "snapshot.pt.2", asString(encoded(populatedSnapshot(1))));
+  return resumeIn(dir, std::chrono::seconds(60));
 }
 
 } // namespace
@@ -214,15 +220,7 @@ Outcome resumeBesideSpecial(const std::function<void(const fs::path&)>& make, co
   TempDir dir("snap-special-" + tag);
   make(dir / "snapshot.pt");
   ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
-  ctorch::test::SpawnOptions so;
-  so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "resume_newest_valid",
-             (dir / "snapshot.pt").string()};
-  so.timeout = std::chrono::seconds(20);  // a read blocked on the FIFO would sit here forever
-  Outcome o{ctorch::test::run(so)};
-  INFO(o.process.output);
-  CHECK(o.process.ok());
-  CHECK(o.has("resumed from snapshot.pt.1 at epoch 2"));
-  return o;
+  return resumeIn(dir, std::chrono::seconds(20));  // a read blocked on the FIFO would sit here forever
 }
 } // namespace
 
