@@ -12,7 +12,7 @@
 #include <ctorch/snapshot.hpp>
 #include <ctorch/train/evaluate.hpp>
 #include <ctorch/train/options.hpp>
-#include <ctorch/train/stop_signal.hpp>
+#include <ctorch/stop_signal.hpp>
 #include <ctorch/train/trainer.hpp>
 
 #include <csignal>
@@ -60,18 +60,18 @@ CTORCH_TEST_WORKER(train) {
     else
       rest.push_back(a);
   const bool rank1 = std::getenv("RANK") && std::string(std::getenv("RANK")) == "1";
-  if (stopAfter == 0 && rank1) ctorch::train::setStopSignal(SIGUSR1);  // while starting up
+  if (stopAfter == 0 && rank1) ctorch::setStopSignal(SIGUSR1);  // while starting up
   const auto options = optionsFrom(rest);
   ctorch::train::RunHooks hooks;
   std::ostringstream quiet;
   hooks.out = &std::cout;
   // Rank 1 alone "receives" the signal during step stopAt: every rank must still stop after it.
   hooks.beforeStep = [&](std::int64_t done) {
-    if (stopAt >= 0 && done + 1 == stopAt && rank1) ctorch::train::setStopSignal(SIGUSR1);
+    if (stopAt >= 0 && done + 1 == stopAt && rank1) ctorch::setStopSignal(SIGUSR1);
   };
   // ... or after step stopAfter was agreed on (at an epoch's end: during its evaluation).
   hooks.afterStep = [&](std::int64_t done) {
-    if (stopAfter > 0 && done == stopAfter && rank1) ctorch::train::setStopSignal(SIGUSR1);
+    if (stopAfter > 0 && done == stopAfter && rank1) ctorch::setStopSignal(SIGUSR1);
   };
   const auto result = ctorch::train::runTraining(options, hooks);
   std::cout << "result status=" << static_cast<int>(result.status) << " global=" << result.globalStep

@@ -8,9 +8,9 @@
 #include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
 #include <ctorch/train/report.hpp>
-#include <ctorch/train/resume.hpp>
+#include <ctorch/resume_plan.hpp>
 #include <ctorch/train/schedule.hpp>
-#include <ctorch/train/snapshot_writer.hpp>
+#include <ctorch/snapshot_writer.hpp>
 
 #include "multiproc.hpp"
 
@@ -21,6 +21,7 @@
 #include <set>
 
 using namespace ctorch::train;
+using namespace ctorch;
 
 namespace {
 
@@ -372,7 +373,7 @@ TEST_CASE("resume decision: mid-epoch under another world size without a boundar
   } catch (const ctorch::ConfigError& e) {
     const std::string m = e.what();
     CHECK(m.find("run/snapshot-epoch.pt does not exist") != std::string::npos);
-    CHECK(m.find("Resume with 2 ranks, or start over with --resume never") != std::string::npos);
+    CHECK(m.find("Resume with 2 ranks, or start over from scratch") != std::string::npos);
   }
   // A stale boundary file (newer than the snapshot it should precede) is not used.
   CHECK_THROWS_AS(planResume(point(2, 3, 17, 300), point(2, 5, 0, 500), 4, "x"), ctorch::ConfigError);

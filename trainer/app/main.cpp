@@ -7,7 +7,7 @@
 #include <ctorch/models/registry.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/train/options.hpp>
-#include <ctorch/train/stop_signal.hpp>
+#include <ctorch/stop_signal.hpp>
 #include <ctorch/train/trainer.hpp>
 
 #include <unistd.h>
@@ -38,7 +38,7 @@ int trainMain(int argc, char** argv) {
     (parsed.toStderr ? std::cerr : std::cout) << parsed.message << std::flush;
     return parsed.exitCode;
   }
-  ctorch::train::installStopHandlers();
+  ctorch::installStopHandlers();
   ctorch::train::RunHooks hooks;
   hooks.terminal = isatty(STDOUT_FILENO) == 1;
   try {

@@ -135,6 +135,8 @@ struct detail::DDPCore::Impl {
   DDPOptions options;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<at::Tensor> params;  // the Reducer's: requires_grad, deduplicated, in module order
+  std::vector<bool> expectSparse;  // per parameter
+  std::unordered_map<size_t, std::string> names;  // parameter index -> qualified name
   std::shared_ptr<c10d::Reducer> reducer;
   std::shared_ptr<c10d::Logger> logger;
   bool requireBackwardGradSync = true;
@@ -153,6 +155,54 @@ struct detail::DDPCore::Impl {
   bool needsSink(bool grad) const {
     return grad && (unusedSearch() || (staticGraph && requireBackwardGradSync && numIterations == 1 &&
                                        !delayEnqueued->load()));
+  }
+
+  // Buckets, the Reducer and its Logger (and the hooks and flags they carry). Without
+  // unused-parameter search (or with a static graph) everything starts in one bucket and the
+  // Reducer rebuilds them in gradient-ready order after the first iteration.
+  void buildReducer(const std::optional<std::vector<std::vector<size_t>>>& assignment) {
+    const auto bucketBytes = static_cast<int64_t>(options.bucketCapMb() * kMiB);
+    const auto firstBucketBytes = static_cast<int64_t>(options.firstBucketCapMb() * kMiB);
+    std::vector<size_t> limits;
+    if (options.staticGraph() || !options.findUnusedParameters())
+      limits = {static_cast<size_t>(std::numeric_limits<int64_t>::max())};  // Python: sys.maxsize
+    else
+      limits = {static_cast<size_t>(firstBucketBytes), static_cast<size_t>(bucketBytes)};
+    auto [indices, perBucketLimits] = c10d::compute_bucket_assignment_by_size(params, limits, expectSparse);
+    // Reversed: gradients become ready roughly in reverse order of definition.
+    std::reverse(indices.begin(), indices.end());
+    std::reverse(perBucketLimits.begin(), perBucketLimits.end());
+    if (assignment) {
+      indices = *assignment;
+      checkBucketAssignment(indices, params.size());
+      // The limits only matter to a rebuild, which computes its own; keep Python's shape of them.
+      perBucketLimits.assign(indices.size(), static_cast<size_t>(bucketBytes));
+      if (!perBucketLimits.empty()) perBucketLimits.front() = static_cast<size_t>(firstBucketBytes);
+    }
+    // The previous Reducer (resetReducer) removes its autograd hooks when it goes.
+    logger.reset();
+    reducer.reset();
+    reducer = compat::makeReducer(params, std::move(indices), std::move(perBucketLimits), group, expectSparse,
+                                  bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
+                                  names, firstBucketBytes);
+    logger = std::make_shared<c10d::Logger>(reducer);
+    reducer->set_logger(logger);
+    if (compat::loggerCanDescribe(group))
+      logger->set_construction_data_and_log(module->name(), {}, -1, options.broadcastBuffers(),
+                                            /*has_sync_bn=*/false, options.staticGraph());
+    if (options.staticGraph()) {
+      staticGraph = true;
+      reducer->set_static_graph();
+      logger->set_static_graph();
+    }
+    hookRegistered = false;
+    if (options.commHook() != CommHook::kNone) {
+      const bool fp16 = options.commHook() == CommHook::kFp16Compress;
+      logger->set_comm_hook(fp16 ? "FP16_COMPRESS" : "ALLREDUCE");
+      reducer->register_builtin_comm_hook(fp16 ? c10d::BuiltinCommHookType::FP16_COMPRESS
+                                               : c10d::BuiltinCommHookType::ALLREDUCE);
+      hookRegistered = true;
+    }
   }
 
   // Python's _sync_buffers: the buffers are collected again each time (a module may reassign them).
@@ -174,8 +224,8 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
 
   // Python's _build_params_for_reducer: per module, its own parameters that require grad, in
   // module order, each parameter once.
-  std::vector<bool> expectSparse;
-  std::unordered_map<size_t, std::string> names;
+  std::vector<bool>& expectSparse = s.expectSparse;
+  std::unordered_map<size_t, std::string>& names = s.names;
   std::unordered_set<const void*> seen;
   for (const auto& item : s.module->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const bool sparse = producesSparseGradient(*item.value());
@@ -197,8 +247,6 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
                       "found " + found);
   }
 
-  const auto bucketBytes = static_cast<int64_t>(options.bucketCapMb() * kMiB);
-  const auto firstBucketBytes = static_cast<int64_t>(options.firstBucketCapMb() * kMiB);
   try {
     // Verify model equivalence, then make every rank start from rank 0's parameters and buffers.
     c10d::verify_params_across_processes(s.group, s.params, compat::kNullopt);
@@ -209,44 +257,7 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
       if (!states.empty()) c10d::broadcast_coalesced(s.group, states, kBroadcastBucketBytes, 0);
     }
 
-    // Buckets: without unused-parameter search (or with a static graph) everything starts in one
-    // bucket and the Reducer rebuilds them in gradient-ready order after the first iteration.
-    std::vector<size_t> limits;
-    if (options.staticGraph() || !options.findUnusedParameters())
-      limits = {static_cast<size_t>(std::numeric_limits<int64_t>::max())};  // Python: sys.maxsize
-    else
-      limits = {static_cast<size_t>(firstBucketBytes), static_cast<size_t>(bucketBytes)};
-    auto [indices, perBucketLimits] = c10d::compute_bucket_assignment_by_size(s.params, limits, expectSparse);
-    // Reversed: gradients become ready roughly in reverse order of definition.
-    std::reverse(indices.begin(), indices.end());
-    std::reverse(perBucketLimits.begin(), perBucketLimits.end());
-    if (options.bucketAssignment()) {
-      indices = *options.bucketAssignment();
-      checkBucketAssignment(indices, s.params.size());
-      // The limits only matter to a rebuild, which computes its own; keep Python's shape of them.
-      perBucketLimits.assign(indices.size(), static_cast<size_t>(bucketBytes));
-      if (!perBucketLimits.empty()) perBucketLimits.front() = static_cast<size_t>(firstBucketBytes);
-    }
-    s.reducer = compat::makeReducer(s.params, std::move(indices), std::move(perBucketLimits), s.group, expectSparse,
-                                    bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
-                                    std::move(names), firstBucketBytes);
-    s.logger = std::make_shared<c10d::Logger>(s.reducer);
-    s.reducer->set_logger(s.logger);
-    if (compat::loggerCanDescribe(s.group))
-      s.logger->set_construction_data_and_log(s.module->name(), {}, -1, options.broadcastBuffers(),
-                                              /*has_sync_bn=*/false, options.staticGraph());
-    if (options.staticGraph()) {
-      s.staticGraph = true;
-      s.reducer->set_static_graph();
-      s.logger->set_static_graph();
-    }
-    if (options.commHook() != CommHook::kNone) {
-      const bool fp16 = options.commHook() == CommHook::kFp16Compress;
-      s.logger->set_comm_hook(fp16 ? "FP16_COMPRESS" : "ALLREDUCE");
-      s.reducer->register_builtin_comm_hook(fp16 ? c10d::BuiltinCommHookType::FP16_COMPRESS
-                                                 : c10d::BuiltinCommHookType::ALLREDUCE);
-      s.hookRegistered = true;
-    }
+    s.buildReducer(options.bucketAssignment());
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -342,6 +353,30 @@ void detail::DDPCore::registerCommHook(std::unique_ptr<c10d::CommHookInterface> 
     s.hookRegistered = true;
   } catch (const std::exception& e) {
     rethrow(e, "registerCommHook");
+  }
+}
+
+void detail::DDPCore::resetReducer(const std::optional<std::vector<std::vector<size_t>>>& buckets) {
+  Impl& s = *impl_;
+  if (s.numIterations > 0)
+    throw ConfigError("DistributedDataParallel: the bucket layout can only be replaced before the first forward");
+  if (s.hookRegistered && s.options.commHook() == CommHook::kNone)
+    throw ConfigError("DistributedDataParallel: replace the bucket layout before registerCommHook()");
+  if (s.options.gradientAsBucketView()) {
+    // Gradients that exist when the Reducer is built become bucket views at once, and it then
+    // averages every step with one in-place division. Left undefined, a process's first step
+    // instead multiplies by 1/world while copying into the bucket, which rounds differently when
+    // the world size is not a power of two: a resumed process would not repeat its predecessor.
+    torch::NoGradGuard noGrad;
+    for (auto& p : s.params)
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+  }
+  try {
+    s.buildReducer(buckets);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow(e, "bucket layout");
   }
 }
 

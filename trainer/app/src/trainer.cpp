@@ -1,11 +1,12 @@
-// The training loop of ctorch-train. runTraining() reads top to bottom; the helpers above it each
-// do one thing (build the data, the model, resume, take a step, write a snapshot).
+// The training loop of ctorch-train: a Trainer is set up (process group, data, model, DDP, optimizer,
+// sampler, ctorch::ResilientTraining), then runs its epochs and finishes. Snapshots, stop signals and
+// resume are the library's (ctorch/resilience.hpp), as they are for any user's loop.
 //
 // Determinism (what makes a resumed run bit-identical to an uninterrupted one on CPU, same world
 // size): the data order is the DistributedSampler's (seed + epoch) and its position is in the
 // snapshot; augmentation is a pure function of (seed, epoch, sample index); the random generator
 // is re-seeded before every step from (seed, rank, global step), so dropout needs no saved RNG
-// state; the learning rate is a pure function of (epoch, step); optimizer state, parameters and
+// state (ResilienceOptions::stepSeed); the learning rate is a pure function of (epoch, step); optimizer state, parameters and
 // buffers come from the snapshot.
 #include "ctorch/train/trainer.hpp"
 
@@ -13,10 +14,7 @@
 #include "ctorch/train/memory_check.hpp"
 #include "ctorch/train/process_tuning.hpp"
 #include "ctorch/train/report.hpp"
-#include "ctorch/train/resume.hpp"
 #include "ctorch/train/schedule.hpp"
-#include "ctorch/train/snapshot_writer.hpp"
-#include "ctorch/train/stop_signal.hpp"
 
 #include <ctorch/compat.hpp>
 #include <ctorch/contract/worker_contract.hpp>
@@ -27,6 +25,7 @@
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/models/registry.hpp>
+#include <ctorch/resilience.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
 
@@ -140,25 +139,6 @@ class ProcessGroupScope {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
 };
 
-// Small collectives on the tensors' device the backend serves.
-std::vector<double> allReduceSum(c10d::ProcessGroup& group, const std::vector<double>& values,
-                                 const torch::Device& commDevice) {
-  std::vector<at::Tensor> t{torch::tensor(values, torch::kFloat64).to(commDevice)};
-  group.allreduce(t)->wait();
-  const auto cpu = t[0].cpu();
-  return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
-}
-
-std::vector<double> allReduceMax(c10d::ProcessGroup& group, const std::vector<double>& values,
-                                 const torch::Device& commDevice) {
-  std::vector<at::Tensor> t{torch::tensor(values, torch::kFloat64).to(commDevice)};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MAX;
-  group.allreduce(t, options)->wait();
-  const auto cpu = t[0].cpu();
-  return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
-}
-
 // ---- data and model ----------------------------------------------------------------------------------
 
 struct TrainData {
@@ -262,13 +242,6 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-// Dropout draws from the global generator: re-seeding it from (seed, rank, step) makes every step's
-// randomness independent of how the run got there (fresh, resumed, restarted).
-void seedStep(std::int64_t seed, int rank, std::int64_t globalStep) {
-  torch::manual_seed(data::mixBits(static_cast<std::uint64_t>(seed), static_cast<std::uint64_t>(rank),
-                                   static_cast<std::uint64_t>(globalStep)));
-}
-
 std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
@@ -286,99 +259,8 @@ std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
   throw DistributedError(message);
 }
 
-// ---- where the run stands ----------------------------------------------------------------------------
-
-struct RunState {
-  std::int64_t epoch = 0;        // the epoch in progress (== completed epochs)
-  std::int64_t stepInEpoch = 0;  // optimizer steps done in it
-  std::int64_t globalStep = 0;
-  double trainSecondsBefore = 0; // training time of earlier processes of this run
-  double bestAccuracy = -1.0;
-};
-
-struct Names {
-  std::filesystem::path slot, boundarySlot;
-};
-
-// ---- snapshots ---------------------------------------------------------------------------------------
-
-constexpr const char* kEpochComplete = "epoch_complete";
-constexpr const char* kTrainSeconds = "train_seconds";
-constexpr const char* kBestAccuracy = "best_accuracy";
-constexpr const char* kDdpBuckets = "ddp_buckets";
-
-SnapshotPoint pointOf(const Snapshot& s) {
-  SnapshotPoint p;
-  p.file = s.source;
-  p.worldSize = s.header.worldSize;
-  p.epochsRun = s.epochsRun;
-  p.stepInEpoch = s.stepInEpoch;
-  p.globalStep = s.globalStep;
-  if (s.userState.contains(kEpochComplete)) p.epochComplete = s.userState.at(kEpochComplete).toBool();
-  return p;
-}
-
-struct Loaded {
-  std::optional<Snapshot> snapshot;
-  std::string skipped;  // what was passed over, for the log
-  std::vector<SkippedSnapshot> skippedFiles;
-};
-
-Loaded loadFromSlot(const std::filesystem::path& slot, const LoadNewestOptions& options, bool allowNothingValid) {
-  auto search = loadNewestValid(slot, options);
-  Loaded out;
-  out.skipped = search.describeSkipped();
-  out.skippedFiles = search.skipped;
-  if (!search.snapshot && !search.skipped.empty() && !allowNothingValid)
-    throw ConfigError("no usable snapshot in " + slot.string() + " (" + out.skipped +
-                      "); remove the files or start over with --resume never");
-  out.snapshot = std::move(search.snapshot);
-  return out;
-}
-
-// Finds the snapshot to resume from (every rank reads the files itself) and says what it does.
-// `unusable` receives the slot files that were skipped as corrupt.
-std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIdentity& identity, const Names& names,
-                                        Console& console, std::int64_t worldSize,
-                                        std::vector<SkippedSnapshot>& unusable) {
-  if (o.resume.kind == ResumeChoice::Kind::kNever) {
-    console.line("resume: --resume never: starting from scratch");
-    return std::nullopt;
-  }
-  LoadNewestOptions load;
-  // --allow-config-change lets hyper-parameters differ, never the model: another model's weights
-  // cannot fit, and the refusal should name both models rather than fail later in DDP or restore.
-  load.expect.modelName = identity.modelName;
-  if (!o.allowConfigChange) load.expect.config = identity.config;
-
-  Loaded newest;
-  if (o.resume.kind == ResumeChoice::Kind::kPath)
-    newest.snapshot = loadSnapshot(o.resume.path, load.expect);
-  else
-    newest = loadFromSlot(names.slot, load, /*allowNothingValid=*/false);
-  if (!newest.skipped.empty()) console.line("resume: " + newest.skipped);
-  unusable = newest.skippedFiles;
-
-  std::optional<SnapshotPoint> newestPoint, boundaryPoint;
-  if (newest.snapshot) newestPoint = pointOf(*newest.snapshot);
-  Loaded boundary;
-  if (needsEpochBoundary(newestPoint, worldSize)) {
-    boundary = loadFromSlot(names.boundarySlot, load, /*allowNothingValid=*/true);
-    if (!boundary.skipped.empty()) console.line("resume: " + boundary.skipped);
-    unusable.insert(unusable.end(), boundary.skippedFiles.begin(), boundary.skippedFiles.end());
-    if (boundary.snapshot) boundaryPoint = pointOf(*boundary.snapshot);
-  }
-  const ResumePlan plan = planResume(newestPoint, boundaryPoint, worldSize, names.boundarySlot);
-  console.line("resume: " + plan.message);
-  switch (plan.source) {
-    case ResumeSource::kNone: return std::nullopt;
-    case ResumeSource::kNewest: return std::move(newest.snapshot);
-    case ResumeSource::kBoundary: return std::move(boundary.snapshot);
-  }
-  return std::nullopt;
-}
-
-// A snapshot of another configuration is refused naming each difference; this adds the ways on.
+// A snapshot of another configuration, or no correct way to resume: the library's message names
+// the files and the differences; this adds the flags that go on.
 [[noreturn]] void refuseSnapshot(const SnapshotIncompatible& e, const TrainOptions& o) {
   throw ConfigError(std::string(e.what()) + "; to go on, pass --resume never (start over, replacing " +
                     o.snapshotPath.string() + ")" +
@@ -386,41 +268,8 @@ std::optional<Snapshot> findResumePoint(const TrainOptions& o, const SnapshotIde
                     " or another --snapshot-path (keep that run)");
 }
 
-// The DDP bucket layout the snapshot's run used (absent in snapshots of other writers).
-std::optional<std::vector<std::vector<size_t>>> bucketsOf(const std::optional<Snapshot>& snap) {
-  if (!snap || !snap->userState.contains(kDdpBuckets)) return std::nullopt;
-  std::vector<std::vector<size_t>> buckets;
-  for (const auto& bucket : snap->userState.at(kDdpBuckets).toList()) {
-    buckets.emplace_back();
-    for (const auto& index : bucket.get().toList()) buckets.back().push_back(static_cast<size_t>(index.get().toInt()));
-  }
-  return buckets;
-}
-
-c10::IValue bucketsValue(const std::vector<std::vector<size_t>>& buckets) {
-  c10::impl::GenericList list(c10::ListType::create(c10::ListType::ofInts()));
-  for (const auto& bucket : buckets) {
-    c10::List<int64_t> indices;
-    for (size_t i : bucket) indices.push_back(static_cast<int64_t>(i));
-    list.push_back(indices);
-  }
-  return list;
-}
-
-// Restores the snapshot into the live objects and returns where the run stands.
-RunState restoreFrom(const Snapshot& snap, const TrainingObjects& objects, GradScaler& scaler) {
-  RestoreOptions restore;
-  restore.rng = false;  // re-seeded every step (seedStep)
-  restoreSnapshot(snap, objects, restore);
-  scaler.loadFrom(snap.userState);
-  const SnapshotPoint p = pointOf(snap);
-  RunState state;
-  state.epoch = p.epochsRun;
-  state.stepInEpoch = p.stepInEpoch;
-  state.globalStep = p.globalStep;
-  if (snap.userState.contains(kTrainSeconds)) state.trainSecondsBefore = snap.userState.at(kTrainSeconds).toDouble();
-  if (snap.userState.contains(kBestAccuracy)) state.bestAccuracy = snap.userState.at(kBestAccuracy).toDouble();
-  return state;
+[[noreturn]] void refuseResume(const ResumeRefused& e) {
+  throw ConfigError(std::string(e.what()) + " (ctorch-train: --resume never starts over)");
 }
 
 std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& dir) {
@@ -474,11 +323,370 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
   }
   scaler.step(optimizer);
   scaler.update();
-  // The bucket regrouping that follows a process's first step happens here rather than in the next
-  // forward, so that a snapshot taken now records the layout the next step uses (see bucketsOf).
-  ddp.rebuildBuckets();
   out.loss = lossSum.item<double>() / static_cast<double>(micro);
   return out;
+}
+
+
+// ---- the run -------------------------------------------------------------------------------------------
+
+// One training run: set-up in the constructor, then run() (loop and finish). Resilience (stop
+// signals, snapshots, resume) is the library's ctorch::ResilientTraining; this class adds the
+// trainer's own data, metrics, evaluation, console and final weights.
+class Trainer {
+ public:
+  Trainer(const TrainOptions& o, const RunHooks& hooks, const torch::Device& wanted)
+      : o_(o),
+        hooks_(hooks),
+        runStart_(Clock::now()),
+        pg_(processGroupOptions(o, wanted)),
+        rank_(getRank()),
+        worldSize_(getWorldSize()),
+        device_(bindDevice(wanted)),
+        console_(ctorch::isMainProcess() ? hooks.out : nullptr, o.progress, hooks.terminal) {
+    const ThreadChoice threads = configureThreads(o.threads, getLocalWorldSize());
+    console_.line("ctorch-train: " + getDistributedEnv().describe() + ", device " + device_.str() + ", backend " +
+                  getBackendName() + ", " + std::to_string(threads.threads) + " thread" +
+                  (threads.threads == 1 ? "" : "s") + " per rank (" + threads.reason + ")");
+    console_.line("config: " + o.describe());
+    buildDataAndModel();
+    buildTraining();
+  }
+
+  RunResult run();
+
+ private:
+  void buildDataAndModel();
+  void buildTraining();
+  void resume();
+  bool runEpoch(RunResult& result);  // true: the run stops (signal or step limit)
+  bool endEpoch(RunResult& result);  // true: stopped at the epoch boundary
+  EvalTotals evaluate(std::int64_t completed);
+  RunResult stopped(RunResult result, bool stepLimit);
+  double trainSeconds() const { return trainSecondsBefore_ + secondsSince(runStart_); }
+  std::string point() const;
+
+  const TrainOptions& o_;
+  const RunHooks& hooks_;
+  const Clock::time_point runStart_;
+  ProcessGroupScope pg_;
+  const int rank_;
+  const int worldSize_;
+  const torch::Device device_;
+  Console console_;
+  TrainData data_;
+  std::shared_ptr<Model> model_;
+  std::int64_t activationBytes_ = 0;
+  std::unique_ptr<DDP> ddp_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<GradScaler> scaler_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  std::unique_ptr<LrSchedule> schedule_;
+  std::int64_t stepsPerEpoch_ = 0;
+  std::unique_ptr<ResilientTraining> training_;
+  std::optional<MetricsLog> metrics_;
+  double trainSecondsBefore_ = 0;  // training time of earlier processes of this run
+  double bestAccuracy_ = -1.0;
+};
+
+void Trainer::buildDataAndModel() {
+  const auto dataStart = Clock::now();
+  data_ = loadData(o_);
+  console_.line("data: " + o_.dataset + ", " + withThousands(data_.train->size()) + " training / " +
+                withThousands(data_.test->size()) + " test samples of " + shapeText(data_.train->sampleShape()) +
+                (data_.augmented ? ", crop+flip augmentation" : "") + " (loaded in " +
+                formatDuration(secondsSince(dataStart)) + ")");
+  const models::ModelOptions modelOptions = modelOptionsFor(o_, *data_.train);
+  if (device_.is_cpu()) activationBytes_ = measureActivationBytes(modelOptions, data_.train->sampleShape());
+  torch::manual_seed(static_cast<std::uint64_t>(o_.seed));  // initial weights (DDP broadcasts rank 0's anyway)
+  model_ = models::createModel(modelOptions);
+  model_->to(device_);
+}
+
+void Trainer::buildTraining() {
+  ddp_ = std::make_unique<DDP>(model_, DDPOptions()
+                                           .bucketCapMb(o_.bucketCapMb)
+                                           .findUnusedParameters(o_.findUnusedParameters)
+                                           .gradientAsBucketView(o_.gradientAsBucketView));
+  optimizer_ = makeOptimizer(o_, ddp_->parameters());
+  scaler_ = std::make_unique<GradScaler>(o_.amp, device_);
+  DistributedSamplerOptions samplerOptions;
+  samplerOptions.datasetSize = data_.train->size();
+  samplerOptions.worldSize = worldSize_;
+  samplerOptions.rank = rank_;
+  samplerOptions.seed = o_.seed;
+  sampler_ = std::make_unique<DistributedSampler>(samplerOptions);
+  BatchMemoryInputs batch;
+  batch.batchSize = o_.batchSize;
+  batch.shardSize = sampler_->size();
+  batch.datasetSize = data_.train->size();
+  batch.worldSize = worldSize_;
+  batch.localRanks = getLocalWorldSize();
+  batch.inputBytes = sampleBytes(data_.train->sampleShape());
+  batch.activationBytes = activationBytes_;
+  batch.prefetch = o_.prefetch;
+  batch.availableBytes = availableMemory(batch.availableSource);
+  if (const std::string problem = checkBatchSize(batch); !problem.empty()) throw UsageError(problem);
+  stepsPerEpoch_ = ceilDiv(ceilDiv(sampler_->size(), o_.batchSize), o_.gradAccumSteps);
+  schedule_ = std::make_unique<LrSchedule>(LrSchedule::fromOptions(o_));
+  console_.line("model: " + o_.model + ", " + withThousands(models::parameterCount(*model_)) +
+                " parameters; global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * worldSize_) + " (" +
+                std::to_string(o_.batchSize) + " per rank" +
+                (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
+                std::to_string(worldSize_) + (worldSize_ == 1 ? " rank), " : " ranks), ") +
+                std::to_string(stepsPerEpoch_) + " steps per epoch");
+
+  // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
+  // function of progress, recorded for readers), loss scaling, the trainer's own totals.
+  ResilienceOptions r;
+  r.snapshotPath(o_.snapshotPath)
+      .saveEverySteps(o_.saveEverySteps)
+      .saveEveryEpochs(o_.saveEvery)
+      .keepPrevious(o_.keepSnapshots)
+      .resume(o_.resume.kind != ResumeChoice::Kind::kNever)
+      .runName(o_.model)
+      .config(o_.bindingConfig())
+      .allowConfigChange(o_.allowConfigChange)
+      .stepSeed(static_cast<std::uint64_t>(o_.seed))
+      .log([this](const std::string& line) { console_.line(line); })
+      .programName("ctorch-train");
+  if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
+  training_ = std::make_unique<ResilientTraining>(r);
+  ResilientTraining& t = *training_;
+  t.track(*ddp_).track(*optimizer_).track(*sampler_);
+  t.trackScheduler(
+      [this] {
+        ItemDict d = newItemDict();
+        const double at = epochProgress(training_->epoch(), training_->stepInEpoch(), stepsPerEpoch_);
+        d.insert("kind", std::string(toString(o_.lrDecay)));
+        d.insert("epoch_progress", at);
+        d.insert("lr", schedule_->at(at));
+        return d;
+      },
+      [](const ItemDict&) {});  // recomputed from the progress
+  t.track("train_seconds", [this] { return c10::IValue(trainSeconds()); },
+          [this](const c10::IValue& v) { trainSecondsBefore_ = v.toDouble(); });
+  t.track("best_accuracy", bestAccuracy_);
+  t.track("steps_per_epoch", [this] { return c10::IValue(stepsPerEpoch_); }, [](const c10::IValue&) {});
+  t.trackItems([this](ItemDict& d) { scaler_->saveTo(d); }, [this](const ItemDict& d) { scaler_->loadFrom(d); });
+}
+
+void Trainer::resume() {
+  try {
+    training_->resume();
+  } catch (const SnapshotIncompatible& e) {
+    refuseSnapshot(e, o_);
+  } catch (const ResumeRefused& e) {
+    refuseResume(e);
+  }
+  if (ctorch::isMainProcess() && o_.metricsPath()) metrics_.emplace(*o_.metricsPath(), training_->globalStep());
+}
+
+std::string Trainer::point() const {
+  const ResilientTraining& t = *training_;
+  if (t.stepInEpoch() == 0 && t.epoch() > 0)
+    return "the end of epoch " + std::to_string(t.epoch()) + " (global step " + std::to_string(t.globalStep()) + ")";
+  return "global step " + std::to_string(t.globalStep()) + " (epoch " + std::to_string(t.epoch() + 1) + ", step " +
+         std::to_string(t.stepInEpoch()) + ")";
+}
+
+RunResult Trainer::run() {
+  resume();
+  RunResult result;
+  if (training_->stopRequested()) return stopped(result, false);
+  while (training_->epoch() < o_.epochs) {
+    if (runEpoch(result)) return result;
+    if (endEpoch(result)) return result;
+  }
+  // Done: the final weights (a resumed finished run evaluates and writes them again).
+  if (!result.lastEval) result.lastEval = evaluate(training_->epoch());
+  if (ctorch::isMainProcess()) ctorch::saveStateDict(*model_, o_.finalModelPath());
+  training_->finish();
+  result.epochsRun = training_->epoch();
+  result.globalStep = training_->globalStep();
+  console_.line("done: " + std::to_string(o_.epochs) + " epochs, " + std::to_string(result.globalStep) + " steps, " +
+                formatDuration(trainSeconds()) + " of training; final weights " + o_.finalModelPath().string() +
+                (result.lastEval->classification ? ", test accuracy " + percent(result.lastEval->accuracy()) : ""));
+  return result;
+}
+
+// The steps of the current epoch (from where a resume left it).
+bool Trainer::runEpoch(RunResult& result) {
+  ResilientTraining& t = *training_;
+  const std::int64_t epoch = t.epoch();
+  sampler_->setEpoch(epoch);  // right after a mid-epoch resume: keeps the restored position
+  data::LoaderOptions loaderOptions;
+  loaderOptions.batchSize = o_.batchSize;
+  loaderOptions.epoch = epoch;
+  loaderOptions.skipBatches = ceilDiv(sampler_->position(), o_.batchSize);
+  loaderOptions.prefetch = o_.prefetch;
+  data::BatchLoader loader(data_.trainPipeline, sampler_->indices(), loaderOptions);
+
+  const auto epochStart = Clock::now();
+  const double epochCpuStart = processCpuSeconds();
+  auto intervalStart = epochStart;
+  const std::int64_t firstStep = t.stepInEpoch();
+  double intervalLoss = 0.0, epochLoss = 0.0;
+  std::int64_t intervalSteps = 0, intervalSamples = 0, epochSamples = 0;
+  while (!sampler_->exhausted()) {
+    const double lr = schedule_->at(epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_));
+    setLearningRate(*optimizer_, lr);
+    if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
+    StepOutcome step;
+    std::vector<double> sums;
+    bool stop = false;
+    try {
+      step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
+      // The step's one small allreduce: every rank's loss for the log, and whether any must stop.
+      sums = {step.loss};
+      stop = t.stepDone(sums);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      stepFailed(e, rank_, t.globalStep(), o_.timeout);
+    }
+    const double loss = sums[0] / worldSize_;
+    intervalLoss += loss;
+    epochLoss += loss;
+    ++intervalSteps;
+    intervalSamples += step.samples * worldSize_;
+    epochSamples += step.samples * worldSize_;
+    const bool periodic = t.globalStep() % o_.logInterval == 0 || sampler_->exhausted();
+    if (periodic || console_.barMode()) {
+      StepReport r;
+      r.epoch = epoch;
+      r.epochs = o_.epochs;
+      r.stepInEpoch = t.stepInEpoch();
+      r.stepsPerEpoch = stepsPerEpoch_;
+      r.globalStep = t.globalStep();
+      r.lr = lr;
+      const double elapsed = secondsSince(intervalStart);
+      r.loss = intervalLoss / static_cast<double>(intervalSteps);
+      r.samplesPerSecond = elapsed > 0 ? static_cast<double>(intervalSamples) / elapsed : 0.0;
+      const double perStep = secondsSince(epochStart) / static_cast<double>(t.stepInEpoch() - firstStep);
+      r.epochEtaSeconds = perStep * static_cast<double>(stepsPerEpoch_ - t.stepInEpoch());
+      r.totalEtaSeconds = r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch_ * (o_.epochs - epoch - 1));
+      console_.progress(r, periodic);
+      if (periodic) {
+        if (metrics_) {
+          TrainRecord m;
+          m.step = t.globalStep();
+          m.epoch = epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_);
+          m.loss = r.loss;
+          m.lr = lr;
+          m.samplesPerSecond = r.samplesPerSecond;
+          m.time = trainSeconds();
+          m.lossKind = lossKindName(model_->output());
+          metrics_->write(m);
+        }
+        intervalLoss = 0.0;
+        intervalSteps = 0;
+        intervalSamples = 0;
+        intervalStart = Clock::now();
+      }
+    }
+    if (hooks_.afterStep) hooks_.afterStep(t.globalStep());
+    if (stop) {
+      result = stopped(result, false);
+      return true;
+    }
+    const bool limit = o_.maxSteps > 0 && t.globalStep() >= o_.maxSteps &&
+                       !(epoch + 1 == o_.epochs && sampler_->exhausted());
+    if (limit) {
+      result = stopped(result, true);
+      return true;
+    }
+    if (o_.stepDelay.count() > 0) std::this_thread::sleep_for(o_.stepDelay);
+  }
+
+  const double epochSeconds = secondsSince(epochStart);
+  const std::int64_t stepsRun = t.stepInEpoch() - firstStep;
+  const double epochRate = static_cast<double>(epochSamples) / std::max(epochSeconds, 1e-9);
+  const double meanLoss = stepsRun > 0 ? epochLoss / static_cast<double>(stepsRun) : 0.0;
+  console_.line("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o_.epochs) + " done: " +
+                std::to_string(stepsRun) + " steps in " + formatDuration(epochSeconds) + ", " +
+                std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss));
+  if (metrics_) {
+    EpochRecord r;
+    r.step = t.globalStep();
+    r.epoch = epoch + 1;
+    r.steps = stepsRun;
+    r.seconds = epochSeconds;
+    r.cpuSeconds = processCpuSeconds() - epochCpuStart;
+    r.samplesPerSecond = epochRate;
+    r.loss = meanLoss;
+    r.time = trainSeconds();
+    metrics_->write(r);
+  }
+  return false;
+}
+
+// Evaluation, then the epoch-boundary snapshot (and checkpoint file) with its result in it.
+bool Trainer::endEpoch(RunResult& result) {
+  const std::int64_t completed = training_->epoch() + 1;
+  const bool lastEpoch = completed == o_.epochs;
+  if (lastEpoch || (o_.evalEvery > 0 && completed % o_.evalEvery == 0)) result.lastEval = evaluate(completed);
+  SaveExtras extras;
+  extras.force = lastEpoch && (o_.saveEvery > 0 || o_.saveEverySteps > 0);
+  if (o_.checkpointEvery > 0 && completed % o_.checkpointEvery == 0) {
+    if (ctorch::isMainProcess()) std::filesystem::create_directories(o_.outputDir());
+    extras.alsoWriteTo.push_back(o_.outputDir() / ("checkpoint_epoch_" + std::to_string(completed) + ".pt"));
+    extras.afterWrite = [dir = o_.outputDir(), keep = static_cast<size_t>(o_.keepCheckpoints)] {
+      const auto files = checkpointFiles(dir);
+      for (size_t i = 0; i + keep < files.size(); ++i) std::filesystem::remove(files[i]);
+    };
+  }
+  if (!training_->epochDone(extras)) return false;
+  result = stopped(result, false);
+  return true;
+}
+
+EvalTotals Trainer::evaluate(std::int64_t completed) {
+  const auto evalStart = Clock::now();
+  const EvalTotals totals =
+      evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group());
+  std::string line = "epoch " + std::to_string(completed) + "/" + std::to_string(o_.epochs) +
+                     " test: loss " + std::to_string(totals.loss());
+  if (totals.classification) {
+    line += ", accuracy " + percent(totals.accuracy()) + " (" + std::to_string(totals.correct) + "/" +
+            std::to_string(totals.count) + ")";
+    bestAccuracy_ = std::max(bestAccuracy_, totals.accuracy());
+  }
+  console_.line(line + " in " + formatDuration(secondsSince(evalStart)));
+  if (metrics_) {
+    EvalRecord r;
+    r.step = training_->globalStep();
+    r.epoch = static_cast<double>(completed);
+    r.loss = totals.loss();
+    if (totals.classification) r.accuracy = totals.accuracy();
+    r.correct = totals.correct;
+    r.count = totals.count;
+    r.time = trainSeconds();
+    metrics_->write(r);
+  }
+  return totals;
+}
+
+// The run ends early: a stop signal (the library saved this step and every rank agreed) or
+// --max-steps (saved here when snapshots are on).
+RunResult Trainer::stopped(RunResult result, bool stepLimit) {
+  ResilientTraining& t = *training_;
+  result.epochsRun = t.epoch();
+  result.stepInEpoch = t.stepInEpoch();
+  result.globalStep = t.globalStep();
+  if (!stepLimit) {
+    result.status = RunStatus::kPreempted;
+    result.stopSignal = t.stopSignal();
+    return result;
+  }
+  const bool snapshotsOn = o_.saveEvery > 0 || o_.saveEverySteps > 0;
+  if (snapshotsOn) t.save();
+  t.wait();
+  barrier();  // nobody exits before rank 0's snapshot is durable
+  result.status = RunStatus::kStepLimit;
+  console_.line("reached --max-steps " + std::to_string(o_.maxSteps) + " at " + point() +
+                (snapshotsOn ? "; snapshot written: run again with a higher --max-steps to continue" : ""));
+  return result;
 }
 
 }  // namespace
@@ -486,419 +694,9 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
 RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   o.validate();
   tuneAllocator();
-  const auto runStart = Clock::now();
-
-  // ---- the process group; rank roles named once
   const torch::Device wanted = chooseDevice(o);
-  ProcessGroupScope pg(processGroupOptions(o, wanted));
-  c10d::ProcessGroup& group = pg.group();
-  const int rank = getRank();
-  const int worldSize = getWorldSize();
-  const bool isMainProcess = ctorch::isMainProcess();  // prints, writes snapshots, metrics and weights
-  const torch::Device device = bindDevice(wanted);
-  const torch::Device commDevice = getBackendName() == "nccl" ? device : torch::Device(torch::kCPU);
-  const ThreadChoice threads = configureThreads(o.threads, getLocalWorldSize());
-  Console console(isMainProcess ? hooks.out : nullptr, o.progress, hooks.terminal);
-  console.line("ctorch-train: " + getDistributedEnv().describe() + ", device " + device.str() + ", backend " +
-               getBackendName() + ", " + std::to_string(threads.threads) + " thread" +
-               (threads.threads == 1 ? "" : "s") + " per rank (" + threads.reason + ")");
-  console.line("config: " + o.describe());
-
-  // ---- data and model
-  const auto dataStart = Clock::now();
-  const TrainData data = loadData(o);
-  console.line("data: " + o.dataset + ", " + withThousands(data.train->size()) + " training / " +
-               withThousands(data.test->size()) + " test samples of " + shapeText(data.train->sampleShape()) +
-               (data.augmented ? ", crop+flip augmentation" : "") + " (loaded in " +
-               formatDuration(secondsSince(dataStart)) + ")");
-  const models::ModelOptions modelOptions = modelOptionsFor(o, *data.train);
-  const std::int64_t activationBytes = device.is_cpu() ? measureActivationBytes(modelOptions, data.train->sampleShape()) : 0;
-  torch::manual_seed(static_cast<std::uint64_t>(o.seed));  // initial weights (DDP broadcasts rank 0's anyway)
-  const std::shared_ptr<Model> model = models::createModel(modelOptions);
-  model->to(device);
-
-  // ---- the snapshot to resume from (found before DDP is built: it carries DDP's bucket layout)
-  const SnapshotIdentity identity{o.model, worldSize, o.bindingConfig()};
-  const Names names{o.snapshotPath, boundarySlotFor(o.snapshotPath)};
-  std::vector<SkippedSnapshot> unusableFiles;
-  std::optional<Snapshot> resumeFrom;
-  try {
-    resumeFrom = findResumePoint(o, identity, names, console, worldSize, unusableFiles);
-  } catch (const SnapshotIncompatible& e) {
-    refuseSnapshot(e, o);
-  }
-
-  // ---- DDP, optimizer, sampler, loss scaling, schedule
-  if (o.gradientAsBucketView) {
-    // Gradients that exist when the Reducer is built become bucket views at once; it then averages
-    // every step with one in-place division. Left undefined, each process's first step would instead
-    // multiply by 1/world while copying into the bucket, which rounds differently when the world
-    // size is not a power of two: a resumed process would not repeat its predecessor bit for bit.
-    torch::NoGradGuard noGrad;
-    for (auto& p : model->parameters())
-      if (p.requires_grad()) p.mutable_grad() = torch::zeros_like(p);
-  }
-  DDP ddp(model, DDPOptions()
-                     .bucketCapMb(o.bucketCapMb)
-                     .findUnusedParameters(o.findUnusedParameters)
-                     .gradientAsBucketView(o.gradientAsBucketView)
-                     .bucketAssignment(bucketsOf(resumeFrom)));
-  const auto optimizer = makeOptimizer(o, ddp.parameters());
-  GradScaler scaler(o.amp, device);
-  DistributedSamplerOptions samplerOptions;
-  samplerOptions.datasetSize = data.train->size();
-  samplerOptions.worldSize = worldSize;
-  samplerOptions.rank = rank;
-  samplerOptions.seed = o.seed;
-  DistributedSampler sampler(samplerOptions);
-  {
-    BatchMemoryInputs batch;
-    batch.batchSize = o.batchSize;
-    batch.shardSize = sampler.size();
-    batch.datasetSize = data.train->size();
-    batch.worldSize = worldSize;
-    batch.localRanks = getLocalWorldSize();
-    batch.inputBytes = sampleBytes(data.train->sampleShape());
-    batch.activationBytes = activationBytes;
-    batch.prefetch = o.prefetch;
-    batch.availableBytes = availableMemory(batch.availableSource);
-    if (const std::string problem = checkBatchSize(batch); !problem.empty()) throw UsageError(problem);
-  }
-  const std::int64_t stepsPerEpoch = ceilDiv(ceilDiv(sampler.size(), o.batchSize), o.gradAccumSteps);
-  const LrSchedule schedule = LrSchedule::fromOptions(o);
-  console.line("model: " + o.model + ", " + withThousands(models::parameterCount(*model)) + " parameters; global batch " +
-               std::to_string(o.batchSize * o.gradAccumSteps * worldSize) + " (" + std::to_string(o.batchSize) +
-               " per rank" + (o.gradAccumSteps > 1 ? " x " + std::to_string(o.gradAccumSteps) + " micro-steps" : "") +
-               " x " + std::to_string(worldSize) + (worldSize == 1 ? " rank), " : " ranks), ") +
-               std::to_string(stepsPerEpoch) + " steps per epoch");
-
-  // ---- restore; every rank loaded the files itself, and all must stand at the same step
-  const TrainingObjects objects{model.get(), optimizer.get(), &sampler};
-  RunState state;
-  try {
-    if (resumeFrom) state = restoreFrom(*resumeFrom, objects, scaler);
-  } catch (const SnapshotIncompatible& e) {
-    refuseSnapshot(e, o);
-  }
-  // A stop requested while starting up ends the run here (nothing new to save).
-  enum class StopPoint { kNone, kBeforeStart, kAfterStep, kEpochEnd };
-  StopPoint stopPoint = StopPoint::kNone;
-  {
-    const double g = static_cast<double>(state.globalStep);
-    const auto agreed = allReduceMax(group, {g, -g, stopSignal() != 0 ? 1.0 : 0.0}, commDevice);
-    if (agreed[0] != -agreed[1])
-      throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) +
-                             " to " + std::to_string(agreed[0]) +
-                             "): every rank must see the same snapshot files (a shared file system)");
-    if (agreed[2] > 0) stopPoint = StopPoint::kBeforeStart;
-  }
-  // Corrupt files of the slot are set aside now that every rank has read the slot, so that the next
-  // save cannot rotate one into the place of a good fallback (setAsideSkipped).
-  if (isMainProcess)
-    for (const auto& line : setAsideSkipped(unusableFiles)) console.line("resume: " + line);
-
-  std::optional<MetricsLog> metrics;
-  if (isMainProcess && o.metricsPath()) metrics.emplace(*o.metricsPath(), state.globalStep);
-  SnapshotWriter writer(/*background=*/true);
-  const bool snapshotsOn = o.saveEvery > 0 || o.saveEverySteps > 0;
-  auto trainSeconds = [&] { return state.trainSecondsBefore + secondsSince(runStart); };
-  auto report = [&console](const std::string& text) { console.line(text); };
-  auto reportError = [](const std::string& text) { std::cerr << "ctorch-train: " << text << std::endl; };
-
-  // Rank 0 captures a copy now; the writer thread encodes and writes it while training goes on.
-  // kEpochEnd records the next epoch's start; the other two the step just taken. Epoch boundaries
-  // also go to the boundary slot, which a run with another world size resumes from.
-  enum class When { kMidEpoch, kEpochComplete, kEpochEnd };
-  auto snapshot = [&](When when, std::vector<std::filesystem::path> extraFiles, std::function<void()> afterWrite) {
-    if (!isMainProcess) return;
-    const bool end = when == When::kEpochEnd;
-    const TrainingProgress progress{end ? state.epoch + 1 : state.epoch, end ? 0 : state.stepInEpoch,
-                                    state.globalStep};
-    Snapshot s = captureSnapshot(objects, identity, progress);
-    const double at = epochProgress(progress.epochsRun, progress.stepInEpoch, stepsPerEpoch);
-    s.schedulerState.insert("kind", std::string(toString(o.lrDecay)));
-    s.schedulerState.insert("epoch_progress", at);
-    s.schedulerState.insert("lr", schedule.at(at));
-    s.userState.insert(kEpochComplete, when == When::kEpochComplete);
-    s.userState.insert(kTrainSeconds, trainSeconds());
-    s.userState.insert(kBestAccuracy, state.bestAccuracy);
-    s.userState.insert("steps_per_epoch", stepsPerEpoch);
-    s.userState.insert(kDdpBuckets, bucketsValue(ddp.bucketAssignment()));
-    scaler.saveTo(s.userState);
-    SnapshotJob job;
-    job.snapshot = std::move(s);
-    auto add = [&job](const std::filesystem::path& path, int keep) {
-      SnapshotSlotOptions slot;
-      slot.path = path;
-      slot.keepPrevious = keep;
-      job.slots.push_back(slot);
-    };
-    add(names.slot, o.keepSnapshots);
-    if (when != When::kMidEpoch) add(names.boundarySlot, 1);
-    for (const auto& extra : extraFiles) add(extra, 0);
-    job.afterWrite = std::move(afterWrite);
-    job.report = report;
-    job.reportError = reportError;
-    job.label = end ? "end of epoch " + std::to_string(state.epoch + 1)
-                    : "epoch " + std::to_string(state.epoch + 1) + ", step " + std::to_string(state.stepInEpoch);
-    job.label += ", global step " + std::to_string(state.globalStep);
-    writer.submit(std::move(job));
-  };
-
-  // Writes only checkpoint_epoch_N.pt (when no snapshot is due at this epoch end).
-  auto checkpointOnly = [&](const std::filesystem::path& file, std::function<void()> afterWrite) {
-    if (!isMainProcess) return;
-    Snapshot s = captureSnapshot(objects, identity, {state.epoch + 1, 0, state.globalStep});
-    s.userState.insert(kEpochComplete, false);
-    s.userState.insert(kTrainSeconds, trainSeconds());
-    s.userState.insert(kBestAccuracy, state.bestAccuracy);
-    s.userState.insert(kDdpBuckets, bucketsValue(ddp.bucketAssignment()));
-    scaler.saveTo(s.userState);
-    SnapshotJob job;
-    job.snapshot = std::move(s);
-    SnapshotSlotOptions slot;
-    slot.path = file;
-    slot.keepPrevious = 0;
-    job.slots.push_back(slot);
-    job.afterWrite = std::move(afterWrite);
-    job.report = report;
-    job.reportError = reportError;
-    job.label = "checkpoint of epoch " + std::to_string(state.epoch + 1);
-    writer.submit(std::move(job));
-  };
-
-  // After `completed` epochs.
-  auto evaluate = [&](std::int64_t completed) {
-    const auto evalStart = Clock::now();
-    const EvalTotals totals = evaluateDistributed(*model, *data.testPipeline, o.evalBatchSize, device, group);
-    std::string line = "epoch " + std::to_string(completed) + "/" + std::to_string(o.epochs) +
-                       " test: loss " + std::to_string(totals.loss());
-    if (totals.classification) {
-      line += ", accuracy " + percent(totals.accuracy()) + " (" + std::to_string(totals.correct) + "/" +
-              std::to_string(totals.count) + ")";
-      state.bestAccuracy = std::max(state.bestAccuracy, totals.accuracy());
-    }
-    console.line(line + " in " + formatDuration(secondsSince(evalStart)));
-    if (metrics) {
-      EvalRecord r;
-      r.step = state.globalStep;
-      r.epoch = static_cast<double>(completed);
-      r.loss = totals.loss();
-      if (totals.classification) r.accuracy = totals.accuracy();
-      r.correct = totals.correct;
-      r.count = totals.count;
-      r.time = trainSeconds();
-      metrics->write(r);
-    }
-    return totals;
-  };
-
-  RunResult result;
-  int stopFlag = stopPoint == StopPoint::kNone ? 0 : 1;  // agreed by all ranks: 1 a stop signal, 2 the step limit
-  bool epochEndSaved = false;
-
-  // ---- the epochs
-  for (; stopFlag == 0 && state.epoch < o.epochs; ++state.epoch, state.stepInEpoch = 0) {
-    sampler.setEpoch(state.epoch);  // right after a mid-epoch resume: keeps the restored position
-    data::LoaderOptions loaderOptions;
-    loaderOptions.batchSize = o.batchSize;
-    loaderOptions.epoch = state.epoch;
-    loaderOptions.skipBatches = ceilDiv(sampler.position(), o.batchSize);
-    loaderOptions.prefetch = o.prefetch;
-    data::BatchLoader loader(data.trainPipeline, sampler.indices(), loaderOptions);
-
-    const auto epochStart = Clock::now();
-    const double epochCpuStart = processCpuSeconds();
-    auto intervalStart = epochStart;
-    const std::int64_t firstStep = state.stepInEpoch;
-    double intervalLoss = 0.0, epochLoss = 0.0;
-    std::int64_t intervalSteps = 0, intervalSamples = 0, epochSamples = 0;
-
-    while (!sampler.exhausted()) {
-      const double lr = schedule.at(epochProgress(state.epoch, state.stepInEpoch, stepsPerEpoch));
-      setLearningRate(*optimizer, lr);
-      if (hooks.beforeStep) hooks.beforeStep(state.globalStep);
-      seedStep(o.seed, rank, state.globalStep);
-      StepOutcome step;
-      std::vector<double> agreed;
-      try {
-        step = trainStep(ddp, *model, *optimizer, scaler, loader, sampler, o, device);
-        // One small allreduce per step: the mean loss for the log, and whether any rank must stop,
-        // so that every rank stops after the same step.
-        agreed = allReduceSum(group, {step.loss, stopSignal() != 0 ? 1.0 : 0.0}, commDevice);
-      } catch (const Error&) {
-        throw;
-      } catch (const std::exception& e) {
-        stepFailed(e, rank, state.globalStep, o.timeout);
-      }
-      ++state.stepInEpoch;
-      ++state.globalStep;
-      const bool limit = o.maxSteps > 0 && state.globalStep >= o.maxSteps &&
-                         !(state.epoch + 1 == o.epochs && sampler.exhausted());
-      const double loss = agreed[0] / worldSize;
-      if (agreed[1] > 0)
-        stopFlag = 1;
-      else if (limit)
-        stopFlag = 2;
-
-      intervalLoss += loss;
-      epochLoss += loss;
-      ++intervalSteps;
-      intervalSamples += step.samples * worldSize;
-      epochSamples += step.samples * worldSize;
-      const bool periodic = state.globalStep % o.logInterval == 0 || sampler.exhausted();
-      if (periodic || console.barMode()) {
-        StepReport r;
-        r.epoch = state.epoch;
-        r.epochs = o.epochs;
-        r.stepInEpoch = state.stepInEpoch;
-        r.stepsPerEpoch = stepsPerEpoch;
-        r.globalStep = state.globalStep;
-        r.lr = lr;
-        const double elapsed = secondsSince(intervalStart);
-        r.loss = intervalLoss / static_cast<double>(intervalSteps);
-        r.samplesPerSecond = elapsed > 0 ? static_cast<double>(intervalSamples) / elapsed : 0.0;
-        const double perStep = secondsSince(epochStart) / static_cast<double>(state.stepInEpoch - firstStep);
-        r.epochEtaSeconds = perStep * static_cast<double>(stepsPerEpoch - state.stepInEpoch);
-        r.totalEtaSeconds =
-            r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch * (o.epochs - state.epoch - 1));
-        console.progress(r, periodic);
-        if (periodic) {
-          if (metrics) {
-            TrainRecord t;
-            t.step = state.globalStep;
-            t.epoch = epochProgress(state.epoch, state.stepInEpoch, stepsPerEpoch);
-            t.loss = r.loss;
-            t.lr = lr;
-            t.samplesPerSecond = r.samplesPerSecond;
-            t.time = trainSeconds();
-            t.lossKind = lossKindName(model->output());
-            metrics->write(t);
-          }
-          intervalLoss = 0.0;
-          intervalSteps = 0;
-          intervalSamples = 0;
-          intervalStart = Clock::now();
-        }
-      }
-      if (hooks.afterStep) hooks.afterStep(state.globalStep);
-      if (stopFlag != 0) {
-        stopPoint = StopPoint::kAfterStep;
-        break;
-      }
-      if (writer.failed()) writer.wait();  // rethrows the failed write: no training on without it
-      if (snapshotsOn && o.saveEverySteps > 0 && state.globalStep % o.saveEverySteps == 0 && !sampler.exhausted())
-        snapshot(When::kMidEpoch, {}, nullptr);
-      if (o.stepDelay.count() > 0) std::this_thread::sleep_for(o.stepDelay);
-    }
-    if (stopFlag != 0) break;
-
-    // ---- end of the epoch: summary, evaluation, snapshot, checkpoint
-    const double epochSeconds = secondsSince(epochStart);
-    const std::int64_t stepsRun = state.stepInEpoch - firstStep;
-    const double epochRate = static_cast<double>(epochSamples) / std::max(epochSeconds, 1e-9);
-    const double meanLoss = stepsRun > 0 ? epochLoss / static_cast<double>(stepsRun) : 0.0;
-    console.line("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(o.epochs) + " done: " +
-                 std::to_string(stepsRun) + " steps in " + formatDuration(epochSeconds) + ", " +
-                 std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss));
-    if (metrics) {
-      EpochRecord r;
-      r.step = state.globalStep;
-      r.epoch = state.epoch + 1;
-      r.steps = stepsRun;
-      r.seconds = epochSeconds;
-      r.cpuSeconds = processCpuSeconds() - epochCpuStart;
-      r.samplesPerSecond = epochRate;
-      r.loss = meanLoss;
-      r.time = trainSeconds();
-      metrics->write(r);
-    }
-    const std::int64_t completed = state.epoch + 1;
-    const bool lastEpoch = completed == o.epochs;
-    if (lastEpoch || (o.evalEvery > 0 && completed % o.evalEvery == 0)) result.lastEval = evaluate(completed);
-    const bool saveDue = snapshotsOn && (lastEpoch || o.saveEverySteps > 0 ||
-                                         (o.saveEvery > 0 && completed % o.saveEvery == 0));
-    const bool checkpointDue = o.checkpointEvery > 0 && completed % o.checkpointEvery == 0;
-    std::vector<std::filesystem::path> checkpoint;
-    std::function<void()> prune;
-    if (checkpointDue) {
-      if (isMainProcess) std::filesystem::create_directories(o.outputDir());
-      checkpoint.push_back(o.outputDir() / ("checkpoint_epoch_" + std::to_string(completed) + ".pt"));
-      prune = [dir = o.outputDir(), keep = static_cast<size_t>(o.keepCheckpoints)] {
-        const auto files = checkpointFiles(dir);
-        for (size_t i = 0; i + keep < files.size(); ++i) std::filesystem::remove(files[i]);
-      };
-    }
-    if (saveDue)
-      snapshot(When::kEpochEnd, checkpoint, prune);
-    else if (checkpointDue)
-      checkpointOnly(checkpoint.front(), prune);
-    // A stop requested during the evaluation or the last step's agreement ends the run at this boundary.
-    if (!lastEpoch && allReduceSum(group, {stopSignal() != 0 ? 1.0 : 0.0}, commDevice)[0] > 0) {
-      stopFlag = 1;
-      stopPoint = StopPoint::kEpochEnd;
-      epochEndSaved = saveDue;
-      state.epoch = completed;
-      state.stepInEpoch = 0;
-      break;
-    }
-  }
-
-  result.epochsRun = state.epoch;
-  result.stepInEpoch = state.stepInEpoch;
-  result.globalStep = state.globalStep;
-
-  // ---- stopped early: a snapshot of exactly this step, on every rank's word
-  if (stopFlag != 0) {
-    if (stopPoint == StopPoint::kAfterStep && (snapshotsOn || stopFlag == 1))
-      snapshot(sampler.exhausted() ? When::kEpochComplete : When::kMidEpoch, {}, nullptr);
-    if (stopPoint == StopPoint::kEpochEnd && !epochEndSaved) {
-      // The loop already moved past the epoch: record the boundary it stopped at.
-      state.epoch -= 1;
-      snapshot(When::kEpochEnd, {}, nullptr);
-      state.epoch += 1;
-    }
-    writer.wait();
-    barrier();  // nobody exits before rank 0's snapshot is durable
-    const std::string at =
-        stopPoint == StopPoint::kEpochEnd
-            ? "the end of epoch " + std::to_string(state.epoch) + " (global step " + std::to_string(state.globalStep) + ")"
-            : "global step " + std::to_string(state.globalStep) + " (epoch " + std::to_string(state.epoch + 1) +
-                  ", step " + std::to_string(state.stepInEpoch) + ")";
-    if (stopFlag == 1) {
-      result.status = RunStatus::kPreempted;
-      result.stopSignal = stopSignal();
-      const std::string cause = result.stopSignal != 0 ? std::string(strsignal(result.stopSignal)) + " here"
-                                                       : std::string("a stop signal on another rank");
-      std::cerr << "ctorch-train: rank " << rank << "/" << worldSize << " stopped after " << at << ": " << cause
-                << std::endl;
-      if (stopPoint == StopPoint::kBeforeStart)
-        console.line("stopped on request before the first step; nothing new to save; run the same command again "
-                     "to start (exit code " + std::to_string(contract::kExitPreempted) + ")");
-      else
-        console.line("stopped on request after " + at + "; snapshot " + names.slot.string() +
-                     " written; run the same command again to resume (exit code " +
-                     std::to_string(contract::kExitPreempted) + ")");
-    } else {
-      result.status = RunStatus::kStepLimit;
-      console.line("reached --max-steps " + std::to_string(o.maxSteps) + " at " + at +
-                   (snapshotsOn ? "; snapshot written: run again with a higher --max-steps to continue" : ""));
-    }
-    return result;
-  }
-
-  // ---- done: the final weights (a resumed finished run evaluates and writes them again)
-  if (!result.lastEval) result.lastEval = evaluate(state.epoch);
-  writer.wait();
-  if (isMainProcess) {
-    ctorch::saveStateDict(*model, o.finalModelPath());
-    console.line("done: " + std::to_string(o.epochs) + " epochs, " + std::to_string(state.globalStep) +
-                 " steps, " + formatDuration(trainSeconds()) + " of training; final weights " +
-                 o.finalModelPath().string() +
-                 (result.lastEval->classification ? ", test accuracy " + percent(result.lastEval->accuracy()) : ""));
-  }
-  barrier();
-  return result;
+  Trainer trainer(o, hooks, wanted);
+  return trainer.run();
 }
 
 }  // namespace ctorch::train

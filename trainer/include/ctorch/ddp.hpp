@@ -91,6 +91,9 @@ class DDPCore {
   void zeroGrad(bool setToNone);
   bool rebuildBuckets();
   std::vector<std::vector<size_t>> bucketAssignment() const;
+  // Builds the Reducer again with these buckets (or the current ones), before the first forward;
+  // with gradientAsBucketView, gradients that are still undefined are defined as zeros first.
+  void resetReducer(const std::optional<std::vector<std::vector<size_t>>>& buckets);
   const DDPOptions& options() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
@@ -248,6 +251,9 @@ class DistributedDataParallel {
   // bucketAssignment() after a step calls this first, so the snapshot holds the layout the next
   // step uses.
   bool rebuildBuckets() { return core_->rebuildBuckets(); }
+
+  // The engine (ctorch::ResilientTraining restores the bucket layout through it).
+  detail::DDPCore& core() { return *core_; }
 
  private:
   ModuleType module_;

@@ -21,6 +21,14 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// No correct way to resume exists (every snapshot in the slot is damaged; a mid-epoch snapshot of
+// another world size with no epoch boundary to fall back to). The message names the files and says
+// how to proceed; a program adds its own way to start over (a flag).
+class ResumeRefused : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
+
 // Communication failed: the store could not be reached, a peer vanished, a collective failed, the
 // Reducer reported an error.
 class DistributedError : public Error {

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-namespace ctorch::train {
+namespace ctorch {
 
 // What the decision needs to know about one snapshot.
 struct SnapshotPoint {
@@ -41,11 +41,11 @@ std::filesystem::path boundarySlotFor(const std::filesystem::path& slot);
 // Whether planResume will need the epoch-boundary snapshot (load it only then).
 bool needsEpochBoundary(const std::optional<SnapshotPoint>& newest, std::int64_t worldSize);
 
-// The decision. Throws ctorch::ConfigError when no correct resume exists (a mid-epoch snapshot under
+// The decision. Throws ctorch::ResumeRefused when no correct resume exists (a mid-epoch snapshot under
 // another world size with no epoch-boundary snapshot after the first epoch): the message says how
-// to proceed (the old world size, or --resume never).
+// to proceed (the old world size, or starting over).
 // `boundarySlot` is only named in messages.
 ResumePlan planResume(const std::optional<SnapshotPoint>& newest, const std::optional<SnapshotPoint>& boundary,
                       std::int64_t worldSize, const std::filesystem::path& boundarySlot);
 
-}  // namespace ctorch::train
+}  // namespace ctorch

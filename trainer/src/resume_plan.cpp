@@ -1,10 +1,10 @@
-#include "ctorch/train/resume.hpp"
+#include "ctorch/resume_plan.hpp"
 
 #include <ctorch/errors.hpp>
 
 #include <sstream>
 
-namespace ctorch::train {
+namespace ctorch {
 
 namespace {
 
@@ -72,10 +72,10 @@ ResumePlan planResume(const std::optional<SnapshotPoint>& newest, const std::opt
                          "(same seed, same initial weights)";
     return plan;
   }
-  throw ConfigError(why + ", and there is no usable epoch-boundary snapshot (" +
+  throw ResumeRefused(why + ", and there is no usable epoch-boundary snapshot (" +
                     (boundary ? boundary->file.string() + " is not an epoch boundary before it"
                               : boundarySlot.string() + " does not exist") +
-                    "). Resume with " + ranks(n.worldSize) + ", or start over with --resume never.");
+                    "). Resume with " + ranks(n.worldSize) + ", or start over from scratch.");
 }
 
-}  // namespace ctorch::train
+}  // namespace ctorch

@@ -1,6 +1,6 @@
-#include "ctorch/train/stop_signal.hpp"
+#include "ctorch/stop_signal.hpp"
 
-#include "ctorch/contract/worker_contract.hpp"
+#include <ctorch/contract/worker_contract.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include <cerrno>
 #include <signal.h>
 
-namespace ctorch::train {
+namespace ctorch {
 
 namespace {
 
@@ -61,4 +61,4 @@ void setStopSignal(int signo) {
   gFirstStopMs.store(signo == 0 ? 0 : monotonicMs());
 }
 
-}  // namespace ctorch::train
+}  // namespace ctorch

@@ -1,4 +1,4 @@
-#include "ctorch/train/snapshot_writer.hpp"
+#include "ctorch/snapshot_writer.hpp"
 
 #include <c10/core/GradMode.h>
 
@@ -7,7 +7,7 @@
 #include <iostream>
 #include <sstream>
 
-namespace ctorch::train {
+namespace ctorch {
 
 SnapshotWriter::SnapshotWriter(bool background) : background_(background) {
   if (background_) thread_ = std::thread([this] { loop(); });
@@ -114,4 +114,4 @@ void SnapshotWriter::submit(SnapshotJob job) {
   changed_.notify_all();
 }
 
-}  // namespace ctorch::train
+}  // namespace ctorch

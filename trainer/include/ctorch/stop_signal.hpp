@@ -6,7 +6,7 @@
 // comes later, while stopping, ends the process at once (the default action).
 #pragma once
 
-namespace ctorch::train {
+namespace ctorch {
 
 // Installs the handlers (SA_RESTART, so system calls in other threads are not interrupted).
 void installStopHandlers();
@@ -15,4 +15,4 @@ int stopSignal();
 // For tests and embedding: behave as if `signo` had arrived (0 clears the request).
 void setStopSignal(int signo);
 
-}  // namespace ctorch::train
+}  // namespace ctorch

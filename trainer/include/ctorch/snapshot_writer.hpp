@@ -3,7 +3,7 @@
 // job at a time: submitting waits for the previous one; wait() before depending on a write.
 #pragma once
 
-#include <ctorch/snapshot.hpp>
+#include "ctorch/snapshot.hpp"
 
 #include <atomic>
 #include <condition_variable>
@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-namespace ctorch::train {
+namespace ctorch {
 
 struct SnapshotJob {
   Snapshot snapshot;
@@ -57,4 +57,4 @@ class SnapshotWriter {
   std::thread thread_;
 };
 
-}  // namespace ctorch::train
+}  // namespace ctorch

@@ -1,0 +1,203 @@
+// Fault tolerance for any training loop: register the loop's objects once, call resume() before the
+// first step and stepDone() after each, and the run survives being killed at any moment: it saves
+// crash-safe snapshots on a schedule and when a stop signal arrives (all ranks agree on the step,
+// then exit contract::kExitPreempted = 75 so ctorchrun / Slurm requeue it), and a restarted process
+// continues from the newest valid snapshot bit-identically. docs/resilience.md has the whole story.
+//
+//   ctorch::ResilientTraining training(ctorch::ResilienceOptions().snapshotPath("run/snapshot.pt").saveEverySteps(200));
+//   training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
+//   const ctorch::ResumePoint start = training.resume();       // restores everything
+//   for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
+//     sampler.setEpoch(epoch);                                  // keeps a restored mid-epoch position
+//     while (!sampler.exhausted()) {
+//       ...one optimizer step...
+//       if (training.stepDone()) return training.exitCode();   // saved; 75 after a stop signal
+//     }
+//     scheduler.step();
+//     if (training.epochDone()) return training.exitCode();
+//   }
+//   return training.finish();
+//
+// resume(), stepDone(), epochDone(), save() and finish() are collectives: every rank calls them at the
+// same point of the loop.
+#pragma once
+
+#include "ctorch/ddp.hpp"
+#include "ctorch/errors.hpp"
+#include "ctorch/resume_plan.hpp"
+#include "ctorch/sampler.hpp"
+#include "ctorch/snapshot.hpp"
+#include "ctorch/stop_signal.hpp"
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class LRScheduler;
+}
+
+namespace ctorch {
+
+struct ResilienceOptions {
+  using ConfigMap = std::map<std::string, std::string>;
+
+  // The snapshot slot: path holds the newest snapshot, path.1 .. path.K the previous ones, and
+  // <stem>-epoch<ext> (run/snapshot-epoch.pt) the newest epoch boundary, which a run with another
+  // world size resumes from. Only rank 0 writes; every rank reads (a shared file system).
+  TORCH_ARG(std::filesystem::path, snapshotPath) = "snapshot.pt";
+  // A snapshot every N optimizer steps (0: none between epoch ends).
+  TORCH_ARG(std::int64_t, saveEverySteps) = 0;
+  // A snapshot every N epochs, at epochDone() (0: none there, unless saveEverySteps is on, which also
+  // saves every epoch boundary). A stop signal always saves; finish() saves the final state when
+  // either schedule is on.
+  TORCH_ARG(std::int64_t, saveEveryEpochs) = 1;
+  // Older snapshots kept next to the newest (path.1 .. path.K): fallbacks when the newest is damaged.
+  TORCH_ARG(int, keepPrevious) = 2;
+  // false: start from scratch whatever the slot holds (the next save replaces it).
+  TORCH_ARG(bool, resume) = true;
+  // Resume from this file instead of the newest valid snapshot in the slot.
+  TORCH_ARG(std::optional<std::filesystem::path>, resumeFrom);
+  // What makes a snapshot this run's: a snapshot of another runName is always refused; one of another
+  // config (hyper-parameters, data: anything that must not change silently) is refused listing each
+  // difference unless allowConfigChange, which continues from its state with this run's settings.
+  TORCH_ARG(std::string, runName) = "model";
+  TORCH_ARG(ConfigMap, config);
+  TORCH_ARG(bool, allowConfigChange) = false;
+  // Set: before every step the global generator is seeded from (stepSeed, rank, global step) (when
+  // resume(), stepDone() and epochDone() return), so a step's randomness (dropout) does not depend on
+  // how the run got there. Unset: every rank's generator states are gathered into each snapshot and
+  // restored on resume (one small allgather per save).
+  TORCH_ARG(std::optional<std::uint64_t>, stepSeed);
+  // Installs the stop-signal handlers (SIGTERM, SIGUSR1, SIGINT; see stop_signal.hpp).
+  TORCH_ARG(bool, handleSignals) = true;
+  // Snapshots are encoded and written on a background thread while training goes on (the step pays
+  // only for a copy of the state); false: written before stepDone() returns.
+  TORCH_ARG(bool, backgroundWrite) = true;
+  // Rank 0's progress lines (resume decisions, snapshots written, stops). Unset: stderr.
+  TORCH_ARG(std::function<void(const std::string&)>, log);
+  // Names the program on stderr lines: every rank's stop line, a failed write, the default log.
+  TORCH_ARG(std::string, programName) = "ctorch";
+  // The group the agreements run over. Unset: the default group (ctorch::initProcessGroup()).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+
+ public:
+  // Throws ConfigError naming the bad value.
+  void validate() const;
+};
+
+// Where resume() left the run: continue with epoch `epoch`, whose first `stepInEpoch` steps are done
+// (the sampler already stands after them).
+struct ResumePoint {
+  bool resumed = false;           // state restored from `file`
+  bool exact = false;             // continues step for step (same world size)
+  std::filesystem::path file;
+  std::int64_t epoch = 0;         // completed epochs: the epoch to run now
+  std::int64_t stepInEpoch = 0;
+  std::int64_t globalStep = 0;
+  std::string message;            // one line: what was done and why
+};
+
+// Extra files and work for one save (e.g. a checkpoint_epoch_N.pt copy and pruning old ones).
+struct SaveExtras {
+  bool force = false;                           // save even when no schedule asks for it
+  std::vector<std::filesystem::path> alsoWriteTo;  // the same snapshot, each file alone (no kept copies)
+  std::function<void()> afterWrite;             // on rank 0's writer thread, once the files are durable
+};
+
+enum class TrainingStatus {
+  kRunning,
+  kStopped,   // a stop signal: every rank saved this step and should exit with exitCode() (75)
+  kFinished,  // finish() returned
+};
+
+// Rank 0 writes, every rank restores. Not copyable; one per training run.
+class ResilientTraining {
+ public:
+  explicit ResilientTraining(ResilienceOptions options = {});
+  ~ResilientTraining();  // waits for a write in flight (a failure is reported, not thrown)
+  ResilientTraining(const ResilientTraining&) = delete;
+  ResilientTraining& operator=(const ResilientTraining&) = delete;
+
+  // ---- what a snapshot holds; register before resume()
+  // The model behind DDP, and DDP's bucket layout (restored so that a resumed run reduces in the
+  // same order: bit-identical with more than two ranks).
+  template <typename M>
+  ResilientTraining& track(DistributedDataParallel<M>& ddp) {
+    return trackModule(*detail::modulePointer(ddp.module()), &ddp.core());
+  }
+  // A model trained without DDP: a module holder (TORCH_MODULE) or a torch::nn::Module.
+  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>>>
+  ResilientTraining& track(M& holder) {
+    return trackModule(*holder.ptr(), nullptr);
+  }
+  ResilientTraining& track(torch::nn::Module& module) { return trackModule(module, nullptr); }
+  // SGD, Adam, AdamW, RMSprop, Adagrad: state and hyper-parameters (the learning rate included).
+  ResilientTraining& track(torch::optim::Optimizer& optimizer);
+  ResilientTraining& track(DistributedSampler& sampler);
+  // LibTorch's schedulers (StepLR, ...): their step count, in LR_SCHEDULER_STATE.
+  ResilientTraining& track(torch::optim::LRScheduler& scheduler);
+  // Any other scheduler: its state as a dict of plain values, in LR_SCHEDULER_STATE.
+  ResilientTraining& trackScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
+  // The loop's own values, in USER_STATE[name] (Python reads them as plain numbers and tensors).
+  ResilientTraining& track(const std::string& name, double& value);
+  ResilientTraining& track(const std::string& name, std::int64_t& value);
+  ResilientTraining& track(const std::string& name, at::Tensor& value);  // saved as a CPU copy
+  // Several entries at once, straight into USER_STATE (load gets the whole dict).
+  ResilientTraining& trackItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
+  // Anything else: `save` returns a value (numbers, strings, tensors, lists and dicts of them);
+  // `load` gets it back (not called when a snapshot lacks the name: a snapshot of an older loop).
+  ResilientTraining& track(const std::string& name, std::function<c10::IValue()> save,
+                           std::function<void(const c10::IValue&)> load);
+
+  // ---- the loop
+  // Finds the newest valid snapshot (damaged files are named, skipped and set aside as
+  // <file>.unusable; one of another run or configuration is refused with SnapshotIncompatible),
+  // decides how to continue (resume_plan.hpp: exactly under the same world size, at an epoch
+  // boundary under another), restores every registered object and checks that all ranks stand at
+  // the same step. A stop requested during start-up makes stopRequested() true at once.
+  ResumePoint resume();
+  // After each optimizer step: counts it, agrees with the other ranks on whether to stop (one small
+  // allreduce), saves when due. Returns true when the loop must end: a stop signal was agreed and the
+  // snapshot of exactly this step is durable; return exitCode() then. Rethrows a failed background
+  // write. `sums`, when given, are summed over the ranks in the same allreduce (e.g. the loss).
+  bool stepDone();
+  bool stepDone(std::vector<double>& sums);
+  // After an epoch's last step and its evaluation: counts the epoch, saves the epoch-boundary
+  // snapshot when due, and agrees on a stop that came during the evaluation. Returns true when the
+  // loop must end (snapshot durable; return exitCode()).
+  bool epochDone(const SaveExtras& extras = {});
+  // Saves the current state now (at a step or epoch boundary), on every rank's call.
+  void save(const SaveExtras& extras = {});
+  // Waits for the snapshot write in flight; rethrows its failure.
+  void wait();
+  // The end of training: saves the final state if a schedule is on and it is not saved yet, waits
+  // until it is durable and every rank got here. Returns 0 (the exit code).
+  int finish();
+
+  // ---- where the run stands
+  std::int64_t epoch() const;        // completed epochs
+  std::int64_t stepInEpoch() const;
+  std::int64_t globalStep() const;
+  bool stopRequested() const;        // agreed by every rank (at resume or a boundary)
+  int stopSignal() const;            // this process's stop signal, 0 for a stop asked on another rank
+  TrainingStatus status() const;
+  // contract::kExitPreempted (75) after an agreed stop, else 0.
+  int exitCode() const;
+  const ResilienceOptions& options() const;
+
+ private:
+  ResilientTraining& trackModule(torch::nn::Module& module, detail::DDPCore* ddp);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace ctorch
