@@ -165,7 +165,8 @@ class ResilientTraining {
   // boundary under another), restores every registered object and checks that all ranks stand at
   // the same step. A stop requested during start-up makes stopRequested() true at once.
   ResumePoint resume();
-  // After each optimizer step: counts it, agrees with the other ranks on whether to stop (one small
+  // After each optimizer step, once the loop has updated what it tracks (a snapshot taken here holds
+  // the values as they are now): counts it, agrees with the other ranks on whether to stop (one small
   // allreduce), saves when due. Returns true when the loop must end: a stop signal was agreed and the
   // snapshot of exactly this step is durable; return exitCode() then. Rethrows a failed background
   // write. `sums`, when given, are summed over the ranks in the same allreduce (e.g. the loss).
