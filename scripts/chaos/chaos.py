@@ -1,12 +1,15 @@
 #!/usr/bin/python3
-# The chaos harness (issue 6): runs ctorch-train under `ctorchrun --max-restarts K`, injects faults at
-# seeded random moments, and checks after every run that nothing was lost. Run with Debian's
+# The chaos harness (issue 6): runs ctorch-train (or tests/consumer, a user's own loop on
+# ctorch::ResilientTraining) under `ctorchrun --max-restarts K`, injects faults at seeded random
+# moments, and checks after every run that nothing was lost. Run with Debian's
 # /usr/bin/python3 (it needs torch to compare tensors and open snapshots). docs/reliability.md has
 # the fault kinds, the checks, the commands and the measured numbers.
 #
 #   scripts/chaos/chaos.py --suite quick --seed 1            # the CTest subset (label `chaos`)
 #   scripts/chaos/chaos.py --suite full --seed 1             # every kind on both workloads
 #   scripts/chaos/chaos.py --suite long --faults 50 --seed 7 # 50 faults, kinds drawn at random
+#   scripts/chaos/chaos.py --suite consumer --seed 1         # the same faults on a user's own loop
+#   scripts/chaos/chaos.py --suite long --program consumer   #   (tests/consumer, ctorch::ResilientTraining)
 #
 # Everything random (scenario kinds, the rank hit, the moment) comes from --seed; the log
 # (<work>/chaos.log and each run's output.log) records every decision, so a failure is replayed
@@ -39,8 +42,9 @@ TRAIN_TIMEOUT_S = 3              # the trainer's --timeout (collectives give up 
 SHUTDOWN_TIMEOUT_S = 2           # ctorchrun's --shutdown-timeout (SIGTERM -> SIGKILL grace)
 HANG_BOUND_S = TRAIN_TIMEOUT_S + SHUTDOWN_TIMEOUT_S + 20  # worker-stop: fault to the restarted first step
 
-# Workloads: the trainer's arguments (identical for the reference and the faulty runs) and the
-# step delay that gives the faulty runs time to be hit (it does not change any result).
+# Workloads: the program (ctorch-train unless `program` says otherwise) and its arguments (identical for
+# the reference and the faulty runs), and the step delay that gives the faulty runs time to be hit
+# (it does not change any result).
 WORKLOADS = {
     "synthetic": dict(args=["--model", "linear", "--dataset", "synthetic-regression",
                             "--synthetic-size", "2048", "--batch-size", "32", "--epochs", "3",
@@ -55,8 +59,17 @@ WORKLOADS = {
                           "--test-limit", "500", "--batch-size", "32", "--epochs", "2",
                           "--save-every-steps", "8"],
                     steps_per_rank_world={1: 80, 2: 40, 3: 27}, epochs=2, delay_ms=20),
+    # A user's own loop on the installed library (tests/consumer/main.cpp: an MLP with dropout,
+    # SGD with momentum, StepLR, ctorch::ResilientTraining), on its own synthetic regression set.
+    "consumer": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4"],
+                     steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
 }
 COMMON_ARGS = ["--log-interval", "1", "--progress", "lines", "--timeout", str(TRAIN_TIMEOUT_S)]
+# The programs: the executable's name in a run (the /proc scan finds workers by it) and the
+# arguments every run of it gets. The consumer prints a progress line per step by itself.
+PROGRAMS = {"trainer": dict(exe="ctorch-train", common=COMMON_ARGS),
+            "consumer": dict(exe="consumer", common=["--timeout", str(TRAIN_TIMEOUT_S)])}
+WORKER_EXES = {p["exe"] for p in PROGRAMS.values()}
 
 STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\s")
 STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
@@ -128,11 +141,15 @@ def marked_processes(run_id):
     return out
 
 
+def program_of(workload):
+    return WORKLOADS[workload].get("program", "trainer")
+
+
 def trainer_workers(run_id):
-    """{rank: pid} of the run's ctorch-train processes."""
+    """{rank: pid} of the run's worker processes (ctorch-train or the consumer)."""
     ranks = {}
     for pid, env in marked_processes(run_id):
-        if proc_exe_name(pid) == "ctorch-train" and "RANK" in env:
+        if proc_exe_name(pid) in WORKER_EXES and "RANK" in env:
             ranks[int(env["RANK"])] = pid
     return ranks
 
@@ -279,11 +296,9 @@ class Run:
         self.t0 = time.monotonic()
 
     def command(self):
-        w = WORKLOADS[self.workload]
         return [self.h.ctorchrun, "--standalone", "--nproc-per-node", str(self.world),
                 "--max-restarts", str(len(self.faults) + 2), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                "--log-dir", "logs", self.h.trainer] + w["args"] + COMMON_ARGS + \
-               ["--step-delay-ms", str(w["delay_ms"])]
+                "--log-dir", "logs"] + self.h.worker_command(self.workload, delayed=True)
 
     def on_step(self, step, now):
         with self.cond:
@@ -457,7 +472,18 @@ class Harness:
         os.makedirs(bindir, exist_ok=True)
         self.ctorchrun = shutil.copy2(os.path.abspath(args.ctorchrun), os.path.join(bindir, "ctorchrun"))
         self.trainer = shutil.copy2(os.path.abspath(args.trainer), os.path.join(bindir, "ctorch-train"))
+        self.programs = {"trainer": self.trainer}
+        if uses_consumer(args):
+            self.programs["consumer"] = shutil.copy2(os.path.abspath(args.consumer),
+                                                     os.path.join(bindir, PROGRAMS["consumer"]["exe"]))
         self.references = {}
+
+    def worker_command(self, workload, delayed):
+        """The worker program and its arguments for a workload (with its step delay for faulty runs)."""
+        w = WORKLOADS[workload]
+        program = program_of(workload)
+        cmd = [self.programs[program]] + w["args"] + PROGRAMS[program]["common"]
+        return cmd + (["--step-delay-ms", str(w["delay_ms"])] if delayed else [])
 
     def reference(self, workload, world):
         """model.pt of an uninterrupted run of this workload and world size (no step delay)."""
@@ -467,8 +493,8 @@ class Harness:
         d = os.path.join(self.work, f"reference-{workload}-w{world}")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-        cmd = [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs",
-               self.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS
+        cmd = [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs"] + \
+            self.worker_command(workload, delayed=False)
         t = time.monotonic()
         with open(os.path.join(d, "output.log"), "w") as out:
             rc = subprocess.run(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -745,7 +771,8 @@ def integrity(h):
 
 def slurm_suite(h):
     """Preemption under a real Slurm cluster (scripts/lab/slurm.sh: 2 nodes in network namespaces):
-    scripts/slurm/preemptible.sbatch running `srun ctorchrun ... ctorch-train` (1 worker per node,
+    scripts/slurm/preemptible.sbatch running `srun ctorchrun ... ctorch-train` (or, with --program
+    consumer, the user's loop of tests/consumer) (1 worker per node,
     world size 2) gets SIGUSR1 as `--signal=B:USR1@<s>` would send it (scancel --signal=USR1
     --batch); the workers save and exit 75, the script requeues, the requeued job resumes and ends
     bit-identical to the uninterrupted run. Then a running job is scancel'ed: nothing of it may
@@ -755,7 +782,9 @@ def slurm_suite(h):
     if subprocess.run([slurm_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
         h.log("CTORCH_SKIPPED: slurm.sh check: no Slurm lab possible here", always=True)
         return None
-    ref = h.reference("synthetic", 2)
+    workload = "consumer" if h.args.program == "consumer" else "synthetic"
+    job_name = PROGRAMS[program_of(workload)]["exe"]  # the job's output file: <name>-<job id>.out
+    ref = h.reference(workload, 2)
     up = subprocess.run([slurm_sh, "up", "2", "--gpus", "1", "--owner", str(os.getpid())],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
     if up.returncode != 0:
@@ -801,14 +830,14 @@ def slurm_suite(h):
         os.chmod(d, 0o777)
         job_env = dict(env, CTORCHRUN=h.ctorchrun, MAX_RESTARTS="0", **{MARKER: run_id})
         cmd = ["sbatch", "--parsable", "--gpus-per-node=1", "--cpus-per-task=1", f"--chdir={d}",
-               os.path.join(ROOT, "scripts", "slurm", "preemptible.sbatch"), h.trainer] + \
-            WORKLOADS["synthetic"]["args"] + COMMON_ARGS + ["--step-delay-ms", "40"]
+               f"--job-name={job_name}", os.path.join(ROOT, "scripts", "slurm", "preemptible.sbatch")] + \
+            h.worker_command(workload, delayed=True)
         p = subprocess.run(cmd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
         out = p.stdout.decode().strip()
         if p.returncode != 0:
             raise RuntimeError(f"sbatch failed: {out}")
         job = out.split(";")[0]
-        return d, job, os.path.join(d, f"ctorch-train-{job}.out")
+        return d, job, os.path.join(d, f"{job_name}-{job}.out")
 
     def wait_steps(path, n, timeout):
         deadline = time.monotonic() + timeout
@@ -848,6 +877,7 @@ def slurm_suite(h):
         if "Restarts=1" not in show:
             counted = re.findall(r"Restarts=\d+", show)
             problems.append(f"Slurm counts {counted}, expected Restarts=1")
+        # The resume line is the library's (ctorch::ResilientTraining): the same for either program.
         for want in ("SIGUSR1 received", "step ended preempted (exit 75)", f"requeueing job {job}",
                      "resuming from snapshot.pt", "exactly where it stopped", "(restart 1)"):
             if want not in text:
@@ -881,7 +911,7 @@ def slurm_suite(h):
         if not wait_steps(out, 10, 120):
             problems.append("the job never reached step 10")
         before = [p for p, _ in marked_processes(run_id)]
-        if not any(proc_exe_name(p) == "ctorch-train" for p in before):
+        if not any(proc_exe_name(p) in WORKER_EXES for p in before):
             problems.append(f"no worker found before scancel (control): {before}")
         t = time.monotonic()
         sl("scancel", job)
@@ -1101,12 +1131,24 @@ def build_suite(args, rng):
                      rng.randrange(1 << 30)))
 
     kinds = args.kinds.split(",") if args.kinds else KINDS
-    if args.suite == "quick":
+    consumer = args.program == "consumer"
+    if args.suite == "consumer" or (args.suite == "quick" and consumer):
+        # The user's own loop (the CTest subset of label `chaos`): every kind, two per run so that the
+        # whole suite stays short; the second fault hits the restarted run.
+        for i in range(0, len(kinds), 2):
+            pair = kinds[i:i + 2]
+            add("consumer-" + "+".join(pair), "consumer", 2, pair)
+    elif args.suite == "quick":
         # One fault of each kind on the small synthetic run (the CTest subset; the full and long
         # suites add the Fashion-MNIST CNN).
         for k in kinds:
             add(f"{k}", "synthetic", 2, [k])
     elif args.suite == "full":
+        if consumer:
+            for k in kinds:
+                add(f"{k}-consumer", "consumer", 2, [k, k])
+            add("mixed-consumer-w3", "consumer", 3, [rng.choice(kinds) for _ in range(3)])
+            return scen
         for k in kinds:
             add(f"{k}-synthetic", "synthetic", 2, [k, k])
             add(f"{k}-fashion", "fashion", 2, [k])
@@ -1115,17 +1157,25 @@ def build_suite(args, rng):
         left, i = args.faults, 0
         while left > 0:
             n = min(args.per_run, left)
-            workload = "fashion" if i % 3 == 2 else "synthetic"
+            workload = "consumer" if consumer else "fashion" if i % 3 == 2 else "synthetic"
             add(f"long-{i:02d}-{workload}", workload, 2, [rng.choice(kinds) for _ in range(n)])
             left -= n
             i += 1
     return scen
 
 
+def uses_consumer(args):
+    return args.suite == "consumer" or args.program == "consumer"
+
+
 def main():
     here = ROOT
-    ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train runs.")
-    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes"], default="quick")
+    ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train (or consumer) runs.")
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer"],
+                    default="quick")
+    ap.add_argument("--program", choices=["trainer", "consumer"], default="trainer",
+                    help="quick, full, long, slurm: fault the trainer (default) or the consumer "
+                         "(tests/consumer, a user's loop on ctorch::ResilientTraining)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
@@ -1133,6 +1183,9 @@ def main():
     ap.add_argument("--only", default="", help="run only scenarios whose name contains this")
     ap.add_argument("--ctorchrun", default=os.path.join(here, "build", "launcher", "agent", "ctorchrun"))
     ap.add_argument("--trainer", default=os.path.join(here, "build", "trainer", "app", "ctorch-train"))
+    ap.add_argument("--consumer", default=os.path.join(here, "build", "tests", "consumer", "consumer"),
+                    help="the consumer program (the consumer CTest leaves it here: "
+                         "ctest --test-dir build -R 'consumer: find_package')")
     ap.add_argument("--work", default="", help="directory for runs and logs (default: a new temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the directories of passed runs")
     ap.add_argument("--json", default="", help="write the results here")
@@ -1144,6 +1197,11 @@ def main():
     for p in (args.ctorchrun, args.trainer):
         if not os.access(p, os.X_OK):
             ap.error(f"'{p}' is not an executable (build it: scripts/build.sh --target ctorchrun ctorch-train)")
+    if uses_consumer(args) and not os.access(args.consumer, os.X_OK):
+        ap.error(f"'{args.consumer}' is not an executable (the consumer test builds it: "
+                 f"ctest --test-dir build -R 'consumer: find_package')")
+    if args.program == "consumer" and args.suite in ("integrity", "nodes", "self-test"):
+        ap.error(f"--program consumer: the {args.suite} suite runs the trainer only")
 
     h = Harness(args)
     if args.suite == "self-test":

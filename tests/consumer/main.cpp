@@ -1,43 +1,216 @@
-// Uses the installed library the way a user's trainer would: the process group from the
-// environment (torchrun variables, or none for a world of 1) and one DistributedDataParallel step.
-#include <ctorch/compat.hpp>  // needs the installed shim on LibTorch packages without context.h
+// A user's own training program on the installed ctorch package: a LibTorch loop (its own model,
+// data, SGD with momentum, a StepLR schedule) made data-parallel with ctorch::DistributedDataParallel
+// and fault tolerant with ctorch::ResilientTraining. Killed, stopped (SIGTERM, SIGUSR1: exit 75) or
+// preempted at any moment, the same command continues from its newest snapshot and ends with the
+// same weights as a run that was never interrupted. tests/consumer/run.sh builds it against a fresh
+// `cmake --install` and checks exactly that; scripts/chaos/chaos.py --suite consumer injects faults.
+//
+//   ctorchrun --standalone --nproc-per-node 2 consumer --epochs 3 --save-every-steps 4
+//   consumer                      # a world of 1, no launcher and no variables
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/error_file.hpp>
+#include <ctorch/resilience.hpp>
+#include <ctorch/sampler.hpp>
+#include <ctorch/snapshot.hpp>
+#include <ctorch/stop_signal.hpp>
 #include <ctorch/version.hpp>
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <iomanip>
 #include <iostream>
+#include <limits>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
-int main() {
-  std::cout << ctorch::versionString() << std::endl;
-  try {
-    ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
+namespace {
 
-    torch::manual_seed(rank);  // different weights everywhere: DDP starts all ranks from rank 0's
-    torch::nn::Linear model(4, 2);
-    ctorch::DistributedDataParallel ddp(model, ctorch::DDPOptions().gradientAsBucketView(true));
-    torch::optim::SGD optimizer(ddp.parameters(), 0.1);
-    ctorch::compat::zeroGrad(optimizer, /*setToNone=*/false);
+struct Flags {
+  std::int64_t epochs = 3;
+  std::int64_t batchSize = 32;
+  std::int64_t saveEverySteps = 0;
+  std::string snapshot = "snapshot.pt";
+  std::string out = "model.pt";
+  std::int64_t stepDelayMs = 0;  // a pause after each step, so that tests can hit a run mid-training
+  std::int64_t timeoutS = 60;    // collectives give up on a silent peer after this long
+  double lr = 0.05;
+};
 
-    // Rank r feeds rows of (r + 1): d(sum of outputs)/d(weight) = 2 (r + 1) on rank r, so the
-    // average over the ranks is world + 1 in every entry.
-    auto loss = ddp(torch::full({2, 4}, static_cast<float>(rank + 1))).sum();
-    loss.backward();
-    const bool averaged = torch::allclose(model->weight.grad(), torch::full({2, 4}, static_cast<float>(world + 1)));
-    optimizer.step();
-    std::cout << "consumer: rank " << rank << "/" << world << " ("
-              << toString(ctorch::getDistributedEnv().launcher) << ") ddp step "
-              << (averaged ? "averaged" : "NOT averaged") << std::endl;
-    ctorch::barrier();
-    ctorch::destroyProcessGroup();
-    return averaged ? 0 : 1;
-  } catch (const ctorch::ConfigError& e) {
-    std::cerr << "consumer: " << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "consumer: " << e.what() << std::endl;
-    return 1;
+constexpr const char* kUsage =
+    "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
+    "                [--step-delay-ms D] [--timeout S] [--lr X]";
+
+// Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
+// nothing when every flag was understood.
+std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
+  auto integer = [](const std::string& text, std::int64_t low, std::int64_t& into) {
+    std::size_t used = 0;
+    try {
+      into = std::stoll(text, &used);
+    } catch (const std::exception&) {
+      return false;
+    }
+    return used == text.size() && into >= low;
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string name = argv[i], value;
+    if (name == "-h" || name == "--help") return std::string();
+    const auto eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return "flag '" + name + "' needs a value";
+    }
+    for (std::size_t k = 2; k < name.size(); ++k)
+      if (name[k] == '_') name[k] = '-';
+    bool ok = true;
+    if (name == "--epochs") ok = integer(value, 1, f.epochs);
+    else if (name == "--batch-size") ok = integer(value, 1, f.batchSize);
+    else if (name == "--save-every-steps") ok = integer(value, 0, f.saveEverySteps);
+    else if (name == "--step-delay-ms") ok = integer(value, 0, f.stepDelayMs);
+    else if (name == "--timeout") ok = integer(value, 1, f.timeoutS);
+    else if (name == "--snapshot") ok = !(f.snapshot = value).empty();
+    else if (name == "--out") ok = !(f.out = value).empty();
+    else if (name == "--lr") {
+      std::istringstream in(value);
+      ok = static_cast<bool>(in >> f.lr) && in.eof() && f.lr > 0;
+    } else {
+      return "unknown flag '" + name + "'";
+    }
+    if (!ok) return "bad value '" + value + "' for " + name;
   }
+  return std::nullopt;
+}
+
+// 16 inputs -> 64 hidden -> 1 output; dropout makes the random generator part of the result.
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(16, 64))),
+        drop(register_module("drop", torch::nn::Dropout(0.2))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 1))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc2(drop(torch::relu(fc1(x)))); }
+  torch::nn::Linear fc1;
+  torch::nn::Dropout drop;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Net);
+
+// A synthetic regression set, the same on every rank and in every run (no files).
+struct Dataset {
+  torch::Tensor x, y;
+  explicit Dataset(std::int64_t size) {
+    torch::manual_seed(1234);
+    x = torch::randn({size, 16});
+    y = torch::sin(x.matmul(torch::randn({16, 1}))) + 0.1 * torch::randn({size, 1});
+  }
+  std::pair<torch::Tensor, torch::Tensor> batch(const std::vector<std::int64_t>& indices) const {
+    const auto rows = torch::tensor(indices, torch::kLong);
+    return {x.index_select(0, rows), y.index_select(0, rows)};
+  }
+};
+
+int train(const Flags& f) {
+  // A stop signal during start-up (the rendezvous can take a while) is kept for resume() to agree on;
+  // without this it would end the process before ResilientTraining installs the same handlers.
+  ctorch::installStopHandlers();
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(f.timeoutS)));
+  const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
+  if (ctorch::isMainProcess())
+    std::cout << ctorch::versionString() << ": " << world << " rank(s), "
+              << toString(ctorch::getDistributedEnv().launcher) << std::endl;
+
+  const Dataset data(2048);
+  torch::manual_seed(0);
+  Net model;
+  ctorch::DistributedDataParallel ddp(model);  // every rank starts from rank 0's weights
+  torch::manual_seed(1 + rank);                // each rank its own dropout masks
+  torch::optim::SGD optimizer(ddp.parameters(), torch::optim::SGDOptions(f.lr).momentum(0.9));
+  torch::optim::StepLR scheduler(optimizer, /*step_size=*/2, /*gamma=*/0.5);
+  ctorch::DistributedSamplerOptions so;
+  so.datasetSize = data.x.size(0);
+  so.worldSize = world;
+  so.rank = rank;
+  ctorch::DistributedSampler sampler(so);
+  double bestLoss = std::numeric_limits<double>::infinity();  // the lowest end-of-epoch loss so far
+
+  // The resilience: what a snapshot holds, and where the run continues from.
+  std::ostringstream lr;
+  lr << f.lr;
+  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
+                                         .snapshotPath(f.snapshot)
+                                         .saveEverySteps(f.saveEverySteps)
+                                         .runName("consumer-mlp")
+                                         .programName("consumer")
+                                         .config({{"lr", lr.str()}, {"batch_size", std::to_string(f.batchSize)}}));
+  training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
+  const ctorch::ResumePoint start = training.resume();
+  if (training.stopRequested()) return training.exitCode();  // stopped while starting: 75, nothing to save
+  if (start.resumed && ctorch::isMainProcess())
+    std::cout << "continuing at epoch " << start.epoch + 1 << " after step " << start.stepInEpoch
+              << ", best loss so far " << std::fixed << std::setprecision(6) << bestLoss << std::endl;
+
+  const std::int64_t steps = (sampler.size() + f.batchSize - 1) / f.batchSize;
+  for (std::int64_t epoch = start.epoch; epoch < f.epochs; ++epoch) {
+    sampler.setEpoch(epoch);  // after a mid-epoch resume: keeps the restored position
+    ddp.train();
+    while (!sampler.exhausted()) {
+      auto [x, y] = data.batch(sampler.next(f.batchSize));
+      ddp.zeroGrad();
+      auto loss = torch::mse_loss(ddp(x), y);
+      loss.backward();
+      optimizer.step();
+      std::vector<double> lossSum{loss.item<double>()};
+      const bool stop = training.stepDone(lossSum);  // also sums the loss over the ranks
+      if (ctorch::isMainProcess())
+        std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " step "
+                  << (sampler.position() + f.batchSize - 1) / f.batchSize << "/" << steps << " loss "
+                  << std::fixed << std::setprecision(4) << lossSum[0] / world << std::endl;
+      if (stop) return training.exitCode();  // SIGTERM/SIGUSR1: saved, exit 75, run me again
+      if (f.stepDelayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.stepDelayMs));
+    }
+    scheduler.step();
+    // The whole set without dropout: the same number on every rank.
+    ddp.eval();
+    double epochLoss = 0;
+    {
+      torch::NoGradGuard noGrad;
+      epochLoss = torch::mse_loss(model(data.x), data.y).item<double>();
+    }
+    bestLoss = std::min(bestLoss, epochLoss);
+    if (ctorch::isMainProcess())
+      std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " done: loss " << std::fixed
+                << std::setprecision(6) << epochLoss << " best " << bestLoss << std::endl;
+    if (training.epochDone()) return training.exitCode();
+  }
+  const int code = training.finish();
+  if (ctorch::isMainProcess()) ctorch::saveStateDict(*model, f.out);
+  ctorch::destroyProcessGroup();
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  if (const auto error = parseFlags(argc, argv, flags)) {
+    if (error->empty()) {
+      std::cout << kUsage << std::endl;
+      return 0;
+    }
+    std::cerr << "consumer: error: " << *error << " (--help lists the flags)" << std::endl;
+    return 2;
+  }
+  return ctorch::runRecorded([&] { return train(flags); });
 }

@@ -1,57 +1,206 @@
 #!/usr/bin/env bash
-# Installs this build tree into a temporary prefix, builds tests/consumer against it with only
-# -DCMAKE_PREFIX_PATH (find_package(ctorch)), and runs it: alone (no distributed variables: a world
-# of 1) and as 2 processes with the torchrun variables (rank 0 hosts the store on a free port).
-# Usage: run.sh <build-dir> <expected-output-regex>
+# Installs this build tree into a temporary prefix, builds tests/consumer (a user's resilient training
+# program) against it with only -DCMAKE_PREFIX_PATH (find_package(ctorch)), and runs it: alone (no
+# distributed variables: a world of 1) and as 2 processes with the torchrun variables (rank 0 hosts
+# the store on a free port): uninterrupted; stopped by SIGTERM mid-training (every rank exits 75)
+# then resumed by the same command, which must end with the same model.pt, byte for byte; and once
+# more after the end (nothing left to do, model.pt unchanged).
+# Usage: run.sh <build-dir> <expected-output-regex> [--keep-binary PATH]
+#   --keep-binary: leaves the consumer at PATH when every check passed (the chaos tests run it; it
+#   links ctorch statically, so it needs only LibTorch where it is copied to).
 set -euo pipefail
 build=$1
 expect=$2
+keep=
+if [ "${3:-}" = --keep-binary ]; then
+  keep=${4:?--keep-binary needs a path}
+  rm -f "$keep"
+fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # Each pid is a `timeout`, whose child is the consumer.
+  for pid in "${pids[@]}"; do pkill -KILL -P "$pid" 2>/dev/null || true; kill -KILL "$pid" 2>/dev/null || true; done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
 cmake --install "$build" --prefix "$tmp/installed" >/dev/null
 # The package is relocatable: it names no path of the LibTorch it was built with (Torch comes from
 # find_dependency(Torch)), and it still works after the whole prefix is moved.
 if grep -nE '/[^";]*lib(c10|torch)[a-z_]*\.so' "$tmp"/installed/lib*/cmake/ctorch/ctorchTargets*.cmake; then
-  echo "the installed package hard-codes LibTorch library paths (above)"; exit 1
+  fail "the installed package hard-codes LibTorch library paths (above)"
 fi
 mv "$tmp/installed" "$tmp/prefix"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the fresh temporary prefix differ on every run: relative to it, ccache hits again.
 export CCACHE_BASEDIR=$tmp CCACHE_NOHASHDIR=1
+start=$(date +%s)
 cmake -S "$here" -B "$tmp/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" "${launcher[@]}" >/dev/null
 cmake --build "$tmp/build" --parallel 2 >/dev/null
 consumer=$tmp/build/consumer
+echo "consumer: configured and built against the moved prefix in $(( $(date +%s) - start )) s"
 
 # Clean slate: the test may itself run under a launcher or Slurm.
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE \
-      SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_JOB_ID SLURM_STEP_NODELIST SLURM_JOB_NODELIST || true
+      TORCHELASTIC_ERROR_FILE TORCHELASTIC_RESTART_COUNT SLURM_PROCID SLURM_NTASKS SLURM_LOCALID \
+      SLURM_JOB_ID SLURM_STEP_NODELIST SLURM_JOB_NODELIST || true
 export OMP_NUM_THREADS=1
 
-# A world of 1: no variables at all.
-out=$(timeout 120 "$consumer")
-echo "$out"
-echo "$out" | grep -Eq "$expect"
-echo "$out" | grep -q "consumer: rank 0/1 (no launcher) ddp step averaged"
+# A bad flag: one line, exit 2.
+rc=0
+err=$("$consumer" --epochs 2 --bogus 1 2>&1 >/dev/null) || rc=$?
+[ "$rc" -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && echo "$err" | grep -q "unknown flag '--bogus'" ||
+  fail "a bad flag gave exit $rc and: $err"
 
-# Two ranks on 127.0.0.1, a port the OS says is free.
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-for rank in 0 1; do
-  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout 120 "$consumer" >"$tmp/rank$rank.log" 2>&1 &
-  pids+=($!)
+# A world of 1: no variables at all.
+mkdir "$tmp/alone"
+out=$(cd "$tmp/alone" && timeout 120 "$consumer" --epochs 1 --out alone.pt 2>&1)
+echo "$out" | tail -n 3
+echo "$out" | grep -Eq "$expect" || fail "no line matches '$expect'"
+echo "$out" | grep -q "1 rank(s), no launcher" || fail "not a world of 1 without a launcher"
+echo "$out" | grep -Eq '^epoch 1/1 step 64/64 loss [0-9.]+$' || fail "no last step line"
+[ -s "$tmp/alone/alone.pt" ] && [ -s "$tmp/alone/snapshot.pt" ] || fail "alone: no alone.pt or snapshot.pt"
+
+# Two ranks on 127.0.0.1, a port the OS says is free. Starts rank 0 and 1 in directory $1 with
+# flags $2..., logs in $1/rank{0,1}.log.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+start_rank() {
+  local dir=$1 port=$2 rank=$3
+  shift 3
+  (cd "$dir" && RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+     exec timeout 120 "$consumer" "$@" >"rank$rank.log" 2>&1) &
+  pids[$rank]=$!
+}
+start_two() {
+  local dir=$1 port
+  shift
+  port=$(free_port)
+  pids=()
+  start_rank "$dir" "$port" 0 "$@"
+  start_rank "$dir" "$port" 1 "$@"
+}
+# Waits for both ranks; fails unless each exited $1.
+wait_two() {
+  local want=$1 dir=$2 i rc
+  for i in 0 1; do
+    rc=0
+    wait "${pids[$i]}" || rc=$?
+    if [ "$rc" -ne "$want" ]; then
+      echo "rank $i exited $rc, expected $want:"
+      tail -n 20 "$dir/rank$i.log"
+      fail "$(basename "$dir")"
+    fi
+  done
+  pids=()
+}
+# Global step of rank 0's last progress line in $1.
+last_step() {
+  sed -nE 's#^epoch ([0-9]+)/[0-9]+ step ([0-9]+)/([0-9]+) .*#\1 \2 \3#p' "$1" 2>/dev/null | tail -n 1 |
+    awk '{ print ($1 - 1) * $3 + $2 }'
+}
+flags=(--epochs 3 --save-every-steps 4 --step-delay-ms 25)
+
+# Uninterrupted.
+mkdir "$tmp/whole"
+t=$(date +%s.%N)
+start_two "$tmp/whole" "${flags[@]}"
+wait_two 0 "$tmp/whole"
+echo "2 ranks, uninterrupted: $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t }") s"
+grep -q "2 rank(s), torchrun environment" "$tmp/whole/rank0.log" || fail "not 2 ranks from the torchrun variables"
+grep -Eq '^epoch 3/3 step 32/32 loss' "$tmp/whole/rank0.log" || fail "uninterrupted: no last step line"
+[ -s "$tmp/whole/model.pt" ] && [ -s "$tmp/whole/snapshot.pt" ] || fail "uninterrupted: no model.pt or snapshot.pt"
+
+# Stopped mid-epoch 2 by a SIGTERM to rank 1 alone: both ranks agree, save and exit 75.
+mkdir "$tmp/stopped"
+start_two "$tmp/stopped" "${flags[@]}"
+deadline=$((SECONDS + 60))
+until [ "$(last_step "$tmp/stopped/rank0.log")" -ge 42 ] 2>/dev/null; do
+  [ $SECONDS -lt $deadline ] || fail "the run never reached step 42"
+  sleep 0.05
 done
-status=0
-for i in 0 1; do
-  wait "${pids[$i]}" || { echo "rank $i failed:"; status=1; }
-  cat "$tmp/rank$i.log"
-  grep -q "consumer: rank $i/2 (torchrun environment) ddp step averaged" "$tmp/rank$i.log" || status=1
-done
+kill -TERM "$(pgrep -P "${pids[1]}")"  # the consumer under rank 1's `timeout`
+wait_two 75 "$tmp/stopped"
+at=$(last_step "$tmp/stopped/rank0.log")
+[ -s "$tmp/stopped/snapshot.pt" ] || fail "stopped: no snapshot.pt"
+[ ! -e "$tmp/stopped/model.pt" ] || fail "stopped: model.pt written by a run that did not finish"
+mv "$tmp/stopped/rank0.log" "$tmp/stopped/stop0.log"
+# The same command again: continues after step $at, ends with the same bytes.
+start_two "$tmp/stopped" "${flags[@]}"
+wait_two 0 "$tmp/stopped"
+first=$(sed -nE 's#^epoch ([0-9]+)/[0-9]+ step ([0-9]+)/([0-9]+) .*#\1 \2 \3#p' "$tmp/stopped/rank0.log" | head -n 1 |
+        awk '{ print ($1 - 1) * $3 + $2 }')
+[ "$first" -eq $((at + 1)) ] || fail "stopped at global step $at, the next run began at $first"
+# The loop's own tracked value (best_loss) came back as the stopped run left it.
+best=$(sed -nE 's#^epoch [0-9]+/[0-9]+ done: .* best ([0-9.]+)$#\1#p' "$tmp/stopped/stop0.log" | tail -n 1)
+grep -q "^continuing at epoch 2 after step $((at - 32)), best loss so far $best\$" "$tmp/stopped/rank0.log" ||
+  fail "the resumed run does not continue at epoch 2 after step $((at - 32)) with best loss $best: $(grep continuing "$tmp/stopped/rank0.log")"
+echo "2 ranks, SIGTERM to rank 1 at global step $at: both exited 75; the same command resumed at step $first"
+compare() {
+  cmp -s "$1" "$2" && return 0
+  echo "$1 and $2 differ"
+  if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    /usr/bin/python3 - "$1" "$2" <<'EOF'
+import sys, torch
+a, b = (torch.load(p, map_location="cpu") for p in sys.argv[1:3])
+for k in a:
+    if k not in b or not torch.equal(a[k], b[k]):
+        print(f"  {k} differs")
+EOF
+  fi
+  return 1
+}
+compare "$tmp/whole/model.pt" "$tmp/stopped/model.pt" || fail "the resumed run's model.pt differs from the uninterrupted run's"
+diff <(grep ' done: ' "$tmp/whole/rank0.log" | tail -n 1) <(grep ' done: ' "$tmp/stopped/rank0.log" | tail -n 1) ||
+  fail "the last epoch's summary (loss, best loss) differs"
+echo "the resumed run's model.pt is byte-identical to the uninterrupted run's"
+
+# A stop during start-up: rank 0 alone waits for rank 1 in the rendezvous and gets SIGTERM there
+# (once its handler is installed: SigCgt in /proc says so). Rank 1 comes; resume() agrees on the
+# stop: both exit 75 before the first step and nothing is written.
+mkdir "$tmp/early"
+port=$(free_port)
 pids=()
-exit $status
+start_rank "$tmp/early" "$port" 0 "${flags[@]}"
+deadline=$((SECONDS + 60))
+until child=$(pgrep -P "${pids[0]}") && grep -Eq '^SigCgt:.*[4-7c-f][0-9a-f]{3}$' "/proc/$child/status" 2>/dev/null; do
+  [ $SECONDS -lt $deadline ] || fail "rank 0 never installed its SIGTERM handler"
+  sleep 0.05
+done
+kill -TERM "$child"
+sleep 0.5
+start_rank "$tmp/early" "$port" 1 "${flags[@]}"
+wait_two 75 "$tmp/early"
+grep -q "stopped on request before the first step" "$tmp/early/rank0.log" || fail "early stop: no line saying so"
+! grep -q '^epoch [0-9/]* step' "$tmp/early/rank0.log" || fail "a run stopped during start-up trained"
+[ ! -e "$tmp/early/snapshot.pt" ] && [ ! -e "$tmp/early/model.pt" ] || fail "a run stopped during start-up wrote files"
+echo "2 ranks, SIGTERM to rank 0 while it waited for rank 1: both exited 75 before the first step"
+
+# Once more after the end: nothing to train, the same model.pt again.
+cp "$tmp/stopped/model.pt" "$tmp/model.before"
+start_two "$tmp/stopped" "${flags[@]}"
+wait_two 0 "$tmp/stopped"
+! grep -q '^epoch [0-9/]* step' "$tmp/stopped/rank0.log" || fail "a finished run trained again"
+compare "$tmp/model.before" "$tmp/stopped/model.pt" || fail "a finished run's model.pt changed"
+
+# Python reads model.pt with a plain torch.load (when Debian's PyTorch is here).
+if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  /usr/bin/python3 -c '
+import sys, torch
+sd = torch.load(sys.argv[1])
+assert list(sd) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], list(sd)
+assert sd["fc1.weight"].shape == (64, 16), sd["fc1.weight"].shape
+' "$tmp/whole/model.pt" || fail "Python cannot read model.pt"
+  echo "Python's torch.load reads model.pt"
+fi
+
+if [ -n "$keep" ]; then
+  mkdir -p "$(dirname "$keep")"
+  cp "$consumer" "$keep.tmp"
+  mv "$keep.tmp" "$keep"
+  echo "consumer kept at $keep"
+fi
+echo "consumer: all checks passed"

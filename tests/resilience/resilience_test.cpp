@@ -88,7 +88,7 @@ CTORCH_TEST_WORKER(user_loop) {
   const ctorch::ResumePoint start = training.resume();
   std::cout << "start: epoch " << start.epoch << " step " << start.stepInEpoch << " global " << start.globalStep
             << (start.resumed ? " resumed" : " fresh") << std::endl;
-  if (training.stopRequested()) return training.exitCode();
+  if (training.stopRequested() && intArg(args, "ignore-start-stop", 0) == 0) return training.exitCode();
 
   for (std::int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
     sampler.setEpoch(epoch);
@@ -262,6 +262,9 @@ TEST_CASE("resilience: another configuration is refused naming the difference, a
   requireExit(early, 75);
   CHECK(early[0].output.find("log: stopped on request before the first step; nothing new to save") != std::string::npos);
   CHECK(early[0].output.find("start: epoch 0 step 2 global 2 resumed") != std::string::npos);
+  CHECK(ctorch::test::readFile(runs.dir / "run" / "snapshot.pt") == before);
+  // A loop that does not look at stopRequested(): its first stepDone() says stop, nothing is saved.
+  requireExit(runs.run("run", {"--stop-at-start", "1", "--ignore-start-stop", "1"}), 75);
   CHECK(ctorch::test::readFile(runs.dir / "run" / "snapshot.pt") == before);
 }
 

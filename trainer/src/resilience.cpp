@@ -329,12 +329,9 @@ struct ResilientTraining::Impl {
     return true;
   }
 
-  void checkRunning(const char* call) const {
+  void checkFinished(const char* call) const {
     if (status == TrainingStatus::kFinished)
       throw ConfigError(std::string("ResilientTraining::") + call + "() after finish()");
-    if (status == TrainingStatus::kStopped)
-      throw ConfigError(std::string("ResilientTraining::") + call +
-                        "() after the run stopped on request: return exitCode() from the loop");
   }
 
   // ---- resuming --------------------------------------------------------------------------------
@@ -574,7 +571,8 @@ bool ResilientTraining::stepDone() {
 bool ResilientTraining::stepDone(std::vector<double>& sums) {
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before the first step");
-  s.checkRunning("stepDone");
+  s.checkFinished("stepDone");
+  if (s.stop) return true;  // stopped at start-up (or the loop went on after a stop): nothing new is saved
   // A bucket regrouping due after this process's first step happens now rather than in the next
   // forward, so that a snapshot of this step records the layout the next step uses.
   if (s.ddp) s.ddp->rebuildBuckets();
@@ -599,7 +597,8 @@ bool ResilientTraining::stepDone(std::vector<double>& sums) {
 bool ResilientTraining::epochDone(const SaveExtras& extras) {
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before the first step");
-  s.checkRunning("epochDone");
+  s.checkFinished("epochDone");
+  if (s.stop) return true;
   ++s.epoch;
   s.stepInEpoch = 0;
   const bool due = extras.force || s.o.saveEverySteps() > 0 ||
@@ -619,7 +618,8 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
 void ResilientTraining::save(const SaveExtras& extras) {
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before save()");
-  s.checkRunning("save");
+  s.checkFinished("save");
+  if (s.stop) throw ConfigError("ResilientTraining::save() after the run stopped on request: return exitCode() from the loop");
   s.save(s.currentKind(), extras, false);
 }
 
@@ -628,7 +628,8 @@ void ResilientTraining::wait() { impl_->writer->wait(); }
 int ResilientTraining::finish() {
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before finish()");
-  s.checkRunning("finish");
+  s.checkFinished("finish");
+  if (s.stop) return s.writer->wait(), contract::kExitPreempted;  // stopped at start-up: nothing to save
   const bool scheduled = s.o.saveEverySteps() > 0 || s.o.saveEveryEpochs() > 0;
   if (scheduled && !s.saved()) s.save(s.currentKind(), {}, false);
   s.writer->wait();

@@ -4,9 +4,12 @@
 // then exit contract::kExitPreempted = 75 so ctorchrun / Slurm requeue it), and a restarted process
 // continues from the newest valid snapshot bit-identically. docs/resilience.md has the whole story.
 //
+//   ctorch::installStopHandlers();                              // first thing in main: a stop during start-up is 75 too
+//   ...init_process_group, model, DDP, optimizer, sampler...
 //   ctorch::ResilientTraining training(ctorch::ResilienceOptions().snapshotPath("run/snapshot.pt").saveEverySteps(200));
 //   training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
 //   const ctorch::ResumePoint start = training.resume();       // restores everything
+//   if (training.stopRequested()) return training.exitCode();  // a stop during start-up: 75, nothing saved
 //   for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
 //     sampler.setEpoch(epoch);                                  // keeps a restored mid-epoch position
 //     while (!sampler.exhausted()) {
@@ -19,7 +22,10 @@
 //   return training.finish();
 //
 // resume(), stepDone(), epochDone(), save() and finish() are collectives: every rank calls them at the
-// same point of the loop.
+// same point of the loop. Tracked values are captured inside stepDone()/epochDone(): update them
+// before the call. Every rank restores rank 0's snapshot: a tracked value must be the same on every
+// rank (a rank-local value would come back as rank 0's); per-rank randomness is handled by the
+// library (gathered generator states, or stepSeed).
 #pragma once
 
 #include "ctorch/ddp.hpp"
@@ -77,7 +83,9 @@ struct ResilienceOptions {
   // how the run got there. Unset: every rank's generator states are gathered into each snapshot and
   // restored on resume (one small allgather per save).
   TORCH_ARG(std::optional<std::uint64_t>, stepSeed);
-  // Installs the stop-signal handlers (SIGTERM, SIGUSR1, SIGINT; see stop_signal.hpp).
+  // Installs the stop-signal handlers (SIGTERM, SIGUSR1, SIGINT; see stop_signal.hpp). Call
+  // ctorch::installStopHandlers() yourself at the top of main as well: before it, such a signal
+  // during the rendezvous or the model's set-up ends the process instead of asking it to stop.
   TORCH_ARG(bool, handleSignals) = true;
   // Snapshots are encoded and written on a background thread while training goes on (the step pays
   // only for a copy of the state); false: written before stepDone() returns.
@@ -163,7 +171,8 @@ class ResilientTraining {
   // <file>.unusable; one of another run or configuration is refused with SnapshotIncompatible),
   // decides how to continue (resume_plan.hpp: exactly under the same world size, at an epoch
   // boundary under another), restores every registered object and checks that all ranks stand at
-  // the same step. A stop requested during start-up makes stopRequested() true at once.
+  // the same step. A stop requested during start-up makes stopRequested() true at once (and every
+  // later stepDone()/epochDone() true and finish() 75, without saving anything).
   ResumePoint resume();
   // After each optimizer step, once the loop has updated what it tracks (a snapshot taken here holds
   // the values as they are now): counts it, agrees with the other ranks on whether to stop (one small
@@ -181,7 +190,7 @@ class ResilientTraining {
   // Waits for the snapshot write in flight; rethrows its failure.
   void wait();
   // The end of training: saves the final state if a schedule is on and it is not saved yet, waits
-  // until it is durable and every rank got here. Returns 0 (the exit code).
+  // until it is durable and every rank got here. Returns 0 (the exit code); 75 after a stop.
   int finish();
 
   // ---- where the run stands
