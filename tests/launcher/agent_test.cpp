@@ -14,7 +14,9 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <functional>
 #include <deque>
+#include <functional>
 #include <set>
 
 using namespace ctorch::launcher;
@@ -59,6 +61,7 @@ class FakeProcessContext : public ProcessContext {
   }
   void signalAll(int signo) override {
     signals.push_back(signo);
+    if (onSignalAll) onSignalAll(signo);
     for (auto it = live_.begin(); it != live_.end();) {
       if (signo == SIGTERM && it->second.ignoreTerm) {
         ++it;
@@ -80,6 +83,7 @@ class FakeProcessContext : public ProcessContext {
   std::vector<int> signals;
   int kills = 0;
   std::optional<int> exitOnSignal;  // workers handle signals and exit with this code
+  std::function<void(int)> onSignalAll;  // called when the agent signals the workers
 
  private:
   void queue(int rank, ExitStatus s) {
@@ -453,6 +457,41 @@ TEST_CASE("agent: preempted workers (exit 75 after the forwarded signal) make th
     CHECK(rc == (code == 75 ? 75 : 128 + SIGUSR1));
     CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
   }
+}
+
+TEST_CASE("agent: a worker that exits 75 before the agent's own copy of the signal arrives still makes it exit 75") {
+  // Slurm signals every process of the step: a worker can save, exit 75 and be seen by the agent
+  // (a failure: the agent stops the group with SIGTERM) before the agent reads its own SIGUSR1.
+  // Every worker exited 75 and a stop signal came: the job was preempted, not failed.
+  Fixture f({"--nproc-per-node", "2"});
+  FakeProcessContext pc([](int, int) {
+    FakeWorker saved;
+    saved.exitAtStart = ExitStatus::exited(75);
+    FakeWorker busy;
+    busy.ignoreTerm = true;  // still in its step when the agent's SIGTERM comes; saves on SIGUSR1
+    return std::vector<FakeWorker>{saved, busy};
+  });
+  pc.exitOnSignal = 75;
+  pc.onSignalAll = [&f](int signo) {
+    if (signo == SIGTERM) f.signals.raise(SIGUSR1);
+  };
+  CHECK(f.run(pc) == 75);
+  CHECK(pc.signals == std::vector<int>{SIGTERM, SIGUSR1});
+  CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
+  // Control: a worker that really failed (exit 1) keeps the signal's exit code.
+  Fixture g({"--nproc-per-node", "2"});
+  FakeProcessContext failed([](int, int) {
+    FakeWorker crashed;
+    crashed.exitAtStart = ExitStatus::exited(1);
+    FakeWorker busy;
+    busy.ignoreTerm = true;
+    return std::vector<FakeWorker>{crashed, busy};
+  });
+  failed.exitOnSignal = 75;
+  failed.onSignalAll = [&g](int signo) {
+    if (signo == SIGTERM) g.signals.raise(SIGUSR1);
+  };
+  CHECK(g.run(failed) == 128 + SIGUSR1);
 }
 
 TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") {

@@ -345,11 +345,13 @@ int ElasticAgent::run() {
         l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
                outcome.stopped.size() + outcome.failures.size());
         // Preemption (Slurm's --signal, scancel -s USR1): workers that saved a snapshot and exited
-        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue.
-        bool preempted = outcome.failures.empty() && !outcome.stopped.empty() &&
-                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), [](const WorkerExit& e) {
-                           return e.status.asExitCode() == contract::kExitPreempted;
-                         });
+        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue. A
+        // worker that got the signal first (Slurm signals the whole step) and exited 75 before this
+        // agent read its own copy was counted as a failure: it was preempted all the same.
+        auto savedState = [](const WorkerExit& e) { return e.status.asExitCode() == contract::kExitPreempted; };
+        bool preempted = !(outcome.stopped.empty() && outcome.failures.empty()) &&
+                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), savedState) &&
+                         std::all_of(outcome.failures.begin(), outcome.failures.end(), savedState);
         if (preempted) {
           l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job "
                  "can be requeued",
