@@ -268,6 +268,51 @@ TEST_CASE("resilience: another configuration is refused naming the difference, a
   CHECK(ctorch::test::readFile(runs.dir / "run" / "snapshot.pt") == before);
 }
 
+TEST_CASE("resilience: a crafted snapshot (sound file, digest recomputed) with wrong content is refused in one line",
+          "[resilience]") {
+  Runs runs;
+  requireExit(runs.run("run", {"--stop-at", "4"}), 75);
+  const fs::path file = runs.dir / "run" / "snapshot.pt";
+  const ctorch::Snapshot good = ctorch::loadSnapshot(file);
+  auto craft = [&](const std::string& key, const c10::IValue& value) {
+    ctorch::Snapshot s = ctorch::loadSnapshot(file.string() + ".orig");
+    s.userState.insert_or_assign(key, value);
+    ctorch::SnapshotSlotOptions slot;
+    slot.path = file;
+    slot.keepPrevious = 0;
+    ctorch::saveSnapshot(s, slot);  // a new digest: the file is sound, its content is not this loop's
+  };
+  fs::copy_file(file, file.string() + ".orig");
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"loss_sum", "USER_STATE['loss_sum'] is not a number"},
+      {"ema", "USER_STATE['ema'] is not a tensor"},
+      {"ddp_buckets", "ddp_buckets is not a list"},
+  };
+  for (const auto& [key, words] : cases) {
+    craft(key, c10::IValue(std::string("not what it should be")));
+    const auto r = runs.run("run", {});
+    for (const auto& rank : r) {
+      INFO(key << ": " << rank.output);
+      CHECK(rank.exitCode == 1);
+      CHECK(rank.output.find(words) != std::string::npos);
+      CHECK(rank.output.find("Exception raised from") == std::string::npos);  // one line, no backtrace
+    }
+  }
+  // A bucket layout that is not a partition of the parameters.
+  c10::impl::GenericList buckets(c10::ListType::create(c10::ListType::ofInts()));
+  buckets.push_back(c10::List<int64_t>({0, 1, 99}));
+  craft("ddp_buckets", buckets);
+  for (const auto& rank : runs.run("run", {})) {
+    INFO(rank.output);
+    CHECK(rank.exitCode == 1);
+    CHECK(rank.output.find("names parameter 99") != std::string::npos);
+  }
+  // The original file resumes and finishes.
+  fs::copy_file(file.string() + ".orig", file, fs::copy_options::overwrite_existing);
+  ctorch::test::requireAllOk(runs.run("run", {}));
+  CHECK(good.globalStep == 4);
+}
+
 TEST_CASE("resilience: options and calls in the wrong order are refused with one line naming the value", "[resilience]") {
   CHECK_THROWS_WITH(ctorch::ResilientTraining(ctorch::ResilienceOptions().saveEverySteps(-1)),
                     Catch::Contains("saveEverySteps must be >= 0, got -1"));
