@@ -15,6 +15,8 @@
 #include <ctorch/stop_signal.hpp>
 #include <ctorch/train/trainer.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <csignal>
 #include <sstream>
 
@@ -124,6 +126,24 @@ TEST_CASE("loop: the toy model trains on 1 rank and on 2 ranks to the same param
   CHECK(countMatches(metrics, std::regex(R"("kind":"train")")) == 8);
   CHECK(countMatches(metrics, std::regex(R"("kind":"epoch")")) == 2);
   CHECK(countMatches(metrics, std::regex(R"("kind":"eval")")) == 2);
+  // Epoch records say where the steps' time went; the phases fit in the epoch's wall time.
+  std::istringstream lines(metrics);
+  int epochs = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["kind"] != "epoch") continue;
+    ++epochs;
+    double sum = 0;
+    for (const char* phase : {"data", "forward_backward", "optimizer", "agreement"}) {
+      const double v = j["phase_seconds"][phase].get<double>();
+      CHECK(v >= 0.0);
+      sum += v;
+    }
+    CHECK(j["phase_seconds"]["forward_backward"].get<double>() > 0.0);
+    CHECK(sum <= j["seconds"].get<double>() + 1e-3);
+  }
+  CHECK(epochs == 2);
+  CHECK(r1[0].output.find("(rank 0's time: data ") != std::string::npos);
 }
 
 TEST_CASE("loop: gradient accumulation over micro-batches equals one batch of their size", "[trainer][loop]") {

@@ -167,6 +167,10 @@ void MetricsLog::write(const EpochRecord& r) {
   j["samples_per_s"] = r.samplesPerSecond;
   j["loss"] = r.loss;
   j["time"] = r.time;
+  j["phase_seconds"] = {{"data", r.dataSeconds},
+                        {"forward_backward", r.forwardBackwardSeconds},
+                        {"optimizer", r.optimizerSeconds},
+                        {"agreement", r.agreementSeconds}};
   append(j.dump());
 }
 

@@ -290,9 +290,25 @@ std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& 
 
 // ---- one optimizer step --------------------------------------------------------------------------------
 
+// Where a step's wall time goes (seconds, this rank): waiting for batches, forward and backward
+// (the backward includes waiting for DDP's last gradient allreduce), the optimizer (and loss
+// scaling), and the agreement with the other ranks (ResilientTraining::stepDone: one small
+// allreduce, a snapshot's capture when one is due).
+struct StepPhases {
+  double data = 0, forwardBackward = 0, optimizer = 0, agreement = 0;
+  StepPhases& operator+=(const StepPhases& o) {
+    data += o.data;
+    forwardBackward += o.forwardBackward;
+    optimizer += o.optimizer;
+    agreement += o.agreement;
+    return *this;
+  }
+};
+
 struct StepOutcome {
   double loss = 0.0;           // mean over this rank's micro-batches
   std::int64_t samples = 0;    // on this rank
+  StepPhases phases;
 };
 
 StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer, GradScaler& scaler,
@@ -303,8 +319,16 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
+  auto mark = Clock::now();
+  auto lap = [&mark] {
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    return seconds;
+  };
   for (std::int64_t m = 0; m < micro; ++m) {
     auto batch = loader.next();
+    out.phases.data += lap();
     if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
     sampler.advance(batch->size());
     out.samples += batch->size();
@@ -320,10 +344,12 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
     }
     scaler.scale(micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
     lossSum += loss.detach();
+    out.phases.forwardBackward += lap();
   }
   scaler.step(optimizer);
   scaler.update();
   out.loss = lossSum.item<double>() / static_cast<double>(micro);
+  out.phases.optimizer += lap();
   return out;
 }
 
@@ -528,6 +554,7 @@ bool Trainer::runEpoch(RunResult& result) {
   const std::int64_t firstStep = t.stepInEpoch();
   double intervalLoss = 0.0, epochLoss = 0.0;
   std::int64_t intervalSteps = 0, intervalSamples = 0, epochSamples = 0;
+  StepPhases phases;
   while (!sampler_->exhausted()) {
     const double lr = schedule_->at(epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_));
     setLearningRate(*optimizer_, lr);
@@ -539,13 +566,16 @@ bool Trainer::runEpoch(RunResult& result) {
       step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
       // The step's one small allreduce: every rank's loss for the log, and whether any must stop.
       sums = {step.loss};
+      const auto agreeStart = Clock::now();
       stop = t.stepDone(sums);
+      step.phases.agreement = secondsSince(agreeStart);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
       stepFailed(e, rank_, t.globalStep(), o_.timeout);
     }
     const double loss = sums[0] / worldSize_;
+    phases += step.phases;
     intervalLoss += loss;
     epochLoss += loss;
     ++intervalSteps;
@@ -603,9 +633,15 @@ bool Trainer::runEpoch(RunResult& result) {
   const std::int64_t stepsRun = t.stepInEpoch() - firstStep;
   const double epochRate = static_cast<double>(epochSamples) / std::max(epochSeconds, 1e-9);
   const double meanLoss = stepsRun > 0 ? epochLoss / static_cast<double>(stepsRun) : 0.0;
+  const auto share = [epochSeconds](double seconds) {
+    return std::to_string(std::llround(100.0 * seconds / std::max(epochSeconds, 1e-9))) + "%";
+  };
   console_.line("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o_.epochs) + " done: " +
                 std::to_string(stepsRun) + " steps in " + formatDuration(epochSeconds) + ", " +
-                std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss));
+                std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss) +
+                " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
+                share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
+                share(phases.agreement) + ")");
   if (metrics_) {
     EpochRecord r;
     r.step = t.globalStep();
@@ -616,6 +652,10 @@ bool Trainer::runEpoch(RunResult& result) {
     r.samplesPerSecond = epochRate;
     r.loss = meanLoss;
     r.time = trainSeconds();
+    r.dataSeconds = phases.data;
+    r.forwardBackwardSeconds = phases.forwardBackward;
+    r.optimizerSeconds = phases.optimizer;
+    r.agreementSeconds = phases.agreement;
     metrics_->write(r);
   }
   return false;

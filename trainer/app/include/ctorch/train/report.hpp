@@ -85,6 +85,11 @@ struct EpochRecord {
   double samplesPerSecond = 0.0;   // all ranks together
   double loss = 0.0;               // mean training loss of those steps
   double time = 0.0;
+  // Where `seconds` went on this rank (the rest: logging, metrics, --step-delay-ms).
+  double dataSeconds = 0.0;             // waiting for batches
+  double forwardBackwardSeconds = 0.0;  // including the wait for DDP's last gradient allreduce
+  double optimizerSeconds = 0.0;
+  double agreementSeconds = 0.0;        // the per-step allreduce (stop flag, loss), snapshot captures
 };
 
 class MetricsLog {
