@@ -45,6 +45,7 @@
 #include <iostream>
 #include <regex>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 namespace ctorch::train {
@@ -256,6 +257,14 @@ std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
                               std::to_string(timeout.count()) + " s)";
   for (const char* needle : {"imed out", "imeout"})
     if (text.find(needle) != std::string::npos) throw DistributedTimeout(message);
+  throw DistributedError(message);
+}
+
+// A failed agreement (already one line naming the rank and the step) with the same bound added.
+[[noreturn]] void withTimeoutHint(const DistributedError& e, std::chrono::seconds timeout) {
+  const std::string message = std::string(e.what()) + " (collectives give up on a silent peer after --timeout " +
+                              std::to_string(timeout.count()) + " s)";
+  if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(message);
   throw DistributedError(message);
 }
 
@@ -569,6 +578,11 @@ bool Trainer::runEpoch(RunResult& result) {
       const auto agreeStart = Clock::now();
       stop = t.stepDone(sums);
       step.phases.agreement = secondsSince(agreeStart);
+    } catch (const DistributedError& e) {
+      // DDP's or the agreement's collective failed: one line naming the rank and the step (the
+      // agreement's already does), with the hang guard's bound.
+      if (std::string_view(e.what()).rfind("rank ", 0) == 0) withTimeoutHint(e, o_.timeout);
+      stepFailed(e, rank_, t.globalStep(), o_.timeout);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
