@@ -8,8 +8,9 @@
 // does on that rank, averages them (g_r * 1/N, summed in rank order) and steps an identical SGD.
 //
 // Tolerances, and why (measured extremes in brackets, over every combination):
-//  - 2 ranks, float32 (plain, ALLREDUCE hook): exactly 0 [0]. Scaling by 1/2 is exact and a sum of
-//    two terms is the same in either order, so Gloo's result is bit-identical to the reference's.
+//  - 2 ranks, float32 (plain, ALLREDUCE and SHARED_MEMORY hooks): exactly 0 [0]. Scaling by 1/2 is
+//    exact and a sum of two terms is the same in either order, so Gloo's result (and shared memory's
+//    (g0 + g1) / 2) is bit-identical to the reference's.
 //  - 3 ranks, float32: 1e-6 [max 1.2e-7]. Gloo's ring adds the three contributions in another order
 //    than the reference (and the ALLREDUCE hook divides by 3 where the Reducer multiplies by 1/3):
 //    an ulp or two (~1e-7 relative) per step, carried through 2-3 momentum steps.
@@ -117,7 +118,7 @@ struct Config {
 
   std::string name() const {
     std::ostringstream os;
-    const char* hooks[] = {"none", "allreduce", "fp16"};
+    const char* hooks[] = {"none", "allreduce", "fp16", "shared-memory"};
     os << model << " buckets=" << (smallBuckets ? "small" : "default") << " unused=" << findUnused
        << " view=" << asView << " bcast=" << broadcastBuffers << " static=" << staticGraph
        << " hook=" << hooks[static_cast<int>(hook)] << " accum=" << accumulate << (control ? " CONTROL" : "");
@@ -183,6 +184,7 @@ double maxDiff(const std::vector<torch::Tensor>& a, const std::vector<torch::Ten
 struct Outcome {
   double params = 0, buffers = 0;
   size_t buckets = 0;
+  std::string hookInUse;
 };
 
 // Trains `cfg` under DDP and as the single-process reference, side by side, in this worker.
@@ -257,6 +259,7 @@ Outcome train(const Config& cfg, int rank, int world, Make make, Run run) {
   auto mine = model->buffers();
   if (!mine.empty()) o.buffers = maxDiff(mine, rankBuffers[rank]);
   o.buckets = buckets;
+  o.hookInUse = ddp.commHookInUse();
   return o;
 }
 
@@ -284,7 +287,8 @@ std::vector<Config> matrix(const std::string& model) {
       for (bool view : {false, true})
         for (bool bcast : {true, false})
           for (bool stat : {false, true})
-            for (auto hook : {ctorch::CommHook::kNone, ctorch::CommHook::kAllreduce, ctorch::CommHook::kFp16Compress})
+            for (auto hook : {ctorch::CommHook::kNone, ctorch::CommHook::kAllreduce, ctorch::CommHook::kFp16Compress,
+                              ctorch::CommHook::kSharedMemory})
               for (int accum : {1, 2}) {
                 if (model != "convbn" && !bcast) continue;            // no buffers: nothing to vary
                 if (model == "cond" && (!unused || stat)) continue;   // needs the unused search
@@ -348,10 +352,12 @@ CTORCH_TEST_WORKER(ddp_matrix) {
     // The hook acted: float16 rounding shows above float32's own noise (0 on 2 ranks, 1e-6 on 3).
     if (cfg.hook == ctorch::CommHook::kFp16Compress) ok = ok && o.params > 1e-6;
     if (cfg.smallBuckets) ok = ok && o.buckets > 1;
+    // Every rank of these groups is on this host: the shared-memory path must be the one taken.
+    if (cfg.hook == ctorch::CommHook::kSharedMemory) ok = ok && o.hookInUse == "shared memory";
     ++count;
     if (!ok) ++failures;
     std::cout << (ok ? "PASS " : "FAIL ") << cfg.name() << " : params " << o.params << " buffers " << o.buffers
-              << " buckets " << o.buckets << " tolerance " << tol << "\n";
+              << " buckets " << o.buckets << " hook in use " << o.hookInUse << " tolerance " << tol << "\n";
   }
   std::cout << "skipped " << skipped << " fp16-hook configurations\n";
   std::cout << "static-graph accumulation refused " << skippedStaticAccumulation << "\n";

@@ -4,6 +4,7 @@
 #include "ctorch/ddp.hpp"
 
 #include "ctorch/compat.hpp"
+#include "ctorch/shared_memory_allreduce.hpp"
 #include "error_text.hpp"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -118,6 +119,35 @@ bool producesSparseGradient(const torch::nn::Module& m) {
 
 } // namespace
 
+// CommHook::kSharedMemory: the gradient bucket averaged through shared memory, in place, on the
+// allreduce's worker thread (the backward pass goes on meanwhile; the Reducer waits for the futures
+// at its end, as for Gloo's). A sparse bucket goes
+// through the group, as with the built-in hook. Derives from CommHookInterface, not
+// CppCommHookInterface, whose parseHookResult 1.13 does not export.
+class SharedMemoryHook : public c10d::CommHookInterface {
+ public:
+  SharedMemoryHook(std::shared_ptr<SharedMemoryAllreduce> allreduce, c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : allreduce_(std::move(allreduce)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor buffer = bucket.getBufferRef();
+    if (buffer.is_sparse()) {
+      buffer.div_(group_->getSize());
+      std::vector<at::Tensor> tensors{buffer};
+      return group_->allreduce(tensors)->getFuture();
+    }
+    return allreduce_->allreduceAsync(buffer, SharedMemoryAllreduce::Op::kAverage);
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return result.isTensor() ? result.toTensor() : result.toTensorVector().at(0);
+  }
+
+ private:
+  std::shared_ptr<SharedMemoryAllreduce> allreduce_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
 void DDPOptions::validate() const {
   auto positive = [](double v, const char* name) {
     if (!(v > 0.0) || v * kMiB > static_cast<double>(std::numeric_limits<int64_t>::max())) {
@@ -143,6 +173,8 @@ struct detail::DDPCore::Impl {
   bool requireForwardParamSync = true;
   bool staticGraph = false;
   bool hookRegistered = false;
+  // CommHook::kSharedMemory, when every rank could map the segment (else the Reducer's allreduce).
+  std::shared_ptr<SharedMemoryAllreduce> sharedMemory;
   int64_t numIterations = 0;
   // Static graph: whether the first synchronised backward has queued delay_all_reduce. 1.13's Python
   // keys this on num_iterations == 1 only, which queues it again from a no_sync backward of the next
@@ -196,7 +228,11 @@ struct detail::DDPCore::Impl {
       logger->set_static_graph();
     }
     hookRegistered = false;
-    if (options.commHook() != CommHook::kNone) {
+    if (sharedMemory) {
+      logger->set_comm_hook("SHARED_MEMORY");
+      reducer->register_comm_hook(std::make_unique<SharedMemoryHook>(sharedMemory, group));
+      hookRegistered = true;
+    } else if (options.commHook() == CommHook::kAllreduce || options.commHook() == CommHook::kFp16Compress) {
       const bool fp16 = options.commHook() == CommHook::kFp16Compress;
       logger->set_comm_hook(fp16 ? "FP16_COMPRESS" : "ALLREDUCE");
       reducer->register_builtin_comm_hook(fp16 ? c10d::BuiltinCommHookType::FP16_COMPRESS
@@ -257,6 +293,10 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
       if (!states.empty()) c10d::broadcast_coalesced(s.group, states, kBroadcastBucketBytes, 0);
     }
 
+    // A collective too: every rank learns whether all of them share the segment.
+    if (options.commHook() == CommHook::kSharedMemory && *deviceTypes.begin() == c10::DeviceType::CPU)
+      s.sharedMemory = SharedMemoryAllreduce::create(
+          s.group, SharedMemoryAllreduceOptions().timeout(compat::glooTimeout(s.group).value_or(std::chrono::minutes(30))));
     s.buildReducer(options.bucketAssignment());
   } catch (const Error&) {
     throw;
@@ -398,6 +438,15 @@ std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
 }
 
 const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
+std::string detail::DDPCore::commHookInUse() const {
+  const Impl& s = *impl_;
+  if (s.sharedMemory) return "shared memory";
+  switch (s.options.commHook()) {
+    case CommHook::kAllreduce: return "allreduce";
+    case CommHook::kFp16Compress: return "fp16 compress";
+    default: return s.hookRegistered ? "custom" : "none";
+  }
+}
 c10::intrusive_ptr<c10d::ProcessGroup> detail::DDPCore::processGroup() const { return impl_->group; }
 torch::nn::Module& detail::DDPCore::module() { return *impl_->module; }
 

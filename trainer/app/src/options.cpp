@@ -210,6 +210,11 @@ const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
     {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
 const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
     {"auto", BackendChoice::kAuto}, {"gloo", BackendChoice::kGloo}, {"nccl", BackendChoice::kNccl}};
+const std::vector<std::pair<std::string, CommHookChoice>> kCommHooks = {
+    {"shared-memory", CommHookChoice::kSharedMemory},
+    {"none", CommHookChoice::kNone},
+    {"allreduce", CommHookChoice::kAllreduce},
+    {"fp16", CommHookChoice::kFp16}};
 const std::vector<std::pair<std::string, ProgressMode>> kProgress = {{"auto", ProgressMode::kAuto},
                                                                      {"bar", ProgressMode::kBar},
                                                                      {"lines", ProgressMode::kLines},
@@ -244,6 +249,7 @@ const char* toString(DeviceChoice v) { return nameOf(v, kDevices); }
 const char* toString(BackendChoice v) { return nameOf(v, kBackends); }
 const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
+const char* toString(CommHookChoice v) { return nameOf(v, kCommHooks); }
 
 ResumeChoice ResumeChoice::parse(const std::string& text) {
   ResumeChoice r;
@@ -429,7 +435,7 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
 
   std::string optimizer = toString(o.optimizer), lrDecay = toString(o.lrDecay), device = toString(o.device),
               backend = toString(o.backend), progress = toString(o.progress), augment = toString(o.augment),
-              resume = "auto", metrics;
+              commHook = toString(o.commHook), resume = "auto", metrics;
   std::string dataDir, snapshotPath = o.snapshotPath.string(), modelDir, syntheticShape;
   std::int64_t timeoutS = o.timeout.count(), stepDelayMs = 0;
 
@@ -513,6 +519,10 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   opt("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
       ->group(kSys)->capture_default_str();
   opt("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
+  opt("--comm-hook", commHook,
+      "how DDP averages gradients: shared-memory (through one shared segment when every rank is on this "
+      "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
+      ->group(kSys)->capture_default_str();
   flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);
   bool noBucketView = false;
@@ -558,6 +568,7 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
     o.backend = pick("--backend", backend, kBackends);
     o.progress = pick("--progress", progress, kProgress);
     o.augment = pick("--augment", augment, kAugment);
+    o.commHook = pick("--comm-hook", commHook, kCommHooks);
     o.resume = ResumeChoice::parse(resume);
     o.dataDir = dataDir;
     o.snapshotPath = snapshotPath;

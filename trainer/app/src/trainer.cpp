@@ -243,6 +243,22 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
+CommHook commHookOf(CommHookChoice c) {
+  switch (c) {
+    case CommHookChoice::kSharedMemory: return CommHook::kSharedMemory;
+    case CommHookChoice::kAllreduce: return CommHook::kAllreduce;
+    case CommHookChoice::kFp16: return CommHook::kFp16Compress;
+    case CommHookChoice::kNone: break;
+  }
+  return CommHook::kNone;
+}
+
+std::string gradientPath(const std::string& hook) {
+  if (hook == "shared memory") return "shared memory (every rank on this host)";
+  if (hook == "none") return "the process group's allreduce";
+  return "the " + hook + " hook";
+}
+
 std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
@@ -441,6 +457,7 @@ void Trainer::buildDataAndModel() {
 void Trainer::buildTraining() {
   ddp_ = std::make_unique<DDP>(model_, DDPOptions()
                                            .bucketCapMb(o_.bucketCapMb)
+                                           .commHook(commHookOf(o_.commHook))
                                            .findUnusedParameters(o_.findUnusedParameters)
                                            .gradientAsBucketView(o_.gradientAsBucketView));
   optimizer_ = makeOptimizer(o_, ddp_->parameters());
@@ -469,7 +486,8 @@ void Trainer::buildTraining() {
                 std::to_string(o_.batchSize) + " per rank" +
                 (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
                 std::to_string(worldSize_) + (worldSize_ == 1 ? " rank), " : " ranks), ") +
-                std::to_string(stepsPerEpoch_) + " steps per epoch");
+                std::to_string(stepsPerEpoch_) + " steps per epoch" +
+                (worldSize_ > 1 ? "; gradients averaged by " + gradientPath(ddp_->commHookInUse()) : std::string()));
 
   // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
   // function of progress, recorded for readers), loss scaling, the trainer's own totals.

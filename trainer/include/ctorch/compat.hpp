@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -304,6 +305,23 @@ inline bool loggerCanDescribe(const c10::intrusive_ptr<c10d::ProcessGroup>& grou
   (void)group;
 #endif
   return true;
+}
+
+// ---- a group's collective timeout ---------------------------------------------------------------------
+// Gloo's options hold it: the group itself in 1.13, its CPU backend in 2.x. Unknown (another
+// backend, or a debug wrapper around Gloo): nullopt.
+inline std::optional<std::chrono::milliseconds> glooTimeout(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  try {
+#if CTORCH_TORCH_HAS_BACKENDS
+    auto backend = group->getBackend(c10::DeviceType::CPU);
+    if (auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(backend.get())) return gloo->getOptions()->timeout;
+#else
+    if (auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.get())) return gloo->getOptions()->timeout;
+#endif
+  } catch (const std::exception&) {
+    // no CPU backend
+  }
+  return std::nullopt;
 }
 
 // ---- zero_grad ---------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ enum class CommHook {
   kNone,          // the Reducer's own allreduce (gradients divided by the world size)
   kAllreduce,     // the built-in ALLREDUCE hook: same result, through the hook path
   kFp16Compress,  // gradients cast to float16 for the allreduce, back to their dtype after
+  // ctorch's own: when every rank can map one shared-memory segment (all on one host, CPU tensors),
+  // buckets are averaged through it (SharedMemoryAllreduce: no sockets, the same bits on every rank);
+  // otherwise (other hosts, NCCL) the Reducer's own allreduce, as kNone. commHookInUse() says which.
+  kSharedMemory,
 };
 
 struct DDPOptions {
@@ -95,6 +99,8 @@ class DDPCore {
   // with gradientAsBucketView, gradients that are still undefined are defined as zeros first.
   void resetReducer(const std::optional<std::vector<std::vector<size_t>>>& buckets);
   const DDPOptions& options() const;
+  // "none", "allreduce", "fp16 compress", "shared memory" or "custom" (registerCommHook).
+  std::string commHookInUse() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
 
@@ -241,6 +247,10 @@ class DistributedDataParallel {
   bool isTraining() const { return detail::modulePointer(module_)->is_training(); }
 
   const DDPOptions& options() const { return core_->options(); }
+  // How gradients travel: "none" (the Reducer's allreduce), "allreduce", "fp16 compress",
+  // "shared memory", or "custom" (registerCommHook). CommHook::kSharedMemory says "none" where the
+  // ranks do not share memory.
+  std::string commHookInUse() const { return core_->commHookInUse(); }
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
   // Parameter indices per bucket, in reduction order (changes once, after the first iteration).
   std::vector<std::vector<size_t>> bucketAssignment() const { return core_->bucketAssignment(); }

@@ -27,6 +27,7 @@ enum class DeviceChoice { kAuto, kCpu, kCuda };
 enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
+enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
@@ -34,6 +35,7 @@ const char* toString(DeviceChoice v);
 const char* toString(BackendChoice v);
 const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
+const char* toString(CommHookChoice v);
 
 // Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
 struct ResumeChoice {
@@ -100,6 +102,9 @@ struct TrainOptions {
   std::chrono::seconds timeout{300}; // every collective; a stuck peer becomes an error exit
   int threads = 0;                   // intra-op threads (0: OMP_NUM_THREADS, else CPUs / local ranks)
   double bucketCapMb = 25.0;
+  // How DDP moves gradients: through shared memory where every rank shares it (one host, CPU),
+  // else the Reducer's allreduce.
+  CommHookChoice commHook = CommHookChoice::kSharedMemory;
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
 
