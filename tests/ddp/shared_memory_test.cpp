@@ -181,7 +181,11 @@ CTORCH_TEST_WORKER(shm_fallback) {
   const int rank = shmInitGroup(), world = ctorch::getWorldSize();
   bool isolated = true;
   if (rank == world - 1) {
-    isolated = ::unshare(CLONE_NEWNS) == 0 && ::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+    // Mounts stay private to the new namespace: "/" where it is a mount point, else (a chroot, as
+    // the modern lane's) /dev/shm itself.
+    isolated = ::unshare(CLONE_NEWNS) == 0 &&
+               (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 ||
+                ::mount("none", "/dev/shm", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0) &&
                ::mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=16m") == 0;
     if (!isolated) std::cout << "cannot isolate /dev/shm: " << std::strerror(errno) << std::endl;
   }
