@@ -77,8 +77,7 @@ struct DDPSink : torch::autograd::Function<DDPSink> {
   std::string text = std::string("DistributedDataParallel ") + during + ": " + message;
   if (message.find("find_unused_parameters=True") != std::string::npos)
     text += " [ctorch: DDPOptions().findUnusedParameters(true)]";
-  if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
-  throw DistributedError(text);
+  detail::throwDistributed(text, message);
 }
 
 // Each tensor once, detached, in module order: what Python's named_parameters()/named_buffers() (which

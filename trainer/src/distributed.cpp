@@ -270,9 +270,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     throw;
   } catch (const std::exception& e) {
     const std::string message = detail::messageOf(e);
-    const std::string text = where + ": " + phase + " failed: " + message;
-    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
-    throw DistributedError(text);
+    detail::throwDistributed(where + ": " + phase + " failed: " + message, message);
   }
 }
 
@@ -313,9 +311,7 @@ void barrier() {
     group->barrier(opts)->wait();
   } catch (const std::exception& e) {
     const std::string message = detail::messageOf(e);
-    const std::string text = "rank " + std::to_string(getRank()) + ": barrier failed: " + message;
-    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
-    throw DistributedError(text);
+    detail::throwDistributed("rank " + std::to_string(getRank()) + ": barrier failed: " + message, message);
   }
 }
 

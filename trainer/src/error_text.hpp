@@ -2,6 +2,8 @@
 // LibTorch 1.13; users see the message only.
 #pragma once
 
+#include "ctorch/errors.hpp"
+
 #include <c10/util/Exception.h>
 
 #include <exception>
@@ -24,6 +26,13 @@ inline bool looksLikeTimeout(const std::string& message) {
   for (const char* needle : {"imed out", "imeout", "TIMEOUT", "timed-out"})
     if (message.find(needle) != std::string::npos) return true;
   return false;
+}
+
+// A failed collective as one exception: DistributedTimeout when the underlying `message` says it
+// timed out, else DistributedError; `text` is the whole line (where, what, the message).
+[[noreturn]] inline void throwDistributed(const std::string& text, const std::string& message) {
+  if (looksLikeTimeout(message)) throw DistributedTimeout(text);
+  throw DistributedError(text);
 }
 
 } // namespace ctorch::detail

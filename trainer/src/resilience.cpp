@@ -201,9 +201,7 @@ struct ResilientTraining::Impl {
   // A failed collective becomes one line naming the rank and the moment.
   [[noreturn]] void failed(const std::exception& e, const std::string& during) const {
     const std::string message = detail::messageOf(e);
-    const std::string text = "rank " + std::to_string(rank) + ": " + during + " failed: " + message;
-    if (detail::looksLikeTimeout(message)) throw DistributedTimeout(text);
-    throw DistributedError(text);
+    detail::throwDistributed("rank " + std::to_string(rank) + ": " + during + " failed: " + message, message);
   }
 
   std::vector<double> allReduce(std::vector<double> values, c10d::ReduceOp op, const std::string& during) {

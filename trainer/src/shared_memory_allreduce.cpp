@@ -108,9 +108,8 @@ std::string millis(std::chrono::milliseconds d) {
 }
 
 [[noreturn]] void rethrowCollective(const std::exception& e, const char* during) {
-  const std::string text = std::string("shared-memory allreduce set-up (") + during + "): " + detail::messageOf(e);
-  if (detail::looksLikeTimeout(text)) throw DistributedTimeout(text);
-  throw DistributedError(text);
+  const std::string message = detail::messageOf(e);
+  detail::throwDistributed(std::string("shared-memory allreduce set-up (") + during + "): " + message, message);
 }
 
 } // namespace
@@ -171,7 +170,6 @@ struct SharedMemoryAllreduce::Impl {
   [[noreturn]] void fail(const std::string& message, bool timedOut) {
     std::uint32_t none = 0;
     header().abortRank.compare_exchange_strong(none, static_cast<std::uint32_t>(rank + 1));
-    header().generation.fetch_add(0);  // (the sleepers look at abortRank every slice)
     futexWakeAll(&header().generation);
     failure = "shared-memory allreduce: " + message;
     if (timedOut) throw DistributedTimeout(failure);

@@ -45,7 +45,6 @@
 #include <iostream>
 #include <regex>
 #include <sstream>
-#include <string_view>
 #include <thread>
 
 namespace ctorch::train {
@@ -262,25 +261,22 @@ std::string gradientPath(const std::string& hook) {
 std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
-// out) becomes one line saying where, with the hang guard's bound.
+// out) becomes one line saying where, with the hang guard's bound. The library's own errors
+// (DistributedError from DDP, the agreement or the shared-memory allreduce) keep their type; a line
+// that already names the rank (the agreement's) is not prefixed again.
 [[noreturn]] void stepFailed(const std::exception& e, int rank, std::int64_t globalStep, std::chrono::seconds timeout) {
   std::string text;
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
   else text = e.what();
   if (const auto cut = text.find('\n'); cut != std::string::npos) text.resize(cut);
-  const std::string message = "rank " + std::to_string(rank) + ": step " + std::to_string(globalStep + 1) +
-                              " failed: " + text + " (collectives give up on a silent peer after --timeout " +
-                              std::to_string(timeout.count()) + " s)";
-  for (const char* needle : {"imed out", "imeout"})
-    if (text.find(needle) != std::string::npos) throw DistributedTimeout(message);
-  throw DistributedError(message);
-}
-
-// A failed agreement (already one line naming the rank and the step) with the same bound added.
-[[noreturn]] void withTimeoutHint(const DistributedError& e, std::chrono::seconds timeout) {
-  const std::string message = std::string(e.what()) + " (collectives give up on a silent peer after --timeout " +
-                              std::to_string(timeout.count()) + " s)";
-  if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(message);
+  if (text.rfind("rank ", 0) != 0)
+    text = "rank " + std::to_string(rank) + ": step " + std::to_string(globalStep + 1) + " failed: " + text;
+  const std::string message =
+      text + " (collectives give up on a silent peer after --timeout " + std::to_string(timeout.count()) + " s)";
+  const auto* ours = dynamic_cast<const DistributedError*>(&e);
+  if (ours ? dynamic_cast<const DistributedTimeout*>(&e) != nullptr
+           : text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos)
+    throw DistributedTimeout(message);
   throw DistributedError(message);
 }
 
@@ -597,9 +593,6 @@ bool Trainer::runEpoch(RunResult& result) {
       stop = t.stepDone(sums);
       step.phases.agreement = secondsSince(agreeStart);
     } catch (const DistributedError& e) {
-      // DDP's or the agreement's collective failed: one line naming the rank and the step (the
-      // agreement's already does), with the hang guard's bound.
-      if (std::string_view(e.what()).rfind("rank ", 0) == 0) withTimeoutHint(e, o_.timeout);
       stepFailed(e, rank_, t.globalStep(), o_.timeout);
     } catch (const Error&) {
       throw;
