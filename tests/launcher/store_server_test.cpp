@@ -272,6 +272,8 @@ TEST_CASE("store server: an ephemeral key disappears with its connection and is 
     TcpStoreClient agent("127.0.0.1", server.port(), clientOptions(protocol::Generation::Validated));
     agent.set("alive/job/n1", toBytes("1"));
     agent.set("other", toBytes("x"));  // not under the prefix: stays
+    // SET has no reply: a round trip on the same connection orders it before the watcher's check.
+    CHECK(agent.check({"alive/job/n1", "other"}));
     CHECK(watcher.check({"alive/job/n1"}));
     CHECK(server.ephemeralKeyCount() == 1);
   }  // the agent's connection closes (as when its process is killed)
@@ -297,7 +299,11 @@ TEST_CASE("store server: an ephemeral key belongs to its last writer and a delet
   {
     TcpStoreClient a("127.0.0.1", server.port(), clientOptions(protocol::Generation::Validated));
     a.set("alive/x", toBytes("1"));
+    // SET has no reply and the two connections are served independently: without this round trip on
+    // a's connection the server may apply b's SET first and a's last (a then still owns the key).
+    CHECK(a.check({"alive/x"}));
     b->set("alive/x", toBytes("2"));  // a reconnected agent takes its key over
+    CHECK(b->check({"alive/x"}));
   }
   std::this_thread::sleep_for(100ms);
   CHECK(lost == 0);  // the old connection no longer owned it
