@@ -647,3 +647,86 @@ TEST_CASE("rendezvous: a node that sees the close after another node left does n
   drive(st2, decideJoin, view(b, s, kT0));
   CHECK(drive(st2, decideJoin, view(a, s, kT0)).action == Action::Finish);
 }
+
+// ---- the scalable join: admitting announcements --------------------------------------------------------
+namespace {
+std::vector<Announcement> announced(std::int64_t round, const std::vector<NodeInfo>& nodes) {
+  std::vector<Announcement> out;
+  for (const auto& n : nodes) out.push_back(Announcement{round, n});
+  return out;
+}
+} // namespace
+
+TEST_CASE("rendezvous: announcements are admitted in number order in one write", "[rendezvous]") {
+  auto s = settings(3, 5);
+  const auto a = node("a"), b = node("b"), c = node("c"), d = node("d");
+  SECTION("below min: Join, and the first admitted is the designated writer") {
+    Decision x = admitAnnounced(std::nullopt, view(b, s, kT0), announced(0, {a, b}), 2);
+    REQUIRE(x.action == Action::Join);
+    CHECK(ids(*x.next) == std::vector<std::string>{a.id, b.id});
+    CHECK(x.next->announced == 2);
+    CHECK(x.next->nextJoinSeq == 2);
+    CHECK(x.next->heartbeats.at(a.id) == kT0);
+    CHECK(designatedWriter(x.next) == a.id);
+    CHECK_FALSE(x.next->lastCallDeadline);
+    CHECK(x.reason.find("admitted 2") != std::string::npos);
+  }
+  SECTION("at min: the same write opens the last call") {
+    Decision x = admitAnnounced(std::nullopt, view(a, s, kT0), announced(0, {a, b, c}), 3);
+    REQUIRE(x.action == Action::OpenLastCall);
+    CHECK(x.next->lastCallDeadline == kT0 + s.lastCallTimeout);
+    CHECK_FALSE(x.next->complete);
+  }
+  SECTION("at max: the same write closes the round; the rest are consumed, not admitted") {
+    auto e = node("e"), f = node("f");
+    Decision x = admitAnnounced(std::nullopt, view(a, s, kT0), announced(0, {a, b, c, d, e, f}), 6);
+    REQUIRE(x.action == Action::CloseRound);
+    CHECK(x.next->complete);
+    CHECK(x.next->participantCount() == 5);
+    CHECK_FALSE(x.next->isParticipant(f.id));
+    CHECK(x.next->announced == 6);
+    CHECK(rankOf(*x.next, a) == 0);
+    CHECK(rankOf(*x.next, e) == 4);
+    CHECK_FALSE(designatedWriter(x.next));  // complete: nobody writes for it
+  }
+  SECTION("a stale round's announcement and a second one of a participant are consumed only") {
+    Decision x = admitAnnounced(std::nullopt, view(a, s, kT0), announced(0, {a}), 1);
+    std::optional<State> st = *x.next;
+    auto batch = announced(0, {a, b});
+    batch.push_back(Announcement{7, c});  // announced for a round that is not this one
+    Decision y = admitAnnounced(st, view(a, s, kT0 + 1s), batch, 4);  // number 4 unreadable: skipped
+    REQUIRE(y.action == Action::Join);
+    CHECK(ids(*y.next) == std::vector<std::string>{a.id, b.id});
+    CHECK(y.next->announced == 4);
+    CHECK(y.next->heartbeats.at(a.id) == kT0);  // a's entry untouched
+  }
+  SECTION("nothing pending, a complete or closed round: no write") {
+    Decision x = admitAnnounced(std::nullopt, view(a, s, kT0), announced(0, {a}), 1);
+    CHECK(admitAnnounced(x.next, view(a, s, kT0), {}, 1).action == Action::Finish);
+    State done = *x.next;
+    done.complete = true;
+    CHECK(admitAnnounced(done, view(a, s, kT0), announced(0, {b}), 2).action == Action::Finish);
+    done.complete = false;
+    done.closed = true;
+    CHECK(admitAnnounced(done, view(a, s, kT0), announced(0, {b}), 2).action == Action::Finish);
+  }
+  SECTION("a re-forming round closes once every expected node is back, and admission clears the wait list") {
+    State st = freshState(s.runId);
+    st.round = 3;
+    st.expected = {a.id, b.id, c.id};
+    st.waitList = {a.id, b.id, c.id};
+    for (const auto& n : {a, b, c}) st.heartbeats[n.id] = kT0;
+    Decision x = admitAnnounced(st, view(a, s, kT0), announced(3, {c, a}), 2);
+    REQUIRE(x.action == Action::Join);  // 2 of min 3
+    CHECK(x.next->waitList == std::vector<std::string>{b.id});
+    CHECK(designatedWriter(x.next) == c.id);  // first admitted
+    Decision y = admitAnnounced(x.next, view(c, s, kT0), announced(3, {b}), 3);
+    REQUIRE(y.action == Action::CloseRound);  // 3 of max 5, but every expected node is back
+    CHECK(y.next->complete);
+    CHECK(y.next->waitList.empty());
+  }
+  SECTION("another run's state is refused") {
+    State other = freshState("other-job");
+    CHECK_THROWS_AS(admitAnnounced(other, view(a, s, kT0), announced(0, {a}), 1), RendezvousStateError);
+  }
+}

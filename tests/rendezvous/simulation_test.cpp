@@ -40,6 +40,7 @@ class MemStore final : public CasStore {
   std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
     std::lock_guard<std::mutex> l(m_);
     ++ops_;
+    ++casOps_;
     auto it = map_.find(key);
     if (it == map_.end()) {
       if (!expected.empty()) return expected;
@@ -56,11 +57,42 @@ class MemStore final : public CasStore {
     if (it == map_.end()) throw std::runtime_error("get of missing key " + key + " would block forever");
     return it->second;
   }
+  // The scalable join's operations (off: every node joins by compare-and-set, as with a store
+  // that lacks them).
+  bool announce = true;
+  bool supportsAnnouncements() const override { return announce; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    std::int64_t v = map_.count(key) ? std::stoll(map_[key]) : 0;
+    v += delta;
+    map_[key] = std::to_string(v);
+    return v;
+  }
+  void set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    map_[key] = value;
+  }
+  bool check(const std::string& key) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    return map_.count(key) > 0;
+  }
+  void deleteKey(const std::string& key) override {
+    std::lock_guard<std::mutex> l(m_);
+    ++ops_;
+    map_.erase(key);
+  }
   std::set<std::string> keys() const {
     std::lock_guard<std::mutex> l(m_);
     std::set<std::string> k;
     for (const auto& [key, v] : map_) k.insert(key);
     return k;
+  }
+  long casOps() const {
+    std::lock_guard<std::mutex> l(m_);
+    return casOps_;
   }
   long ops() const {
     std::lock_guard<std::mutex> l(m_);
@@ -71,6 +103,7 @@ class MemStore final : public CasStore {
   mutable std::mutex m_;
   std::map<std::string, std::string> map_;
   long ops_ = 0;
+  long casOps_ = 0;
 };
 
 // ---- virtual time ----------------------------------------------------------------------------------------
@@ -172,7 +205,10 @@ class Simulation {
  public:
   // The test thread counts as running until wait(): no virtual time passes while agents are
   // still being started.
-  Simulation() { clock_.enter(); }
+  explicit Simulation(bool announce = true) {
+    store_.announce = announce;
+    clock_.enter();
+  }
   ~Simulation() { wait(); }
 
   void agent(const std::string& name, Settings settings, NodeInfo self, Script script) {
@@ -247,7 +283,9 @@ void requireNoError(Simulation& sim, const std::vector<std::string>& names) {
 } // namespace
 
 TEST_CASE("rendezvous simulation: 8 agents with mixed nproc and some requested ranks agree", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 8, 8);
   std::vector<std::string> names;
   for (int i = 0; i < 8; ++i) {
@@ -289,7 +327,9 @@ TEST_CASE("rendezvous simulation: 8 agents with mixed nproc and some requested r
 }
 
 TEST_CASE("rendezvous simulation: elastic 2:4 with three agents closes at the end of the last call", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 4);
   sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 40s});
   sim.agent("b", s, simNode("b"), Script{.startAt = 1s, .stopAt = 40s});
@@ -309,7 +349,9 @@ TEST_CASE("rendezvous simulation: elastic 2:4 with three agents closes at the en
 }
 
 TEST_CASE("rendezvous simulation: a late joiner triggers a new round at the next step boundary", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 3);
   sim.agent("a", s, simNode("a", 2), Script{.startAt = 0s, .stopAt = 80s});
   sim.agent("b", s, simNode("b", 2), Script{.startAt = 0s, .stopAt = 80s});
@@ -341,7 +383,9 @@ TEST_CASE("rendezvous simulation: a late joiner triggers a new round at the next
 }
 
 TEST_CASE("rendezvous simulation: a killed agent is noticed and the survivors re-form without it", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 3);
   s.lastCallTimeout = 5s;
   sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 90s});
@@ -374,7 +418,9 @@ TEST_CASE("rendezvous simulation: a killed agent is noticed and the survivors re
 }
 
 TEST_CASE("rendezvous simulation: below min the survivor fails clearly after join_timeout", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 2);
   sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 2000s});
   sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 2000s, .dieAt = 10s});
@@ -395,7 +441,9 @@ TEST_CASE("rendezvous simulation: below min the survivor fails clearly after joi
 TEST_CASE("rendezvous simulation: a re-rendezvous by one node restarts the others", "[rendezvous]") {
   // A worker failure on node a: its agent re-rendezvous at once; b must follow (torchrun restarts
   // the workers on every node).
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 2);
   sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 30s, .failAt = 10s});
   sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 30s});
@@ -417,7 +465,9 @@ TEST_CASE("rendezvous simulation: a re-rendezvous by one node restarts the other
 }
 
 TEST_CASE("rendezvous simulation: after a failure an elastic group re-forms without waiting for the last call", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s = simSettings("job", 2, 4);
   s.lastCallTimeout = 30s;
   for (const char* n : {"a", "b", "c"})
@@ -436,7 +486,9 @@ TEST_CASE("rendezvous simulation: after a failure an elastic group re-forms with
 }
 
 TEST_CASE("rendezvous simulation: two run ids on one store never mix", "[rendezvous]") {
-  Simulation sim;
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
   auto s1 = simSettings("job-1", 2, 3), s2 = simSettings("job-2", 2, 3);
   s1.lastCallTimeout = s2.lastCallTimeout = 2s;
   sim.agent("x1", s1, simNode("x1"), Script{.startAt = 0s, .stopAt = 5s});
@@ -453,7 +505,15 @@ TEST_CASE("rendezvous simulation: two run ids on one store never mix", "[rendezv
     const auto& ids = sim.log(n).rounds.at(0).participantIds;
     CHECK(ids == std::vector<std::string>{simNode("y1").id, simNode("y2").id});
   }
-  CHECK(sim.store().keys() == std::set<std::string>{stateKey("job-1"), stateKey("job-2")});
+  // Each run's keys are its state and, with the scalable join, its two counters: every
+  // announcement was consumed and deleted.
+  std::set<std::string> expected{stateKey("job-1"), stateKey("job-2")};
+  if (announce)
+    for (const char* run : {"job-1", "job-2"}) {
+      expected.insert(announceCountKey(run));
+      expected.insert(phaseKey(run));
+    }
+  CHECK(sim.store().keys() == expected);
 }
 
 TEST_CASE("rendezvous simulation: after close a newcomer fails with RendezvousClosed", "[rendezvous]") {
@@ -469,4 +529,75 @@ TEST_CASE("rendezvous simulation: after close a newcomer fails with RendezvousCl
   CHECK_THROWS_AS(late.nextRound(), RendezvousClosed);
   CHECK(a.assess().status == RoundStatus::Closed);
   clock.leave();
+}
+
+// ---- the scalable join ------------------------------------------------------------------------------------
+TEST_CASE("rendezvous simulation: 64 agents joining at once write the state a handful of times, not once each", "[rendezvous]") {
+  const bool announce = GENERATE(true, false);
+  CAPTURE(announce);
+  Simulation sim(announce);
+  auto s = simSettings("job", 64, 64);
+  std::vector<std::string> names;
+  for (int i = 0; i < 64; ++i) {
+    names.push_back("n" + std::to_string(i));
+    sim.agent(names.back(), s, simNode(names.back()), Script{.startAt = milliseconds(i % 7), .stopAt = 2s});
+  }
+  sim.wait();
+  requireNoError(sim, names);
+  std::set<int> ranks;
+  for (const auto& n : names) {
+    CHECK(sim.log(n).rounds.at(0).nodeCount == 64);
+    ranks.insert(sim.log(n).rounds.at(0).nodeRank);
+  }
+  CHECK(ranks.size() == 64);
+  // Each agent's first compare-and-set creates the key (64); joining by compare-and-set adds at
+  // least one write per agent, announcing adds only the batched admissions.
+  INFO("compare-and-set requests: " << sim.store().casOps());
+  if (announce)
+    CHECK(sim.store().casOps() <= 64 + 8);
+  else
+    CHECK(sim.store().casOps() >= 64 + 64);
+}
+
+TEST_CASE("rendezvous simulation: a number taken and never written is skipped after the take-over delay", "[rendezvous]") {
+  Simulation sim(true);
+  auto s = simSettings("job", 3, 3);
+  sim.store().add(announceCountKey("job"), 1);  // an agent took number 1 and died before writing it
+  for (const char* n : {"a", "b", "c"}) sim.agent(n, s, simNode(n), Script{.startAt = 0s, .stopAt = 12s});
+  sim.wait();
+  requireNoError(sim, {"a", "b", "c"});
+  for (const char* n : {"a", "b", "c"}) {
+    CHECK(sim.log(n).rounds.at(0).nodeCount == 3);
+    // Number 2's holder steps in after 2 x 2 s, waits 2 s more for number 1, then skips it.
+    CHECK(sim.log(n).roundTimes.at(0) >= 5s);
+    CHECK(sim.log(n).roundTimes.at(0) < 8s);
+  }
+  CHECK_FALSE(sim.store().keys().count(announceKey("job", 1)));
+}
+
+TEST_CASE("rendezvous simulation: a designated writer that died is replaced: its announcement admitted, the round closed by the next in line, then it is removed", "[rendezvous]") {
+  Simulation sim(true);
+  auto s = simSettings("job", 2, 4);
+  s.lastCallTimeout = 3s;
+  // A node announced itself as number 1 and died: it is admitted first, so it is the round's
+  // designated writer, and it never opens or closes anything.
+  NodeInfo ghost = simNode("ghost");
+  sim.store().add(announceCountKey("job"), 1);
+  sim.store().set(announceKey("job", 1), encodeAnnouncement(Announcement{0, ghost}));
+  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 60s});
+  sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 60s});
+  sim.wait();
+  requireNoError(sim, {"a", "b"});
+  for (const char* n : {"a", "b"}) {
+    const auto& log = sim.log(n);
+    REQUIRE(log.rounds.size() >= 2);
+    // Round 0: the ghost is in it (its announcement was valid), closed by a or b without it.
+    CHECK(log.rounds[0].nodeCount == 3);
+    CHECK(std::count(log.rounds[0].participantIds.begin(), log.rounds[0].participantIds.end(), ghost.id) == 1);
+    // Its heartbeat expires: the survivors re-form without it.
+    const auto& last = log.rounds.back();
+    CHECK(last.nodeCount == 2);
+    CHECK(std::count(last.participantIds.begin(), last.participantIds.end(), ghost.id) == 0);
+    CHECK(log.roundTimes.back() < 40s);
+  }
 }

@@ -28,6 +28,7 @@ State sampleState() {
   s.failure = Failure{7, b.id, "rank 5 exited with code 1"};
   s.expected = {"hostC_33_0"};
   s.roundSize = 2;
+  s.announced = 17;
   s.waitList = {"hostC_33_0"};
   s.redundancyList = {"hostD_44_1"};
   s.heartbeats = {{a.id, Timestamp(1'700'000'000'000ms)}, {b.id, Timestamp(1'700'000'000'500ms)},
@@ -54,7 +55,8 @@ TEST_CASE("rendezvous state: JSON round trip keeps every field", "[rendezvous]")
 TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvous]") {
   auto j = nlohmann::json::parse(encodeState(sampleState()));
   CHECK(j["format"] == "ctorchrun-rdzv");
-  CHECK(j["version"] == 2);
+  CHECK(j["version"] == 3);
+  CHECK(j["announced"] == 17);
   CHECK(j["run_id"] == "job-42");
   CHECK(j["round"] == 7);
   CHECK(j["complete"] == true);
@@ -96,6 +98,47 @@ TEST_CASE("rendezvous state: a version 1 state is still read", "[rendezvous]") {
   CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'store_port'") || Catch::Contains("no 'restarts'"));
 }
 
+TEST_CASE("rendezvous state: a version 2 state (before the scalable join) is still read", "[rendezvous]") {
+  auto j = nlohmann::json::parse(encodeState(sampleState()));
+  j["version"] = 2;
+  j.erase("announced");
+  State back = decodeState(j.dump());
+  CHECK(back.announced == 0);
+  CHECK(back.round == 7);
+  // Control: a version 3 state without it is refused; a negative one too.
+  j["version"] = 3;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'announced'"));
+  j["announced"] = -1;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("announced is negative"));
+}
+
+TEST_CASE("rendezvous announcements: round trip, keys, and garbage is skipped not fatal", "[rendezvous]") {
+  Announcement a;
+  a.round = 4;
+  a.node = sampleState().participants[0].node;
+  auto back = decodeAnnouncement(encodeAnnouncement(a));
+  REQUIRE(back);
+  CHECK(*back == a);
+  CHECK(announceCountKey("job") == stateKey("job") + "/announce");
+  CHECK(announceKey("job", 12) == stateKey("job") + "/announce/12");
+  CHECK(phaseKey("job") == stateKey("job") + "/phase");
+  for (const char* bad : {"", "garbage", "[1]", "{}", R"({"format":"ctorchrun-rdzv-join","round":1})",
+                          R"({"format":"other","round":1,"node":{}})",
+                          R"({"format":"ctorchrun-rdzv-join","round":"x","node":{}})"}) {
+    INFO(bad);
+    CHECK_FALSE(decodeAnnouncement(bad));
+  }
+  auto j = nlohmann::json::parse(encodeAnnouncement(a));
+  j["node"]["nproc"] = 0;
+  CHECK_FALSE(decodeAnnouncement(j.dump()));
+  j = nlohmann::json::parse(encodeAnnouncement(a));
+  j["node"]["id"] = "";
+  CHECK_FALSE(decodeAnnouncement(j.dump()));
+  j = nlohmann::json::parse(encodeAnnouncement(a));
+  j["round"] = -3;
+  CHECK_FALSE(decodeAnnouncement(j.dump()));
+}
+
 TEST_CASE("rendezvous state: the sentinel means no state", "[rendezvous]") {
   CHECK_FALSE(decodeStoreValue(kNoStateSentinel).has_value());
   CHECK(decodeStoreValue(encodeState(sampleState())) == sampleState());
@@ -106,8 +149,8 @@ TEST_CASE("rendezvous state: unusable values are refused with the reason", "[ren
   CHECK_THROWS_AS(decodeState("[1,2]"), RendezvousStateError);
   CHECK_THROWS_WITH(decodeState(R"({"format":"other","version":1})"), Catch::Contains("format 'other'"));
   auto j = nlohmann::json::parse(encodeState(sampleState()));
-  j["version"] = 3;
-  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 3") && Catch::Contains("newer") &&
+  j["version"] = 4;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 4") && Catch::Contains("newer") &&
                                                Catch::Contains("same ctorchrun version"));
   j = nlohmann::json::parse(encodeState(sampleState()));
   j.erase("round");

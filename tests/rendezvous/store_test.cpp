@@ -41,6 +41,12 @@ class C10dStore final : public CasStore {
     auto out = store_.get(key);
     return std::string(out.begin(), out.end());
   }
+  // The scalable join over LibTorch's own store: add / set / check / deleteKey as c10d has them.
+  bool supportsAnnouncements() const override { return true; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return store_.add(key, delta); }
+  void set(const std::string& key, const std::string& value) override { store_.set(key, bytes(value)); }
+  bool check(const std::string& key) override { return store_.check({key}); }
+  void deleteKey(const std::string& key) override { store_.deleteKey(key); }
 
  private:
   static std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }

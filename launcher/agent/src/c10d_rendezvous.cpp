@@ -113,11 +113,22 @@ class StoreLink final : public rc::CasStore {
       return store::toString(client_->get(key));
     });
   }
-  std::int64_t add(const std::string& key, std::int64_t delta) {
+  bool supportsAnnouncements() const override { return true; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
     return call([&] { return client_->add(key, delta); });
   }
+  void set(const std::string& key, const std::string& value) override {
+    call([&] {
+      client_->set(key, store::toBytes(value));
+      return 0;
+    });
+  }
+  bool check(const std::string& key) override { return check(std::vector<std::string>{key}); }
   bool check(const std::vector<std::string>& keys) {
     return call([&] { return client_->check(keys); });
+  }
+  void deleteKey(const std::string& key) override {
+    call([&] { return client_->deleteKey(key); });
   }
   void dropAliveKey() {
     call([&] { return client_->deleteKey(aliveKey_); });

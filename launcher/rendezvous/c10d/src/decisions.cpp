@@ -335,6 +335,48 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
   return keepAliveOrWait(s, v, roundText(s) + " is full and about to close");
 }
 
+std::optional<std::string> designatedWriter(const std::optional<State>& current) {
+  if (!current || current->complete || current->closed || current->participants.empty()) return std::nullopt;
+  const Participant* first = &current->participants.front();
+  for (const auto& p : current->participants)
+    if (p.joinSeq < first->joinSeq) first = &p;
+  return first->node.id;
+}
+
+Decision admitAnnounced(const std::optional<State>& current, const NodeView& v,
+                        const std::vector<Announcement>& batch, std::int64_t lastNumber) {
+  const Settings& set = v.settings;
+  State s = current ? *current : freshState(set.runId);
+  checkRunId(s, set);
+  if (s.complete || s.closed || lastNumber <= s.announced)
+    return noWrite(Action::Finish, "no announcement to admit");
+  State next = s;
+  next.announced = lastNumber;
+  int admitted = 0;
+  for (const auto& a : batch) {
+    if (a.round != next.round || next.isParticipant(a.node.id) || next.participantCount() >= set.maxNodes)
+      continue;
+    erase(next.waitList, a.node.id);
+    erase(next.redundancyList, a.node.id);
+    next.participants.push_back(Participant{a.node, next.nextJoinSeq++, -1});
+    next.heartbeats[a.node.id] = v.now;
+    ++admitted;
+  }
+  const int n = next.participantCount();
+  std::string head = "admitted " + std::to_string(admitted) + " announced node(s) to " + roundText(s) + " (" +
+                     std::to_string(n) + " of " + nnodes(set) + ")";
+  if (n >= set.maxNodes)
+    return write(Action::CloseRound, closeRound(next), head + "; closing it: max nodes joined");
+  if (n >= set.minNodes && everyExpectedJoined(next))
+    return write(Action::CloseRound, closeRound(next),
+                 head + "; closing it: every node of the previous round and every waiting node is back");
+  if (n >= set.minNodes && !next.lastCallDeadline) {
+    next.lastCallDeadline = v.now + set.lastCallTimeout;
+    return write(Action::OpenLastCall, std::move(next), head + "; last call for " + secs(set.lastCallTimeout));
+  }
+  return write(Action::Join, std::move(next), head);
+}
+
 Decision decideExit(const std::optional<State>& current, const NodeView& v) {
   if (!current) return noWrite(Action::Finish, "no rendezvous state: nothing to leave");
   const State& s = *current;

@@ -2,6 +2,8 @@
 
 #include "ctorch/rdzv/c10d/errors.hpp"
 
+#include <algorithm>
+#include <stdexcept>
 #include <thread>
 
 namespace ctorch::rdzv::c10d {
@@ -19,6 +21,15 @@ class SystemClock final : public Clock {
 
 } // namespace
 
+std::int64_t CasStore::add(const std::string&, std::int64_t) {
+  throw std::logic_error("this rendezvous store has no add");
+}
+void CasStore::set(const std::string&, const std::string&) {
+  throw std::logic_error("this rendezvous store has no set");
+}
+bool CasStore::check(const std::string&) { throw std::logic_error("this rendezvous store has no check"); }
+void CasStore::deleteKey(const std::string&) { throw std::logic_error("this rendezvous store has no deleteKey"); }
+
 Clock& systemClock() {
   static SystemClock clock;
   return clock;
@@ -30,7 +41,10 @@ Executor::Executor(CasStore& store, Settings settings, NodeInfo self, Clock& clo
       self_(std::move(self)),
       clock_(clock),
       options_(std::move(options)),
-      key_(stateKey(settings_.runId)) {
+      key_(stateKey(settings_.runId)),
+      announcing_(store.supportsAnnouncements()),
+      countKey_(announceCountKey(settings_.runId)),
+      phaseKey_(phaseKey(settings_.runId)) {
   settings_.validate();
   if (self_.id.empty()) throw RendezvousConfigError("the node id must not be empty");
   if (self_.nproc < 1)
@@ -58,22 +72,168 @@ void Executor::read() {
   ensureKey();
   raw_ = store_.get(key_);
   state_ = decodeStoreValue(raw_);
+  lastFullRead_ = clock_.steadyNow();
+}
+
+void Executor::waitForChange() {
+  clock_.sleepFor(options_.pollInterval);
+  if (!announcing_) return read();
+  // The counter first, then the state: a write that lands in between is read now and its
+  // increment makes the next poll read once more (harmless).
+  const std::int64_t phase = store_.add(phaseKey_, 0);
+  if (phase != phaseSeen_ || clock_.steadyNow() - lastFullRead_ >= options_.fullReadEvery) {
+    phaseSeen_ = phase;
+    read();
+  }
+}
+
+void Executor::bumpPhase() {
+  if (announcing_) phaseSeen_ = store_.add(phaseKey_, 1);
+}
+
+namespace {
+
+// Writes after which a waiting node must look at the state: everything but a heartbeat and the
+// growth of an open round.
+bool endsAWait(Action a) {
+  return a != Action::KeepAlive && a != Action::Join && a != Action::OpenLastCall;
+}
+
+} // namespace
+
+void Executor::announce() {
+  const State s = state_ ? *state_ : freshState(settings_.runId);
+  if (myRound_ == s.round && myNumber_ > s.announced) return;  // still pending
+  myNumber_ = store_.add(countKey_, 1);
+  myRound_ = s.round;
+  store_.set(announceKey(settings_.runId, myNumber_), encodeAnnouncement(Announcement{s.round, self_}));
+}
+
+int Executor::writerSlot(const State& s) const {
+  // Participants by join order, then the pending announcements by number; the rest never.
+  constexpr int kNever = 1 << 20;
+  if (const Participant* me = s.participant(self_.id)) {
+    int before = 0;
+    for (const auto& p : s.participants) before += p.joinSeq < me->joinSeq ? 1 : 0;
+    return before;
+  }
+  if (myRound_ == s.round && myNumber_ > s.announced)
+    return static_cast<int>(std::min<std::int64_t>(s.participantCount() + (myNumber_ - s.announced - 1), kNever));
+  return kNever;
+}
+
+std::chrono::milliseconds Executor::takeOverDelay(const State& s) const {
+  // Slot k steps in after (k + 1) x takeOverAfter: when the designated writer hangs, one node
+  // takes its place, not all of them at once (a dead writer's heartbeat expires first for most).
+  const int slot = std::min(writerSlot(s), 1000);
+  return options_.takeOverAfter * (slot + 1);
+}
+
+bool Executor::admitIfDue(const NodeView& view) {
+  const State s = state_ ? *state_ : freshState(settings_.runId);
+  if (s.complete || s.closed) return false;
+  const auto now = clock_.steadyNow();
+  const bool designated = writerSlot(s) == 0;
+  if (!designated) {
+    if (now < nextCountCheck_) return false;
+    nextCountCheck_ = now + options_.takeOverAfter / 4;
+  }
+  const std::int64_t count = store_.add(countKey_, 0);
+  if (count <= s.announced) {
+    pendingSince_.reset();
+    return false;
+  }
+  if (!designated) {
+    if (!pendingSince_ || pendingAt_ != s.announced) {
+      pendingSince_ = now;
+      pendingAt_ = s.announced;
+      return false;
+    }
+    if (now - *pendingSince_ < takeOverDelay(s)) return false;
+  }
+  // Read the pending announcements in number order. A number taken but not written yet is waited
+  // for (its node is between its two requests) up to takeOverAfter, then skipped (its node died).
+  constexpr std::int64_t kMaxBatch = 4096;
+  std::vector<Announcement> batch;
+  std::int64_t last = s.announced;
+  for (std::int64_t n = s.announced + 1; n <= count && n <= s.announced + kMaxBatch; ++n) {
+    const std::string key = announceKey(settings_.runId, n);
+    if (!store_.check(key)) {
+      if (missingNumber_ != n || !missingSince_) {
+        missingNumber_ = n;
+        missingSince_ = now;
+      }
+      if (now - *missingSince_ < options_.takeOverAfter) break;
+      last = n;  // skipped: its node, if alive after all, sees it consumed and announces again
+      continue;
+    }
+    if (auto a = decodeAnnouncement(store_.get(key))) batch.push_back(std::move(*a));
+    last = n;
+  }
+  if (last == s.announced) return false;
+  Decision d = admitAnnounced(state_, view, batch, last);
+  if (!d.next) return false;
+  const std::string desired = encodeState(*d.next);
+  const std::string now2 = store_.compareSet(key_, raw_, desired);
+  if (now2 == raw_) {
+    read();  // c10d answers a missing key with `expected`: the key is gone (read() says so)
+    return true;
+  }
+  raw_ = now2;
+  state_ = decodeStoreValue(raw_);
+  if (now2 == desired) {
+    if (!designated)
+      log("announcements waited for round " + std::to_string(s.round) + "'s designated writer for more than " +
+          std::to_string(takeOverDelay(s).count()) + " ms: admitted from this node");
+    log(d.reason);
+    pendingSince_.reset();
+    if (endsAWait(d.action)) bumpPhase();
+    for (std::int64_t n = s.announced + 1; n <= last; ++n) store_.deleteKey(announceKey(settings_.runId, n));
+  }
+  return true;
 }
 
 Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout,
-                       bool resetDeadlineOnSpareExit, bool oneShot) {
+                       bool resetDeadlineOnSpareExit, bool oneShot, bool joining) {
   auto deadline = clock_.steadyNow() + timeout;
+  const bool scalable = joining && announcing_;
   read();
   for (;;) {
     NodeView view{self_, settings_, clock_.now(),
                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_.steadyNow())};
+    if (scalable && admitIfDue(view)) continue;
     Decision d = decide(state_, view);
+    if (scalable) {
+      if (d.action == Action::Join) {
+        // Announce instead of rewriting the whole state; the designated writer admits this node
+        // (this node itself when its announcement is the first pending one: no wait then).
+        const std::int64_t before = myNumber_;
+        announce();
+        if (myNumber_ != before) continue;
+        waitForChange();
+        continue;
+      }
+      if (d.action == Action::CloseRound || d.action == Action::OpenLastCall) {
+        const auto writer = designatedWriter(state_);
+        if (writer && *writer != self_.id) {
+          const auto now = clock_.steadyNow();
+          if (!deferredSince_) deferredSince_ = now;
+          const auto delay = takeOverDelay(*state_);
+          if (now - *deferredSince_ < delay) {
+            waitForChange();
+            continue;
+          }
+          log("round " + std::to_string(state_->round) + "'s designated writer '" + *writer + "' did not " +
+              toString(d.action) + " for " + std::to_string(delay.count()) + " ms: doing it from this node");
+        }
+      }
+      deferredSince_.reset();
+    }
     switch (d.action) {
       case Action::Finish:
         return d;
       case Action::Wait:
-        clock_.sleepFor(options_.pollInterval);
-        read();
+        waitForChange();
         continue;
       case Action::FailTimeout:
         throw RendezvousTimeout(d.reason);
@@ -86,10 +246,17 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
     }
     const std::string desired = encodeState(*d.next);
     std::string now = store_.compareSet(key_, raw_, desired);
+    if (now == raw_ && now != desired) {
+      // c10d answers a compare-and-set on a missing key with `expected`: the state key is gone
+      // (deleted, or the store restarted empty). Read it: the store says what happened (throws).
+      read();
+      continue;
+    }
     raw_ = now;
     state_ = decodeStoreValue(raw_);
     if (now == desired) {
       if (d.action != Action::KeepAlive) log(d.reason);
+      if (endsAWait(d.action)) bumpPhase();
       // One-shot operations are done once their write landed.
       if (d.action == Action::ReportFailure || d.action == Action::Leave ||
           (d.action == Action::RemoveDead && oneShot))
@@ -104,7 +271,8 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
 
 RoundResult Executor::nextRound() {
   run(&decideExit, settings_.joinTimeout);
-  run(&decideJoin, settings_.joinTimeout, /*resetDeadlineOnSpareExit=*/true);
+  run(&decideJoin, settings_.joinTimeout, /*resetDeadlineOnSpareExit=*/true, /*oneShot=*/false,
+      /*joining=*/true);
   RoundResult r = roundResult(*state_, self_.id);
   self_.previousRank = r.nodeRank;
   lastRound_ = r;

@@ -40,7 +40,7 @@ bool State::operator==(const State& o) const {
          participants == o.participants && waitList == o.waitList &&
          redundancyList == o.redundancyList && heartbeats == o.heartbeats &&
          restarts == o.restarts && failure == o.failure && expected == o.expected &&
-         roundSize == o.roundSize;
+         roundSize == o.roundSize && announced == o.announced;
 }
 
 State freshState(std::string runId) {
@@ -124,7 +124,8 @@ std::string encodeState(const State& s) {
                                          {"reason", s.failure->reason}}
                                   : json(nullptr)},
             {"expected", s.expected},
-            {"round_size", s.roundSize}};
+            {"round_size", s.roundSize},
+            {"announced", s.announced}};
   return j.dump();
 }
 
@@ -205,7 +206,47 @@ State decodeState(std::string_view text) {
   } else if (s.complete) {
     s.roundSize = s.participantCount();
   }
+  if (version >= 3) {
+    s.announced = get<std::int64_t>(j, "announced", top);
+    if (s.announced < 0) corrupt("announced is negative (" + std::to_string(s.announced) + ")");
+  }
   return s;
+}
+
+std::string announceCountKey(std::string_view runId) { return stateKey(runId) + "/announce"; }
+
+std::string announceKey(std::string_view runId, std::int64_t number) {
+  return stateKey(runId) + "/announce/" + std::to_string(number);
+}
+
+std::string phaseKey(std::string_view runId) { return stateKey(runId) + "/phase"; }
+
+std::string encodeAnnouncement(const Announcement& a) {
+  Participant p;
+  p.node = a.node;
+  return json{{"format", "ctorchrun-rdzv-join"}, {"round", a.round}, {"node", encodeNode(p)}}.dump();
+}
+
+std::optional<Announcement> decodeAnnouncement(std::string_view text) {
+  try {
+    json j = json::parse(text.begin(), text.end());
+    if (!j.is_object() || j.value("format", std::string()) != "ctorchrun-rdzv-join") return std::nullopt;
+    Announcement a;
+    a.round = get<std::int64_t>(j, "round", "announcement");
+    const json& nj = field(j, "node", "announcement");
+    if (!nj.is_object()) return std::nullopt;
+    a.node.id = get<std::string>(nj, "id", "node");
+    a.node.host = get<std::string>(nj, "host", "node");
+    a.node.addr = get<std::string>(nj, "addr", "node");
+    a.node.nproc = get<int>(nj, "nproc", "node");
+    a.node.requestedRank = getOptionalInt(nj, "requested_rank", "node");
+    a.node.previousRank = getOptionalInt(nj, "previous_rank", "node");
+    a.node.storePort = getOptionalInt(nj, "store_port", "node");
+    if (a.node.id.empty() || a.node.nproc < 1 || a.round < 0) return std::nullopt;
+    return a;
+  } catch (const std::exception&) {
+    return std::nullopt;  // not JSON, a missing field, a wrong type (RendezvousStateError)
+  }
 }
 
 std::optional<State> decodeStoreValue(std::string_view value) {

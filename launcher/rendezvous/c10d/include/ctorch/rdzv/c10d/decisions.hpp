@@ -82,6 +82,21 @@ Decision decideKeepAlive(const std::optional<State>& current, const NodeView& vi
 // Close the rendezvous (torch's _RendezvousCloseOp, used on shutdown).
 Decision decideClose(const std::optional<State>& current, const NodeView& view);
 
+// The scalable join (executor.hpp). The node that writes for an open round: its participant
+// that joined first; nullopt when the round is complete, closed or has no participant yet (then
+// the node holding the first pending announcement admits).
+std::optional<std::string> designatedWriter(const std::optional<State>& current);
+// Admits the announcements numbered `state.announced + 1 .. lastNumber` (`batch`: those that
+// could be read, in number order) into the open round in one write: each one for this round whose
+// node is not yet a participant joins, in order, while there is room (as decideJoin's Join: off
+// the wait list, a join sequence number, a heartbeat at `view.now`); the others are consumed
+// (a stale round's: its node announces again; a full round's: its node becomes a spare). Then,
+// as the designated writer would next: CloseRound at MAX or once every expected node joined,
+// OpenLastCall at MIN. The action is Join (or CloseRound / OpenLastCall when one applies);
+// `next.announced == lastNumber`. Finish (no write) if nothing is pending or the round is not open.
+Decision admitAnnounced(const std::optional<State>& current, const NodeView& view,
+                        const std::vector<Announcement>& batch, std::int64_t lastNumber);
+
 // Nodes (any list) whose last heartbeat is older than `expiry` at `now`.
 std::vector<std::string> expiredNodes(const State& state, Timestamp now, std::chrono::milliseconds expiry);
 // The state without these nodes. A complete round left with no participant moves to the next

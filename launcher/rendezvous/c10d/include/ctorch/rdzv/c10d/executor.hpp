@@ -9,6 +9,7 @@
 #include "ctorch/rdzv/c10d/state.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -27,6 +28,15 @@ class CasStore {
                                  const std::string& desired) = 0;
   // The value at `key` (blocking until it exists, as c10d's get).
   virtual std::string get(const std::string& key) = 0;
+
+  // The scalable join needs four more c10d operations. A store that has them returns true here;
+  // with one that does not, every node joins by compare-and-set on the whole state (torch's way:
+  // fine for tens of nodes, hopeless for hundreds).
+  virtual bool supportsAnnouncements() const { return false; }
+  virtual std::int64_t add(const std::string& key, std::int64_t delta);  // c10d add (creates at 0)
+  virtual void set(const std::string& key, const std::string& value);
+  virtual bool check(const std::string& key);                           // does the key exist?
+  virtual void deleteKey(const std::string& key);
 };
 
 class Clock {
@@ -44,6 +54,14 @@ struct ExecutorOptions {
   // How often a waiting node reads the state again (torch: 1 s). A failed compare-and-set
   // retries at once with the value it returned.
   std::chrono::milliseconds pollInterval{100};
+  // The scalable join: how long a pending announcement, or a write only the round's designated
+  // writer should make (close the round, open its last call), may wait for that writer before
+  // the next node in line makes it (the k-th after (k + 1) times this: the designated writer
+  // died or hangs; a dead one is soon removed by its expired heartbeat); and how often a waiting node reads
+  // the whole state even if the phase counter did not move (a writer that died between its
+  // write and the counter's increment).
+  std::chrono::milliseconds takeOverAfter{2000};
+  std::chrono::milliseconds fullReadEvery{1000};
   // Receives one line per state change this node made or saw ("joined round 3 ..."), if set.
   std::function<void(const std::string&)> log;
 };
@@ -89,8 +107,22 @@ class Executor {
   // Decides and writes until the decision is Finish (or a one-shot write landed: ReportFailure,
   // Leave, and RemoveDead when `oneShot`).
   Decision run(const DecideFn& decide, std::chrono::milliseconds timeout,
-               bool resetDeadlineOnSpareExit = false, bool oneShot = false);
+               bool resetDeadlineOnSpareExit = false, bool oneShot = false, bool joining = false);
   void read();
+  // Sleeps one poll interval, then reads the state again: at once with a store that cannot
+  // announce, else only when the phase counter moved or the last full read is fullReadEvery old.
+  void waitForChange();
+  // The scalable join: admits pending announcements when this node is the one to (the round's
+  // designated writer, the holder of the first pending announcement, or anyone once they waited
+  // takeOverAfter). True when it wrote or lost a race (the state changed: decide again).
+  bool admitIfDue(const NodeView& view);
+  // Announces this node for the state's round unless its announcement for it is still pending.
+  void announce();
+  void bumpPhase();
+  // This node's turn to write for the open round in `s`: 0 = its designated writer (the
+  // participant that joined first; with none, the holder of the first pending announcement).
+  int writerSlot(const State& s) const;
+  std::chrono::milliseconds takeOverDelay(const State& s) const;
   void ensureKey();
   void log(const std::string& line) const;
 
@@ -104,6 +136,19 @@ class Executor {
   std::string raw_;                 // the store value last seen (the compare-and-set token)
   std::optional<State> state_;
   std::optional<RoundResult> lastRound_;
+  // The scalable join (see admitIfDue).
+  bool announcing_ = false;
+  std::string countKey_, phaseKey_;
+  std::int64_t myNumber_ = 0;          // this node's pending announcement, if myRound_ >= 0
+  std::int64_t myRound_ = -1;
+  std::int64_t phaseSeen_ = -1;
+  std::chrono::steady_clock::time_point lastFullRead_{};
+  std::chrono::steady_clock::time_point nextCountCheck_{};
+  std::optional<std::chrono::steady_clock::time_point> pendingSince_;  // announcements left pending
+  std::int64_t pendingAt_ = -1;                                        // ... at this `announced`
+  std::optional<std::chrono::steady_clock::time_point> missingSince_;  // a number taken, never written
+  std::int64_t missingNumber_ = -1;
+  std::optional<std::chrono::steady_clock::time_point> deferredSince_;  // a designated write left to its writer
 };
 
 } // namespace ctorch::rdzv::c10d

@@ -19,8 +19,9 @@ namespace ctorch::rdzv::c10d {
 // the heartbeat expiry (15 s by default).
 using Timestamp = std::chrono::time_point<std::chrono::system_clock, std::chrono::milliseconds>;
 
-// Version 2 added restarts, failure, expected, round_size and store_port; version 1 states are still read.
-inline constexpr int kStateVersion = 2;
+// Version 2 added restarts, failure, expected, round_size and store_port; version 3 added
+// announced (the scalable join). Versions 1 and 2 are still read.
+inline constexpr int kStateVersion = 3;
 inline constexpr const char* kStateFormat = "ctorchrun-rdzv";
 // The store value meaning "no state yet". A store's get() blocks until a key exists, so the key is
 // created with this sentinel first (torch uses "Y2FuaW1hZGFt" the same way).
@@ -92,6 +93,9 @@ struct State {
   // nodes re-joining and the nodes that waited for it) and closes as soon as they all joined,
   // without a last call. Empty for a first round.
   std::vector<std::string> expected;
+  // The scalable join (executor.hpp): nodes announce themselves under numbered keys beside the
+  // state and one node admits them in a batch; the announcements up to this number are consumed.
+  std::int64_t announced = 0;
 
   const Participant* participant(std::string_view id) const;
   bool isParticipant(std::string_view id) const { return participant(id) != nullptr; }
@@ -114,6 +118,26 @@ std::string encodeState(const State& state);
 State decodeState(std::string_view text);
 // A store value: nullopt for the sentinel, else decodeState.
 std::optional<State> decodeStoreValue(std::string_view value);
+
+// ---- the scalable join: announcements beside the state ------------------------------------------------
+// A node that wants to join an open round takes a number from the counter at announceCountKey
+// (c10d add) and writes its NodeInfo and the round under announceKey(number); the round's
+// designated writer admits every pending announcement with one compare-and-set (see
+// admitAnnounced in decisions.hpp). phaseKey counts the state writes that end a wait (a round
+// closing, a node leaving or removed, a failure, the close): waiting nodes poll that small
+// counter instead of re-reading the whole state.
+struct Announcement {
+  std::int64_t round = 0;
+  NodeInfo node;
+  bool operator==(const Announcement& o) const { return round == o.round && node == o.node; }
+};
+std::string announceCountKey(std::string_view runId);
+std::string announceKey(std::string_view runId, std::int64_t number);
+std::string phaseKey(std::string_view runId);
+std::string encodeAnnouncement(const Announcement& a);
+// nullopt for anything that is not a valid announcement (never throws: a store value written by
+// a confused or hostile client is skipped, not fatal).
+std::optional<Announcement> decodeAnnouncement(std::string_view text);
 
 // "host_pid_n" as torch's _NodeDesc repr.
 std::string makeNodeId(std::string_view host, long pid, int localId);
