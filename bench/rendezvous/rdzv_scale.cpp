@@ -3,7 +3,8 @@
 // server (what node rank 0's ctorchrun hosts) over loopback, min = max = N, until every agent has
 // its node rank for the round. Prints one line per N: time from the first join to the last agent's
 // result, the store requests it took, and whether node ranks 0..N-1 were each given once. bench/rendezvous.sh runs it.
-// Usage: rdzv_scale_bench N [N ...]
+// Usage: rdzv_scale_bench N [N ...]   (RDZV_CAS_ONLY=1: every node joins by compare-and-set on the
+// whole state, as torch does and ctorchrun did before the announcements)
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
@@ -35,6 +36,12 @@ class ClientStore final : public rc::CasStore {
     return store::toString(client_.compareSet(key, store::toBytes(expected), store::toBytes(desired)));
   }
   std::string get(const std::string& key) override { return store::toString(client_.get(key)); }
+  bool supportsAnnouncements() const override { return announcing_; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return client_.add(key, delta); }
+  void set(const std::string& key, const std::string& value) override { client_.set(key, store::toBytes(value)); }
+  bool check(const std::string& key) override { return client_.check({key}); }
+  void deleteKey(const std::string& key) override { client_.deleteKey(key); }
+  bool announcing_ = true;
 
  private:
   store::TcpStoreClient& client_;
@@ -71,13 +78,17 @@ int runOnce(int n) {
         co.timeout = std::chrono::seconds(60);
         store::TcpStoreClient client("127.0.0.1", server.port(), co);
         ClientStore cas(client);
+        cas.announcing_ = std::getenv("RDZV_CAS_ONLY") == nullptr;
         rc::NodeInfo self;
         self.id = rc::makeNodeId("host" + std::to_string(i), 100000 + i, 0);
         self.host = "host" + std::to_string(i);
         self.addr = "10.0." + std::to_string(i / 250) + "." + std::to_string(i % 250);
         self.nproc = 8;
         self.storePort = 29500;
-        rc::Executor executor(cas, settings, self);
+        rc::ExecutorOptions eo;
+        if (std::getenv("RDZV_LOG"))
+          eo.log = [](const std::string& line) { std::fprintf(stderr, "%.120s\n", line.c_str()); };
+        rc::Executor executor(cas, settings, self, rc::systemClock(), eo);
         const auto result = executor.nextRound();
         ranks[static_cast<std::size_t>(i)] = result.nodeRank;
         const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
