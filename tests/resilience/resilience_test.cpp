@@ -324,3 +324,65 @@ TEST_CASE("resilience: options and calls in the wrong order are refused with one
   CHECK_THROWS_WITH(ctorch::ResilientTraining(ctorch::ResilienceOptions().runName("")),
                     Catch::Contains("runName is empty"));
 }
+
+// ---- capture buffers reused from save to save (ResilienceOptions::reuseCaptureBuffers) -----------------
+// Saves after every step, keeping the previous 4; rank 0 records the weights it had at each step.
+// --reuse 0|1. With CTORCH_TEST_SNAPSHOT_STALL_MS the writes are slow, so a save captures while the
+// previous snapshot is still being written (its buffers must not be reused then).
+CTORCH_TEST_WORKER(save_every_step) {
+  const fs::path dir = arg(args, "dir", ".");
+  torch::set_num_threads(1);
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+  const int rank = ctorch::getRank();
+  torch::manual_seed(3);
+  auto model = torch::nn::Linear(64, 64);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
+                                         .snapshotPath(dir / "snapshot.pt")
+                                         .saveEverySteps(1)
+                                         .keepPrevious(4)
+                                         .runName("pool")
+                                         .reuseCaptureBuffers(intArg(args, "reuse", 1) != 0)
+                                         .log([](const std::string&) {}));
+  training.track(model).track(optimizer);
+  training.resume();
+  const auto x = torch::randn({16, 64});
+  for (int step = 1; step <= 6; ++step) {
+    optimizer.zero_grad();
+    model(x).pow(2).mean().backward();
+    optimizer.step();
+    if (rank == 0)
+      torch::save(std::vector<at::Tensor>{model->weight.detach().clone(), model->bias.detach().clone()},
+                  (dir / ("step-" + std::to_string(step) + ".pt")).string());
+    if (training.stepDone()) return training.exitCode();
+  }
+  return training.finish();
+}
+
+TEST_CASE("resilience: with capture buffers reused, every kept snapshot holds exactly its own step's weights, "
+          "also when a save comes while the previous write is still running",
+          "[resilience]") {
+  const auto [reuse, stallMs] = GENERATE(std::make_pair(1, 0), std::make_pair(1, 150), std::make_pair(0, 150));
+  CAPTURE(reuse, stallMs);
+  TempDir dir("ctorch-capture-pool");
+  ctorch::test::WorkerGroupOptions o;
+  o.worker = "save_every_step";
+  o.worldSize = 2;
+  o.args = {"--dir", dir.path().string(), "--reuse", std::to_string(reuse)};
+  o.env = {{"OMP_NUM_THREADS", "1"}};
+  if (stallMs > 0) o.env["CTORCH_TEST_SNAPSHOT_STALL_MS"] = std::to_string(stallMs);
+  requireExit(ctorch::test::runWorkerGroup(o), 0);
+  // snapshot.pt is step 6 (finish() waits), .1 .. .4 the steps before it.
+  for (int back = 0; back <= 4; ++back) {
+    const fs::path file = back == 0 ? dir / "snapshot.pt" : dir / ("snapshot.pt." + std::to_string(back));
+    INFO(file);
+    REQUIRE(fs::exists(file));
+    const ctorch::Snapshot s = ctorch::loadSnapshot(file);
+    const std::int64_t step = 6 - back;
+    CHECK(s.globalStep == step);
+    std::vector<at::Tensor> expected;
+    torch::load(expected, (dir / ("step-" + std::to_string(step) + ".pt")).string());
+    CHECK(torch::equal(s.modelState.at("weight"), expected[0]));
+    CHECK(torch::equal(s.modelState.at("bias"), expected[1]));
+  }
+}

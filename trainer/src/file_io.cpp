@@ -128,6 +128,69 @@ std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std:
   return tmp;
 }
 
+std::filesystem::path writeTempFileStreaming(
+    const std::filesystem::path& dir, const std::string& prefix,
+    const std::function<void(const std::function<void(const char*, std::size_t)>&)>& produce,
+    std::size_t sizeHint, std::chrono::milliseconds midWriteStall, std::size_t* written) {
+  static std::atomic<unsigned> counter{0};
+  std::filesystem::path tmp;
+  int raw = -1;
+  for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
+    tmp = dir / (prefix + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (raw < 0 && errno != EEXIST) throwErrno(errno, "create", tmp);
+  }
+  if (raw < 0) throwErrno(EEXIST, "create", tmp);
+  Fd fd(raw);
+  try {
+    constexpr std::size_t kBuffer = std::size_t{1} << 20;
+    std::vector<char> buffer;
+    buffer.reserve(kBuffer);
+    std::size_t total = 0;
+    bool stalled = midWriteStall.count() <= 0;
+    auto flush = [&] {
+      writeAll(fd.get(), buffer.data(), buffer.size(), tmp);
+      buffer.clear();
+    };
+    auto maybeStall = [&] {
+      if (!stalled && total >= sizeHint / 2) {
+        // A test hook: a crash test can kill the writer while this file is half written.
+        flush();
+        stalled = true;
+        std::this_thread::sleep_for(midWriteStall);
+      }
+    };
+    produce([&](const char* data, std::size_t size) {
+      if (size >= kBuffer / 4) {
+        flush();
+        if (!stalled && total + size >= sizeHint / 2) {
+          const std::size_t first = std::min(size, sizeHint / 2 > total ? sizeHint / 2 - total : 0);
+          writeAll(fd.get(), data, first, tmp);
+          total += first;
+          maybeStall();
+          writeAll(fd.get(), data + first, size - first, tmp);
+          total += size - first;
+          return;
+        }
+        writeAll(fd.get(), data, size, tmp);
+      } else {
+        if (buffer.size() + size > kBuffer) flush();
+        buffer.insert(buffer.end(), data, data + size);
+      }
+      total += size;
+      maybeStall();
+    });
+    flush();
+    fsyncFd(fd.get(), tmp);
+    fd.close(tmp);
+    if (written) *written = total;
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  return tmp;
+}
+
 void fsyncDirectory(const std::filesystem::path& dir) {
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) throwErrno(errno, "open directory", dir);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstddef>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,6 +28,14 @@ std::vector<char> readWholeFile(const std::filesystem::path& path);
 std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
                                     const char* data, std::size_t size,
                                     std::chrono::milliseconds midWriteStall = {});
+
+// The same, with the bytes produced by `produce`, which calls its sink with them in order (small
+// pieces are gathered into 1 MiB writes, large ones written directly): nothing is held in memory
+// twice. `sizeHint` places the test hook's pause (after about half of it).
+std::filesystem::path writeTempFileStreaming(
+    const std::filesystem::path& dir, const std::string& prefix,
+    const std::function<void(const std::function<void(const char*, std::size_t)>&)>& produce,
+    std::size_t sizeHint, std::chrono::milliseconds midWriteStall = {}, std::size_t* written = nullptr);
 
 void fsyncDirectory(const std::filesystem::path& dir);
 void renameFile(const std::filesystem::path& from, const std::filesystem::path& to);

@@ -5,8 +5,37 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <cstddef>
+#include <functional>
 #include <vector>
 
+namespace ctorch {
+struct Snapshot;
+}
+
 namespace ctorch::detail {
+
+// Receives the archive's bytes in order (a file, a vector).
+using ByteSink = std::function<void(const char* data, std::size_t size)>;
+
+// A value pickled, its tensors not yet written: everything that can fail on the value itself
+// (an unsupported type) fails in prepare, before a byte is written anywhere; write() then streams
+// the archive straight from the tensors' storage, without a second copy in memory.
+class PreparedArchive {
+ public:
+  static PreparedArchive prepare(const c10::IValue& top);
+  void write(const ByteSink& sink) const;
+  // The archive's size give or take its zip headers (a little more than the exact size).
+  std::size_t sizeBound() const;
+
+ private:
+  std::vector<char> pickled_;
+  std::vector<at::Tensor> tensors_;
+};
+
 std::vector<char> portableArchive(const c10::IValue& top);
+
+// encodeSnapshot up to the bytes: the header and digest filled in, the value pickled (snapshot_format.cpp).
+PreparedArchive prepareSnapshot(Snapshot& snapshot);
+
 } // namespace ctorch::detail

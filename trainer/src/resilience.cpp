@@ -6,6 +6,7 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/snapshot_writer.hpp"
+#include "capture_pool.hpp"
 #include "error_text.hpp"
 
 #include <ctorch/contract/worker_contract.hpp>
@@ -186,6 +187,7 @@ struct ResilientTraining::Impl {
   bool stop = false;
   TrainingStatus status = TrainingStatus::kRunning;
   std::unique_ptr<SnapshotWriter> writer;
+  detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
 
   void say(const std::string& line) const {
     if (rank != 0) return;
@@ -269,8 +271,11 @@ struct ResilientTraining::Impl {
     }
     if (!model) throw ConfigError("ResilientTraining: no model registered (track(ddp) or track(model) before resume())");
     const TrainingObjects objects{model, optimizer, sampler};
-    Snapshot s = captureSnapshot(objects, SnapshotIdentity{o.runName(), world, o.config()},
-                                 TrainingProgress{epoch, stepInEpoch, globalStep});
+    Snapshot s = [&] {
+      detail::CapturePoolScope reuse(o.reuseCaptureBuffers() ? &capturePool : nullptr);
+      return captureSnapshot(objects, SnapshotIdentity{o.runName(), world, o.config()},
+                             TrainingProgress{epoch, stepInEpoch, globalStep});
+    }();
     s.rankRng = std::move(rankRng);
     if (schedulerSave) s.schedulerState = schedulerSave();
     for (const auto& item : items) item.save(s.userState);

@@ -116,15 +116,19 @@ std::size_t saveSnapshot(Snapshot& snapshot, const SnapshotSlotOptions& options)
   auto step = [&](SnapshotWriteStep s) {
     if (options.onWriteStep) options.onWriteStep(s);
   };
-  // Encoding happens before the file system is touched: a snapshot that cannot be encoded (an
-  // unsupported user item) leaves the slot as it was.
-  const std::vector<char> bytes = encodeSnapshot(snapshot);
+  // Encoding (pickling) happens before the file system is touched: a snapshot that cannot be
+  // encoded (an unsupported user item) leaves the slot as it was. The archive is then streamed
+  // from the tensors into the file, not built in memory first (for a large model that copy, and
+  // its fresh pages, slowed the training steps running beside the writer).
+  const auto prepared = detail::prepareSnapshot(snapshot);
   fs::create_directories(dir);
   removeStaleTemporaries(slot);
 
   // 1. The new content, complete and durable, under a temporary name nobody reads.
-  const fs::path tmp = detail::writeTempFile(dir, slot.filename().string() + ".tmp-",
-                                             bytes.data(), bytes.size(), snapshotWriteStall());
+  std::size_t size = 0;
+  const fs::path tmp = detail::writeTempFileStreaming(
+      dir, slot.filename().string() + ".tmp-", [&](const auto& sink) { prepared.write(sink); },
+      prepared.sizeBound(), snapshotWriteStall(), &size);
   step(SnapshotWriteStep::TempSynced);
 
   try {
@@ -157,7 +161,7 @@ std::size_t saveSnapshot(Snapshot& snapshot, const SnapshotSlotOptions& options)
     const long n = suffixNumber(entry.path().filename().string(), base);
     if (n > options.keepPrevious) fs::remove(entry.path(), ec);
   }
-  return bytes.size();
+  return size;
 }
 
 Snapshot loadSnapshot(const fs::path& file, const SnapshotExpectation& expect) {

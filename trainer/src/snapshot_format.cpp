@@ -283,32 +283,46 @@ void checkPickle(const std::vector<char>& bytes, const detail::ZipCheckResult& z
 // pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
 // torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
 // tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
-std::vector<char> detail::portableArchive(const c10::IValue& top) {
-  std::vector<char> pickled;
+detail::PreparedArchive detail::PreparedArchive::prepare(const c10::IValue& top) {
+  PreparedArchive out;
   torch::jit::Pickler pickler(
-      [&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+      [&](const char* p, std::size_t n) { out.pickled_.insert(out.pickled_.end(), p, p + n); },
       /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
       /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
   pickler.pushIValue(top);
   pickler.stop();
-  const auto& tensors = pickler.tensorData();
-  std::size_t total = pickled.size() + 4096;
-  for (const auto& t : tensors) total += t.storage().nbytes() + 128;
-  std::vector<char> archive;
-  archive.reserve(total);
+  for (const auto& t : pickler.tensorData()) {
+    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
+    out.tensors_.push_back(t);
+  }
+  return out;
+}
+
+std::size_t detail::PreparedArchive::sizeBound() const {
+  // Each record: a local header with its name and alignment padding (< 64 + name + 64 bytes), a
+  // central directory entry; the end records. Generous: a bound, used for buffers and a hint.
+  std::size_t total = pickled_.size() + 4096;
+  for (const auto& t : tensors_) total += t.storage().nbytes() + 256;
+  return total;
+}
+
+void detail::PreparedArchive::write(const ByteSink& sink) const {
   caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const char*>(p);
-    archive.insert(archive.end(), c, c + n);
+    sink(static_cast<const char*>(p), n);
     return n;
   });
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
-    writer.writeRecord("data/" + std::to_string(i), t.storage().data(), t.storage().nbytes());
-  }
-  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i)
+    writer.writeRecord("data/" + std::to_string(i), tensors_[i].storage().data(), tensors_[i].storage().nbytes());
+  writer.writeRecord("data.pkl", pickled_.data(), pickled_.size());
   writer.writeEndOfFile();
+}
+
+std::vector<char> detail::portableArchive(const c10::IValue& top) {
+  const auto prepared = PreparedArchive::prepare(top);
+  std::vector<char> archive;
+  archive.reserve(prepared.sizeBound());
+  prepared.write([&](const char* p, std::size_t n) { archive.insert(archive.end(), p, p + n); });
   return archive;
 }
 
@@ -387,7 +401,7 @@ std::vector<std::string> compareWithExpectation(const SnapshotHeader& header,
 }
 
 // ---- Encoding ---------------------------------------------------------------------------------------
-std::vector<char> encodeSnapshot(Snapshot& s) {
+detail::PreparedArchive detail::prepareSnapshot(Snapshot& s) {
   auto header = newStringDict();
   header.insert("magic", s.header.magic);
   header.insert("format_version", s.header.formatVersion);
@@ -443,7 +457,15 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
   // it to `header` afterwards puts it into `top` too.
   s.header.contentDigest = contentDigest(top, "snapshot");
   header.insert(kDigestKey, s.header.contentDigest);
-  return detail::portableArchive(top);
+  return detail::PreparedArchive::prepare(top);
+}
+
+std::vector<char> encodeSnapshot(Snapshot& s) {
+  const auto prepared = detail::prepareSnapshot(s);
+  std::vector<char> archive;
+  archive.reserve(prepared.sizeBound());
+  prepared.write([&](const char* p, std::size_t n) { archive.insert(archive.end(), p, p + n); });
+  return archive;
 }
 
 // ---- Decoding ---------------------------------------------------------------------------------------

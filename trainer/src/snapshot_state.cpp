@@ -14,15 +14,50 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
+#include "capture_pool.hpp"
+
 #include <functional>
 #include <mutex>
 #include <set>
 
 namespace ctorch {
+
+namespace detail {
+namespace {
+thread_local CapturePool* tlsPool = nullptr;
+thread_local std::size_t tlsNext = 0;
+} // namespace
+
+CapturePoolScope::CapturePoolScope(CapturePool* pool) : previous_(tlsPool), previousNext_(tlsNext) {
+  tlsPool = pool;
+  tlsNext = 0;
+}
+
+CapturePoolScope::~CapturePoolScope() {
+  tlsPool = previous_;
+  tlsNext = previousNext_;
+}
+} // namespace detail
+
 namespace {
 
+at::Tensor freshCopy(const at::Tensor& t) { return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous); }
+
 at::Tensor portableCopy(const at::Tensor& t) {
-  return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous);
+  detail::CapturePool* pool = detail::tlsPool;
+  if (!pool || !t.defined()) return freshCopy(t);
+  const std::size_t i = detail::tlsNext++;
+  if (i >= pool->tensors.size()) pool->tensors.resize(i + 1);
+  at::Tensor& kept = pool->tensors[i];
+  // Reusable only when nobody else holds it: the snapshot that used it was written and dropped.
+  if (kept.defined() && kept.use_count() == 1 && kept.storage().use_count() == 1 &&
+      kept.sizes() == t.sizes() && kept.scalar_type() == t.scalar_type()) {
+    at::NoGradGuard noGrad;
+    kept.copy_(t.detach());
+    return kept;
+  }
+  kept = freshCopy(t);
+  return kept;
 }
 
 std::string shapeText(at::IntArrayRef sizes) {

@@ -90,6 +90,10 @@ struct ResilienceOptions {
   // Snapshots are encoded and written on a background thread while training goes on (the step pays
   // only for a copy of the state); false: written before stepDone() returns.
   TORCH_ARG(bool, backgroundWrite) = true;
+  // Rank 0 copies the model and optimizer state into buffers kept from the previous save (when
+  // its write has finished) instead of fresh memory: no page faults and no zeroing at the step
+  // that saves. Costs one snapshot's worth of memory held between saves; false frees it.
+  TORCH_ARG(bool, reuseCaptureBuffers) = true;
   // Rank 0's progress lines (resume decisions, snapshots written, stops). Unset: stderr.
   TORCH_ARG(std::function<void(const std::string&)>, log);
   // Names the program on stderr lines: every rank's stop line, a failed write, the default log.
