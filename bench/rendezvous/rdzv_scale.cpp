@@ -3,7 +3,8 @@
 // server (what node rank 0's ctorchrun hosts) over loopback, min = max = N, until every agent has
 // its node rank for the round. Prints one line per N: time from the first join to the last agent's
 // result, the store requests it took, and whether node ranks 0..N-1 were each given once. bench/rendezvous.sh runs it.
-// Usage: rdzv_scale_bench N [N ...]   (RDZV_CAS_ONLY=1: every node joins by compare-and-set on the
+// Usage: rdzv_scale_bench N [N ...]   (RDZV_STEADY_S=S: then S seconds of heartbeats as ctorchrun
+// sends them, and the store load; RDZV_CAS_ONLY=1: every node joins by compare-and-set on the
 // whole state, as torch does and ctorchrun did before the announcements)
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"
@@ -69,6 +70,10 @@ int runOnce(int n) {
   std::vector<int> ranks(static_cast<std::size_t>(n), -1);
   std::vector<std::thread> agents;
   agents.reserve(static_cast<std::size_t>(n));
+  const char* steadyEnv = std::getenv("RDZV_STEADY_S");
+  const int steadySeconds = steadyEnv ? std::atoi(steadyEnv) : 0;
+  std::atomic<int> arrived{0}, unhealthy{0};
+  store::TcpStoreServerStats atSteady{};
   const auto start = Clock::now();
   std::atomic<long long> lastDoneNs{0};
   for (int i = 0; i < n; ++i)
@@ -96,11 +101,32 @@ int runOnce(int n) {
         while (ns > seen && !lastDoneNs.compare_exchange_weak(seen, ns)) {
         }
         if (result.nodeCount != n || result.worldSize != 8 * n) ++failures;
+        // RDZV_STEADY_S=S: then S seconds of what the agents do while their workers train (a
+        // heartbeat check every keep_alive_interval / 4, as ctorchrun does), to see the load on the store.
+        if (steadySeconds > 0) {
+          arrived.fetch_add(1);
+          while (arrived.load() < n) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          const auto until = Clock::now() + std::chrono::seconds(steadySeconds);
+          while (Clock::now() < until) {
+            std::this_thread::sleep_for(settings.keepAliveInterval / 4);
+            if (executor.keepAlive().status != rc::RoundStatus::Healthy) ++unhealthy;
+          }
+        }
       } catch (const std::exception& e) {
         if (failures++ == 0) std::fprintf(stderr, "agent %d: %s\n", i, e.what());
       }
     });
+  if (steadySeconds > 0) {
+    while (arrived.load() < n && failures.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    atSteady = server.stats();
+  }
   for (auto& t : agents) t.join();
+  if (steadySeconds > 0) {
+    const auto end = server.stats();
+    std::printf("steady state, %d s: store requests/s=%.0f bytes received/s=%.0f unhealthy_assessments=%d\n",
+                steadySeconds, static_cast<double>(end.requests - atSteady.requests) / steadySeconds,
+                static_cast<double>(end.bytesReceived - atSteady.bytesReceived) / steadySeconds, unhealthy.load());
+  }
   std::sort(ranks.begin(), ranks.end());
   for (int i = 0; i < n; ++i)
     if (ranks[static_cast<std::size_t>(i)] != i) ++rankErrors;

@@ -229,6 +229,11 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
       }
       deferredSince_.reset();
     }
+    if (d.action == Action::KeepAlive && !heartbeatWriteDue()) {
+      if (!joining) return Decision{Action::Finish, std::nullopt, "heartbeat not due yet (offset)"};
+      waitForChange();
+      continue;
+    }
     switch (d.action) {
       case Action::Finish:
         return d;
@@ -264,9 +269,27 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
       // A spare that finds room starts the join timeout afresh (torch's update_deadline).
       if (d.action == Action::LeaveRedundancyList && resetDeadlineOnSpareExit)
         deadline = clock_.steadyNow() + timeout;
+    } else if (d.action == Action::KeepAlive && announcing_) {
+      // A heartbeat lost its race: the nodes of a round send theirs at about the same moment, and
+      // retrying at once makes every round of retries one winner and N losers (each resending the
+      // whole state). A heartbeat has keep_alive_max_attempt intervals of slack: wait a moment.
+      clock_.sleepFor(heartbeatBackoff());
     }
     // else: someone changed the state first; decide again on what they wrote.
   }
+}
+
+std::chrono::milliseconds Executor::heartbeatBackoff() {
+  const auto cap = std::min<std::int64_t>(settings_.keepAliveInterval.count() / 8, 250);
+  if (cap <= 0) return std::chrono::milliseconds(0);
+  if (backoffState_ == 0) {
+    backoffState_ = 1469598103934665603ull ^ static_cast<std::uint64_t>(clock_.now().time_since_epoch().count());
+    for (unsigned char c : self_.id) backoffState_ = (backoffState_ ^ c) * 1099511628211ull;
+  }
+  backoffState_ ^= backoffState_ << 13;  // xorshift64
+  backoffState_ ^= backoffState_ >> 7;
+  backoffState_ ^= backoffState_ << 17;
+  return std::chrono::milliseconds(static_cast<std::int64_t>(backoffState_ % static_cast<std::uint64_t>(cap)) + 1);
 }
 
 RoundResult Executor::nextRound() {
@@ -287,9 +310,44 @@ RoundResult Executor::nextRound() {
 }
 
 RoundAssessment Executor::keepAlive() {
-  run(&decideKeepAlive, settings_.heartbeatTimeout);
+  // With the phase counter, a check that has nothing to write and sees no phase change decides on
+  // the state read before: every change a running node must react to (a node lost, waiting or
+  // failed, the close) moves the counter. Without it, 1,000 nodes reading a ~200 KB state four
+  // times per heartbeat interval kept the store busy with nothing but that.
+  bool fresh = true;
+  if (announcing_ && state_ && lastRound_) {
+    const std::int64_t phase = store_.add(phaseKey_, 0);
+    if (phase != phaseSeen_) {
+      phaseSeen_ = phase;  // the counter first, then the state (run() reads it)
+    } else {
+      NodeView view{self_, settings_, clock_.now(), settings_.heartbeatTimeout};
+      Decision d = decideKeepAlive(state_, view);
+      if (d.action == Action::Finish || (d.action == Action::KeepAlive && !heartbeatWriteDue())) fresh = false;
+    }
+  }
+  if (fresh) run(&decideKeepAlive, settings_.heartbeatTimeout);
   if (!lastRound_) return RoundAssessment{};
   return assessRound(state_, *lastRound_, self_.id, settings_);
+}
+
+std::chrono::milliseconds Executor::heartbeatOffset() const {
+  // FNV-1a of the node id: a fixed offset per node in [0, keepAliveInterval / 4).
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : self_.id) h = (h ^ c) * 1099511628211ull;
+  // None when a single missed interval already means dead (keep_alive_max_attempt 1).
+  const auto quarter = settings_.keepAliveMaxAttempt >= 2 ? settings_.keepAliveInterval.count() / 4 : 0;
+  return std::chrono::milliseconds(quarter > 0 ? static_cast<std::int64_t>(h % static_cast<std::uint64_t>(quarter)) : 0);
+}
+
+bool Executor::heartbeatWriteDue() const {
+  if (!announcing_ || !state_) return true;
+  auto it = state_->heartbeats.find(self_.id);
+  if (it == state_->heartbeats.end()) return true;
+  // Nodes admitted together got the same heartbeat time: without an offset they would all write
+  // their next one in the same instant, each compare-and-set of the whole state losing to the
+  // others'. Each node waits a little longer, by its own fixed amount (well inside the expiry of
+  // keep_alive_max_attempt intervals).
+  return it->second <= clock_.now() - settings_.keepAliveInterval - heartbeatOffset();
 }
 
 RoundAssessment Executor::assess() {

@@ -123,6 +123,12 @@ class Executor {
   // participant that joined first; with none, the holder of the first pending announcement).
   int writerSlot(const State& s) const;
   std::chrono::milliseconds takeOverDelay(const State& s) const;
+  // Heartbeats spread out (with the phase counter): this node writes its heartbeat once it is
+  // keepAliveInterval + heartbeatOffset() old, the offset fixed per node in [0, interval / 4).
+  std::chrono::milliseconds heartbeatOffset() const;
+  bool heartbeatWriteDue() const;
+  // A random pause after a heartbeat lost its compare-and-set, in [1, min(interval / 8, 250 ms)].
+  std::chrono::milliseconds heartbeatBackoff();
   void ensureKey();
   void log(const std::string& line) const;
 
@@ -149,6 +155,7 @@ class Executor {
   std::optional<std::chrono::steady_clock::time_point> missingSince_;  // a number taken, never written
   std::int64_t missingNumber_ = -1;
   std::optional<std::chrono::steady_clock::time_point> deferredSince_;  // a designated write left to its writer
+  std::uint64_t backoffState_ = 0;
 };
 
 } // namespace ctorch::rdzv::c10d
