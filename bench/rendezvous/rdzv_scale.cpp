@@ -42,6 +42,12 @@ class ClientStore final : public rc::CasStore {
   void set(const std::string& key, const std::string& value) override { client_.set(key, store::toBytes(value)); }
   bool check(const std::string& key) override { return client_.check({key}); }
   void deleteKey(const std::string& key) override { client_.deleteKey(key); }
+  bool checkAll(const std::vector<std::string>& keys) override { return client_.check(keys); }
+  std::vector<std::string> getMany(const std::vector<std::string>& keys) override {
+    std::vector<std::string> out;
+    for (const auto& value : client_.multiGet(keys)) out.push_back(store::toString(value));
+    return out;
+  }
   bool announcing_ = true;
 
  private:

@@ -130,6 +130,14 @@ class StoreLink final : public rc::CasStore {
   void deleteKey(const std::string& key) override {
     call([&] { return client_->deleteKey(key); });
   }
+  bool checkAll(const std::vector<std::string>& keys) override { return check(keys); }
+  std::vector<std::string> getMany(const std::vector<std::string>& keys) override {
+    return call([&] {
+      std::vector<std::string> out;
+      for (const auto& value : client_->multiGet(keys)) out.push_back(store::toString(value));
+      return out;
+    });
+  }
   void dropAliveKey() {
     call([&] { return client_->deleteKey(aliveKey_); });
   }

@@ -3,6 +3,8 @@
 #include "ctorch/rdzv/c10d/errors.hpp"
 
 #include <algorithm>
+#include <map>
+#include <cstdlib>
 #include <stdexcept>
 #include <thread>
 
@@ -29,6 +31,17 @@ void CasStore::set(const std::string&, const std::string&) {
 }
 bool CasStore::check(const std::string&) { throw std::logic_error("this rendezvous store has no check"); }
 void CasStore::deleteKey(const std::string&) { throw std::logic_error("this rendezvous store has no deleteKey"); }
+bool CasStore::checkAll(const std::vector<std::string>& keys) {
+  for (const auto& key : keys)
+    if (!check(key)) return false;
+  return true;
+}
+std::vector<std::string> CasStore::getMany(const std::vector<std::string>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& key : keys) out.push_back(get(key));
+  return out;
+}
 
 Clock& systemClock() {
   static SystemClock clock;
@@ -46,6 +59,7 @@ Executor::Executor(CasStore& store, Settings settings, NodeInfo self, Clock& clo
       countKey_(announceCountKey(settings_.runId)),
       phaseKey_(phaseKey(settings_.runId)) {
   settings_.validate();
+  heartbeatKeys_ = announcing_ && settings_.keepAliveMaxAttempt >= 2;
   if (self_.id.empty()) throw RendezvousConfigError("the node id must not be empty");
   if (self_.nproc < 1)
     throw RendezvousConfigError("the number of workers on a node must be at least 1, not " +
@@ -151,24 +165,45 @@ bool Executor::admitIfDue(const NodeView& view) {
     }
     if (now - *pendingSince_ < takeOverDelay(s)) return false;
   }
-  // Read the pending announcements in number order. A number taken but not written yet is waited
-  // for (its node is between its two requests) up to takeOverAfter, then skipped (its node died).
+  // Read the pending announcements in number order, a few requests for the whole batch (under
+  // load, one round trip per key made the admitting node the bottleneck of a 1,000-node join). A
+  // number taken but not written yet ends the batch (its node is between its two requests); after
+  // takeOverAfter it is skipped (its node died).
   constexpr std::int64_t kMaxBatch = 4096;
+  const std::int64_t first = s.announced + 1;
+  const std::int64_t end = std::min(count, s.announced + kMaxBatch);
+  auto keys = [&](std::int64_t from, std::int64_t to) {
+    std::vector<std::string> out;
+    for (std::int64_t n = from; n <= to; ++n) out.push_back(announceKey(settings_.runId, n));
+    return out;
+  };
+  std::int64_t present = end;  // the longest run of written numbers from `first`
+  if (!store_.checkAll(keys(first, end))) {
+    std::int64_t lo = first - 1, hi = end - 1;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo + 1) / 2;
+      if (store_.checkAll(keys(first, mid)))
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    present = lo;
+  }
   std::vector<Announcement> batch;
   std::int64_t last = s.announced;
-  for (std::int64_t n = s.announced + 1; n <= count && n <= s.announced + kMaxBatch; ++n) {
-    const std::string key = announceKey(settings_.runId, n);
-    if (!store_.check(key)) {
-      if (missingNumber_ != n || !missingSince_) {
-        missingNumber_ = n;
-        missingSince_ = now;
-      }
-      if (now - *missingSince_ < options_.takeOverAfter) break;
-      last = n;  // skipped: its node, if alive after all, sees it consumed and announces again
-      continue;
+  if (present >= first) {
+    for (const auto& value : store_.getMany(keys(first, present)))
+      if (auto a = decodeAnnouncement(value)) batch.push_back(std::move(*a));
+    last = present;
+  }
+  if (present < end) {
+    const std::int64_t missing = present + 1;
+    if (missingNumber_ != missing || !missingSince_) {
+      missingNumber_ = missing;
+      missingSince_ = now;
     }
-    if (auto a = decodeAnnouncement(store_.get(key))) batch.push_back(std::move(*a));
-    last = n;
+    if (last == s.announced && now - *missingSince_ >= options_.takeOverAfter)
+      last = missing;  // skipped: its node, if alive after all, sees it consumed and announces again
   }
   if (last == s.announced) return false;
   Decision d = admitAnnounced(state_, view, batch, last);
@@ -182,13 +217,15 @@ bool Executor::admitIfDue(const NodeView& view) {
   raw_ = now2;
   state_ = decodeStoreValue(raw_);
   if (now2 == desired) {
+    if (heartbeatKeys_)  // every admitted node has a heartbeat key from now on (the monitor reads them at once)
+      for (const auto& [id, t] : state_->heartbeats)
+        if (!s.heartbeats.count(id)) store_.set(heartbeatKey(settings_.runId, id), std::to_string(t.time_since_epoch().count()));
     if (!designated)
       log("announcements waited for round " + std::to_string(s.round) + "'s designated writer for more than " +
           std::to_string(takeOverDelay(s).count()) + " ms: admitted from this node");
     log(d.reason);
     pendingSince_.reset();
     if (endsAWait(d.action)) bumpPhase();
-    for (std::int64_t n = s.announced + 1; n <= last; ++n) store_.deleteKey(announceKey(settings_.runId, n));
   }
   return true;
 }
@@ -202,6 +239,10 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
     NodeView view{self_, settings_, clock_.now(),
                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_.steadyNow())};
     if (scalable && admitIfDue(view)) continue;
+    if (heartbeatKeys_ && joining) {
+      beatIfDue(/*force=*/false);
+      if (monitorIfDue(/*force=*/false)) continue;
+    }
     Decision d = decide(state_, view);
     if (scalable) {
       if (d.action == Action::Join) {
@@ -229,10 +270,26 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
       }
       deferredSince_.reset();
     }
-    if (d.action == Action::KeepAlive && !heartbeatWriteDue()) {
-      if (!joining) return Decision{Action::Finish, std::nullopt, "heartbeat not due yet (offset)"};
+    if (heartbeatKeys_ && d.action == Action::KeepAlive) {
+      // Heartbeats are small SETs under the node's own key; the round's monitor carries them
+      // into the state (monitorIfDue).
+      beatIfDue(/*force=*/true);
+      if (!joining) return Decision{Action::Finish, std::nullopt, "heartbeat sent"};
       waitForChange();
       continue;
+    }
+    if (heartbeatKeys_ && d.action == Action::RemoveDead && !oneShot) {
+      // Expired entries are the monitor's to judge (it reads every node's key); another node
+      // only removes the monitor itself when its key, too, is older than the expiry.
+      if (isMonitor()) {
+        if (monitorIfDue(/*force=*/true)) continue;
+      } else if (auto removal = removeDeadMonitor(view)) {
+        d = std::move(*removal);
+      } else {
+        if (!joining) return Decision{Action::Finish, std::nullopt, "expired entries left to the monitor"};
+        waitForChange();
+        continue;
+      }
     }
     switch (d.action) {
       case Action::Finish:
@@ -309,45 +366,165 @@ RoundResult Executor::nextRound() {
   return r;
 }
 
+void Executor::pruneAnnouncements() {
+  // Consumed announcements are deleted here, a few per call by the round's monitor while the
+  // workers run, not by the node admitting them: one request per key made that node, which
+  // admits the rest of a large round, the bottleneck of the join.
+  if (!announcing_ || !state_ || monitorOf(*state_) != self_.id) return;
+  for (int budget = 64; budget > 0 && pruneFrom_ <= state_->announced; --budget)
+    store_.deleteKey(announceKey(settings_.runId, pruneFrom_++));
+}
+
 RoundAssessment Executor::keepAlive() {
-  // With the phase counter, a check that has nothing to write and sees no phase change decides on
-  // the state read before: every change a running node must react to (a node lost, waiting or
-  // failed, the close) moves the counter. Without it, 1,000 nodes reading a ~200 KB state four
-  // times per heartbeat interval kept the store busy with nothing but that.
-  bool fresh = true;
-  if (announcing_ && state_ && lastRound_) {
-    const std::int64_t phase = store_.add(phaseKey_, 0);
-    if (phase != phaseSeen_) {
-      phaseSeen_ = phase;  // the counter first, then the state (run() reads it)
-    } else {
-      NodeView view{self_, settings_, clock_.now(), settings_.heartbeatTimeout};
-      Decision d = decideKeepAlive(state_, view);
-      if (d.action == Action::Finish || (d.action == Action::KeepAlive && !heartbeatWriteDue())) fresh = false;
-    }
+  if (!heartbeatKeys_ || !state_ || !lastRound_) {
+    run(&decideKeepAlive, settings_.heartbeatTimeout);
+    pruneAnnouncements();
+    if (!lastRound_) return RoundAssessment{};
+    return assessRound(state_, *lastRound_, self_.id, settings_);
   }
-  if (fresh) run(&decideKeepAlive, settings_.heartbeatTimeout);
-  if (!lastRound_) return RoundAssessment{};
+  // With per-node heartbeat keys: send this node's heartbeat (a small SET); read the state only
+  // when the phase counter moved (every change a running node reacts to moves it) or when the
+  // round's monitor seems dead; the monitor itself merges every node's key into the state once
+  // per interval and removes the expired. Nothing here rewrites the whole state per node.
+  beatIfDue(/*force=*/false);
+  const std::int64_t phase = store_.add(phaseKey_, 0);
+  bool reread = phase != phaseSeen_;
+  phaseSeen_ = phase;
+  const auto steady = clock_.steadyNow();
+  if (!reread && !isMonitor() && steady - lastMonitorCheck_ >= settings_.keepAliveInterval) {
+    lastMonitorCheck_ = steady;
+    const std::string monitor = monitorOf(*state_);
+    if (!monitor.empty() && !beatIsFresh(monitor)) reread = true;
+  }
+  if (reread) read();
+  if (isMonitor()) {
+    monitorIfDue(/*force=*/false);
+    pruneAnnouncements();
+  } else if (reread) {
+    run(&decideKeepAlive, settings_.heartbeatTimeout);
+  }
   return assessRound(state_, *lastRound_, self_.id, settings_);
 }
 
-std::chrono::milliseconds Executor::heartbeatOffset() const {
-  // FNV-1a of the node id: a fixed offset per node in [0, keepAliveInterval / 4).
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : self_.id) h = (h ^ c) * 1099511628211ull;
-  // None when a single missed interval already means dead (keep_alive_max_attempt 1).
-  const auto quarter = settings_.keepAliveMaxAttempt >= 2 ? settings_.keepAliveInterval.count() / 4 : 0;
-  return std::chrono::milliseconds(quarter > 0 ? static_cast<std::int64_t>(h % static_cast<std::uint64_t>(quarter)) : 0);
+std::string Executor::monitorOf(const State& s) {
+  const Participant* first = nullptr;
+  for (const auto& p : s.participants)
+    if (!first || p.joinSeq < first->joinSeq) first = &p;
+  if (first) return first->node.id;
+  return s.heartbeats.empty() ? std::string() : s.heartbeats.begin()->first;
 }
 
-bool Executor::heartbeatWriteDue() const {
-  if (!announcing_ || !state_) return true;
-  auto it = state_->heartbeats.find(self_.id);
-  if (it == state_->heartbeats.end()) return true;
-  // Nodes admitted together got the same heartbeat time: without an offset they would all write
-  // their next one in the same instant, each compare-and-set of the whole state losing to the
-  // others'. Each node waits a little longer, by its own fixed amount (well inside the expiry of
-  // keep_alive_max_attempt intervals).
-  return it->second <= clock_.now() - settings_.keepAliveInterval - heartbeatOffset();
+bool Executor::isMonitor() const { return state_ && monitorOf(*state_) == self_.id; }
+
+void Executor::beatIfDue(bool force) {
+  if (!state_ || !state_->heartbeats.count(self_.id)) return;  // not in the rendezvous (yet)
+  const Timestamp now = clock_.now();
+  const auto minGap = force ? settings_.keepAliveInterval / 4 : settings_.keepAliveInterval;
+  if (lastBeatSent_ && now - *lastBeatSent_ < minGap) return;
+  store_.set(heartbeatKey(settings_.runId, self_.id), std::to_string(now.time_since_epoch().count()));
+  lastBeatSent_ = now;
+}
+
+std::optional<Timestamp> Executor::readBeat(const std::string& id) {
+  const std::string key = heartbeatKey(settings_.runId, id);
+  if (!store_.check(key)) return std::nullopt;
+  const std::string text = store_.get(key);
+  char* end = nullptr;
+  const long long ms = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || !end || *end != 0) return std::nullopt;  // not a heartbeat: ignored
+  return Timestamp(std::chrono::milliseconds(ms));
+}
+
+bool Executor::beatIsFresh(const std::string& id) {
+  std::optional<Timestamp> latest = readBeat(id);
+  if (auto it = state_->heartbeats.find(id); it != state_->heartbeats.end())
+    latest = latest ? std::max(*latest, it->second) : it->second;
+  return latest && *latest >= clock_.now() - settings_.heartbeatExpiry();
+}
+
+std::optional<Decision> Executor::removeDeadMonitor(const NodeView& view) {
+  const std::string monitor = monitorOf(*state_);
+  const auto expired = expiredNodes(*state_, view.now, settings_.heartbeatExpiry());
+  if (monitor.empty() || std::find(expired.begin(), expired.end(), monitor) == expired.end()) return std::nullopt;
+  if (beatIsFresh(monitor)) return std::nullopt;
+  // decideKeepAlive words the removal of every expired node; only the monitor is removed here.
+  State onlyMonitor = *state_;
+  for (auto& [id, t] : onlyMonitor.heartbeats)
+    if (id != monitor) t = view.now;
+  Decision d = decideKeepAlive(onlyMonitor, view);
+  if (d.action != Action::RemoveDead) return std::nullopt;
+  return Decision{Action::RemoveDead, c10d::removeNodes(*state_, {monitor}, settings_.minNodes), d.reason};
+}
+
+bool Executor::monitorIfDue(bool force) {
+  if (!isMonitor()) return false;
+  const auto steady = clock_.steadyNow();
+  if (!force && steady - lastMerge_ < settings_.keepAliveInterval) return false;
+  const Timestamp now = clock_.now();
+  // Nothing to merge while every entry is younger than an interval (a round that just formed).
+  bool stale = false;
+  for (const auto& [id, t] : state_->heartbeats) stale = stale || t < now - settings_.keepAliveInterval;
+  if (!stale) {
+    lastMerge_ = steady;
+    return false;
+  }
+  State next = *state_;
+  // Every node's key in a couple of requests (one per key made the monitor, which is also the
+  // round's designated writer, the bottleneck of a large round).
+  std::vector<std::string> ids, keys;
+  for (const auto& [id, t] : next.heartbeats)
+    if (id != self_.id) {
+      ids.push_back(id);
+      keys.push_back(heartbeatKey(settings_.runId, id));
+    }
+  std::map<std::string, Timestamp> beats;
+  if (!keys.empty() && store_.checkAll(keys)) {
+    const auto values = store_.getMany(keys);
+    for (std::size_t i = 0; i < ids.size() && i < values.size(); ++i) {
+      char* end = nullptr;
+      const long long ms = std::strtoll(values[i].c_str(), &end, 10);
+      if (!values[i].empty() && end && *end == 0) beats[ids[i]] = Timestamp(std::chrono::milliseconds(ms));
+    }
+  } else {
+    for (const auto& id : ids)
+      if (auto beat = readBeat(id)) beats[id] = *beat;
+  }
+  beats[self_.id] = now;
+  bool changed = false;
+  for (auto& [id, t] : next.heartbeats) {
+    auto it = beats.find(id);
+    if (it != beats.end() && it->second > t) {
+      t = it->second;
+      changed = true;
+    }
+  }
+  std::string reason;
+  if (!expiredNodes(next, now, settings_.heartbeatExpiry()).empty()) {
+    NodeView view{self_, settings_, now, settings_.heartbeatTimeout};
+    Decision d = decideKeepAlive(next, view);  // removes every expired node, in the usual words
+    next = *d.next;
+    reason = d.reason;
+  }
+  if (!changed && reason.empty()) {
+    lastMerge_ = steady;
+    return false;
+  }
+  const std::string desired = encodeState(next);
+  const std::string got = store_.compareSet(key_, raw_, desired);
+  if (got == raw_) {
+    read();  // the key is gone: read() says so
+    return true;
+  }
+  raw_ = got;
+  state_ = decodeStoreValue(raw_);
+  if (got == desired) {
+    lastMerge_ = steady;
+    if (!reason.empty()) {
+      log(reason);
+      bumpPhase();
+    }
+  }
+  return true;
 }
 
 RoundAssessment Executor::assess() {

@@ -221,6 +221,10 @@ std::string announceKey(std::string_view runId, std::int64_t number) {
 
 std::string phaseKey(std::string_view runId) { return stateKey(runId) + "/phase"; }
 
+std::string heartbeatKey(std::string_view runId, std::string_view nodeId) {
+  return stateKey(runId) + "/hb/" + std::string(nodeId);
+}
+
 std::string encodeAnnouncement(const Announcement& a) {
   Participant p;
   p.node = a.node;

@@ -13,6 +13,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace ctorch::rdzv::c10d {
 
@@ -37,6 +38,10 @@ class CasStore {
   virtual void set(const std::string& key, const std::string& value);
   virtual bool check(const std::string& key);                           // does the key exist?
   virtual void deleteKey(const std::string& key);
+  // Several keys in one request where the store can (defaults: one request per key). getMany
+  // waits for missing keys as get does: call it on keys checkAll found.
+  virtual bool checkAll(const std::vector<std::string>& keys);
+  virtual std::vector<std::string> getMany(const std::vector<std::string>& keys);
 };
 
 class Clock {
@@ -123,10 +128,19 @@ class Executor {
   // participant that joined first; with none, the holder of the first pending announcement).
   int writerSlot(const State& s) const;
   std::chrono::milliseconds takeOverDelay(const State& s) const;
-  // Heartbeats spread out (with the phase counter): this node writes its heartbeat once it is
-  // keepAliveInterval + heartbeatOffset() old, the offset fixed per node in [0, interval / 4).
-  std::chrono::milliseconds heartbeatOffset() const;
-  bool heartbeatWriteDue() const;
+  // Heartbeats under per-node keys (a store with the scalable join's operations and
+  // keep_alive_max_attempt >= 2): each node SETs heartbeatKey(run, id) once per interval; the
+  // round's monitor (its first participant, else the first node with a heartbeat) merges every
+  // node's key into the state once per interval and removes the expired; the others only watch
+  // the monitor's key and remove the monitor when it, too, expired.
+  static std::string monitorOf(const State& s);
+  bool isMonitor() const;
+  void beatIfDue(bool force);
+  std::optional<Timestamp> readBeat(const std::string& id);
+  bool beatIsFresh(const std::string& id);
+  std::optional<Decision> removeDeadMonitor(const NodeView& view);
+  bool monitorIfDue(bool force);
+  void pruneAnnouncements();
   // A random pause after a heartbeat lost its compare-and-set, in [1, min(interval / 8, 250 ms)].
   std::chrono::milliseconds heartbeatBackoff();
   void ensureKey();
@@ -156,6 +170,11 @@ class Executor {
   std::int64_t missingNumber_ = -1;
   std::optional<std::chrono::steady_clock::time_point> deferredSince_;  // a designated write left to its writer
   std::uint64_t backoffState_ = 0;
+  bool heartbeatKeys_ = false;
+  std::optional<Timestamp> lastBeatSent_;
+  std::chrono::steady_clock::time_point lastMerge_{};
+  std::chrono::steady_clock::time_point lastMonitorCheck_{};
+  std::int64_t pruneFrom_ = 1;  // the next consumed announcement number to delete
 };
 
 } // namespace ctorch::rdzv::c10d

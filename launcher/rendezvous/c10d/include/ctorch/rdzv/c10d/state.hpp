@@ -134,6 +134,8 @@ struct Announcement {
 std::string announceCountKey(std::string_view runId);
 std::string announceKey(std::string_view runId, std::int64_t number);
 std::string phaseKey(std::string_view runId);
+// A node's heartbeat (milliseconds since the epoch, decimal) with the scalable join's store.
+std::string heartbeatKey(std::string_view runId, std::string_view nodeId);
 std::string encodeAnnouncement(const Announcement& a);
 // nullopt for anything that is not a valid announcement (never throws: a store value written by
 // a confused or hostile client is skipped, not fatal).
