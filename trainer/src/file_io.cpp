@@ -96,11 +96,11 @@ std::vector<char> readWholeFile(const std::filesystem::path& path) {
   return data;
 }
 
-std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
-                                    const char* data, std::size_t size,
-                                    std::chrono::milliseconds midWriteStall) {
+namespace {
+
+// A new file `<dir>/<prefix><pid>-<n>` (O_EXCL: never someone else's); its path in `tmp`.
+int createTempFile(const std::filesystem::path& dir, const std::string& prefix, std::filesystem::path& tmp) {
   static std::atomic<unsigned> counter{0};
-  std::filesystem::path tmp;
   int raw = -1;
   for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
     tmp = dir / (prefix + std::to_string(::getpid()) + "-" + std::to_string(counter++));
@@ -108,7 +108,16 @@ std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std:
     if (raw < 0 && errno != EEXIST) throwErrno(errno, "create", tmp);
   }
   if (raw < 0) throwErrno(EEXIST, "create", tmp);
-  Fd fd(raw);
+  return raw;
+}
+
+} // namespace
+
+std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std::string& prefix,
+                                    const char* data, std::size_t size,
+                                    std::chrono::milliseconds midWriteStall) {
+  std::filesystem::path tmp;
+  Fd fd(createTempFile(dir, prefix, tmp));
   try {
     if (midWriteStall.count() > 0) {
       // A test hook: a crash test can kill the writer while this file is half written.
@@ -132,16 +141,8 @@ std::filesystem::path writeTempFileStreaming(
     const std::filesystem::path& dir, const std::string& prefix,
     const std::function<void(const std::function<void(const char*, std::size_t)>&)>& produce,
     std::size_t sizeHint, std::chrono::milliseconds midWriteStall, std::size_t* written) {
-  static std::atomic<unsigned> counter{0};
   std::filesystem::path tmp;
-  int raw = -1;
-  for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
-    tmp = dir / (prefix + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (raw < 0 && errno != EEXIST) throwErrno(errno, "create", tmp);
-  }
-  if (raw < 0) throwErrno(EEXIST, "create", tmp);
-  Fd fd(raw);
+  Fd fd(createTempFile(dir, prefix, tmp));
   try {
     constexpr std::size_t kBuffer = std::size_t{1} << 20;
     std::vector<char> buffer;
