@@ -535,18 +535,27 @@ TEST_CASE("rendezvous simulation: after close a newcomer fails with RendezvousCl
 }
 
 // ---- the scalable join ------------------------------------------------------------------------------------
+namespace {
+// `count` agents n0, n1, ... that start within 7 ms of each other and stop at `stopAt`; waits for
+// them and requires that none failed. Returns their names.
+std::vector<std::string> startTogether(Simulation& sim, const Settings& s, int count, milliseconds stopAt) {
+  std::vector<std::string> names;
+  for (int i = 0; i < count; ++i) {
+    names.push_back("n" + std::to_string(i));
+    sim.agent(names.back(), s, simNode(names.back()), Script{.startAt = milliseconds(i % 7), .stopAt = stopAt});
+  }
+  sim.wait();
+  requireNoError(sim, names);
+  return names;
+}
+} // namespace
+
 TEST_CASE("rendezvous simulation: 64 agents joining at once write the state a handful of times, not once each", "[rendezvous]") {
   const bool announce = GENERATE(true, false);
   CAPTURE(announce);
   Simulation sim(announce);
   auto s = simSettings("job", 64, 64);
-  std::vector<std::string> names;
-  for (int i = 0; i < 64; ++i) {
-    names.push_back("n" + std::to_string(i));
-    sim.agent(names.back(), s, simNode(names.back()), Script{.startAt = milliseconds(i % 7), .stopAt = 2s});
-  }
-  sim.wait();
-  requireNoError(sim, names);
+  const auto names = startTogether(sim, s, 64, 2s);
   std::set<int> ranks;
   for (const auto& n : names) {
     CHECK(sim.log(n).rounds.at(0).nodeCount == 64);
@@ -610,13 +619,7 @@ TEST_CASE("rendezvous simulation: while 64 nodes run, heartbeats cost a handful 
   CAPTURE(announce);
   Simulation sim(announce);
   auto s = simSettings("job", 64, 64);  // heartbeat every 5 s, dead after 15 s
-  std::vector<std::string> names;
-  for (int i = 0; i < 64; ++i) {
-    names.push_back("n" + std::to_string(i));
-    sim.agent(names.back(), s, simNode(names.back()), Script{.startAt = milliseconds(i % 7), .stopAt = 41s});
-  }
-  sim.wait();
-  requireNoError(sim, names);
+  const auto names = startTogether(sim, s, 64, 41s);
   for (const auto& n : names) {
     INFO(n);
     CHECK(sim.log(n).rounds.size() == 1);  // nobody was taken for dead: no second round
