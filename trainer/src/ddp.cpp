@@ -172,6 +172,8 @@ struct detail::DDPCore::Impl {
   bool requireForwardParamSync = true;
   bool staticGraph = false;
   bool hookRegistered = false;
+  bool customHook = false;  // registerCommHook: cannot be registered again on a rejoin
+  bool cpu = true;          // parameters on the CPU (the shared-memory hook's domain)
   // CommHook::kSharedMemory, when every rank could map the segment (else the Reducer's allreduce).
   std::shared_ptr<SharedMemoryAllreduce> sharedMemory;
   int64_t numIterations = 0;
@@ -240,6 +242,25 @@ struct detail::DDPCore::Impl {
     }
   }
 
+  // A collective too: every rank learns whether all of them share the segment.
+  void createSharedMemory() {
+    if (options.commHook() == CommHook::kSharedMemory && cpu)
+      sharedMemory = SharedMemoryAllreduce::create(
+          group, SharedMemoryAllreduceOptions().timeout(compat::glooTimeout(group).value_or(std::chrono::minutes(30))));
+  }
+
+  // With gradientAsBucketView, gradients that exist when the Reducer is built become bucket views
+  // at once, and it then averages every step with one in-place division. Left undefined, a
+  // process's first step instead multiplies by 1/world while copying into the bucket, which rounds
+  // differently when the world size is not a power of two: a resumed process would not repeat its
+  // predecessor.
+  void defineGradients() {
+    if (!options.gradientAsBucketView()) return;
+    torch::NoGradGuard noGrad;
+    for (auto& p : params)
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+  }
+
   // Python's _sync_buffers: the buffers are collected again each time (a module may reassign them).
   void broadcastBuffers() {
     auto buffers = uniqueDetached(module->buffers());
@@ -282,6 +303,13 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
                       "found " + found);
   }
 
+  s.cpu = *deviceTypes.begin() == c10::DeviceType::CPU;
+  if (detail::joiningInPlace()) {
+    // A replacement: the survivors are not constructing anything; the state (and the group's
+    // shared-memory segment) come when ResilientTraining::resume() joins them (rejoin).
+    s.buildReducer(options.bucketAssignment());
+    return;
+  }
   try {
     // Verify model equivalence, then make every rank start from rank 0's parameters and buffers.
     c10d::verify_params_across_processes(s.group, s.params, compat::kNullopt);
@@ -293,9 +321,7 @@ detail::DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions o
     }
 
     // A collective too: every rank learns whether all of them share the segment.
-    if (options.commHook() == CommHook::kSharedMemory && *deviceTypes.begin() == c10::DeviceType::CPU)
-      s.sharedMemory = SharedMemoryAllreduce::create(
-          s.group, SharedMemoryAllreduceOptions().timeout(compat::glooTimeout(s.group).value_or(std::chrono::minutes(30))));
+    s.createSharedMemory();
     s.buildReducer(options.bucketAssignment());
   } catch (const Error&) {
     throw;
@@ -390,6 +416,7 @@ void detail::DDPCore::registerCommHook(std::unique_ptr<c10d::CommHookInterface> 
     s.logger->set_comm_hook("custom C++ hook");
     s.reducer->register_comm_hook(std::move(hook));
     s.hookRegistered = true;
+    s.customHook = true;
   } catch (const std::exception& e) {
     rethrow(e, "registerCommHook");
   }
@@ -401,21 +428,45 @@ void detail::DDPCore::resetReducer(const std::optional<std::vector<std::vector<s
     throw ConfigError("DistributedDataParallel: the bucket layout can only be replaced before the first forward");
   if (s.hookRegistered && s.options.commHook() == CommHook::kNone)
     throw ConfigError("DistributedDataParallel: replace the bucket layout before registerCommHook()");
-  if (s.options.gradientAsBucketView()) {
-    // Gradients that exist when the Reducer is built become bucket views at once, and it then
-    // averages every step with one in-place division. Left undefined, a process's first step
-    // instead multiplies by 1/world while copying into the bucket, which rounds differently when
-    // the world size is not a power of two: a resumed process would not repeat its predecessor.
-    torch::NoGradGuard noGrad;
-    for (auto& p : s.params)
-      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-  }
+  s.defineGradients();
   try {
     s.buildReducer(buckets);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
     rethrow(e, "bucket layout");
+  }
+}
+
+void detail::DDPCore::releaseGroup() {
+  Impl& s = *impl_;
+  s.logger.reset();
+  s.reducer.reset();  // removes its autograd hooks; its work on the failed group goes with it
+  s.sharedMemory.reset();
+  s.group.reset();
+}
+
+void detail::DDPCore::rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                             const std::optional<std::vector<std::vector<size_t>>>& buckets) {
+  Impl& s = *impl_;
+  if (s.customHook)
+    throw ConfigError("DistributedDataParallel: in-place recovery cannot re-register a custom communication hook "
+                      "(registerCommHook); use DDPOptions::commHook");
+  releaseGroup();
+  s.group = std::move(group);
+  s.numIterations = 0;
+  s.requireBackwardGradSync = true;
+  s.requireForwardParamSync = true;
+  s.staticGraph = false;
+  s.delayEnqueued = std::make_shared<std::atomic<bool>>(false);
+  try {
+    s.createSharedMemory();
+    s.defineGradients();
+    s.buildReducer(buckets);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow(e, "rejoining the re-formed group");
   }
 }
 

@@ -12,6 +12,8 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <unistd.h>
+
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -26,12 +28,27 @@ constexpr bool kHasNccl = true;
 constexpr bool kHasNccl = false;
 #endif
 
+// Which backends a group has (decided once, from the options and the machine).
+struct GroupRecipe {
+  bool useNccl = false;
+  bool useGloo = true;
+  compat::BackendKind defaultKind = compat::BackendKind::kGloo;
+};
+
 struct State {
   std::mutex mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Store> store;  // keeps a TCPStore server hosted here alive
+  c10::intrusive_ptr<c10d::Store> raw;    // the TCPStore without the agent prefix (in-place keys)
   DistributedEnv env;
   std::string backendName;
+  // What re-forming the group in place needs (ctorchrun --recovery in-place).
+  ProcessGroupOptions options;
+  EnvLookup lookup;
+  GroupRecipe recipe;
+  bool inPlace = false;
+  bool joining = false;          // a replacement that has not received the training state yet
+  std::int64_t generation = 0;
 };
 
 // Never destroyed: tearing down Gloo threads and a TCPStore server during static destruction, after
@@ -80,10 +97,16 @@ struct RootStore {
   // TCPStore then stops waiting for the other ranks without an error (2.x throws). Not proof that a
   // rank is missing (the last one may arrive at the deadline), so it only enriches a later failure.
   bool hostWaitedFullTimeout = false;
+  // The TCPStore itself, without the agent-store prefix (which depends on the PyTorch release): the
+  // in-place recovery keys live here, where the launcher finds them whatever the release.
+  c10::intrusive_ptr<c10d::Store> raw;
 };
 
 RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout) {
-  if (!env.needsStore()) return {c10::make_intrusive<c10d::HashStore>()};
+  if (!env.needsStore()) {
+    auto hash = c10::make_intrusive<c10d::HashStore>();
+    return {hash, false, hash};
+  }
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.masterPort);
   opts.numWorkers = static_cast<std::size_t>(env.worldSize);
@@ -92,7 +115,7 @@ RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout
   if (env.useAgentStore) {
     opts.isServer = false;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
-    return {compat::agentStore(tcp, contract::agentStorePrefix(env.restartCount))};
+    return {compat::agentStore(tcp, contract::agentStorePrefix(env.restartCount)), false, tcp};
   }
   opts.isServer = env.rank == 0;
   opts.waitWorkers = true;
@@ -100,7 +123,7 @@ RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout
   const auto start = std::chrono::steady_clock::now();
   auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
   const bool waitedFull = opts.isServer && std::chrono::steady_clock::now() - start >= timeout;
-  return {tcp, waitedFull};
+  return {tcp, waitedFull, tcp};
 }
 
 // Executes compat::initBarrierRule: every rank adds 1 and waits for the count to reach the world.
@@ -136,6 +159,183 @@ void bindCudaDevice(const DistributedEnv& env) {
     throw ConfigError("LOCAL_RANK " + std::to_string(env.localRank) + " (" + env.localRankFrom + ") has no GPU: only " +
                       std::to_string(count) + " CUDA devices are visible");
   c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(c10::Device(c10::DeviceType::CUDA, index));
+}
+
+
+
+// The process group over `root`, its keys under `prefix` (Python's "default_pg" for the group a run
+// starts with), as Python's init_process_group builds it. `phase` is updated for error messages.
+c10::intrusive_ptr<c10d::ProcessGroup> buildGroup(const c10::intrusive_ptr<c10d::Store>& root,
+                                                  const std::string& prefix, const DistributedEnv& env,
+                                                  const ProcessGroupOptions& options, const EnvLookup& lookup,
+                                                  const GroupRecipe& recipe, std::string& phase) {
+  // Python: "Use a PrefixStore to avoid accidental overrides of keys used by different systems".
+  auto defaultPg = c10::make_intrusive<c10d::PrefixStore>(prefix, root);
+  auto group = compat::groupStore(defaultPg);
+  const bool debugDetail = c10d::debug_level() == c10d::DebugLevel::Detail;
+  std::vector<compat::BoundBackend> backends;
+  std::vector<compat::BackendPtr> sequenced;  // backends whose sequence number Python sets
+  auto setSequenceNumbers = [&] {
+    if constexpr (compat::kSequenceNumberFromStore)
+      for (auto& b : sequenced) b->setSequenceNumberForGroup();
+  };
+  if (recipe.useGloo) {
+    auto store = compat::backendStore(group, "cpu");
+    auto gloo = compat::makeGloo(store, env.rank, env.worldSize, glooDevices(options, lookup, env), options.timeout());
+    sequenced.push_back(gloo);
+    compat::BackendPtr backend = gloo;
+    if (debugDetail) {
+      auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
+                                     glooDevices(options, lookup, env), options.timeout());
+      backend = compat::wrapForDebug(backend, helper);
+    }
+    std::vector<c10::DeviceType> devices{c10::DeviceType::CPU};
+    if (options.backend() == Backend::kGloo) devices.push_back(c10::DeviceType::CUDA);  // as Python
+    backends.push_back({compat::BackendKind::kGloo, devices, backend});
+  }
+#ifdef USE_C10D_NCCL
+  if (recipe.useNccl) {
+    auto store = compat::backendStore(group, "cuda");
+    auto nccl = compat::makeNccl(store, env.rank, env.worldSize, options.timeout());
+    sequenced.push_back(nccl);
+    if (debugDetail) {
+      auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
+                                     glooDevices(options, lookup, env), options.timeout());
+      nccl = compat::wrapForDebug(nccl, helper);
+    }
+    backends.push_back({compat::BackendKind::kNccl, {c10::DeviceType::CUDA}, nccl});
+  }
+#endif
+  if (!compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
+  auto pg = compat::makeProcessGroup(group, env.rank, env.worldSize, options.timeout(), backends, recipe.defaultKind);
+
+  phase = "waiting for every rank in the init barrier (timeout " + seconds(options.timeout()) + ")";
+  const auto rule = compat::initBarrierRule(lookup("TORCH_DIST_INIT_BARRIER").value_or("") == "1");
+  if (rule.enabled) storeBarrier(*defaultPg, rule, env.worldSize, options.timeout());
+  if (compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
+  return pg;
+}
+
+std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
+
+// This process holds `rank` in generation g: its pid, for an eviction request naming it.
+void arrive(c10d::Store& root, std::int64_t generation, int rank) {
+  root.set(contract::inplace::memberKey(generation, rank), bytesOf(std::to_string(::getpid())));
+}
+
+// Asks the agents to kill the ranks of generation `failed` that did not say they are alive (they
+// stopped answering: a hung process, or one the survivors cannot reach). A rank that died already
+// is named with its old pid, which its agent ignores.
+void requestEvictions(c10d::Store& root, std::int64_t failed, int worldSize) {
+  for (int r = 0; r < worldSize; ++r) {
+    if (root.check({contract::inplace::aliveKey(failed, r)})) continue;
+    const std::string member = contract::inplace::memberKey(failed, r);
+    if (!root.check({member})) continue;
+    root.set(contract::inplace::evictKey(r), root.get(member));
+  }
+}
+
+// Whether every rank of generation `failed` said it is alive and waits to re-form.
+bool allAlive(c10d::Store& root, std::int64_t failed, int worldSize) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < worldSize; ++r) keys.push_back(contract::inplace::aliveKey(failed, r));
+  return root.check(keys);
+}
+
+struct Joined {
+  std::int64_t generation = 0;
+  std::int64_t survivors = 0;  // ranks that kept their training state
+};
+
+// Waits until every rank has arrived at the newest generation, and returns it. A replacement
+// (failed < 0) first adds a generation of its own; a survivor of generation `failed` waits for a
+// newer one (a replacement's), asking for the silent ranks to be evicted after `timeout` / 2.
+Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t failed,
+                            std::chrono::milliseconds timeout) {
+  namespace ip = contract::inplace;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  const auto evictAt = start + timeout / 2;
+  bool evicted = false;
+  if (failed < 0) root.add(ip::kGenerationKey, 1);
+  else root.set(ip::aliveKey(failed, env.rank), bytesOf(std::to_string(::getpid())));
+  std::int64_t arrivedAt = -1;
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    const std::int64_t newest = root.add(ip::kGenerationKey, 0);
+    if (newest > failed && newest != arrivedAt) {
+      arrive(root, newest, env.rank);
+      if (failed >= 0) root.add(ip::survivorsKey(newest), 1);
+      root.add(ip::arrivedKey(newest), 1);
+      arrivedAt = newest;
+    }
+    if (arrivedAt >= 0 && arrivedAt == newest && root.add(ip::arrivedKey(newest), 0) >= env.worldSize)
+      return Joined{newest, root.add(ip::survivorsKey(newest), 0)};
+    if (now >= deadline) {
+      const std::string where = arrivedAt < 0 ? "no replacement for the failed rank(s) came"
+                                              : "only " + std::to_string(root.add(ip::arrivedKey(arrivedAt), 0)) + " of " +
+                                                    std::to_string(env.worldSize) + " ranks arrived at group generation " +
+                                                    std::to_string(arrivedAt);
+      throw DistributedTimeout("in-place recovery timed out after " + seconds(timeout) + ": " + where);
+    }
+    if (failed >= 0 && arrivedAt < 0 && newest == failed && env.rank == 0 && allAlive(root, failed, env.worldSize)) {
+      // Every rank of the failed generation is alive and here (the collective failed without a
+      // death: a broken connection, a desynchronised step): they re-form among themselves. The
+      // lowest rank opens the next generation once; a replacement that opened it meanwhile is
+      // welcome too.
+      root.add(ip::kGenerationKey, 1);
+      continue;
+    }
+    if (failed >= 0 && !evicted && now >= evictAt) {
+      requestEvictions(root, failed, env.worldSize);
+      evicted = true;
+    }
+    // Short: the survivors wait on this while the job stands still (larger worlds poll less).
+    std::this_thread::sleep_for(std::chrono::microseconds(2000 + 100 * env.worldSize));
+  }
+}
+
+// A spare worker (ctorchrun --spare-workers): waits, connected to the workers' store, until its agent
+// hands it a failed worker's rank, then makes the assignment this process's environment (the rest of
+// the program, and initProcessGroup, read it from there). Waits as long as the job runs: the agent
+// kills unused spares when the group ends.
+void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
+  const std::string addr = lookup(contract::env::kMasterAddr).value_or("");
+  const std::string port = lookup(contract::env::kMasterPort).value_or("");
+  int portNumber = 0;
+  try {
+    portNumber = std::stoi(port);
+  } catch (const std::exception&) {
+  }
+  if (addr.empty() || portNumber <= 0 || portNumber > 65535)
+    throw ConfigError("spare worker '" + id + "': MASTER_ADDR/MASTER_PORT ('" + addr + "', '" + port +
+                      "') do not name the workers' store");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(portNumber);
+  opts.isServer = false;
+  opts.timeout = std::chrono::seconds(60);
+  compat::setUseLibUV(opts, lookup("USE_LIBUV").value_or("") == "1");
+  auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
+  const std::string key = contract::inplace::spareKey(id);
+  // Polled (a few ms: what a takeover waits on): a timed-out store wait would leave 1.13's client
+  // out of step with the server.
+  while (!store->check({key})) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  const auto value = store->get(key);
+  std::stringstream lines(std::string(value.begin(), value.end()));
+  std::string line;
+  bool rank = false;
+  while (std::getline(lines, line)) {
+    const auto eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string name = line.substr(0, eq);
+    bool known = false;
+    for (const char* allowed : contract::inplace::kSpareAssigned) known = known || name == allowed;
+    if (!known) throw DistributedError("spare worker '" + id + "': its assignment sets '" + name + "', which is not a rank variable");
+    ::setenv(name.c_str(), line.substr(eq + 1).c_str(), 1);
+    rank = rank || name == contract::env::kRank;
+  }
+  if (!rank) throw DistributedError("spare worker '" + id + "': its assignment names no RANK");
+  ::unsetenv(contract::env::kSpare);
 }
 
 State& initializedState() {
@@ -176,6 +376,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
                       "(call destroyProcessGroup() first)");
 
   const EnvLookup lookup = options.environment() ? options.environment() : processEnvironment();
+  if (const auto spare = lookup(contract::env::kSpare)) awaitSpareAssignment(*spare, lookup);
   const DistributedEnv env = detectDistributedEnv(lookup);
 
   // Backends. 1.13 has one per group; 2.x registers Gloo for CPU next to NCCL for CUDA (Python's
@@ -207,63 +408,40 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
       phase = "connecting to the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) +
               " (hosted by rank 0)";
     if (env.needsStore()) phase += " (store timeout " + seconds(storeTimeout) + ")";
-    auto [root, hostWaitedFullTimeout] = makeStore(env, storeTimeout);
+    auto [root, hostWaitedFullTimeout, raw] = makeStore(env, storeTimeout);
     root->setTimeout(options.timeout());
-    // Python: "Use a PrefixStore to avoid accidental overrides of keys used by different systems".
-    auto defaultPg = c10::make_intrusive<c10d::PrefixStore>("default_pg", root);
-    auto group = compat::groupStore(defaultPg);
-
+    const bool inPlace = lookup(contract::env::kRecovery).value_or("") == contract::kRecoveryInPlace && env.useAgentStore;
+    const bool replacement = inPlace && !lookup(contract::env::kReplacement).value_or("").empty();
+    std::int64_t generation = 0;
+    bool joining = false;
+    if (replacement) {
+      phase = "joining the running group in place of a failed rank (timeout " + seconds(options.timeout()) + ")";
+      const Joined joined = joinGeneration(*raw, env, -1, options.timeout());
+      generation = joined.generation;
+      // Without survivors every rank starts afresh, as after a full restart.
+      joining = joined.survivors > 0;
+    } else if (inPlace) {
+      arrive(*raw, 0, env.rank);
+    }
     phase = "connecting to the other ranks (timeout " + seconds(options.timeout()) + ")";
     if (hostWaitedFullTimeout)
       phase = "hosting the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) + ": not all " +
               std::to_string(env.worldSize) + " ranks connected within the store timeout (" + seconds(storeTimeout) +
               "); then " + phase;
-    const bool debugDetail = c10d::debug_level() == c10d::DebugLevel::Detail;
-    std::vector<compat::BoundBackend> backends;
-    std::vector<compat::BackendPtr> sequenced;  // backends whose sequence number Python sets
-    auto setSequenceNumbers = [&] {
-      if constexpr (compat::kSequenceNumberFromStore)
-        for (auto& b : sequenced) b->setSequenceNumberForGroup();
-    };
-    if (useGloo) {
-      auto store = compat::backendStore(group, "cpu");
-      auto gloo = compat::makeGloo(store, env.rank, env.worldSize, glooDevices(options, lookup, env), options.timeout());
-      sequenced.push_back(gloo);
-      compat::BackendPtr backend = gloo;
-      if (debugDetail) {
-        auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
-                                       glooDevices(options, lookup, env), options.timeout());
-        backend = compat::wrapForDebug(backend, helper);
-      }
-      std::vector<c10::DeviceType> devices{c10::DeviceType::CPU};
-      if (options.backend() == Backend::kGloo) devices.push_back(c10::DeviceType::CUDA);  // as Python
-      backends.push_back({compat::BackendKind::kGloo, devices, backend});
-    }
-#ifdef USE_C10D_NCCL
-    if (useNccl) {
-      auto store = compat::backendStore(group, "cuda");
-      auto nccl = compat::makeNccl(store, env.rank, env.worldSize, options.timeout());
-      sequenced.push_back(nccl);
-      if (debugDetail) {
-        auto helper = compat::makeGloo(compat::wrapperHelperStore(defaultPg, store), env.rank, env.worldSize,
-                                       glooDevices(options, lookup, env), options.timeout());
-        nccl = compat::wrapForDebug(nccl, helper);
-      }
-      backends.push_back({compat::BackendKind::kNccl, {c10::DeviceType::CUDA}, nccl});
-    }
-#endif
-    if (!compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
-    auto pg = compat::makeProcessGroup(group, env.rank, env.worldSize, options.timeout(), backends, defaultKind);
-
-    phase = "waiting for every rank in the init barrier (timeout " + seconds(options.timeout()) + ")";
-    const auto rule = compat::initBarrierRule(lookup("TORCH_DIST_INIT_BARRIER").value_or("") == "1");
-    if (rule.enabled) storeBarrier(*defaultPg, rule, env.worldSize, options.timeout());
-    if (compat::kSequenceNumberAfterInitBarrier) setSequenceNumbers();
+    const GroupRecipe recipe{useNccl, useGloo, defaultKind};
+    auto pg = buildGroup(root, contract::inplace::groupPrefix(generation), env, options, lookup, recipe, phase);
 
     s.group = pg;
     s.store = root;
+    s.raw = raw;
     s.env = env;
     s.backendName = compat::backendName(defaultKind);
+    s.options = options;
+    s.lookup = lookup;
+    s.inPlace = inPlace;
+    s.joining = joining;
+    s.generation = generation;
+    s.recipe = recipe;
     return pg;
   } catch (const Error& e) {
     if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
@@ -323,10 +501,83 @@ void destroyProcessGroup() {
     std::lock_guard<std::mutex> lock(s.mutex);
     group = std::move(s.group);
     store = std::move(s.store);
+    s.raw.reset();
     s.env = DistributedEnv{};
     s.backendName.clear();
   }
   // Released here, outside the lock: the group's destructor joins its worker threads.
+}
+
+bool inPlaceRecoveryEnabled() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.group && s.inPlace;
+}
+
+std::int64_t groupGeneration() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return initializedState().generation;
+}
+
+namespace detail {
+bool joiningInPlace() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.group && s.joining;
+}
+
+void joinedInPlace() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.joining = false;
+}
+} // namespace detail
+
+c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
+  State& s = state();
+  c10::intrusive_ptr<c10d::ProcessGroup> old;
+  c10::intrusive_ptr<c10d::Store> root, raw;
+  DistributedEnv env;
+  ProcessGroupOptions options;
+  EnvLookup lookup;
+  GroupRecipe recipe;
+  std::int64_t failed = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    initializedState();
+    if (!s.inPlace)
+      throw ConfigError("reformProcessGroup() needs a job launched with ctorchrun --recovery in-place");
+    old = std::move(s.group);
+    root = s.store;
+    raw = s.raw;
+    env = s.env;
+    options = s.options;
+    lookup = s.lookup;
+    recipe = s.recipe;
+    failed = s.generation;
+  }
+  // Closes this rank's connections of the failed group (when nothing else holds it): a peer still
+  // waiting on one of them fails now instead of at its timeout, and comes to re-form too.
+  old.reset();
+  const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
+  std::string phase = "waiting for the group to re-form after generation " + std::to_string(failed) + " failed";
+  try {
+    const std::int64_t generation = joinGeneration(*raw, env, failed, options.timeout()).generation;
+    phase = "connecting to the other ranks of group generation " + std::to_string(generation) + " (timeout " +
+            seconds(options.timeout()) + ")";
+    auto pg = buildGroup(root, contract::inplace::groupPrefix(generation), env, options, lookup, recipe, phase);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.group = pg;
+    s.generation = generation;
+    return pg;
+  } catch (const Error& e) {
+    if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed(where + ": " + phase + " failed: " + message, message);
+  }
 }
 
 } // namespace ctorch

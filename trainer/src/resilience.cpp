@@ -186,6 +186,12 @@ struct ResilientTraining::Impl {
   bool resumed = false;
   bool stop = false;
   TrainingStatus status = TrainingStatus::kRunning;
+  // In-place recovery: where the last agreement left this rank (recover() goes back to it when the
+  // step in progress did not reach the optimizer), and whether an agreement is in progress.
+  bool inPlace = false;
+  enum class Phase { kLoop, kStepAgreement, kEpochAgreement } phase = Phase::kLoop;
+  SamplerState committedSampler;
+  std::int64_t committedVersions = 0;
   std::unique_ptr<SnapshotWriter> writer;
   detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
 
@@ -337,6 +343,113 @@ struct ResilientTraining::Impl {
       throw ConfigError(std::string("ResilientTraining::") + call + "() after finish()");
   }
 
+  // ---- in-place recovery -----------------------------------------------------------------------
+  // The sum of the parameters' version counters: an optimizer step (in-place updates) changes it.
+  std::int64_t parameterVersions() const {
+    std::int64_t sum = 0;
+    if (model)
+      for (const auto& p : model->parameters()) sum += static_cast<std::int64_t>(p._version());
+    return sum;
+  }
+
+  // A point every rank agreed on: what recover() returns to when a step fails before its update.
+  void commit() {
+    phase = Phase::kLoop;
+    if (!inPlace) return;
+    if (sampler) committedSampler = sampler->state();
+    committedVersions = parameterVersions();
+  }
+
+  // The counters (and the sampler) moved to what this rank's state holds after a failure: the step
+  // in progress counts when its update ran (the gradient allreduce completed here, so the update is
+  // the one every rank makes), else the loop goes back to the last agreed point.
+  void settleAfterFailure() {
+    if (phase != Phase::kLoop) return;  // an agreement failed: the counters already include the step/epoch
+    if (parameterVersions() != committedVersions) {
+      ++stepInEpoch;
+      ++globalStep;
+    } else if (sampler) {
+      sampler->loadState(committedSampler);
+    }
+  }
+
+  // This rank's whole training state as bytes (the snapshot format, without the files).
+  std::vector<char> encodeState(const std::optional<std::vector<std::vector<size_t>>>& buckets) {
+    const TrainingObjects objects{model, optimizer, sampler};
+    Snapshot snap = captureSnapshot(objects, SnapshotIdentity{o.runName(), world, o.config()},
+                                    TrainingProgress{epoch, stepInEpoch, globalStep});
+    if (schedulerSave) snap.schedulerState = schedulerSave();
+    for (const auto& item : items) item.save(snap.userState);
+    snap.userState.insert(kEpochComplete, currentKind() == Kind::kEpochComplete);
+    if (buckets) snap.userState.insert(kDdpBuckets, bucketsValue(*buckets));
+    return encodeSnapshot(snap);
+  }
+
+  // The collectives a replacement and the survivors run together once the group re-formed: agree on
+  // the newest state any rank holds (`heldStep`: this rank's global step, -1 for none), the lowest
+  // such rank sends it to all, DDP joins the new group with its bucket layout. False when no rank
+  // holds any state (every rank is new): the caller resumes from the snapshot files instead.
+  bool joinWithState(std::int64_t heldStep, std::optional<std::vector<std::vector<size_t>>> buckets) {
+    // One MAX over (global step, epoch counted, lowest rank): the newest state, where an epoch's end
+    // counted by epochDone() comes after the same step before it, and among its holders the lowest rank.
+    const std::int64_t counted = heldStep >= 0 && stepInEpoch == 0 && epoch > 0 ? 1 : 0;
+    const std::int64_t mine = heldStep < 0 ? -1 : (heldStep * 2 + counted) * world + (world - 1 - rank);
+    std::int64_t code = -1;
+    try {
+      std::vector<at::Tensor> t{torch::tensor({mine}, torch::kInt64).to(commDevice())};
+      c10d::AllreduceOptions max;
+      max.reduceOp = c10d::ReduceOp::MAX;
+      group->allreduce(t, max)->wait();
+      code = t[0].cpu().item<std::int64_t>();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      failed(e, "in-place recovery (agreeing on the newest state)");
+    }
+    if (code < 0) {
+      if (ddp) ddp->rejoin(group, std::nullopt);
+      return false;
+    }
+    const int donor = world - 1 - static_cast<int>(code % world);
+    std::vector<char> bytes;
+    if (rank == donor) bytes = encodeState(buckets);
+    try {
+      std::vector<at::Tensor> size{torch::tensor({static_cast<std::int64_t>(bytes.size())}, torch::kInt64).to(commDevice())};
+      c10d::BroadcastOptions from;
+      from.rootRank = donor;
+      group->broadcast(size, from)->wait();
+      const std::int64_t n = size[0].cpu().item<std::int64_t>();
+      if (n <= 0) throw DistributedError("rank " + std::to_string(donor) + " sent an empty training state");
+      auto payload = rank == donor ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).clone() : torch::empty({n}, torch::kUInt8);
+      std::vector<at::Tensor> data{payload.to(commDevice())};
+      group->broadcast(data, from)->wait();
+      if (rank != donor) {
+        const auto cpu = data[0].cpu().contiguous();
+        bytes.assign(reinterpret_cast<const char*>(cpu.data_ptr<std::uint8_t>()),
+                     reinterpret_cast<const char*>(cpu.data_ptr<std::uint8_t>()) + n);
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      failed(e, "receiving the training state from rank " + std::to_string(donor));
+    }
+    if (rank != donor) {
+      const Snapshot snap = decodeSnapshot(bytes, "rank " + std::to_string(donor) + "'s training state");
+      buckets = bucketsOf(snap);
+      restore(snap);
+      savedAt = -1;  // nothing on disk holds this point
+    } else if (sampler) {
+      // As on the ranks that restored it: the loop's setEpoch(epoch) keeps this position.
+      sampler->loadState(sampler->state());
+    }
+    if (ddp) ddp->rejoin(group, buckets);
+    say("in-place recovery: continuing from " + describePoint(epoch, stepInEpoch, globalStep) + " with rank " +
+        std::to_string(donor) + "'s state (group generation " + std::to_string(groupGeneration()) + ")");
+    commit();
+    seedStep();
+    return true;
+  }
+
   // ---- resuming --------------------------------------------------------------------------------
   struct Found {
     std::optional<Snapshot> snapshot;
@@ -414,6 +527,7 @@ ResilientTraining::ResilientTraining(ResilienceOptions options) : impl_(std::mak
   s.slot = s.o.snapshotPath();
   s.boundarySlot = boundarySlotFor(s.slot);
   s.writer = std::make_unique<SnapshotWriter>(s.o.backgroundWrite());
+  s.inPlace = s.o.inPlaceRecovery() && !s.o.processGroup() && inPlaceRecoveryEnabled();
   if (s.o.handleSignals()) installStopHandlers();
 }
 
@@ -530,6 +644,21 @@ ResumePoint ResilientTraining::resume() {
   if (!s.model) throw ConfigError("ResilientTraining: register the model (track(ddp) or track(model)) before resume()");
   s.resumed = true;
   ResumePoint point;
+  if (detail::joiningInPlace()) {
+    // A replacement: the survivors send the state they hold (no snapshot is read).
+    const bool joined = s.joinWithState(-1, std::nullopt);
+    detail::joinedInPlace();
+    if (joined) {
+      point.resumed = true;
+      point.exact = true;
+      point.epoch = s.epoch;
+      point.stepInEpoch = s.stepInEpoch;
+      point.globalStep = s.globalStep;
+      point.message = "joined the running group in place of a failed rank at " +
+                      describePoint(s.epoch, s.stepInEpoch, s.globalStep);
+      return point;
+    }
+  }
   std::vector<SkippedSnapshot> unusable;
   const std::optional<Snapshot> snap = s.find(point, unusable);
   s.say("resume: " + point.message);
@@ -562,6 +691,7 @@ ResumePoint ResilientTraining::resume() {
   // would rotate one into the place of a good fallback.
   if (s.rank == 0)
     for (const auto& line : setAsideSkipped(unusable)) s.say("resume: " + line);
+  s.commit();
   s.seedStep();
   return point;
 }
@@ -581,6 +711,7 @@ bool ResilientTraining::stepDone(std::vector<double>& sums) {
   if (s.ddp) s.ddp->rebuildBuckets();
   ++s.stepInEpoch;
   ++s.globalStep;
+  s.phase = Impl::Phase::kStepAgreement;
   std::vector<double> values{ctorch::stopSignal() != 0 ? 1.0 : 0.0};
   values.insert(values.end(), sums.begin(), sums.end());
   values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
@@ -593,6 +724,7 @@ bool ResilientTraining::stepDone(std::vector<double>& sums) {
   const bool epochEnds = s.sampler && s.sampler->exhausted();  // epochDone() saves that one
   if (s.o.saveEverySteps() > 0 && s.globalStep % s.o.saveEverySteps() == 0 && !epochEnds)
     s.save(Impl::Kind::kMidEpoch, {}, false);
+  s.commit();
   s.seedStep();
   return false;
 }
@@ -604,6 +736,7 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
   if (s.stop) return true;
   ++s.epoch;
   s.stepInEpoch = 0;
+  s.phase = Impl::Phase::kEpochAgreement;
   const bool due = extras.force || s.o.saveEverySteps() > 0 ||
                    (s.o.saveEveryEpochs() > 0 && s.epoch % s.o.saveEveryEpochs() == 0);
   if (due) s.save(Impl::Kind::kEpochBoundary, extras, false);
@@ -614,9 +747,57 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
     s.stop = true;
     return s.stopHere();
   }
+  s.commit();
   s.seedStep();
   return false;
 }
+
+ResumePoint ResilientTraining::recover() {
+  Impl& s = *impl_;
+  const std::exception_ptr failure = std::current_exception();
+  if (!failure) throw ConfigError("ResilientTraining::recover() must be called while handling the exception of a failed step");
+  if (!s.inPlace || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
+  std::string cause;
+  bool communication = false;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const DistributedError& e) {
+    cause = detail::messageOf(e);
+    communication = true;
+  } catch (const Error&) {
+    // The library's other errors (configuration, snapshots): not a lost peer.
+  } catch (const std::exception& e) {
+    // Gloo's and the Reducer's own errors reach the loop through autograd as c10::Error.
+    cause = detail::messageOf(e);
+    for (const char* mark : {"onnection", "imed out", "imeout", "Gloo", "gloo", "peer", "exited while rank"})
+      communication = communication || cause.find(mark) != std::string::npos;
+  } catch (...) {
+  }
+  if (!communication) std::rethrow_exception(failure);
+  std::cerr << s.o.programName() << ": rank " << s.rank << "/" << s.world << ": in-place recovery after: " << cause
+            << std::endl;
+  s.settleAfterFailure();
+  // Every reference to the failed group goes, so that its connections close now (peers still waiting
+  // on this rank fail at once and come to re-form too).
+  std::optional<std::vector<std::vector<size_t>>> buckets;
+  if (s.ddp) {
+    buckets = s.ddp->bucketAssignment();
+    s.ddp->releaseGroup();
+  }
+  s.group.reset();
+  s.group = reformProcessGroup();
+  s.joinWithState(s.globalStep, buckets);
+  ResumePoint point;
+  point.resumed = true;
+  point.exact = true;
+  point.epoch = s.epoch;
+  point.stepInEpoch = s.stepInEpoch;
+  point.globalStep = s.globalStep;
+  point.message = "recovered in place at " + describePoint(s.epoch, s.stepInEpoch, s.globalStep);
+  return point;
+}
+
+bool ResilientTraining::canRecoverInPlace() const { return impl_->inPlace; }
 
 void ResilientTraining::save(const SaveExtras& extras) {
   Impl& s = *impl_;

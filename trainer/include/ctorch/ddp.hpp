@@ -98,6 +98,12 @@ class DDPCore {
   // Builds the Reducer again with these buckets (or the current ones), before the first forward;
   // with gradientAsBucketView, gradients that are still undefined are defined as zeros first.
   void resetReducer(const std::optional<std::vector<std::vector<size_t>>>& buckets);
+  // In-place recovery: lets go of the failed group (Reducer, hooks, shared memory, the group itself),
+  // then joins the re-formed one as a freshly constructed DDP would (the shared-memory segment is
+  // a collective) with these buckets. Every rank calls rejoin at the same point.
+  void releaseGroup();
+  void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group,
+              const std::optional<std::vector<std::vector<size_t>>>& buckets);
   const DDPOptions& options() const;
   // "none", "allreduce", "fp16 compress", "shared memory" or "custom" (registerCommHook).
   std::string commHookInUse() const;

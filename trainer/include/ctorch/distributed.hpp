@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -77,5 +78,27 @@ void barrier();
 // Drops the default group (and the store this rank hosts, if any). Call barrier() first when other
 // ranks may still use a store hosted here.
 void destroyProcessGroup();
+
+// ---- In-place recovery (ctorchrun --recovery in-place; docs/in-place-recovery.md) ------------------
+// True when the default group was created under ctorchrun --recovery in-place: a failed rank is then
+// replaced alone and the survivors re-form the group with it (ResilientTraining::recover does it all).
+bool inPlaceRecoveryEnabled();
+// 0 for the group the job started with; each re-forming makes a newer one.
+std::int64_t groupGeneration();
+// Drops the default group and, once every rank (the survivors and the replacements the launcher
+// started) has arrived, creates it again over the same store at a newer generation, with the same
+// ranks. A rank that neither arrives nor dies within half the group's timeout is reported to its
+// launcher, which kills and replaces it. Release every other reference to the old group first (DDP,
+// your own copies): its connections close when the last goes, which frees peers still waiting on them.
+// Throws ConfigError without in-place recovery, DistributedTimeout when the group does not re-form
+// within the group's timeout.
+c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup();
+
+namespace detail {
+// A replacement between initProcessGroup() and receiving the training state: DDP's construction
+// skips its collectives (the survivors are not running them; the state comes from them instead).
+bool joiningInPlace();
+void joinedInPlace();
+} // namespace detail
 
 } // namespace ctorch

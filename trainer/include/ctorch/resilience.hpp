@@ -100,6 +100,11 @@ struct ResilienceOptions {
   TORCH_ARG(std::string, programName) = "ctorch";
   // The group the agreements run over. Unset: the default group (ctorch::initProcessGroup()).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+  // Under ctorchrun --recovery in-place (and with the default group): recover() re-forms the group
+  // with the replacement of a failed rank and continues from the last completed step in memory.
+  // false: recover() rethrows, and the launcher's replacement of a failed rank ends in a restart of
+  // every rank from the snapshot.
+  TORCH_ARG(bool, inPlaceRecovery) = true;
 
  public:
   // Throws ConfigError naming the bad value.
@@ -191,6 +196,20 @@ class ResilientTraining {
   bool epochDone(const SaveExtras& extras = {});
   // Saves the current state now (at a step or epoch boundary), on every rank's call.
   void save(const SaveExtras& extras = {});
+  // In-place recovery (ctorchrun --recovery in-place; docs/in-place-recovery.md). Call it from the
+  // handler of an exception thrown by the step (a DistributedError, or Gloo's / DDP's error through
+  // loss.backward()) or by stepDone()/epochDone(): when a peer died or stopped answering, it lets go
+  // of the failed group, re-forms it with the launcher's replacement,
+  // agrees with the others on the last step that completed (this one if any rank finished it), and
+  // the replacement (and any rank behind) receives the whole training state from a rank that holds
+  // it, over the network. Afterwards every tracked object stands at the returned point (the sampler
+  // too): continue the loop from there (a new batch loader where it caches the sampler's order).
+  // Rethrows the exception being handled when it is not a failed collective or in-place recovery
+  // is off; throws DistributedTimeout when the group does not re-form within the group's timeout.
+  //   } catch (const std::exception&) { training.recover(); }   // then go on with the loop
+  ResumePoint recover();
+  // True when recover() can re-form the group (the job runs under ctorchrun --recovery in-place).
+  bool canRecoverInPlace() const;
   // Waits for the snapshot write in flight; rethrows its failure.
   void wait();
   // The end of training: saves the final state if a schedule is on and it is not saved yet, waits

@@ -29,6 +29,15 @@ inline constexpr const char* kUseAgentStore = "TORCHELASTIC_USE_AGENT_STORE";
 inline constexpr const char* kErrorFile = "TORCHELASTIC_ERROR_FILE";
 inline constexpr const char* kNcclAsyncErrorHandling = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
+// ctorchrun --recovery in-place: "in-place" on every worker of such a job.
+inline constexpr const char* kRecovery = "CTORCH_RECOVERY";
+// On a worker started in place of a failed one (--recovery in-place): how many replacements its node
+// has started so far (1, 2, ...). Such a worker joins the running group instead of starting one.
+inline constexpr const char* kReplacement = "CTORCH_REPLACEMENT";
+// On a spare worker (--spare-workers): its id. A spare starts like a worker of its node but without
+// the rank variables (kSpareAssigned): it loads its program and waits in ctorch::initProcessGroup()
+// until the agent hands it a failed worker's rank (inplace::spareKey), then sets them and joins.
+inline constexpr const char* kSpare = "CTORCH_SPARE";
 
 // Slurm variables read by the library when a worker is started by plain `srun` (no launcher).
 inline constexpr const char* kSlurmProcId = "SLURM_PROCID";
@@ -71,6 +80,13 @@ inline constexpr VariableDoc kWorkerVariables[] = {
     {env::kOmpNumThreads, "1 when unset and more than one worker runs on the node"},
 };
 
+// ctorchrun's own additions (only with --recovery in-place).
+inline constexpr VariableDoc kInPlaceVariables[] = {
+    {env::kRecovery, "in-place with --recovery in-place (else unset)"},
+    {env::kReplacement, "on a worker started in place of a failed one: 1, 2, ..."},
+    {env::kSpare, "on a spare worker (--spare-workers): its id; it gets the rank variables when it takes over"},
+};
+
 // ---- The agent store ------------------------------------------------------------------------------
 // With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
 // hosts at MASTER_ADDR:MASTER_PORT and uses this key prefix, exactly as Python's
@@ -78,6 +94,50 @@ inline constexpr VariableDoc kWorkerVariables[] = {
 inline std::string agentStorePrefix(std::int64_t restartCount) {
   return "/worker/attempt_" + std::to_string(restartCount);
 }
+
+// ---- In-place recovery (ctorchrun --recovery in-place) ----------------------------------------------
+// The launcher replaces only a failed worker; the survivors keep their processes and state, re-form
+// the process group with the replacement over the same agent store, and one of them sends it the
+// training state (docs/in-place-recovery.md). These are the variables and store keys both sides use.
+inline constexpr const char* kRecoveryInPlace = "in-place";
+
+// Keys under the agent store prefix (agentStorePrefix(restartCount) + "/" + key).
+namespace inplace {
+// The group generation: 0 for the group the launcher started; a replacement adds 1 and joins the new
+// value, the survivors follow it.
+inline constexpr const char* kGenerationKey = "ctorch/inplace/generation";
+// How many ranks have arrived at generation g (ADD counter).
+inline std::string arrivedKey(std::int64_t generation) {
+  return "ctorch/inplace/g" + std::to_string(generation) + "/arrived";
+}
+// How many of the ranks that arrived at generation g are survivors holding the training state (ADD
+// counter, raised before they count as arrived): none means every rank starts afresh (from the
+// snapshot), as after a full restart.
+inline std::string survivorsKey(std::int64_t generation) {
+  return "ctorch/inplace/g" + std::to_string(generation) + "/survivors";
+}
+// The pid of the process that holds `rank` in generation g, set when it arrives.
+inline std::string memberKey(std::int64_t generation, int rank) {
+  return "ctorch/inplace/g" + std::to_string(generation) + "/rank" + std::to_string(rank);
+}
+// Set by the survivors of generation g that are alive and waiting for the group to re-form.
+inline std::string aliveKey(std::int64_t generation, int rank) {
+  return "ctorch/inplace/g" + std::to_string(generation) + "/alive" + std::to_string(rank);
+}
+// A request to the agent that runs `rank`: kill the process with the pid in the value (it stopped
+// answering; the survivors could not reach it). The agent kills it only if that pid is still its
+// worker for the rank, then replaces it as after any failure.
+inline std::string evictKey(int rank) { return "ctorch/inplace/evict/rank" + std::to_string(rank); }
+// The variables a spare does not have until it takes a rank over (the agent's assignment sets them).
+inline constexpr const char* kSpareAssigned[] = {env::kRank, env::kLocalRank, env::kRoleRank, env::kErrorFile,
+                                                 env::kReplacement};
+// The assignment of spare `id`: "NAME=value" lines for kSpareAssigned.
+inline std::string spareKey(const std::string& id) { return "ctorch/inplace/spare/" + id; }
+// The prefix of generation g's process group keys (g = 0: Python's own "default_pg").
+inline std::string groupPrefix(std::int64_t generation) {
+  return generation == 0 ? std::string("default_pg") : "default_pg_g" + std::to_string(generation);
+}
+} // namespace inplace
 
 // "True"/"true"/"1" mean yes, as Python's `os.environ.get(...) == str(True)` plus common spellings.
 inline bool isTruthy(std::string_view v) {
