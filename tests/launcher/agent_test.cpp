@@ -78,12 +78,27 @@ class FakeProcessContext : public ProcessContext {
   }
   bool finished() const override { return live_.empty() && pending_.empty(); }
   std::map<int, pid_t> pids() const override { return {}; }
+  // --recovery in-place: the replacement runs; `onAdd` decides what happens next (by default the
+  // replacement and every running worker finish with exit 0: the group completed after the repair).
+  void add(const WorkerLaunch& w) override {
+    added.push_back(w);
+    if (onAdd) return onAdd(w);
+    live_[w.localRank] = FakeWorker{};
+    for (auto& [rank, b] : live_) queue(rank, ExitStatus::exited(0));
+    live_.clear();
+  }
 
   std::vector<std::vector<WorkerLaunch>> launches;
   std::vector<int> signals;
   int kills = 0;
   std::optional<int> exitOnSignal;  // workers handle signals and exit with this code
   std::function<void(int)> onSignalAll;  // called when the agent signals the workers
+  std::vector<WorkerLaunch> added;        // replacements started by add()
+  std::function<void(const WorkerLaunch&)> onAdd;
+  void exitWorker(int rank, ExitStatus s) {
+    live_.erase(rank);
+    queue(rank, s);
+  }
 
  private:
   void queue(int rank, ExitStatus s) {
@@ -502,4 +517,45 @@ TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") 
   CHECK(f.run(pc) == 3);
   CHECK(pc.launches.size() == 1);
   CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
+}
+
+TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its rank and CTORCH_REPLACEMENT") {
+  Fixture f({"--nproc-per-node", "3", "--max-restarts", "2", "--recovery", "in-place"});
+  FakeProcessContext pc([](int attempt, int) {
+    REQUIRE(attempt == 0);  // never a second group
+    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}, {}};
+  });
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.launches.size() == 1);
+  CHECK(pc.signals.empty());  // the survivors were not stopped
+  REQUIRE(pc.added.size() == 1);
+  const WorkerLaunch& r = pc.added[0];
+  CHECK(r.localRank == 1);
+  CHECK(envValue(r, "RANK") == "1");
+  CHECK(envValue(r, "CTORCH_REPLACEMENT") == "1");
+  CHECK(envValue(r, "CTORCH_RECOVERY") == "in-place");
+  CHECK(envValue(r, "TORCHELASTIC_RESTART_COUNT") == "0");  // the same group (and store prefix)
+  CHECK(envValue(pc.launches[0][0], "CTORCH_RECOVERY") == "in-place");
+  CHECK(envValue(pc.launches[0][0], "CTORCH_REPLACEMENT") == "<unset>");
+  CHECK(f.rendezvous.rounds == 1);
+  CHECK(f.summaries.empty());
+}
+
+TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts, then fails as torchrun") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(3)}}; });
+  pc.onAdd = [&pc](const WorkerLaunch& w) { pc.exitWorker(w.localRank, ExitStatus::exited(4)); };
+  CHECK(f.run(pc) == 4);  // the replacement failed too, and no restart was left
+  CHECK(pc.added.size() == 1);
+  CHECK(pc.launches.size() == 1);
+  CHECK(pc.signals == std::vector<int>{SIGTERM});
+  REQUIRE(f.agent->failureReport());
+  CHECK(f.agent->failureReport()->failures.at(0).status.asExitCode() == 4);
+}
+
+TEST_CASE("agent: without --recovery in-place the workers get no CTORCH_RECOVERY") {
+  Fixture f({"--nproc-per-node", "2"});
+  FakeProcessContext pc([](int, int n) { return allSucceed(n); });
+  CHECK(f.run(pc) == 0);
+  CHECK(envValue(pc.launches[0][0], "CTORCH_RECOVERY") == "<unset>");
 }

@@ -418,3 +418,16 @@ TEST_CASE("config slurm: under srun what the user left out comes from the step, 
   // --slurm on outside a step is an error.
   CHECK(errorFor({"--slurm", "on", "/bin/true"}).find("--slurm") != std::string::npos);
 }
+
+TEST_CASE("config: --recovery restart (default) or in-place, in every spelling") {
+  CHECK_FALSE(configFor({"/bin/true"}).inPlaceRecovery);
+  CHECK_FALSE(configFor({"--recovery", "restart", "/bin/true"}).inPlaceRecovery);
+  CHECK(configFor({"--recovery", "in-place", "/bin/true"}).inPlaceRecovery);
+  CHECK(configFor({"--recovery=in_place", "/bin/true"}).inPlaceRecovery);
+  ::setenv("PET_RECOVERY", "in-place", 1);  // read by the command-line parser from the real environment
+  CHECK(configFor({"/bin/true"}).inPlaceRecovery);
+  ::unsetenv("PET_RECOVERY");
+  const std::string e = errorFor({"--recovery", "sideways", "/bin/true"});
+  CHECK_THAT(e, Catch::Contains("--recovery 'sideways'"));
+  CHECK_THAT(e, Catch::Contains("in-place"));
+}

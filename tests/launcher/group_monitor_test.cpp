@@ -185,3 +185,53 @@ TEST_CASE("group monitor: a lost peer shortens the grace period but never length
   auto c = o.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::MembershipChanged, "node waits", std::nullopt});
   CHECK(c.armGrace->count() == 30000);
 }
+
+TEST_CASE("group monitor: in-place recovery replaces a failed worker alone while replacements are left") {
+  GroupMonitor m(2, 5s, /*replacements=*/2);
+  auto a = m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL), 10));
+  REQUIRE(a.replaceWorker);
+  CHECK(*a.replaceWorker == 1);
+  CHECK_FALSE(a.signalWorkers);  // the survivors are not touched
+  CHECK_FALSE(m.stopping());
+  auto b = m.onWorkerExit(exitOf(0, ExitStatus::exited(1), 20));
+  REQUIRE(b.replaceWorker);
+  CHECK(*b.replaceWorker == 0);
+  CHECK(m.replacementsUsed() == 2);
+  // The third failure finds none left: torchrun's policy, the group stops.
+  auto c = m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGSEGV), 30));
+  CHECK_FALSE(c.replaceWorker);
+  REQUIRE(c.signalWorkers);
+  CHECK(*c.signalWorkers == SIGTERM);
+  m.noteStopSent(std::chrono::system_clock::time_point(35ms));
+  m.onWorkerExit(exitOf(0, ExitStatus::killed(SIGTERM), 40));
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Failed);
+  REQUIRE(o.failures.size() == 1);
+  CHECK(o.failures[0].localRank == 1);
+  CHECK(m.replaced().size() == 2);  // repaired, not failures of the group
+}
+
+TEST_CASE("group monitor: with replacements the group succeeds once every current worker exited 0") {
+  GroupMonitor m(2, 5s, 1);
+  REQUIRE(m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);
+  m.onWorkerExit(exitOf(0, ExitStatus::exited(0)));
+  // Not over yet: the replacement still runs (the process context is not finished; the outcome
+  // counts it).
+  CHECK(m.exitedCount() == 2);
+  m.onWorkerExit(exitOf(1, ExitStatus::exited(0)));
+  CHECK(m.outcome().kind == GroupOutcome::Kind::Succeeded);
+}
+
+TEST_CASE("group monitor: exit 75 (stopped on request) is never replaced in place") {
+  GroupMonitor m(2, 5s, 3);
+  auto a = m.onWorkerExit(exitOf(0, ExitStatus::exited(75)));
+  CHECK_FALSE(a.replaceWorker);
+  CHECK(a.signalWorkers);
+}
+
+TEST_CASE("group monitor: without replacements (--recovery restart) nothing is replaced") {
+  GroupMonitor m(2, 5s);
+  auto a = m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL)));
+  CHECK_FALSE(a.replaceWorker);
+  CHECK(a.signalWorkers);
+}

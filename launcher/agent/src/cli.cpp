@@ -81,6 +81,18 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
   opt("max-restarts", o.maxRestarts, "Restarts of the worker group before failing")
       ->capture_default_str()
       ->type_name("INT");
+  opt("recovery", o.recovery,
+      "After a worker fails: restart (every worker restarts, as torchrun) or in-place (only the "
+      "failed or hung worker is replaced; the others keep their state and re-form the group with "
+      "it; needs a program on ctorch's resilience API, docs/in-place-recovery.md). Each "
+      "replacement counts against --max-restarts")
+      ->capture_default_str()
+      ->type_name("restart|in-place");
+  opt("spare-workers", o.spareWorkers,
+      "With --recovery in-place: processes per node started ahead (program loaded, waiting) that take "
+      "a failed worker's rank over at once instead of a new process starting")
+      ->capture_default_str()
+      ->type_name("N");
   opt("monitor-interval", o.monitorInterval,
       "Seconds (accepted for torchrun compatibility: exits are detected at once here)")
       ->capture_default_str()
@@ -156,7 +168,13 @@ std::string contractFooter() {
   os << "\nWorker contract (environment of every worker, as torchrun sets it):\n";
   std::size_t width = 0;
   for (const auto& v : contract::kWorkerVariables) width = std::max(width, std::string(v.name).size());
+  for (const auto& v : contract::kInPlaceVariables) width = std::max(width, std::string(v.name).size());
   for (const auto& v : contract::kWorkerVariables) {
+    std::string name = v.name;
+    os << "  " << name << std::string(width - name.size() + 2, ' ') << v.meaning << "\n";
+  }
+  os << "With --recovery in-place (docs/in-place-recovery.md), also:\n";
+  for (const auto& v : contract::kInPlaceVariables) {
     std::string name = v.name;
     os << "  " << name << std::string(width - name.size() + 2, ' ') << v.meaning << "\n";
   }
@@ -293,7 +311,9 @@ std::string describeConfig(const LaunchConfig& c) {
     os << " " << c.rdzvEndpointHost << ":" << c.rdzvEndpointPort;
   os << " id " << c.rdzvId;
   for (const auto& kv : c.rdzvConf) os << " " << kv.first << "=" << kv.second;
-  os << " | role " << c.role << " | max restarts " << c.maxRestarts << " | shutdown timeout "
+  os << " | role " << c.role << " | max restarts " << c.maxRestarts
+     << (c.inPlaceRecovery ? " | recovery in-place" : "")
+     << (c.spareWorkers > 0 ? " | spare workers " + std::to_string(c.spareWorkers) : "") << " | shutdown timeout "
      << c.shutdownTimeout.count() / 1000.0 << "s | signals";
   for (std::size_t i = 0; i < c.signalsToHandle.size(); ++i)
     os << (i ? "," : " ") << signalName(c.signalsToHandle[i]);

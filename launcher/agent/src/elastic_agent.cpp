@@ -24,6 +24,10 @@ constexpr std::uint64_t kSignalsTag = 2;
 constexpr std::uint64_t kTimerTag = 3;
 constexpr std::uint64_t kRendezvousTag = 4;
 constexpr std::uint64_t kConsoleTag = 5;
+constexpr std::uint64_t kEvictTag = 6;
+// How often the agent looks for eviction requests (--recovery in-place): a hung worker is found by
+// its peers' collective timeout first, so this only adds a fraction of a second.
+constexpr std::chrono::milliseconds kEvictPoll{200};
 
 void writeStderr(const std::string& text) {
   const char* p = text.data();
@@ -65,9 +69,15 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
   add(signals_.fd(), kSignalsTag);
   add(timerFd_, kTimerTag);
   add(rendezvous_.eventFd(), kRendezvousTag);
+  if (config_.inPlaceRecovery) {
+    evictTimerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (evictTimerFd_ < 0) throwErrno("timerfd_create");
+    add(evictTimerFd_, kEvictTag);
+  }
 }
 
 ElasticAgent::~ElasticAgent() {
+  if (evictTimerFd_ >= 0) ::close(evictTimerFd_);
   ::close(epollFd_);
   ::close(timerFd_);
 }
@@ -103,6 +113,7 @@ std::vector<WorkerLaunch> ElasticAgent::buildLaunches(const RendezvousInfo& info
 
 void ElasticAgent::apply(const MonitorActions& a) {
   if (a.signalWorkers) {
+    killSpares();  // they hold no state: nothing to stop gracefully
     log("agent").debug("sending {} to every worker", signalName(*a.signalWorkers));
     if (monitor_ && !stopNoted_) {
       monitor_->noteStopSent(std::chrono::system_clock::now());
@@ -114,12 +125,134 @@ void ElasticAgent::apply(const MonitorActions& a) {
     log("agent").warn("grace period over: killing the remaining workers (SIGKILL)");
     processes_.killAll();
   }
+  if (a.replaceWorker) replaceWorker(*a.replaceWorker);
   if (a.armGrace) {
     itimerspec spec{};
     auto ms = std::max<long long>(a.armGrace->count(), 1);
     spec.it_value.tv_sec = ms / 1000;
     spec.it_value.tv_nsec = (ms % 1000) * 1000000;
     if (::timerfd_settime(timerFd_, 0, &spec, nullptr) != 0) throwErrno("timerfd_settime");
+  }
+}
+
+void ElasticAgent::replaceWorker(int localRank) {
+  auto it = std::find_if(launches_.begin(), launches_.end(), [&](const WorkerLaunch& w) { return w.localRank == localRank; });
+  if (it == launches_.end()) return;
+  ++replacementsUsed_;
+  WorkerLaunch w = *it;
+  const std::string mark = std::string(contract::env::kReplacement) + "=";
+  w.env.erase(std::remove_if(w.env.begin(), w.env.end(), [&](const std::string& e) { return e.rfind(mark, 0) == 0; }),
+              w.env.end());
+  w.env.push_back(mark + std::to_string(replacementsUsed_));
+  // The failed worker's recorded error is logged now; the file is the replacement's from here on.
+  if (static_cast<std::size_t>(localRank) < files_.size()) {
+    const auto& errorFile = files_[static_cast<std::size_t>(localRank)].errorFile;
+    if (auto error = readErrorFile(errorFile)) log("agent").warn("worker rank {} had recorded: {}", w.globalRank, error->message.substr(0, error->message.find('\n')));
+    std::error_code ec;
+    std::filesystem::remove(errorFile, ec);
+  }
+  log("agent").warn("replacing worker rank {} (local {}) in place; the other workers keep running "
+                    "(replacement {}, {} of {} restarts used)",
+                    w.globalRank, localRank, replacementsUsed_, attempts_.back().restartCount + replacementsUsed_,
+                    config_.maxRestarts);
+  if (!handToSpare(w)) processes_.add(w);
+  attempts_.back().pids = processes_.pids();
+}
+
+store::TcpStoreClient& ElasticAgent::workerStore() {
+  if (!workerStore_) {
+    const RendezvousInfo& info = attempts_.back().rendezvous;
+    store::TcpStoreClientOptions o;
+    o.timeout = std::chrono::seconds(2);
+    o.operationTimeout = std::chrono::seconds(2);
+    o.retryConnect = false;
+    workerStore_ = std::make_unique<store::TcpStoreClient>(info.storeHost, static_cast<std::uint16_t>(info.storePort), o);
+  }
+  return *workerStore_;
+}
+
+// A spare is a worker of this node without a rank yet: the contract's variables of local rank 0
+// less the rank ones (contract::inplace::kSpareAssigned), and CTORCH_SPARE naming it.
+void ElasticAgent::startSpare() {
+  if (launches_.empty()) return;
+  Spare spare;
+  ++sparesStarted_;
+  spare.id = std::to_string(attempts_.back().rendezvous.nodeRank) + "-" + std::to_string(attempts_.back().restartCount) +
+             "-" + std::to_string(sparesStarted_);
+  spare.tag = -sparesStarted_;
+  WorkerLaunch w = launches_.front();
+  w.localRank = spare.tag;
+  w.globalRank = -1;
+  auto assigned = [](const std::string& entry) {
+    for (const char* name : contract::inplace::kSpareAssigned)
+      if (entry.rfind(std::string(name) + "=", 0) == 0) return true;
+    return false;
+  };
+  w.env.erase(std::remove_if(w.env.begin(), w.env.end(), assigned), w.env.end());
+  w.env.push_back(std::string(contract::env::kSpare) + "=" + spare.id);
+  // Through the agent: once it holds a rank its lines go where that rank's go (adoptSpare).
+  w.out = OutputSpec{};
+  w.err = OutputSpec{};
+  processes_.add(w);
+  spares_.push_back(spare);
+  log("agent").debug("started spare worker {}", spare.id);
+}
+
+bool ElasticAgent::handToSpare(const WorkerLaunch& replacement) {
+  if (spares_.empty()) return false;
+  const Spare spare = spares_.front();
+  std::string lines;
+  for (const auto& entry : replacement.env)
+    for (const char* name : contract::inplace::kSpareAssigned)
+      if (entry.rfind(std::string(name) + "=", 0) == 0) lines += entry + "\n";
+  try {
+    workerStore().set(contract::inplace::spareKey(spare.id), store::toBytes(lines));
+  } catch (const std::exception& e) {
+    log("agent").warn("could not hand rank {} to spare {} ({}): starting a new process instead",
+                      replacement.globalRank, spare.id, e.what());
+    workerStore_.reset();
+    return false;
+  }
+  spares_.erase(spares_.begin());
+  processes_.relabel(spare.tag, replacement.localRank);
+  if (static_cast<std::size_t>(replacement.localRank) < files_.size())
+    logs_.adoptSpare(replacement.localRank, files_[static_cast<std::size_t>(replacement.localRank)]);
+  log("agent").warn("spare worker {} takes over rank {} (local {})", spare.id, replacement.globalRank,
+                    replacement.localRank);
+  startSpare();  // ready for the next failure
+  return true;
+}
+
+void ElasticAgent::killSpares() {
+  for (const auto& spare : spares_) processes_.killRank(spare.tag);
+  spares_.clear();
+}
+
+void ElasticAgent::serveEvictions() {
+  std::uint64_t expirations = 0;
+  [[maybe_unused]] auto n = ::read(evictTimerFd_, &expirations, sizeof expirations);
+  if (attempts_.empty() || !monitor_ || monitor_->stopping()) return;
+  const RendezvousInfo& info = attempts_.back().rendezvous;
+  try {
+    store::TcpStoreClient& store = workerStore();
+    const auto pids = processes_.pids();
+    for (const auto& [localRank, pid] : pids) {
+      if (pid <= 0 || evicted_.count(pid)) continue;
+      const int rank = info.globalRank(localRank);
+      const std::string key = contract::inplace::evictKey(rank);
+      if (localRank < 0 || !store.check({key})) continue;  // spares hold no rank yet
+      const std::string named = store::toString(store.get(key));
+      if (named != std::to_string(pid)) continue;  // an earlier process of this rank, already gone
+      evicted_.insert(pid);
+      log("agent").warn("worker rank {} (local {}, pid {}) stopped answering its peers: killing it to replace it "
+                        "in place",
+                        rank, localRank, pid);
+      processes_.kill(pid);
+    }
+  } catch (const std::exception& e) {
+    // The store is node 0's and may be unreachable for a moment; the next tick tries again.
+    log("agent").debug("eviction requests: {}", e.what());
+    workerStore_.reset();
   }
 }
 
@@ -180,6 +313,15 @@ GroupOutcome ElasticAgent::monitor() {
         case kProcessesTag:
           for (const auto& e : processes_.process()) {
             auto& l = log("agent");
+            if (e.localRank < 0) {
+              // A spare that held no rank: not a worker of the group.
+              auto it = std::find_if(spares_.begin(), spares_.end(), [&](const Spare& s) { return s.tag == e.localRank; });
+              if (it != spares_.end()) {
+                l.warn("spare worker {} (pid {}) ended before it was needed: {}", it->id, e.pid, e.status.describe());
+                spares_.erase(it);
+              }
+              continue;
+            }
             if (e.status.success())
               l.info("worker rank {} (local {}, pid {}) finished", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid);
             else if (mon.stopping())
@@ -188,6 +330,7 @@ GroupOutcome ElasticAgent::monitor() {
               l.error("worker rank {} (local {}, pid {}) failed: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
             apply(mon.onWorkerExit(e));
           }
+          if (mon.stopping() || mon.allExited()) killSpares();
           break;
         case kSignalsTag:
           while (auto s = signals_.take()) {
@@ -216,6 +359,9 @@ GroupOutcome ElasticAgent::monitor() {
         case kConsoleTag:
           logs_.flushConsoles();
           break;
+        case kEvictTag:
+          serveEvictions();
+          break;
         case kRendezvousTag:
           while (auto ev = rendezvous_.takeEvent()) {
             log("agent").warn("rendezvous: {}", ev->reason);
@@ -229,6 +375,8 @@ GroupOutcome ElasticAgent::monitor() {
   }
   itimerspec off{};
   ::timerfd_settime(timerFd_, 0, &off, nullptr);
+  if (evictTimerFd_ >= 0) ::timerfd_settime(evictTimerFd_, 0, &off, nullptr);
+  workerStore_.reset();
   for (int fd : watchedConsoles_) ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
   watchedConsoles_.clear();
   return mon.outcome();
@@ -311,9 +459,21 @@ int ElasticAgent::run() {
     attempt.restartCount = restartCount;
     attempt.rendezvous = info;
     attempts_.push_back(attempt);
-    monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout);
+    const int replacements =
+        config_.inPlaceRecovery ? std::max(0, config_.maxRestarts - restartCount - replacementsUsed_) : 0;
+    monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, replacements);
     stopNoted_ = false;
+    launches_ = launches;
+    files_ = files;
     processes_.start(launches);
+    spares_.clear();
+    workerStore_.reset();
+    for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
+    if (evictTimerFd_ >= 0) {
+      itimerspec every{};
+      every.it_interval.tv_nsec = every.it_value.tv_nsec = kEvictPoll.count() * 1000000;
+      if (::timerfd_settime(evictTimerFd_, 0, &every, nullptr) != 0) throwErrno("timerfd_settime");
+    }
     attempts_.back().pids = processes_.pids();
     l.info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(),
            config_.program, restartCount + 1, restartCount, config_.maxRestarts);
@@ -383,7 +543,7 @@ int ElasticAgent::run() {
         std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
                                       " " + outcome.failures[0].status.describe()
                                 : outcome.reason;
-        if (restartCount < config_.maxRestarts) {
+        if (restartCount + replacementsUsed_ < config_.maxRestarts) {
           ++restartCount;
           l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
                  config_.maxRestarts);

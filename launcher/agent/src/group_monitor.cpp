@@ -10,8 +10,8 @@ namespace {
 constexpr int kExitPreempted = contract::kExitPreempted;
 } // namespace
 
-GroupMonitor::GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout)
-    : numWorkers_(numWorkers), shutdownTimeout_(shutdownTimeout) {}
+GroupMonitor::GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout, int replacements)
+    : numWorkers_(numWorkers), shutdownTimeout_(shutdownTimeout), replacements_(replacements) {}
 
 MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
   reason_ = reason;
@@ -38,6 +38,16 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
     return {};
   }
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
+  // Exit 75 is a stop on request (the worker saved its state), never a failure to repair.
+  if (replaced_ < replacements_ && e.status.asExitCode() != kExitPreempted) {
+    // In-place recovery: only this worker is started again; the others re-form the group with it.
+    ++replaced_;
+    ++numWorkers_;  // the replacement's exit is one more to wait for
+    replacedExits_.push_back(e);
+    MonitorActions a;
+    a.replaceWorker = e.localRank;
+    return a;
+  }
   failures_.push_back(e);
   // torchrun's policy: the first failure stops the whole local group (SIGTERM, grace, SIGKILL).
   return beginStop(Reason::Failure, SIGTERM);

@@ -532,6 +532,19 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
 
   // --- restarts and signals
   c.maxRestarts = parseNonNegative(raw.maxRestarts, "--max-restarts");
+  {
+    std::string r = trim(raw.recovery);
+    std::replace(r.begin(), r.end(), '_', '-');
+    if (r == "in-place" || r == "inplace") c.inPlaceRecovery = true;
+    else if (r != "restart")
+      throw UsageError("--recovery '" + raw.recovery + "': expected restart (every worker restarts after a "
+                       "failure) or in-place (only the failed worker is replaced)");
+  }
+  c.spareWorkers = parseNonNegative(raw.spareWorkers, "--spare-workers");
+  if (c.spareWorkers > 0 && !c.inPlaceRecovery)
+    throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) +
+                     ": spares take over a failed worker's rank, which needs --recovery in-place");
+  if (c.spareWorkers > 64) throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) + ": at most 64 per node");
   c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
   c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
   c.signalsToHandle = parseSignals(raw.signalsToHandle);

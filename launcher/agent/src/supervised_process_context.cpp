@@ -24,8 +24,8 @@ constexpr std::uint64_t kErrTag = 2;
 
 std::uint64_t tag(std::size_t index, std::uint64_t kind) { return index * 4 + kind; }
 
-int openOutputFile(const std::filesystem::path& p) {
-  int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
+int openOutputFile(const std::filesystem::path& p, bool append) {
+  int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | (append ? 0 : O_TRUNC) | O_CLOEXEC | O_APPEND, 0644);
   if (fd < 0) throwErrno("cannot open log file " + p.string());
   return fd;
 }
@@ -84,8 +84,28 @@ void SupervisedProcessContext::start(const std::vector<WorkerLaunch>& launches) 
   if (!finished()) throw std::logic_error("ProcessContext::start: the previous group still runs");
   for (auto& w : workers_) closeWorker(*w);
   workers_.clear();
+  for (const auto& l : launches) launch(l, false);
+}
 
-  for (const auto& launch : launches) {
+void SupervisedProcessContext::add(const WorkerLaunch& worker) { launch(worker, true); }
+
+void SupervisedProcessContext::kill(pid_t pid) {
+  for (auto& w : workers_)
+    if (w->pid == pid && !w->exitReported) send(*w, supervisor::kKill, 0);
+}
+
+void SupervisedProcessContext::killRank(int localRank) {
+  for (auto& w : workers_)
+    if (w->localRank == localRank && !w->exitReported) send(*w, supervisor::kKill, 0);
+}
+
+void SupervisedProcessContext::relabel(int fromLocalRank, int toLocalRank) {
+  for (auto& w : workers_)
+    if (w->localRank == fromLocalRank && !w->exitReported) w->localRank = toLocalRank;
+}
+
+void SupervisedProcessContext::launch(const WorkerLaunch& launch, bool appendLogs) {
+  {
     auto w = std::make_unique<Worker>();
     w->localRank = launch.localRank;
 
@@ -109,7 +129,7 @@ void SupervisedProcessContext::start(const std::vector<WorkerLaunch>& launches) 
         childEnd = p[1];
         // Tee: the agent copies the stream into the file itself.
       } else if (spec.file) {
-        childEnd = openOutputFile(*spec.file);
+        childEnd = openOutputFile(*spec.file, appendLogs);
       } else {
         childEnd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
         if (childEnd < 0) throwErrno("open /dev/null");
@@ -300,7 +320,8 @@ bool SupervisedProcessContext::finished() const {
 
 std::map<int, pid_t> SupervisedProcessContext::pids() const {
   std::map<int, pid_t> out;
-  for (const auto& w : workers_) out[w->localRank] = w->pid;
+  for (const auto& w : workers_)
+    if (!w->exitReported || !out.count(w->localRank)) out[w->localRank] = w->pid;
   return out;
 }
 

@@ -27,7 +27,7 @@ std::map<std::string, std::string> contractVariables(const LaunchConfig& c, cons
                                                      int localRank, int restartCount,
                                                      const std::string& errorFile) {
   const int rank = info.globalRank(localRank);
-  return {
+  std::map<std::string, std::string> vars{
       {env::kRank, std::to_string(rank)},
       {env::kLocalRank, std::to_string(localRank)},
       {env::kGroupRank, std::to_string(info.nodeRank)},
@@ -45,6 +45,8 @@ std::map<std::string, std::string> contractVariables(const LaunchConfig& c, cons
       {env::kUseAgentStore, info.agentStore ? "True" : "False"},
       {env::kErrorFile, errorFile},
   };
+  if (c.inPlaceRecovery) vars[env::kRecovery] = contract::kRecoveryInPlace;
+  return vars;
 }
 
 bool shouldDefaultOmpThreads(const std::vector<std::string>& base, int localNproc) {

@@ -234,7 +234,23 @@ void WorkerLogs::closeChannel(Channel& ch, Stream stream, const std::string& pre
 
 void WorkerLogs::onClosed(int localRank, Stream stream) {
   if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
-  closeChannel(channel(localRank, stream), stream, ranks_[static_cast<std::size_t>(localRank)].prefix);
+  // The partial line goes out now; the tee file stays open until the attempt ends: a replacement of
+  // this worker (--recovery in-place) writes on into it.
+  Channel& ch = channel(localRank, stream);
+  const int tee = ch.teeFd;
+  ch.teeFd = -1;
+  closeChannel(ch, stream, ranks_[static_cast<std::size_t>(localRank)].prefix);
+  ch.teeFd = tee;
+}
+
+void WorkerLogs::adoptSpare(int localRank, const WorkerFiles& files) {
+  if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
+  for (Stream s : {Stream::Stdout, Stream::Stderr}) {
+    Channel& ch = channel(localRank, s);
+    const OutputSpec& spec = s == Stream::Stdout ? files.out : files.err;
+    if (ch.teeFd >= 0 || spec.toAgent || !spec.file) continue;
+    ch.teeFd = ::open(spec.file->c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_APPEND, 0644);
+  }
 }
 
 void WorkerLogs::endAttempt() {

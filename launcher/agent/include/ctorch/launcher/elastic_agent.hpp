@@ -12,10 +12,13 @@
 #include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/launcher/signals.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
+#include "ctorch/store/tcp_store_client.hpp"
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +62,13 @@ class ElasticAgent {
                                           std::vector<WorkerLogs::WorkerFiles>& files);
   GroupOutcome monitor();
   void apply(const MonitorActions& actions);
+  void replaceWorker(int localRank);
+  // --recovery in-place: kills the workers the survivors asked to evict (they stopped answering).
+  void serveEvictions();
+  store::TcpStoreClient& workerStore();
+  void startSpare();
+  bool handToSpare(const WorkerLaunch& replacement);
+  void killSpares();
   void reapOrphans();
   void watchConsoles();
   FailureReport makeReport(const GroupOutcome& outcome, const RendezvousInfo& info, int restartCount,
@@ -76,6 +86,19 @@ class ElasticAgent {
   bool warnedOmp_ = false;
   bool stopNoted_ = false;
   std::optional<GroupMonitor> monitor_;
+  std::vector<WorkerLaunch> launches_;  // the running group's, for replacements
+  std::vector<WorkerLogs::WorkerFiles> files_;
+  int replacementsUsed_ = 0;            // --recovery in-place, over the whole run
+  int evictTimerFd_ = -1;
+  // The workers' store: eviction requests in, spare assignments out.
+  std::unique_ptr<store::TcpStoreClient> workerStore_;
+  struct Spare {
+    std::string id;
+    int tag = 0;  // the negative local rank it runs under until it takes one over
+  };
+  std::vector<Spare> spares_;
+  int sparesStarted_ = 0;
+  std::set<pid_t> evicted_;
   std::vector<Attempt> attempts_;
   std::vector<int> watchedConsoles_;
   std::optional<FailureReport> report_;

@@ -20,6 +20,7 @@ struct MonitorActions {
   bool killWorkers = false;                            // SIGKILL every worker tree now
   std::optional<std::chrono::milliseconds> armGrace;   // start the grace timer
   bool duplicateSignal = false;  // a copy of the stop already under way: nothing to do
+  std::optional<int> replaceWorker;  // --recovery in-place: start a new worker for this local rank
 };
 
 // Copies of one stop arrive together (see contract::kDuplicateStopWindowMs): a stop signal within
@@ -43,7 +44,10 @@ struct GroupOutcome {
 
 class GroupMonitor {
  public:
-  GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout);
+  // `replacements`: how many failed workers may be replaced alone while the others go on
+  // (--recovery in-place: what is left of --max-restarts); 0: torchrun's policy, the first failure
+  // stops the group.
+  GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout, int replacements = 0);
 
   MonitorActions onWorkerExit(const WorkerExit& exit);
   // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
@@ -59,6 +63,11 @@ class GroupMonitor {
 
   bool stopping() const { return reason_ != Reason::None; }
   int exitedCount() const { return exited_; }
+  int replacementsUsed() const { return replaced_; }
+  // Every worker (replacements included) has exited.
+  bool allExited() const { return exited_ >= numWorkers_; }
+  // The failed workers that were replaced in place (not failures of the group).
+  const std::vector<WorkerExit>& replaced() const { return replacedExits_; }
 
  private:
   enum class Reason { None, Failure, Signal, Membership, RemoteFailure, RendezvousFailed };
@@ -66,6 +75,9 @@ class GroupMonitor {
 
   int numWorkers_;
   std::chrono::milliseconds shutdownTimeout_;
+  int replacements_ = 0;
+  int replaced_ = 0;
+  std::vector<WorkerExit> replacedExits_;
   Reason reason_ = Reason::None;
   int signal_ = 0;
   int stopSignal_ = 0;  // what the workers were sent when the stop began

@@ -52,6 +52,12 @@ struct LaunchConfig {
 
   // --- Restarts and signals
   int maxRestarts = 0;
+  // --recovery: restart (torchrun's: any failure restarts every worker) or in-place (only a failed
+  // worker is replaced; the others re-form the group with it, counted against --max-restarts).
+  bool inPlaceRecovery = false;
+  // --spare-workers: processes per node started ahead, loaded and waiting, that take a failed
+  // worker's rank over at once (--recovery in-place).
+  int spareWorkers = 0;
   std::chrono::milliseconds monitorInterval{100};  // accepted for compatibility; unused
   std::chrono::milliseconds shutdownTimeout{std::chrono::seconds(30)};
   std::vector<int> signalsToHandle;
@@ -99,6 +105,8 @@ struct RawOptions {
   std::string rdzvId = "none";
   std::string rdzvConf;
   std::string maxRestarts = "0";
+  std::string recovery = "restart";
+  std::string spareWorkers = "0";
   std::string monitorInterval = "0.1";
   std::string role = "default";
   std::string logDir;

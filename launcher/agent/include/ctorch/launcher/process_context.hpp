@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <stdexcept>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -58,6 +59,25 @@ class ProcessContext {
 
   // Starts one worker per entry. The previous group must be finished().
   virtual void start(const std::vector<WorkerLaunch>& workers) = 0;
+
+  // Starts one more worker while the group runs (a replacement for a failed one, --recovery
+  // in-place); its log files are appended to, not truncated.
+  virtual void add(const WorkerLaunch& worker) {
+    (void)worker;
+    throw std::logic_error("this process context cannot add a worker to a running group");
+  }
+
+  // SIGKILLs the worker with this pid (and what it started), if it is one of the group's and runs.
+  virtual void kill(pid_t pid) { (void)pid; }
+  // SIGKILLs the running worker started with (or relabelled to) this local rank.
+  virtual void killRank(int localRank) { (void)localRank; }
+  // A spare (started under a negative local rank) takes `toLocalRank` over: its exit and output are
+  // reported under that rank from now on.
+  virtual void relabel(int fromLocalRank, int toLocalRank) {
+    (void)fromLocalRank;
+    (void)toLocalRank;
+    throw std::logic_error("this process context cannot relabel a worker");
+  }
 
   // Readable when process() has something to do.
   virtual int fd() const = 0;

@@ -30,6 +30,10 @@ class SupervisedProcessContext : public ProcessContext {
   ~SupervisedProcessContext() override;
 
   void start(const std::vector<WorkerLaunch>& workers) override;
+  void add(const WorkerLaunch& worker) override;
+  void kill(pid_t pid) override;
+  void killRank(int localRank) override;
+  void relabel(int fromLocalRank, int toLocalRank) override;
   int fd() const override;
   std::vector<WorkerExit> process() override;
   void signalAll(int signo) override;
@@ -40,6 +44,7 @@ class SupervisedProcessContext : public ProcessContext {
  private:
   struct Worker;
   void closeWorker(Worker& w);
+  void launch(const WorkerLaunch& launch, bool appendLogs);
   void onControl(std::size_t index, std::vector<WorkerExit>& exits);
   void onPipe(std::size_t index, Stream stream, bool drainToEof);
   void supervisorGone(std::size_t index, std::vector<WorkerExit>& exits);

@@ -92,6 +92,9 @@ class WorkerLogs : public OutputSink {
   std::vector<WorkerFiles> beginAttempt(const RendezvousInfo& info, int attempt);
   // Flushes unfinished lines and closes tee files.
   void endAttempt();
+  // A spare took this local rank over (--spare-workers): its output comes through the agent, so a
+  // stream that goes only to its file (--redirects) is written to that file by the agent.
+  void adoptSpare(int localRank, const WorkerFiles& files);
 
   void onOutput(int localRank, Stream stream, std::string_view data) override;
   void onClosed(int localRank, Stream stream) override;
