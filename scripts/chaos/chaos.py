@@ -63,6 +63,11 @@ WORKLOADS = {
     # SGD with momentum, StepLR, ctorch::ResilientTraining), on its own synthetic regression set.
     "consumer": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4"],
                      steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
+    # The same loop with its randomness a function of (seed, rank, step): what in-place recovery
+    # needs to stay exact (a replaced rank's generator state is gone with it).
+    "consumer-seeded": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4",
+                                                      "--step-seed", "7"],
+                            steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
 }
 COMMON_ARGS = ["--log-interval", "1", "--progress", "lines", "--timeout", str(TRAIN_TIMEOUT_S)]
 # The programs: the executable's name in a run (the /proc scan finds workers by it) and the
@@ -73,6 +78,8 @@ WORKER_EXES = {p["exe"] for p in PROGRAMS.values()}
 
 STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\s")
 STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
+REPLACED_RE = re.compile(r"replacing worker rank (\d+) \(local \d+\) in place")
+SPARE_RE = re.compile(r"spare worker (\S+) takes over rank (\d+) ")
 STORE_RE = re.compile(r"store ([0-9.:a-zA-Z\[\]-]+):(\d+)")
 TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
 
@@ -145,12 +152,18 @@ def program_of(workload):
     return WORKLOADS[workload].get("program", "trainer")
 
 
-def trainer_workers(run_id):
-    """{rank: pid} of the run's worker processes (ctorch-train or the consumer)."""
+def trainer_workers(run_id, spares=None):
+    """{rank: pid} of the run's worker processes (ctorch-train or the consumer). A spare that took a
+    rank over (--spare-workers) set RANK after it started, which /proc does not show: `spares` maps
+    its CTORCH_SPARE id to the rank, from the launcher's log."""
     ranks = {}
     for pid, env in marked_processes(run_id):
-        if proc_exe_name(pid) in WORKER_EXES and "RANK" in env:
+        if proc_exe_name(pid) not in WORKER_EXES:
+            continue
+        if "RANK" in env:
             ranks[int(env["RANK"])] = pid
+        elif spares and env.get("CTORCH_SPARE") in spares:
+            ranks[spares[env["CTORCH_SPARE"]]] = pid
     return ranks
 
 
@@ -226,6 +239,7 @@ class Launch:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.restarts = 0
+        self.replacements = 0       # --recovery in-place: workers replaced alone
         self.ended = False
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -245,6 +259,12 @@ class Launch:
             if m:
                 self.restarts = max(self.restarts, int(m.group(3)))
                 self.run.on_attempt(now)
+            if REPLACED_RE.search(line):
+                self.replacements += 1
+                self.run.on_attempt(now)
+            m = SPARE_RE.search(line)
+            if m:
+                self.run.spares[m.group(1)] = int(m.group(2))
             m = STORE_RE.search(line)
             if m and "rendezvous round" in line:
                 self.run.ports.add(int(m.group(2)))
@@ -288,6 +308,7 @@ class Run:
         if any(k == "snapshot-kill" for k, _ in faults):
             self.env[STALL_ENV] = "300"
         self.ports = set()
+        self.spares = {}            # spare id -> the rank it took over (--spare-workers)
         self.cond = threading.Condition()
         self.max_step = 0           # highest global step rank 0 reported, over all launches
         self.last_step = 0          # the latest one (falls back after a resume)
@@ -298,7 +319,9 @@ class Run:
     def command(self):
         return [self.h.ctorchrun, "--standalone", "--nproc-per-node", str(self.world),
                 "--max-restarts", str(len(self.faults) + 2), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                "--log-dir", "logs"] + self.h.worker_command(self.workload, delayed=True)
+                "--recovery", self.h.args.recovery] + \
+            (["--spare-workers", str(self.h.args.spare_workers)] if self.h.args.spare_workers else []) + \
+            ["--log-dir", "logs"] + self.h.worker_command(self.workload, delayed=True)
 
     def on_step(self, step, now):
         with self.cond:
@@ -320,12 +343,12 @@ class Run:
     def pick_worker(self):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            ranks = trainer_workers(self.id)
+            ranks = trainer_workers(self.id, self.spares)
             if len(ranks) == self.world:
                 rank = self.rng.randrange(self.world)
                 return rank, ranks[rank]
             time.sleep(0.02)
-        raise RuntimeError(f"workers not found (saw {trainer_workers(self.id)})")
+        raise RuntimeError(f"workers not found (saw {trainer_workers(self.id, self.spares)})")
 
     def catch_snapshot_write(self, timeout):
         """Waits until a snapshot's temporary file is being written; returns (writer pid, file, size)."""
@@ -365,6 +388,7 @@ class Run:
                 time.sleep(self.rng.uniform(0, 0.3))
                 step_at = self.max_step
                 t_fault = time.monotonic()
+                workers_before = trainer_workers(self.id, self.spares)
                 what = self.inject(kind, cur)
                 if what is None:
                     res["problems"].append(f"{kind}: could not inject at step {step_at}")
@@ -385,6 +409,14 @@ class Run:
                     launches.append(Launch(self, len(launches)))
                     res["relaunches"] += 1
                 res["lost"].append(self.measure_recovery(kind, t_fault, step_at))
+                if self.h.args.recovery == "in-place" and kind in ("worker-kill", "worker-segv", "worker-stop"):
+                    # The survivors keep their processes: only the faulted rank has a new pid.
+                    after = trainer_workers(self.id, self.spares)
+                    for rank, pid in workers_before.items():
+                        if rank != what.get("rank") and rank in after and after[rank] != pid:
+                            res["problems"].append(f"{kind} of rank {what.get('rank')}: survivor rank {rank} was "
+                                                   f"restarted too (pid {pid} -> {after[rank]})")
+                    res["survivors_checked"] = res.get("survivors_checked", 0) + (len(after) == self.world)
             final = launches[-1]
             rc = final.wait(300)
             if rc is None:
@@ -402,7 +434,8 @@ class Run:
         for index, rc, want in expected_rcs:
             if rc != want:
                 res["problems"].append(f"launch {index} exited {rc}, expected {want}")
-        res["restarts"] = sum(l.restarts for l in launches) + res["relaunches"]
+        res["restarts"] = sum(l.restarts + l.replacements for l in launches) + res["relaunches"]
+        res["replacements"] = sum(l.replacements for l in launches)
         res["ports"] = sorted(self.ports)
         self.output.close()
         return res
@@ -527,6 +560,12 @@ class Harness:
         if res["restarts"] != len(res["injected"]) or len(res["injected"]) != len(res["faults"]):
             res["problems"].append(f"{len(res['faults'])} faults planned, {len(res['injected'])} injected, "
                                    f"{res['restarts']} restarts")
+        # In-place recovery: every worker fault was repaired by replacing that worker alone.
+        if self.args.recovery == "in-place":
+            worker_faults = sum(1 for f in res["injected"] if f["kind"] in ("worker-kill", "worker-segv", "worker-stop"))
+            if res.get("replacements", 0) != worker_faults:
+                res["problems"].append(f"{worker_faults} worker faults, {res.get('replacements', 0)} in-place "
+                                       f"replacements (a full restart happened instead)")
         # Nothing of the run left: processes (marker scan) and the store ports it logged.
         if not run.wait_gone(5):
             res["problems"].append("processes left alive: " +
@@ -1153,6 +1192,18 @@ def build_suite(args, rng):
             add(f"{k}-synthetic", "synthetic", 2, [k, k])
             add(f"{k}-fashion", "fashion", 2, [k])
         add("mixed-synthetic-w3", "synthetic", 3, [rng.choice(kinds) for _ in range(3)])
+    elif args.suite == "inplace":
+        # ctorchrun --recovery in-place: a killed, crashed or hung worker is replaced alone and the
+        # survivors go on from memory (the CTest subset: the trainer on both workloads, 2 and 3 ranks,
+        # and a user's own loop).
+        if consumer:
+            add("inplace-consumer", "consumer-seeded", 2, ["worker-kill", "worker-stop"])
+            add("inplace-consumer-w3", "consumer-seeded", 3, ["worker-segv"])
+            return scen
+        add("inplace-kill-synthetic", "synthetic", 2, ["worker-kill", "worker-kill"])
+        add("inplace-stop-synthetic", "synthetic", 2, ["worker-stop"])
+        add("inplace-w3-synthetic", "synthetic", 3, ["worker-segv", "worker-kill"])
+        add("inplace-fashion", "fashion", 2, ["worker-kill", "worker-stop"])
     elif args.suite == "long":
         left, i = args.faults, 0
         while left > 0:
@@ -1171,11 +1222,17 @@ def uses_consumer(args):
 def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train (or consumer) runs.")
-    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer"],
+    ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer",
+                                        "inplace"],
                     default="quick")
+    ap.add_argument("--recovery", choices=["restart", "in-place"], default="",
+                    help="ctorchrun's --recovery for the faulty runs (default: in-place for the inplace suite, "
+                         "else restart)")
     ap.add_argument("--program", choices=["trainer", "consumer"], default="trainer",
                     help="quick, full, long, slurm: fault the trainer (default) or the consumer "
                          "(tests/consumer, a user's loop on ctorch::ResilientTraining)")
+    ap.add_argument("--spare-workers", type=int, default=0,
+                    help="with --recovery in-place: ctorchrun's --spare-workers (processes started ahead)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
@@ -1191,6 +1248,8 @@ def main():
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
+    if not args.recovery:
+        args.recovery = "in-place" if args.suite == "inplace" else "restart"
     for k in (args.kinds.split(",") if args.kinds else []):
         if k not in KINDS:
             ap.error(f"--kinds: unknown fault kind '{k}' (known: {', '.join(KINDS)})")

@@ -43,11 +43,12 @@ struct Flags {
   std::int64_t stepDelayMs = 0;  // a pause after each step, so that tests can hit a run mid-training
   std::int64_t timeoutS = 60;    // collectives give up on a silent peer after this long
   double lr = 0.05;
+  std::int64_t stepSeed = -1;    // >= 0: every step's randomness from (seed, rank, step)
 };
 
 constexpr const char* kUsage =
     "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
-    "                [--step-delay-ms D] [--timeout S] [--lr X]";
+    "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S]";
 
 // Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
 // nothing when every flag was understood.
@@ -81,6 +82,7 @@ std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
     else if (name == "--save-every-steps") ok = integer(value, 0, f.saveEverySteps);
     else if (name == "--step-delay-ms") ok = integer(value, 0, f.stepDelayMs);
     else if (name == "--timeout") ok = integer(value, 1, f.timeoutS);
+    else if (name == "--step-seed") ok = integer(value, 0, f.stepSeed);
     else if (name == "--snapshot") ok = !(f.snapshot = value).empty();
     else if (name == "--out") ok = !(f.out = value).empty();
     else if (name == "--lr") {
@@ -148,12 +150,16 @@ int train(const Flags& f) {
   // The resilience: what a snapshot holds, and where the run continues from.
   std::ostringstream lr;
   lr << f.lr;
-  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
-                                         .snapshotPath(f.snapshot)
-                                         .saveEverySteps(f.saveEverySteps)
-                                         .runName("consumer-mlp")
-                                         .programName("consumer")
-                                         .config({{"lr", lr.str()}, {"batch_size", std::to_string(f.batchSize)}}));
+  auto options = ctorch::ResilienceOptions()
+                     .snapshotPath(f.snapshot)
+                     .saveEverySteps(f.saveEverySteps)
+                     .runName("consumer-mlp")
+                     .programName("consumer")
+                     .config({{"lr", lr.str()}, {"batch_size", std::to_string(f.batchSize)}});
+  // Without a step seed every rank's generator state is saved with the snapshots instead; in-place
+  // recovery is exact only with one (a replaced rank's generator is gone with it).
+  if (f.stepSeed >= 0) options.stepSeed(static_cast<std::uint64_t>(f.stepSeed));
+  ctorch::ResilientTraining training(options);
   training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
   const ctorch::ResumePoint start = training.resume();
   if (training.stopRequested()) return training.exitCode();  // stopped while starting: 75, nothing to save
@@ -162,37 +168,48 @@ int train(const Flags& f) {
               << ", best loss so far " << std::fixed << std::setprecision(6) << bestLoss << std::endl;
 
   const std::int64_t steps = (sampler.size() + f.batchSize - 1) / f.batchSize;
-  for (std::int64_t epoch = start.epoch; epoch < f.epochs; ++epoch) {
-    sampler.setEpoch(epoch);  // after a mid-epoch resume: keeps the restored position
+  // The loop follows training.epoch(): after an in-place recovery (below) it goes on from wherever
+  // the ranks agreed, mid-epoch or at an epoch's end.
+  while (training.epoch() < f.epochs) {
+    const std::int64_t epoch = training.epoch();
+    sampler.setEpoch(epoch);  // after a mid-epoch resume or recovery: keeps the restored position
     ddp.train();
-    while (!sampler.exhausted()) {
-      auto [x, y] = data.batch(sampler.next(f.batchSize));
-      ddp.zeroGrad();
-      auto loss = torch::mse_loss(ddp(x), y);
-      loss.backward();
-      optimizer.step();
-      std::vector<double> lossSum{loss.item<double>()};
-      const bool stop = training.stepDone(lossSum);  // also sums the loss over the ranks
+    try {
+      while (!sampler.exhausted()) {
+        auto [x, y] = data.batch(sampler.next(f.batchSize));
+        ddp.zeroGrad();
+        auto loss = torch::mse_loss(ddp(x), y);
+        loss.backward();
+        optimizer.step();
+        std::vector<double> lossSum{loss.item<double>()};
+        const bool stop = training.stepDone(lossSum);  // also sums the loss over the ranks
+        if (ctorch::isMainProcess())
+          std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " step "
+                    << (sampler.position() + f.batchSize - 1) / f.batchSize << "/" << steps << " loss "
+                    << std::fixed << std::setprecision(4) << lossSum[0] / world << std::endl;
+        if (stop) return training.exitCode();  // SIGTERM/SIGUSR1: saved, exit 75, run me again
+        if (f.stepDelayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.stepDelayMs));
+      }
+      scheduler.step();
+      // The whole set without dropout: the same number on every rank.
+      ddp.eval();
+      double epochLoss = 0;
+      {
+        torch::NoGradGuard noGrad;
+        epochLoss = torch::mse_loss(model(data.x), data.y).item<double>();
+      }
+      bestLoss = std::min(bestLoss, epochLoss);
       if (ctorch::isMainProcess())
-        std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " step "
-                  << (sampler.position() + f.batchSize - 1) / f.batchSize << "/" << steps << " loss "
-                  << std::fixed << std::setprecision(4) << lossSum[0] / world << std::endl;
-      if (stop) return training.exitCode();  // SIGTERM/SIGUSR1: saved, exit 75, run me again
-      if (f.stepDelayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.stepDelayMs));
+        std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " done: loss " << std::fixed
+                  << std::setprecision(6) << epochLoss << " best " << bestLoss << std::endl;
+      if (training.epochDone()) return training.exitCode();
+    } catch (const std::exception&) {
+      // A peer died or hung (ctorchrun --recovery in-place): re-form with its replacement and go on
+      // from the agreed step with everything restored. Anything else, or without in-place recovery:
+      // rethrown.
+      const ctorch::ResumePoint at = training.recover();
+      if (ctorch::isMainProcess()) std::cout << at.message << std::endl;
     }
-    scheduler.step();
-    // The whole set without dropout: the same number on every rank.
-    ddp.eval();
-    double epochLoss = 0;
-    {
-      torch::NoGradGuard noGrad;
-      epochLoss = torch::mse_loss(model(data.x), data.y).item<double>();
-    }
-    bestLoss = std::min(bestLoss, epochLoss);
-    if (ctorch::isMainProcess())
-      std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " done: loss " << std::fixed
-                << std::setprecision(6) << epochLoss << " best " << bestLoss << std::endl;
-    if (training.epochDone()) return training.exitCode();
   }
   const int code = training.finish();
   if (ctorch::isMainProcess()) ctorch::saveStateDict(*model, f.out);

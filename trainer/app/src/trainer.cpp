@@ -124,7 +124,7 @@ torch::Device bindDevice(const torch::Device& device) {
 // The default process group for the duration of the run.
 class ProcessGroupScope {
  public:
-  explicit ProcessGroupScope(const ProcessGroupOptions& options) { group_ = initProcessGroup(options); }
+  explicit ProcessGroupScope(const ProcessGroupOptions& options) { initProcessGroup(options); }
   ~ProcessGroupScope() {
     try {
       destroyProcessGroup();
@@ -133,10 +133,8 @@ class ProcessGroupScope {
   }
   ProcessGroupScope(const ProcessGroupScope&) = delete;
   ProcessGroupScope& operator=(const ProcessGroupScope&) = delete;
-  c10d::ProcessGroup& group() { return *group_; }
-
- private:
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  // The current default group (in-place recovery replaces it; nothing here may keep the old one).
+  c10d::ProcessGroup& group() { return *getDefaultGroup(); }
 };
 
 // ---- data and model ----------------------------------------------------------------------------------
@@ -382,7 +380,10 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
 // trainer's own data, metrics, evaluation, console and final weights.
 class Trainer {
  public:
-  Trainer(const TrainOptions& o, const RunHooks& hooks, const torch::Device& wanted)
+  // `data` is loaded before the process group exists (it does not depend on the rank): a spare
+  // worker (ctorchrun --spare-workers) has it in memory when it takes a rank over.
+  Trainer(const TrainOptions& o, const RunHooks& hooks, const torch::Device& wanted, TrainData data,
+          double dataSeconds)
       : o_(o),
         hooks_(hooks),
         runStart_(Clock::now()),
@@ -396,6 +397,8 @@ class Trainer {
                   getBackendName() + ", " + std::to_string(threads.threads) + " thread" +
                   (threads.threads == 1 ? "" : "s") + " per rank (" + threads.reason + ")");
     console_.line("config: " + o.describe());
+    data_ = std::move(data);
+    dataSeconds_ = dataSeconds;
     buildDataAndModel();
     buildTraining();
   }
@@ -408,6 +411,8 @@ class Trainer {
   void resume();
   bool runEpoch(RunResult& result);  // true: the run stops (signal or step limit)
   bool endEpoch(RunResult& result);  // true: stopped at the epoch boundary
+  bool endEpochOnce(RunResult& result, std::int64_t completed, bool lastEpoch);
+  void recoverInPlace();
   EvalTotals evaluate(std::int64_t completed);
   RunResult stopped(RunResult result, bool stepLimit);
   double trainSeconds() const { return trainSecondsBefore_ + secondsSince(runStart_); }
@@ -422,6 +427,7 @@ class Trainer {
   const torch::Device device_;
   Console console_;
   TrainData data_;
+  double dataSeconds_ = 0;
   std::shared_ptr<Model> model_;
   std::int64_t activationBytes_ = 0;
   std::unique_ptr<DDP> ddp_;
@@ -437,12 +443,10 @@ class Trainer {
 };
 
 void Trainer::buildDataAndModel() {
-  const auto dataStart = Clock::now();
-  data_ = loadData(o_);
   console_.line("data: " + o_.dataset + ", " + withThousands(data_.train->size()) + " training / " +
                 withThousands(data_.test->size()) + " test samples of " + shapeText(data_.train->sampleShape()) +
                 (data_.augmented ? ", crop+flip augmentation" : "") + " (loaded in " +
-                formatDuration(secondsSince(dataStart)) + ")");
+                formatDuration(dataSeconds_) + ")");
   const models::ModelOptions modelOptions = modelOptionsFor(o_, *data_.train);
   if (device_.is_cpu()) activationBytes_ = measureActivationBytes(modelOptions, data_.train->sampleShape());
   torch::manual_seed(static_cast<std::uint64_t>(o_.seed));  // initial weights (DDP broadcasts rank 0's anyway)
@@ -593,11 +597,15 @@ bool Trainer::runEpoch(RunResult& result) {
       stop = t.stepDone(sums);
       step.phases.agreement = secondsSince(agreeStart);
     } catch (const DistributedError& e) {
-      stepFailed(e, rank_, t.globalStep(), o_.timeout);
+      if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
+      recoverInPlace();
+      return runEpoch(result);  // from the agreed point, with a loader that starts there
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      stepFailed(e, rank_, t.globalStep(), o_.timeout);
+      if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
+      recoverInPlace();  // a failure that is not a lost peer is rethrown as the step's failure
+      return runEpoch(result);
     }
     const double loss = sums[0] / worldSize_;
     phases += step.phases;
@@ -690,6 +698,31 @@ bool Trainer::runEpoch(RunResult& result) {
 bool Trainer::endEpoch(RunResult& result) {
   const std::int64_t completed = training_->epoch() + 1;
   const bool lastEpoch = completed == o_.epochs;
+  try {
+    return endEpochOnce(result, completed, lastEpoch);
+  } catch (const std::exception&) {
+    if (!training_->canRecoverInPlace()) throw;
+    recoverInPlace();  // rethrows what is not a lost peer
+    return false;  // run() goes on from the agreed point: this epoch's end again, or the next epoch
+  }
+}
+
+// Called from a handler of a failed collective: re-forms the group with the launcher's replacement
+// and restores the agreed point (ResilientTraining::recover), or fails the step as without it.
+void Trainer::recoverInPlace() {
+  try {
+    const ResumePoint p = training_->recover();
+    console_.line("in-place recovery: " + p.message + " (group generation " + std::to_string(groupGeneration()) + ")");
+  } catch (const DistributedError& e) {
+    stepFailed(e, rank_, training_->globalStep(), o_.timeout);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    stepFailed(e, rank_, training_->globalStep(), o_.timeout);
+  }
+}
+
+bool Trainer::endEpochOnce(RunResult& result, std::int64_t completed, bool lastEpoch) {
   if (lastEpoch || (o_.evalEvery > 0 && completed % o_.evalEvery == 0)) result.lastEval = evaluate(completed);
   SaveExtras extras;
   extras.force = lastEpoch && (o_.saveEvery > 0 || o_.saveEverySteps > 0);
@@ -760,7 +793,9 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   o.validate();
   tuneAllocator();
   const torch::Device wanted = chooseDevice(o);
-  Trainer trainer(o, hooks, wanted);
+  const auto dataStart = Clock::now();
+  TrainData data = loadData(o);
+  Trainer trainer(o, hooks, wanted, std::move(data), secondsSince(dataStart));
   return trainer.run();
 }
 
