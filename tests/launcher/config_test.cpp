@@ -430,4 +430,8 @@ TEST_CASE("config: --recovery restart (default) or in-place, in every spelling")
   const std::string e = errorFor({"--recovery", "sideways", "/bin/true"});
   CHECK_THAT(e, Catch::Contains("--recovery 'sideways'"));
   CHECK_THAT(e, Catch::Contains("in-place"));
+  CHECK_THAT(errorFor({"--recovery", "in-place", "-m", "pkg.train"}, {{"PYTHON_EXEC", "/usr/bin/python3"}}),
+             Catch::Contains("use --recovery restart"));
+  CHECK_THAT(errorFor({"--spare-workers", "1", "/bin/true"}), Catch::Contains("needs --recovery in-place"));
+  CHECK(configFor({"--recovery", "in-place", "--spare-workers", "2", "/bin/true"}).spareWorkers == 2);
 }

@@ -386,3 +386,34 @@ TEST_CASE("resilience: with capture buffers reused, every kept snapshot holds ex
     CHECK(torch::equal(s.modelState.at("bias"), expected[1]));
   }
 }
+
+TEST_CASE("resilience: recover() rethrows what is not a lost peer, and everything without in-place recovery",
+          "[resilience]") {
+  TempDir dir("ctorch-resilience-recover");
+  ctorch::initProcessGroup();  // a world of 1, no launcher: in-place recovery is not on offer
+  {
+    auto model = torch::nn::Linear(4, 1);
+    ctorch::ResilientTraining training(ctorch::ResilienceOptions()
+                                           .snapshotPath(dir.path() / "snapshot.pt")
+                                           .handleSignals(false)
+                                           .log([](const std::string&) {}));
+    training.track(model);
+    CHECK_FALSE(training.canRecoverInPlace());
+    training.resume();
+    auto failWith = [&](auto error) {
+      try {
+        throw error;
+      } catch (const std::exception&) {
+        training.recover();
+      }
+    };
+    // Rethrown as they were: the caller's handler sees the original type and text.
+    CHECK_THROWS_MATCHES(failWith(std::runtime_error("Connection reset by peer")), std::runtime_error,
+                         Catch::Message("Connection reset by peer"));
+    CHECK_THROWS_AS(failWith(ctorch::DistributedError("rank 1 is gone")), ctorch::DistributedError);
+    CHECK_THROWS_AS(failWith(ctorch::ConfigError("a bad option")), ctorch::ConfigError);
+    CHECK_THROWS_WITH(training.recover(), Catch::Contains("while handling the exception"));
+    CHECK(training.finish() == 0);
+  }
+  ctorch::destroyProcessGroup();
+}

@@ -192,6 +192,8 @@ struct ResilientTraining::Impl {
   enum class Phase { kLoop, kStepAgreement, kEpochAgreement } phase = Phase::kLoop;
   SamplerState committedSampler;
   std::int64_t committedVersions = 0;
+  // The module's buffers as agreed (BatchNorm statistics move in a forward that may be abandoned).
+  std::vector<at::Tensor> committedBuffers;
   std::unique_ptr<SnapshotWriter> writer;
   detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
 
@@ -358,6 +360,15 @@ struct ResilientTraining::Impl {
     if (!inPlace) return;
     if (sampler) committedSampler = sampler->state();
     committedVersions = parameterVersions();
+    if (!model) return;
+    torch::NoGradGuard noGrad;
+    const auto buffers = model->buffers();
+    if (committedBuffers.size() != buffers.size()) {
+      committedBuffers.clear();
+      for (const auto& b : buffers) committedBuffers.push_back(b.detach().clone());
+    } else {
+      for (std::size_t i = 0; i < buffers.size(); ++i) committedBuffers[i].copy_(buffers[i]);
+    }
   }
 
   // The counters (and the sampler) moved to what this rank's state holds after a failure: the step
@@ -368,8 +379,15 @@ struct ResilientTraining::Impl {
     if (parameterVersions() != committedVersions) {
       ++stepInEpoch;
       ++globalStep;
-    } else if (sampler) {
-      sampler->loadState(committedSampler);
+    } else {
+      // Abandoned before its update: the position and the buffers go back to the agreement.
+      if (sampler) sampler->loadState(committedSampler);
+      if (model) {
+        torch::NoGradGuard noGrad;
+        const auto buffers = model->buffers();
+        if (buffers.size() == committedBuffers.size())
+          for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(committedBuffers[i]);
+      }
     }
   }
 

@@ -579,6 +579,11 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   // The dynamic backend's own settings (--rdzv-conf keys, run id): checked now, not at the
   // first rendezvous.
   if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
+  // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
+  // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
+  if (c.inPlaceRecovery && c.usesPython)
+    throw UsageError("--recovery in-place needs a program built on ctorch's library (its survivors re-form the "
+                     "group); '" + c.program + "' runs under Python: use --recovery restart");
   return c;
 }
 
