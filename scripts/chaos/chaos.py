@@ -1146,6 +1146,138 @@ def nodes_suite(h):
     return results
 
 
+def nodes_inplace_suite(h):
+    """In-place recovery across hosts: three hosts (network namespaces), one `ctorchrun --rdzv-backend
+    c10d --recovery in-place` agent with one worker each (world size 3; the store is host 1's). Mid-epoch
+    2 the worker on host 3 is SIGKILLed; in epoch 3 the worker on host 2 is SIGSTOPped (a hang: its
+    peers time out and ask host 2's agent, through host 1's store, to kill it). Each must be replaced on
+    its own host while the others keep their processes: no new rendezvous round, every agent exits 0,
+    and the final parameters are bit-identical to an undisturbed run in the same lab."""
+    netns_sh = os.path.join(ROOT, "scripts", "lab", "netns.sh")
+    if subprocess.run([netns_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: netns.sh check: no network namespaces here", always=True)
+        return None
+    workload = "fashion-nodes"
+    per_epoch = WORKLOADS[workload]["steps_per_rank_world"][3]
+    up = subprocess.run([netns_sh, "up", "3", "--owner", str(os.getpid())], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, timeout=60)
+    if up.returncode != 0:
+        raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
+    lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
+    prefix = lab["LAB_PREFIX"]
+    host_ns = {i: os.stat(f"/run/netns/{prefix}-h{i}").st_ino for i in (1, 2, 3)}
+    results = []
+
+    def run(name, faults):
+        d = os.path.join(h.work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        run_id = uuid.uuid4().hex
+        env = dict(os.environ, **{MARKER: run_id})
+        agents, problems, injected = {}, [], []
+        t0 = time.monotonic()
+
+        def text(i):
+            return open(os.path.join(d, f"node{i}.log"), errors="replace").read()
+
+        def progress():
+            best = 0
+            for i in (1, 2, 3):
+                for m in re.finditer(r"default0\]:epoch (\d+)/\d+\s+step\s+(\d+)/(\d+)", text(i)):
+                    best = max(best, (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)))
+            return best
+
+        def worker_on(i):
+            for pid, penv in marked_processes(run_id):
+                if netns_of(pid) == host_ns[i] and proc_exe_name(pid) == "ctorch-train" and "RANK" in penv:
+                    return pid
+            return None
+
+        try:
+            for i in (1, 2, 3):
+                cmd = [netns_sh, "exec", prefix, str(i), h.ctorchrun, "--nnodes", "3", "--nproc-per-node", "1",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "chaos",
+                       "--max-restarts", "3", "--recovery", "in-place", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                       "--log-dir", f"logs-n{i}", h.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS + \
+                      ["--step-delay-ms", str(WORKLOADS[workload]["delay_ms"])]
+                out = open(os.path.join(d, f"node{i}.log"), "w")
+                agents[i] = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+            for host, sig, target in faults:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and progress() < target:
+                    if any(a.poll() is not None for a in agents.values()):
+                        break
+                    time.sleep(0.02)
+                pid = worker_on(host)
+                if progress() < target or pid is None:
+                    problems.append(f"could not hit host {host}'s worker at step {target} (at {progress()}, pid {pid})")
+                    break
+                others = {i: worker_on(i) for i in (1, 2, 3) if i != host}
+                os.kill(pid, sig)
+                injected.append((host, signal.Signals(sig).name, progress()))
+                h.log(f"{name}: {signal.Signals(sig).name} to host {host}'s worker (pid {pid}) at step {progress()}")
+                # Back to training with the same processes elsewhere.
+                step_at, deadline = progress(), time.monotonic() + 60
+                while time.monotonic() < deadline and progress() <= step_at + 1:
+                    time.sleep(0.02)
+                now = {i: worker_on(i) for i in others}
+                for i, p in others.items():
+                    if now.get(i) != p:
+                        problems.append(f"host {i}'s worker was restarted too (pid {p} -> {now.get(i)})")
+            for i in (1, 2, 3):
+                try:
+                    rc = agents[i].wait(timeout=240)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                if rc != 0:
+                    problems.append(f"host {i}'s agent exited {rc}, expected 0")
+            logs = {i: text(i) for i in (1, 2, 3)}
+            if any(re.search(r"rendezvous round [1-9]\d* complete", t) for t in logs.values()):
+                problems.append("a new rendezvous round ran: the group was restarted, not repaired in place")
+            for host, sig, _ in injected:
+                if "in place; the other workers keep running" not in logs[host]:
+                    problems.append(f"host {host}'s agent did not replace its worker in place")
+                if sig == "SIGSTOP" and "stopped answering its peers" not in logs[host]:
+                    problems.append(f"host {host}'s agent was not asked to evict its hung worker")
+        finally:
+            for a in agents.values():
+                if a.poll() is None:
+                    try:
+                        os.killpg(a.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    a.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while marked_processes(run_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = marked_processes(run_id)
+        if left:
+            problems.append(f"processes left: {[(p, proc_exe_name(p)) for p, _ in left]}")
+        return d, problems, injected, time.monotonic() - t0
+
+    try:
+        ref_dir, ref_problems, _, ref_s = run("nodes-inplace-reference", [])
+        if ref_problems:
+            raise RuntimeError(f"the undisturbed lab run failed: {ref_problems}")
+        d, problems, injected, secs = run("nodes-inplace", [(3, signal.SIGKILL, per_epoch + 4),
+                                                             (2, signal.SIGSTOP, 2 * per_epoch + 4)])
+        diff = compare_weights(os.path.join(ref_dir, "model.pt"), os.path.join(d, "model.pt")) \
+            if os.path.exists(os.path.join(d, "model.pt")) else "no model.pt"
+        if diff:
+            problems.append(f"final parameters differ from the undisturbed run: {diff}")
+        ok = not problems
+        h.log(f"{'PASS' if ok else 'FAIL'}  nodes in-place: {', '.join(f'{s} host {x} at step {st}' for x, s, st in injected)}"
+              f"; {'bit-identical' if not diff else 'NOT identical'}; {secs:.1f} s (undisturbed {ref_s:.1f} s)",
+              always=True)
+        for pr in problems:
+            h.log(f"      problem: {pr}", always=True)
+        results.append(dict(name="nodes-inplace", ok=ok, problems=problems, injected=injected, lost=[]))
+    finally:
+        subprocess.run([netns_sh, "down", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    return results
+
+
 def last_accuracy(text):
     """The final test accuracy rank 0 reports in its closing line."""
     found = re.findall(r"done: .*test accuracy (\d+\.\d+)%", text)
@@ -1223,7 +1355,7 @@ def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train (or consumer) runs.")
     ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer",
-                                        "inplace"],
+                                        "inplace", "nodes-inplace"],
                     default="quick")
     ap.add_argument("--recovery", choices=["restart", "in-place"], default="",
                     help="ctorchrun's --recovery for the faulty runs (default: in-place for the inplace suite, "
@@ -1268,8 +1400,9 @@ def main():
         if ok and not args.keep and not args.work:
             shutil.rmtree(h.work, ignore_errors=True)
         return 0 if ok else 1
-    if args.suite in ("integrity", "slurm", "nodes"):
-        results = {"integrity": integrity, "slurm": slurm_suite, "nodes": nodes_suite}[args.suite](h)
+    if args.suite in ("integrity", "slurm", "nodes", "nodes-inplace"):
+        results = {"integrity": integrity, "slurm": slurm_suite, "nodes": nodes_suite,
+                   "nodes-inplace": nodes_inplace_suite}[args.suite](h)
         if results is None:
             return 0  # skipped
         failed = sum(1 for r in results if not r["ok"])

@@ -338,6 +338,22 @@ void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
   ::unsetenv(contract::env::kSpare);
 }
 
+// From a handler: the error of a failed set-up in one line naming the rank and the phase. A
+// DistributedTimeout stays one, the library's other errors pass as they are, anything else (Gloo's,
+// the store's) becomes a DistributedError.
+[[noreturn]] void rethrowDuring(const std::string& where, const std::string& phase) {
+  try {
+    throw;
+  } catch (const DistributedTimeout& e) {
+    throw DistributedTimeout(where + ": " + phase + ": " + e.what());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed(where + ": " + phase + " failed: " + message, message);
+  }
+}
+
 State& initializedState() {
   State& s = state();
   if (!s.group)
@@ -443,12 +459,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     s.generation = generation;
     s.recipe = recipe;
     return pg;
-  } catch (const Error& e) {
-    if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
-    throw;
-  } catch (const std::exception& e) {
-    const std::string message = detail::messageOf(e);
-    detail::throwDistributed(where + ": " + phase + " failed: " + message, message);
+  } catch (...) {
+    rethrowDuring(where, phase);
   }
 }
 
@@ -571,12 +583,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
     s.group = pg;
     s.generation = generation;
     return pg;
-  } catch (const Error& e) {
-    if (dynamic_cast<const DistributedTimeout*>(&e)) throw DistributedTimeout(where + ": " + phase + ": " + e.what());
-    throw;
-  } catch (const std::exception& e) {
-    const std::string message = detail::messageOf(e);
-    detail::throwDistributed(where + ": " + phase + " failed: " + message, message);
+  } catch (...) {
+    rethrowDuring(where, phase);
   }
 }
 

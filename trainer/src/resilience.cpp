@@ -454,7 +454,7 @@ struct ResilientTraining::Impl {
     if (rank != donor) {
       const Snapshot snap = decodeSnapshot(bytes, "rank " + std::to_string(donor) + "'s training state");
       buckets = bucketsOf(snap);
-      restore(snap);
+      restore(snap, /*rng=*/false);
       savedAt = -1;  // nothing on disk holds this point
     } else if (sampler) {
       // As on the ranks that restored it: the loop's setEpoch(epoch) keeps this position.
@@ -466,6 +466,18 @@ struct ResilientTraining::Impl {
     commit();
     seedStep();
     return true;
+  }
+
+  // Where an in-place recovery left this rank (the state came from memory, step for step).
+  ResumePoint pointFromMemory(const std::string& what) const {
+    ResumePoint point;
+    point.resumed = true;
+    point.exact = true;
+    point.epoch = epoch;
+    point.stepInEpoch = stepInEpoch;
+    point.globalStep = globalStep;
+    point.message = what + describePoint(epoch, stepInEpoch, globalStep);
+    return point;
   }
 
   // ---- resuming --------------------------------------------------------------------------------
@@ -517,9 +529,11 @@ struct ResilientTraining::Impl {
     return std::nullopt;
   }
 
-  void restore(const Snapshot& snap) {
+  // `rng`: the generator states too (from a file; a state sent in place carries the sender's only,
+  // and each rank keeps its own).
+  void restore(const Snapshot& snap, bool rng = true) {
     RestoreOptions restore;
-    restore.rng = !o.stepSeed();
+    restore.rng = rng && !o.stepSeed();
     restore.rank = rank;
     restoreSnapshot(snap, TrainingObjects{model, optimizer, sampler}, restore);
     if (schedulerLoad) schedulerLoad(snap.schedulerState);
@@ -666,16 +680,7 @@ ResumePoint ResilientTraining::resume() {
     // A replacement: the survivors send the state they hold (no snapshot is read).
     const bool joined = s.joinWithState(-1, std::nullopt);
     detail::joinedInPlace();
-    if (joined) {
-      point.resumed = true;
-      point.exact = true;
-      point.epoch = s.epoch;
-      point.stepInEpoch = s.stepInEpoch;
-      point.globalStep = s.globalStep;
-      point.message = "joined the running group in place of a failed rank at " +
-                      describePoint(s.epoch, s.stepInEpoch, s.globalStep);
-      return point;
-    }
+    if (joined) return s.pointFromMemory("joined the running group in place of a failed rank at ");
   }
   std::vector<SkippedSnapshot> unusable;
   const std::optional<Snapshot> snap = s.find(point, unusable);
@@ -805,14 +810,7 @@ ResumePoint ResilientTraining::recover() {
   s.group.reset();
   s.group = reformProcessGroup();
   s.joinWithState(s.globalStep, buckets);
-  ResumePoint point;
-  point.resumed = true;
-  point.exact = true;
-  point.epoch = s.epoch;
-  point.stepInEpoch = s.stepInEpoch;
-  point.globalStep = s.globalStep;
-  point.message = "recovered in place at " + describePoint(s.epoch, s.stepInEpoch, s.globalStep);
-  return point;
+  return s.pointFromMemory("recovered in place at ");
 }
 
 bool ResilientTraining::canRecoverInPlace() const { return impl_->inPlace; }
