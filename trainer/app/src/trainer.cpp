@@ -552,9 +552,18 @@ RunResult Trainer::run() {
     if (endEpoch(result)) return result;
   }
   // Done: the final weights (a resumed finished run evaluates and writes them again).
-  if (!result.lastEval) result.lastEval = evaluate(training_->epoch());
-  if (ctorch::isMainProcess()) ctorch::saveStateDict(*model_, o_.finalModelPath());
-  training_->finish();
+  for (bool done = false; !done;) {
+    try {
+      if (!result.lastEval) result.lastEval = evaluate(training_->epoch());
+      if (ctorch::isMainProcess()) ctorch::saveStateDict(*model_, o_.finalModelPath());
+      training_->finish();
+      done = true;
+    } catch (const std::exception&) {
+      if (!training_->canRecoverInPlace()) throw;
+      recoverInPlace();
+      result.lastEval.reset();  // a replacement evaluates once more: so does every rank
+    }
+  }
   result.epochsRun = training_->epoch();
   result.globalStep = training_->globalStep();
   console_.line("done: " + std::to_string(o_.epochs) + " epochs, " + std::to_string(result.globalStep) + " steps, " +
