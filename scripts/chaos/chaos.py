@@ -453,8 +453,11 @@ class Run:
             rank, pid = self.pick_worker()
             sig = {"worker-kill": signal.SIGKILL, "worker-segv": signal.SIGSEGV,
                    "worker-stop": signal.SIGSTOP}[kind]
+            # The moment of the fault is taken before the signal: with a spare the launcher may log
+            # the replacement before this thread runs again.
+            t = time.monotonic()
             os.kill(pid, sig)
-            return dict(rank=rank, pid=pid, t=time.monotonic())
+            return dict(rank=rank, pid=pid, t=t)
         if kind == "snapshot-kill":
             caught = self.catch_snapshot_write(30)
             if caught is None:
@@ -466,11 +469,13 @@ class Run:
             left = os.path.getsize(os.path.join(self.dir, name)) if os.path.exists(os.path.join(self.dir, name)) else -1
             return dict(pid=pid, file=name, bytes_at_kill=size, bytes_left=left, t=t)
         if kind == "launcher-term":
+            t = time.monotonic()
             os.kill(launch.proc.pid, signal.SIGTERM)
-            return dict(pid=launch.proc.pid, t=time.monotonic())
+            return dict(pid=launch.proc.pid, t=t)
         if kind == "launcher-kill":
+            t = time.monotonic()
             os.kill(launch.proc.pid, signal.SIGKILL)
-            return dict(pid=launch.proc.pid, t=time.monotonic())
+            return dict(pid=launch.proc.pid, t=t)
         raise ValueError(kind)
 
     def measure_recovery(self, kind, t_fault, step_at):

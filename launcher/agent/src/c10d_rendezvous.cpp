@@ -8,7 +8,9 @@
 #include "ctorch/store/tcp_store_server.hpp"
 #include "log.hpp"
 
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
@@ -22,6 +24,38 @@
 #include <thread>
 
 namespace ctorch::launcher {
+
+namespace {
+
+// How often an agent that lost the bind of the rendezvous port to no listener tries hosting again.
+constexpr int kHostAttempts = 50;
+
+// Whether something on this machine accepts connections on `port` (IPv4 or IPv6 loopback).
+bool portAnswers(int port) {
+  auto tryConnect = [port](int family) {
+    const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    int rc = -1;
+    if (family == AF_INET) {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<std::uint16_t>(port));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    } else {
+      sockaddr_in6 a{};
+      a.sin6_family = AF_INET6;
+      a.sin6_port = htons(static_cast<std::uint16_t>(port));
+      a.sin6_addr = in6addr_loopback;
+      rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    }
+    ::close(fd);
+    return rc == 0;
+  };
+  return tryConnect(AF_INET) || tryConnect(AF_INET6);
+}
+
+} // namespace
 
 namespace rc = ctorch::rdzv::c10d;
 using std::chrono::milliseconds;
@@ -461,18 +495,28 @@ class C10dRendezvous::Impl {
       so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
       so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
       so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
-      try {
-        hostServer_ = std::make_unique<store::TcpStoreServer>(so);
-        l.info("hosting the rendezvous store on port {} ({})", hostServer_->port(), decision.reason);
-      } catch (const store::StoreBindError& e) {
-        // Several agents of one machine, or a store already served there: as torch does, an agent
-        // that only inferred it is the host joins as a client.
-        if (decision.explicitChoice || e.error() != EADDRINUSE)
-          throw RendezvousError("cannot host the rendezvous store on port " + std::to_string(o_.endpointPort) +
-                                ": " + e.what() +
-                                (decision.explicitChoice ? " (is_host=true in --rdzv-conf)" : ""));
-        l.info("port {} is already served on this machine: joining that store as a client",
-               o_.endpointPort);
+      for (int attempt = 1;; ++attempt) {
+        try {
+          hostServer_ = std::make_unique<store::TcpStoreServer>(so);
+          l.info("hosting the rendezvous store on port {} ({})", hostServer_->port(), decision.reason);
+          break;
+        } catch (const store::StoreBindError& e) {
+          // Several agents of one machine, or a store already served there: as torch does, an agent
+          // that only inferred it is the host joins as a client.
+          if (decision.explicitChoice || e.error() != EADDRINUSE)
+            throw RendezvousError("cannot host the rendezvous store on port " + std::to_string(o_.endpointPort) +
+                                  ": " + e.what() +
+                                  (decision.explicitChoice ? " (is_host=true in --rdzv-conf)" : ""));
+          // Agents starting together can all lose the bind (two SO_REUSEADDR sockets bound, each
+          // listen refused): then nobody serves the port. Only a port that answers is joined; else
+          // hosting is tried again, a moment later and at a moment of this agent's own.
+          if (attempt >= kHostAttempts || portAnswers(o_.endpointPort)) {
+            l.info("port {} is already served on this machine: joining that store as a client",
+                   o_.endpointPort);
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(5 + (::getpid() + attempt * 7) % 20));
+        }
       }
     }
     link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
