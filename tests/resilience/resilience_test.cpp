@@ -390,8 +390,13 @@ TEST_CASE("resilience: with capture buffers reused, every kept snapshot holds ex
 TEST_CASE("resilience: recover() rethrows what is not a lost peer, and everything without in-place recovery",
           "[resilience]") {
   TempDir dir("ctorch-resilience-recover");
+  ::signal(SIGPIPE, SIG_DFL);
   ctorch::initProcessGroup();  // a world of 1, no launcher: in-place recovery is not on offer
   {
+    // A write to a dead peer's socket is an error to recover from, not this process's end.
+    struct sigaction pipe {};
+    REQUIRE(::sigaction(SIGPIPE, nullptr, &pipe) == 0);
+    CHECK(pipe.sa_handler == SIG_IGN);
     auto model = torch::nn::Linear(4, 1);
     ctorch::ResilientTraining training(ctorch::ResilienceOptions()
                                            .snapshotPath(dir.path() / "snapshot.pt")

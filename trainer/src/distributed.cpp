@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include <csignal>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -354,6 +355,15 @@ void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
   }
 }
 
+// A peer that dies mid-collective closes its sockets; Gloo's writes to them (writev, without
+// MSG_NOSIGNAL) then raise SIGPIPE, whose default action ends this process too: a survivor must get
+// an error instead (and recover in place). Python ignores SIGPIPE at start-up, so its ranks do get
+// one; so do ours. A handler or disposition the program chose is kept.
+void ignoreSigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
 State& initializedState() {
   State& s = state();
   if (!s.group)
@@ -392,6 +402,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
                       "(call destroyProcessGroup() first)");
 
   const EnvLookup lookup = options.environment() ? options.environment() : processEnvironment();
+  ignoreSigpipe();
   if (const auto spare = lookup(contract::env::kSpare)) awaitSpareAssignment(*spare, lookup);
   const DistributedEnv env = detectDistributedEnv(lookup);
 

@@ -52,7 +52,8 @@ struct ProcessGroupOptions {
 // launcher's TCPStore under the prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>; otherwise rank 0
 // hosts the TCPStore; a world of 1 without any variables uses an in-memory store and no network.
 // Keys are laid out exactly as Python's init_process_group lays them out, so C++ and Python workers
-// can share one job. Reads TORCH_DISTRIBUTED_DEBUG.
+// can share one job. Reads TORCH_DISTRIBUTED_DEBUG. Ignores SIGPIPE unless the program set its own
+// disposition (as Python does at start-up): a peer's death is then an error, not this process's end.
 // Throws ConfigError (bad environment or options, called twice), DistributedTimeout (a peer or the
 // store never came), DistributedError (anything else that failed while connecting).
 c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOptions& options = {});
