@@ -986,6 +986,17 @@ def slurm_suite(h):
     return results
 
 
+def kill_agents(agents):
+    """Ends every agent of a lab run still running (its whole session: supervisors and workers)."""
+    for a in agents.values():
+        if a.poll() is None:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            a.wait(timeout=10)
+
+
 def netns_of(pid):
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -1135,13 +1146,7 @@ def nodes_suite(h):
                                 cut_exit_s=round(t3_exit - t_fault, 2) if t3_exit else None,
                                 accuracy=acc, reference_accuracy=[ref_acc, ref2_acc]))
         finally:
-            for a in agents.values():
-                if a.poll() is None:
-                    try:
-                        os.killpg(a.pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                    a.wait(timeout=10)
+            kill_agents(agents)
             subprocess.run([netns_sh, "down", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=120)
             left = marked_processes(run_id)
@@ -1246,13 +1251,7 @@ def nodes_inplace_suite(h):
                 if sig == "SIGSTOP" and "stopped answering its peers" not in logs[host]:
                     problems.append(f"host {host}'s agent was not asked to evict its hung worker")
         finally:
-            for a in agents.values():
-                if a.poll() is None:
-                    try:
-                        os.killpg(a.pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                    a.wait(timeout=10)
+            kill_agents(agents)
         deadline = time.monotonic() + 10
         while marked_processes(run_id) and time.monotonic() < deadline:
             time.sleep(0.05)
