@@ -986,6 +986,16 @@ def slurm_suite(h):
     return results
 
 
+def lab_up(netns_sh, hosts):
+    """A network-namespace lab of `hosts` hosts (scripts/lab/netns.sh), gone with this process; its prefix."""
+    up = subprocess.run([netns_sh, "up", str(hosts), "--owner", str(os.getpid())], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, timeout=60)
+    if up.returncode != 0:
+        raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
+    lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
+    return lab["LAB_PREFIX"]
+
+
 def kill_agents(agents):
     """Ends every agent of a lab run still running (its whole session: supervisors and workers)."""
     for a in agents.values():
@@ -1024,12 +1034,7 @@ def nodes_suite(h):
     lo_acc, hi_acc = min(ref_acc, ref2_acc) - 2.0, max(ref_acc, ref2_acc) + 2.0
     results = []
     for mode in ("kill", "cut"):
-        up = subprocess.run([netns_sh, "up", "3", "--owner", str(os.getpid())], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, timeout=60)
-        if up.returncode != 0:
-            raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
-        lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
-        prefix = lab["LAB_PREFIX"]
+        prefix = lab_up(netns_sh, 3)
         problems = []
         d = os.path.join(h.work, f"nodes-{mode}")
         shutil.rmtree(d, ignore_errors=True)
@@ -1169,12 +1174,7 @@ def nodes_inplace_suite(h):
         return None
     workload = "fashion-nodes"
     per_epoch = WORKLOADS[workload]["steps_per_rank_world"][3]
-    up = subprocess.run([netns_sh, "up", "3", "--owner", str(os.getpid())], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, timeout=60)
-    if up.returncode != 0:
-        raise RuntimeError(f"netns.sh up failed: {up.stderr.decode()[-300:]}")
-    lab = dict(l.split("=", 1) for l in up.stdout.decode().splitlines() if "=" in l)
-    prefix = lab["LAB_PREFIX"]
+    prefix = lab_up(netns_sh, 3)
     host_ns = {i: os.stat(f"/run/netns/{prefix}-h{i}").st_ino for i in (1, 2, 3)}
     results = []
 
