@@ -327,6 +327,86 @@ MULTINODE_SCENARIO(belowMin, "multinode c10d: below MIN the survivor waits for t
   CHECK(r1.elapsed < 40s);
 }
 
+// ---- c10d: store failover (--store-failover) ------------------------------------------------------
+
+MULTINODE_SCENARIO(storeHostKilled, "multinode c10d --store-failover: the store host is killed and the others re-form on the next node's standby store", 3) {
+  std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
+  const std::vector<std::string> fo = {"--store-failover"};
+  auto with = [&](const std::string& rank) {
+    auto e = fo;
+    e.insert(e.end(), {"--node-rank", rank});
+    return e;
+  };
+  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, with("0"), worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, with("1"), worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, with("2"), worker)));
+  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  for (auto* a : {&a2, &a3}) CHECK_THAT(a->outputSoFar(), Catch::Contains("standby rendezvous store on port"));
+  const auto killedAt = std::chrono::steady_clock::now();
+  t.kill(1, a1);
+  auto r2 = a2.wait(), r3 = a3.wait();
+  const auto reformed = std::chrono::steady_clock::now() - killedAt;
+  auto r1 = a1.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
+  CHECK(r1.termSignal == SIGKILL);
+  REQUIRE(r2.ok());
+  REQUIRE(r3.ok());
+  // Host 2 is the first node (by rank) that did not serve the store: it re-creates the state in its
+  // standby and host 3 moves there; host 1's node is removed, the two re-form with world size 2.
+  CHECK_THAT(r2.output, Catch::Contains("this node serves the rendezvous store now"));
+  CHECK_THAT(r3.output, Catch::Contains("now using the rendezvous store of node"));
+  CHECK_THAT(r2.output, Catch::Contains("its agent served the rendezvous store, which was lost"));
+  for (auto* r : {&r2, &r3}) {
+    CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 1);
+    CHECK_THAT(r->output, !Catch::Contains("cut off"));
+  }
+  // The workers of world size 2 use a workers' store of the survivors (host 1's died with it).
+  for (auto* r : {&r2, &r3})
+    for (auto& [rank, vars] : envOf(r->output))
+      if (vars["WORLD_SIZE"] == "2") CHECK(vars["MASTER_ADDR"] != t.addr(1) + "x");
+  // Loss noticed after the heartbeat expiry (1.5 s), then a round of two: well within the bound.
+  CHECK(reformed < 20s);
+}
+
+MULTINODE_SCENARIO(storeHostSilenced, "multinode c10d --store-failover: a cut-off store host stops, the others take the store over and finish", 3) {
+  std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
+  auto with = [&](const std::string& rank) { return std::vector<std::string>{"--store-failover", "--node-rank", rank}; };
+  test::Process a1(t.spawn(1, c10d(t, 1, "1:3", 1, with("0"), worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "1:3", 1, with("1"), worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "1:3", 1, with("2"), worker)));
+  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  // --nnodes 1:3: without the majority rule host 1 would go on alone (a second group training).
+  t.silence(1, a1);
+  auto r2 = a2.wait(), r3 = a3.wait();
+  INFO(r2.output << "\n----\n" << r3.output << "\n----\n" << a1.outputSoFar());
+  REQUIRE(r2.ok());
+  REQUIRE(r3.ok());
+  CHECK_THAT(r2.output, Catch::Contains("this node serves the rendezvous store now"));
+  for (auto* r : {&r2, &r3}) CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 1);
+  if (!t.isLab()) t.unsilence(1, a1);  // loopback: woken up after the others finished
+  auto r1 = a1.wait();
+  if (t.isLab()) t.unsilence(1, a1);
+  INFO(r1.output);
+  CHECK(r1.exitCode == 3);
+  CHECK_THAT(r1.output, Catch::Contains("not a majority"));
+  CHECK(countOf(r1.output, "ENV WORLD_SIZE=1") == 0);
+}
+
+MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover: with two nodes the survivor of the store host does not take the store over", 2) {
+  std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
+  auto with = [&](const std::string& rank) { return std::vector<std::string>{"--store-failover", "--node-rank", rank}; };
+  test::Process a1(t.spawn(1, c10d(t, 1, "1:2", 1, with("0"), worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "1:2", 1, with("1"), worker)));
+  for (auto* a : {&a1, &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  t.kill(1, a1);
+  auto r2 = a2.wait();
+  INFO(r2.output);
+  CHECK(r2.exitCode == 3);
+  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes answer from here"));
+  CHECK(countOf(r2.output, "ENV WORLD_SIZE=1") == 0);
+  CHECK(r2.elapsed < 40s);
+}
+
 TEST_CASE("multinode c10d: an agent alone below MIN fails after the join timeout without starting workers", "[multinode]") {
   Loopback t;
   auto r = test::run(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env"}, "job", "1")));

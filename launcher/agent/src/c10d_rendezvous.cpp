@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <mutex>
 #include <sstream>
@@ -29,6 +30,8 @@ namespace {
 
 // How often an agent that lost the bind of the rendezvous port to no listener tries hosting again.
 constexpr int kHostAttempts = 50;
+// Store failovers one re-forming may go through (the store's host, then its successor, ...).
+constexpr int kMaxFailoversPerRound = 3;
 
 // Whether something on this machine accepts connections on `port` (IPv4 or IPv6 loopback).
 bool portAnswers(int port) {
@@ -122,6 +125,15 @@ class StoreLink final : public rc::CasStore {
     }
   }
 
+  // Store failover: from now on the store is at host:port (an empty one until its node seeds it).
+  void retarget(std::string host, int port) {
+    client_.reset();
+    host_ = std::move(host);
+    port_ = port;
+    lastSuccess_ = Clock::now();
+    everConnected_ = false;
+  }
+
   void setPatient(bool patient) { patient_ = patient; }
   void setRequest(const RendezvousRequest* request) { request_ = request; }
   milliseconds silentFor() const { return since(lastSuccess_); }
@@ -205,7 +217,7 @@ class StoreLink final : public rc::CasStore {
         lastError_ = e.what();
         if (silentFor() > limit_ || since(started) > limit_)
           throw StoreUnreachable("no answer from the rendezvous store at " + where() + " for " +
-                                 secs(std::min(silentFor(), since(started))) + " (" + lastError_ + ")");
+                                 secs(std::max(silentFor(), since(started))) + " (" + lastError_ + ")");
         if (!patient_) throw;
       }
       pause(milliseconds(50));
@@ -293,6 +305,7 @@ C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& c) {
   o.tick = std::clamp(s.keepAliveInterval / 4, milliseconds(50), milliseconds(500));
   o.operationTimeout =
       std::max(milliseconds(100), std::min({s.readTimeout, s.heartbeatTimeout, s.keepAliveInterval}));
+  o.storeFailover = c.storeFailover;
   return o;
 }
 
@@ -318,6 +331,7 @@ class C10dRendezvous::Impl {
   ~Impl() {
     // The server calls back into this object from its thread: stop it first.
     hostServer_.reset();
+    standby_.reset();
     workerStore_.reset();
     ::close(epollFd_);
     ::close(dropFd_);
@@ -354,15 +368,34 @@ class C10dRendezvous::Impl {
     clock_.setRequest(&request);
     link_->setRequest(&request);
     rc::RoundResult r;
-    try {
-      r = executor_->nextRound();
-    } catch (...) {
-      clock_.setRequest(nullptr);
-      link_->setRequest(nullptr);
-      translate();
+    for (int failovers = 0;; ++failovers) {
+      try {
+        r = executor_->nextRound();
+        break;
+      } catch (const StoreUnreachable& e) {
+        // The store's host was lost while this node re-formed (its workers failed with it).
+        if (failovers < kMaxFailoversPerRound && failOver(e.what())) continue;
+        clock_.setRequest(nullptr);
+        link_->setRequest(nullptr);
+        translate();
+      } catch (...) {
+        clock_.setRequest(nullptr);
+        link_->setRequest(nullptr);
+        translate();
+      }
     }
     clock_.setRequest(nullptr);
     link_->setRequest(nullptr);
+    if (o_.storeFailover && round_ && r.nodeCount * 2 <= round_->nodeCount) {
+      // The other side of a partition may have failed over and trains on: two groups writing the
+      // same snapshots must never happen, so only a majority of the last round may go on.
+      std::ostringstream why;
+      why << "round " << r.round << " formed with " << r.nodeCount << " of the previous round's "
+          << round_->nodeCount << " nodes: not a majority, so the other side may have taken the store "
+          << "over (--store-failover) and trains on; this side stops";
+      round_.reset();
+      throw RendezvousError(why.str());
+    }
     round_ = r;
     if (r.nodeRank != 0) workerStore_.reset();  // only node rank 0's is used
 
@@ -396,9 +429,13 @@ class C10dRendezvous::Impl {
     std::optional<RendezvousEvent> event;
     try {
       removeDropped();
-      event = eventFor(executor_->keepAlive());
+      const rc::RoundAssessment a = executor_->keepAlive();
+      event = minority(a);
+      if (!event) event = eventFor(a);
     } catch (const StoreUnreachable& e) {
-      event = cutOff(e.what());
+      // With failover, the next ticks see the re-created state (the lost store host's nodes
+      // removed: PeerLost, a new round at the new store).
+      if (!failOver(e.what())) event = cutOff(e.what());
     } catch (const store::StoreError& e) {
       // One request failed; the next tick tries again (the limit above ends this).
       log("rendezvous").debug("heartbeat: {}", e.what());
@@ -417,6 +454,10 @@ class C10dRendezvous::Impl {
     link_->setPatient(true);
     try {
       executor_->reportFailure(reason);
+    } catch (const StoreUnreachable& e) {
+      // Lost with the store's host: the re-formed round restarts every worker anyway.
+      if (!failOver(e.what()))
+        log("rendezvous").warn("could not report the failure to the other nodes: {}", e.what());
     } catch (const std::exception& e) {
       log("rendezvous").warn("could not report the failure to the other nodes: {}", e.what());
     }
@@ -490,11 +531,8 @@ class C10dRendezvous::Impl {
     auto decision = rc::decideStoreHost(o_.endpointHost, o_.isHost, rc::discoverLocalIdentity(),
                                         rc::resolveHost(o_.endpointHost));
     if (decision.isHost) {
-      store::TcpStoreServerOptions so;
+      store::TcpStoreServerOptions so = hostOptions();
       so.port = static_cast<std::uint16_t>(o_.endpointPort);
-      so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
-      so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
-      so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
       for (int attempt = 1;; ++attempt) {
         try {
           hostServer_ = std::make_unique<store::TcpStoreServer>(so);
@@ -519,9 +557,30 @@ class C10dRendezvous::Impl {
         }
       }
     }
+    if (o_.storeFailover && !hostServer_) {
+      // Ready before this node joins (its port goes into its participant entry), idle until the
+      // store's host is lost and this node is the next in line.
+      store::TcpStoreServerOptions so = hostOptions();
+      so.port = 0;
+      // Connections that come and go before it serves (the others waiting for it) mean nothing.
+      so.onEphemeralKeyLost = [this](const std::string& key) {
+        if (standbyServes_.load()) onAliveKeyLost(key);
+      };
+      standby_ = std::make_unique<store::TcpStoreServer>(so);
+      l.info("store failover: standby rendezvous store on port {}", standby_->port());
+    }
     link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
                                         s.heartbeatExpiry(), aliveKey(nodeId_));
     link_->connectFirst(Clock::now() + s.joinTimeout, request);
+  }
+
+  // The rendezvous store's options (also its standby's): agents' alive keys are ephemeral.
+  store::TcpStoreServerOptions hostOptions() {
+    store::TcpStoreServerOptions so;
+    so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
+    so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
+    so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
+    return so;
   }
 
   void makeExecutor(const RendezvousRequest& request) {
@@ -539,6 +598,8 @@ class C10dRendezvous::Impl {
       self.addr = o_.endpointHost;
     else
       self.addr = link_->localAddress();
+    if (standby_) self.standbyPort = standby_->port();
+    self.storeHost = hostServer_ != nullptr;
     rc::ExecutorOptions eo;
     eo.log = [](const std::string& line) { log("rendezvous").info("{}", line); };
     executor_ = std::make_unique<rc::Executor>(*link_, o_.settings, self, clock_, eo);
@@ -607,6 +668,126 @@ class C10dRendezvous::Impl {
     return std::nullopt;
   }
 
+  // --store-failover: the store did not answer for the heartbeat expiry. The survivors of the
+  // last round move to the standby store of its first node (by node rank) that did not serve the
+  // lost store; that node re-creates the rendezvous state there from its own copy, without the
+  // lost store host's nodes, if it can reach a majority of the round (itself included): a node
+  // that is merely cut off must not take the store over. True when this node now uses the new
+  // store; false (logged) when it cannot (then it is cut off, as without failover).
+  bool failOver(const std::string& why) {
+    if (!o_.storeFailover || !round_ || !executor_ || !executor_->lastState()) return false;
+    auto& l = log("rendezvous");
+    const auto started = Clock::now();
+    std::vector<std::string> lost;
+    const rc::NodeSlot* next = nullptr;
+    for (const auto& n : round_->nodes) {
+      if (n.storeHost)
+        lost.push_back(n.id);
+      else if (!next && n.standbyPort)
+        next = &n;
+    }
+    if (!next) {
+      l.error("store failover: {}; no node of round {} has a standby store", why, round_->round);
+      return false;
+    }
+    const std::string target = next->addr + ":" + std::to_string(*next->standbyPort);
+    l.warn("store failover: {}; moving to the standby store of node '{}' at {}", why, next->id, target);
+    if (next->id == nodeId_) {
+      if (!standby_) return false;
+      int reachable = 1;
+      for (const auto& n : round_->nodes)
+        if (n.id != nodeId_ && !n.storeHost && n.standbyPort && answers(n.addr, *n.standbyPort)) ++reachable;
+      if (reachable * 2 <= round_->nodeCount) {
+        l.error("store failover: only {} of round {}'s {} nodes answer from here (a majority must, or this "
+                "node may be the one cut off): not taking the store over",
+                reachable, round_->round, round_->nodeCount);
+        return false;
+      }
+      standbyServes_ = true;
+      hostServer_ = std::move(standby_);
+      link_->retarget(next->addr, hostServer_->port());
+      link_->setPatient(true);
+      try {
+        executor_->seedStore(lost, "its agent served the rendezvous store, which was lost");
+      } catch (const std::exception& e) {
+        l.error("store failover: could not re-create the rendezvous state in the standby store: {}", e.what());
+        return false;
+      }
+      executor_->setStoreHost(true);
+      executor_->setStandbyPort(std::nullopt);
+      l.warn("store failover: this node serves the rendezvous store now (port {}), re-created from its own "
+             "copy of round {} in {}", hostServer_->port(), round_->round, secs(since(started)));
+      return true;
+    }
+    // Wait for the successor to seed its standby: it notices the loss within about the same time.
+    link_->retarget(next->addr, *next->standbyPort);
+    link_->setPatient(false);
+    const std::string stateKey = rc::stateKey(o_.settings.runId);
+    const auto deadline = started + failoverWait();
+    std::string lastError = "the state was not there yet";
+    for (;;) {
+      try {
+        if (link_->check(stateKey)) break;
+      } catch (const store::StoreError& e) {
+        lastError = e.what();
+        link_->retarget(next->addr, *next->standbyPort);  // a failed request must not count as silence
+      }
+      if (Clock::now() >= deadline) {
+        l.error("store failover: the standby store of node '{}' at {} held no rendezvous state within {} ({})",
+                next->id, target, secs(failoverWait()), lastError);
+        return false;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    try {
+      executor_->adoptStore();
+    } catch (const std::exception& e) {
+      l.error("store failover: reading the re-created rendezvous state at {}: {}", target, e.what());
+      return false;
+    }
+    l.warn("store failover: now using the rendezvous store of node '{}' at {} ({} after the loss was noticed)",
+           next->id, target, secs(since(started)));
+    return true;
+  }
+
+  // How long a survivor waits for the next node to seed its standby: that node notices the loss
+  // up to a heartbeat expiry later, then probes the others.
+  milliseconds failoverWait() const { return o_.settings.heartbeatExpiry() * 2 + milliseconds(2000); }
+
+  bool answers(const std::string& host, int port) const {
+    try {
+      store::TcpStoreClientOptions co;
+      co.timeout = std::min(o_.operationTimeout, milliseconds(1000));
+      co.operationTimeout = co.timeout;
+      co.retryConnect = false;
+      store::TcpStoreClient probe(host, static_cast<std::uint16_t>(port), co);
+      probe.check({"ctorchrun.probe"});
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+  // --store-failover: a node whose round lost a majority of its nodes stops (the majority side
+  // may have failed over to another store and trains on without it).
+  std::optional<RendezvousEvent> minority(const rc::RoundAssessment& a) {
+    if (!o_.storeFailover || !round_ || round_->nodeCount < 2) return std::nullopt;
+    if (a.status != rc::RoundStatus::PeerLost && a.status != rc::RoundStatus::Removed) return std::nullopt;
+    const auto& st = executor_->lastState();
+    if (!st) return std::nullopt;
+    // Still in the rendezvous: in any of its lists (a node re-joining has left the round for the
+    // wait list or the next round); a lost node is removed from all of them.
+    int left = 0;
+    for (const auto& id : round_->participantIds) left += st->heartbeats.count(id) ? 1 : 0;
+    if (left * 2 > round_->nodeCount) return std::nullopt;
+    return RendezvousEvent{RendezvousEventKind::Failed,
+                           a.reason + ": only " + std::to_string(left) + " of round " + std::to_string(round_->round) +
+                               "'s " + std::to_string(round_->nodeCount) +
+                               " nodes are left here, not a majority; this node is cut off from the others "
+                               "(they may have taken the store over with --store-failover); stopping its workers",
+                           kLostPeerGrace};
+  }
+
   RendezvousEvent cutOff(const std::string& why) {
     return RendezvousEvent{RendezvousEventKind::Failed,
                            why + ": this node is cut off from the others (they have removed it by now); "
@@ -672,6 +853,8 @@ class C10dRendezvous::Impl {
   int timerFd_ = -1, dropFd_ = -1, epollFd_ = -1;
   AgentClock clock_;
   std::unique_ptr<store::TcpStoreServer> hostServer_;
+  std::unique_ptr<store::TcpStoreServer> standby_;  // --store-failover, until promoted
+  std::atomic<bool> standbyServes_{false};
   std::unique_ptr<StoreLink> link_;
   std::unique_ptr<rc::Executor> executor_;
   std::unique_ptr<store::TcpStoreServer> workerStore_;

@@ -93,6 +93,11 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
       "a failed worker's rank over at once instead of a new process starting")
       ->capture_default_str()
       ->type_name("N");
+  boolFlag("store-failover", o.storeFailover,
+           "With --rdzv-backend c10d: every agent keeps a standby rendezvous store, so that losing the "
+           "store's host (node rank 0's, say) leaves the others training: they re-form on the next node's "
+           "standby (needs 3 nodes or more: only a majority of the last round goes on; "
+           "docs/store-failover.md)");
   opt("monitor-interval", o.monitorInterval,
       "Seconds (accepted for torchrun compatibility: exits are detected at once here)")
       ->capture_default_str()
@@ -313,7 +318,8 @@ std::string describeConfig(const LaunchConfig& c) {
   for (const auto& kv : c.rdzvConf) os << " " << kv.first << "=" << kv.second;
   os << " | role " << c.role << " | max restarts " << c.maxRestarts
      << (c.inPlaceRecovery ? " | recovery in-place" : "")
-     << (c.spareWorkers > 0 ? " | spare workers " + std::to_string(c.spareWorkers) : "") << " | shutdown timeout "
+     << (c.spareWorkers > 0 ? " | spare workers " + std::to_string(c.spareWorkers) : "")
+     << (c.storeFailover ? " | store failover" : "") << " | shutdown timeout "
      << c.shutdownTimeout.count() / 1000.0 << "s | signals";
   for (std::size_t i = 0; i < c.signalsToHandle.size(); ++i)
     os << (i ? "," : " ") << signalName(c.signalsToHandle[i]);

@@ -545,6 +545,7 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
     throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) +
                      ": spares take over a failed worker's rank, which needs --recovery in-place");
   if (c.spareWorkers > 64) throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) + ": at most 64 per node");
+  c.storeFailover = raw.storeFailover;
   c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
   c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
   c.signalsToHandle = parseSignals(raw.signalsToHandle);
@@ -579,6 +580,9 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   // The dynamic backend's own settings (--rdzv-conf keys, run id): checked now, not at the
   // first rendezvous.
   if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
+  if (c.storeFailover && c.rdzvBackend != "c10d")
+    throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
+                     " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
   // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
   // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
   if (c.inPlaceRecovery && c.usesPython)

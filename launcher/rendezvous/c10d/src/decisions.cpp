@@ -491,7 +491,7 @@ RoundResult roundResult(const State& s, std::string_view selfId) {
   int base = 0;
   for (const Participant* p : byRank) {
     r.nodes.push_back(NodeSlot{p->node.id, p->node.host, p->node.addr, p->rank, p->node.nproc, base,
-                               p->node.storePort});
+                               p->node.storePort, p->node.standbyPort, p->node.storeHost});
     r.participantIds.push_back(p->node.id);
     if (p == me) {
       r.nodeRank = p->rank;

@@ -101,6 +101,43 @@ void Executor::waitForChange() {
   }
 }
 
+bool Executor::seedStore(const std::vector<std::string>& lost, const std::string& why) {
+  if (!state_) return false;
+  State s = *state_;
+  const Timestamp now = clock_.now();
+  for (auto& [id, t] : s.heartbeats) t = now;
+  if (!lost.empty()) {
+    NodeView view{self_, settings_, now, settings_.heartbeatTimeout};
+    Decision d = decideRemove(s, view, lost, why);
+    if (d.writes()) {
+      s = *d.next;
+      log(d.reason);
+    }
+  }
+  if (announcing_ && s.announced > 0) store_.add(countKey_, s.announced);
+  store_.compareSet(key_, "", encodeState(s));
+  adoptStore();
+  bumpPhase();
+  return true;
+}
+
+void Executor::adoptStore() {
+  keyReady_ = false;
+  phaseSeen_ = -1;
+  myRound_ = -1;
+  myNumber_ = 0;
+  pendingSince_.reset();
+  pendingAt_ = -1;
+  missingSince_.reset();
+  missingNumber_ = -1;
+  deferredSince_.reset();
+  lastBeatSent_.reset();
+  lastMerge_ = {};
+  lastMonitorCheck_ = {};
+  read();
+  pruneFrom_ = state_ ? state_->announced + 1 : 1;
+}
+
 void Executor::bumpPhase() {
   if (announcing_) phaseSeen_ = store_.add(phaseKey_, 1);
 }

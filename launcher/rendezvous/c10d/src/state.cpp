@@ -66,7 +66,9 @@ json encodeNode(const Participant& p) {
               {"previous_rank", optionalInt(p.node.previousRank)},
               {"join_seq", p.joinSeq},
               {"rank", p.rank},
-              {"store_port", optionalInt(p.node.storePort)}};
+              {"store_port", optionalInt(p.node.storePort)},
+              {"standby_port", optionalInt(p.node.standbyPort)},
+              {"store_host", p.node.storeHost}};
 }
 
 [[noreturn]] void corrupt(const std::string& why) {
@@ -176,6 +178,8 @@ State decodeState(std::string_view text) {
     p.joinSeq = get<std::int64_t>(pj, "join_seq", where);
     p.rank = get<int>(pj, "rank", where);
     p.node.storePort = getOptionalInt(pj, "store_port", where, /*mayBeAbsent=*/version < 2);
+    p.node.standbyPort = getOptionalInt(pj, "standby_port", where, /*mayBeAbsent=*/version < 4);
+    if (version >= 4) p.node.storeHost = get<bool>(pj, "store_host", where);
     if (p.node.id.empty()) corrupt(where + " has an empty id");
     if (p.node.nproc < 1) corrupt(where + " has nproc " + std::to_string(p.node.nproc));
     if (s.isParticipant(p.node.id)) corrupt("node '" + p.node.id + "' is a participant twice");
@@ -246,6 +250,8 @@ std::optional<Announcement> decodeAnnouncement(std::string_view text) {
     a.node.requestedRank = getOptionalInt(nj, "requested_rank", "node");
     a.node.previousRank = getOptionalInt(nj, "previous_rank", "node");
     a.node.storePort = getOptionalInt(nj, "store_port", "node");
+    a.node.standbyPort = getOptionalInt(nj, "standby_port", "node", /*mayBeAbsent=*/true);
+    if (auto it = nj.find("store_host"); it != nj.end() && it->is_boolean()) a.node.storeHost = it->get<bool>();
     if (a.node.id.empty() || a.node.nproc < 1 || a.round < 0) return std::nullopt;
     return a;
   } catch (const std::exception&) {

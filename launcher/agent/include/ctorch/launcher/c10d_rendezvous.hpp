@@ -38,6 +38,9 @@ struct C10dRendezvousOptions {
   // Bound on one store request (min of read_timeout, heartbeat_timeout, keep_alive_interval): an
   // unreachable store blocks the event loop for at most this long per tick.
   std::chrono::milliseconds operationTimeout{1000};
+  // --store-failover: every agent keeps a standby rendezvous store; when the store's host is lost,
+  // the survivors move to the standby of the next node (by node rank) and re-form there.
+  bool storeFailover = false;
 };
 
 // From the validated command line (c10d backend); throws UsageError naming a bad --rdzv-conf.

@@ -58,6 +58,9 @@ struct LaunchConfig {
   // --spare-workers: processes per node started ahead, loaded and waiting, that take a failed
   // worker's rank over at once (--recovery in-place).
   int spareWorkers = 0;
+  // --store-failover (c10d): every agent keeps a standby rendezvous store; the survivors of the
+  // store host's loss re-form on the next node's (docs/store-failover.md).
+  bool storeFailover = false;
   std::chrono::milliseconds monitorInterval{100};  // accepted for compatibility; unused
   std::chrono::milliseconds shutdownTimeout{std::chrono::seconds(30)};
   std::vector<int> signalsToHandle;
@@ -107,6 +110,7 @@ struct RawOptions {
   std::string maxRestarts = "0";
   std::string recovery = "restart";
   std::string spareWorkers = "0";
+  bool storeFailover = false;
   std::string monitorInterval = "0.1";
   std::string role = "default";
   std::string logDir;

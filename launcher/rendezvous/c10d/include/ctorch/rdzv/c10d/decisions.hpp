@@ -119,6 +119,8 @@ struct NodeSlot {
   int nproc = 1;
   int rankBase = 0;  // global rank of its local rank 0: sum of nproc of the nodes ranked below
   std::optional<int> storePort;  // the workers' store it hosts (used when it is node rank 0)
+  std::optional<int> standbyPort;  // its standby rendezvous store (store failover)
+  bool storeHost = false;          // its agent serves the rendezvous store
 };
 
 struct RoundResult {

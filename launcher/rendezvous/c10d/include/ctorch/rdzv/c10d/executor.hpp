@@ -100,6 +100,19 @@ class Executor {
   bool removeNodes(const std::vector<std::string>& ids, const std::string& why);
   // The workers' store this node would host if it became node rank 0 (sent when joining).
   void setStorePort(std::optional<int> port) { self_.storePort = port; }
+  // Store failover: this node's standby store, and whether it serves the rendezvous store (both
+  // sent when joining the next round).
+  void setStandbyPort(std::optional<int> port) { self_.standbyPort = port; }
+  void setStoreHost(bool host) { self_.storeHost = host; }
+  // Store failover. The store behind this executor's CasStore was replaced by an empty one (the
+  // rendezvous store's host was lost; this node now serves its standby): writes the state as this
+  // node last saw it there, with every heartbeat renewed (the survivors get a full expiry to
+  // reconnect) and `lost` removed (PeerLost for the others: they re-form), and the announcement
+  // counter where the state expects it. False when this node never saw a state.
+  bool seedStore(const std::vector<std::string>& lost, const std::string& why);
+  // Store failover, on the other nodes: the store behind the CasStore is now another node's (which
+  // seeded it); forget what belonged to the old one (counters, pending announcement) and read.
+  void adoptStore();
 
   const NodeInfo& self() const { return self_; }
   const Settings& settings() const { return settings_; }

@@ -20,8 +20,9 @@ namespace ctorch::rdzv::c10d {
 using Timestamp = std::chrono::time_point<std::chrono::system_clock, std::chrono::milliseconds>;
 
 // Version 2 added restarts, failure, expected, round_size and store_port; version 3 added
-// announced (the scalable join). Versions 1 and 2 are still read.
-inline constexpr int kStateVersion = 3;
+// announced (the scalable join); version 4 a node's standby_port and store_host (store failover).
+// Versions 1 to 3 are still read.
+inline constexpr int kStateVersion = 4;
 inline constexpr const char* kStateFormat = "ctorchrun-rdzv";
 // The store value meaning "no state yet". A store's get() blocks until a key exists, so the key is
 // created with this sentinel first (torch uses "Y2FuaW1hZGFt" the same way).
@@ -41,11 +42,16 @@ struct NodeInfo {
   // Port of the workers' store this node hosts for the round (a fresh one for every round it
   // joins); the workers of a round use node rank 0's (MASTER_ADDR = its addr).
   std::optional<int> storePort;
+  // Store failover (ctorchrun --store-failover): the port of the standby rendezvous store this
+  // node's agent keeps ready at `addr`, and whether this node's agent serves the rendezvous store
+  // now (the one node whose loss makes the others fail over to the next node's standby).
+  std::optional<int> standbyPort;
+  bool storeHost = false;
 
   bool operator==(const NodeInfo& o) const {
     return id == o.id && host == o.host && addr == o.addr && nproc == o.nproc &&
            requestedRank == o.requestedRank && previousRank == o.previousRank &&
-           storePort == o.storePort;
+           storePort == o.storePort && standbyPort == o.standbyPort && storeHost == o.storeHost;
   }
 };
 
