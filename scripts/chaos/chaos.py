@@ -1014,13 +1014,15 @@ def netns_of(pid):
         return None
 
 
-def nodes_suite(h):
+def nodes_suite(h, victim=3, failover=False):
     """Node loss with the trainer: three hosts (network namespaces, scripts/lab/netns.sh), one
     `ctorchrun --nnodes 2:3 --rdzv-backend c10d` agent with one worker each (world size 3), Fashion-MNIST
-    subset. Mid-epoch, host 3 is killed (every process of it SIGKILLed), or its link is cut. The two
-    others must notice, re-form with world size 2, resume from the epoch boundary and finish, with an
+    subset. Mid-epoch, host `victim` is killed (every process of it SIGKILLed), or its link is cut. The
+    two others must notice, re-form with world size 2, resume from the epoch boundary and finish, with an
     accuracy close to the undisturbed run's; a cut-off host's agent must give up by itself (exit 3, one
-    clear line, its worker stopped)."""
+    clear line, its worker stopped). Host 1 serves the rendezvous store (the endpoint names it); with
+    `failover` (the nodes-store suite: victim 1, ctorchrun --store-failover, host 1 pinned to node rank
+    0) the survivors must re-form on host 2's standby store; --repeat runs each fault that many times."""
     netns_sh = os.path.join(ROOT, "scripts", "lab", "netns.sh")
     if subprocess.run([netns_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
         h.log("CTORCH_SKIPPED: netns.sh check: no network namespaces here", always=True)
@@ -1033,10 +1035,12 @@ def nodes_suite(h):
     ref2_acc = last_accuracy(open(os.path.join(os.path.dirname(h.reference(workload, 2)), "output.log")).read())
     lo_acc, hi_acc = min(ref_acc, ref2_acc) - 2.0, max(ref_acc, ref2_acc) + 2.0
     results = []
-    for mode in ("kill", "cut"):
+    survivors = tuple(i for i in (1, 2, 3) if i != victim)
+    modes = [m for m in ("kill", "cut") if not h.args.only or h.args.only == m for _ in range(max(1, h.args.repeat))]
+    for run_no, mode in enumerate(modes):
         prefix = lab_up(netns_sh, 3)
         problems = []
-        d = os.path.join(h.work, f"nodes-{mode}")
+        d = os.path.join(h.work, f"nodes-{mode}-h{victim}-{run_no}")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         run_id = uuid.uuid4().hex
@@ -1047,7 +1051,10 @@ def nodes_suite(h):
                 cmd = [netns_sh, "exec", prefix, str(i), h.ctorchrun, "--nnodes", "2:3", "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "chaos",
                        "--max-restarts", "3", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                       "--log-dir", f"logs-n{i}", h.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS + \
+                       "--log-dir", f"logs-n{i}"] + \
+                      (["--store-failover", "--node-rank", str(i - 1)] if failover else []) + \
+                      (["--recovery", "in-place"] if h.args.recovery == "in-place" else []) + \
+                      [h.trainer] + WORKLOADS[workload]["args"] + COMMON_ARGS + \
                       ["--step-delay-ms", str(WORKLOADS[workload]["delay_ms"])]
                 outs[i] = open(os.path.join(d, f"node{i}.log"), "w+")
                 agents[i] = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=outs[i],
@@ -1064,7 +1071,7 @@ def nodes_suite(h):
 
             # Mid-epoch 2 of 3.
             per_epoch = WORKLOADS[workload]["steps_per_rank_world"][3]
-            target = per_epoch + 3 + random.Random(h.args.seed).randrange(per_epoch - 6)
+            target = per_epoch + 3 + random.Random(h.args.seed * 1000 + run_no).randrange(per_epoch - 6)
             deadline = time.monotonic() + 180
             # Rank 0 (which prints progress) is on whichever host joined first: read every log.
             def progress():
@@ -1077,18 +1084,17 @@ def nodes_suite(h):
             step_at = progress()
             if step_at < target:
                 problems.append(f"training never reached step {target} (at {step_at})")
-            host3 = os.stat(f"/run/netns/{prefix}-h3").st_ino
+            victim_ns = os.stat(f"/run/netns/{prefix}-h{victim}").st_ino
             t_fault = time.monotonic()
-            subprocess.run([netns_sh, mode, prefix, "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=30)
-            h.log(f"nodes-{mode}: host 3 {mode} at global step {step_at}")
+            subprocess.run([netns_sh, mode, prefix, str(victim)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=30)
+            h.log(f"nodes-{mode}: host {victim} {mode} at global step {step_at}")
             # The survivors re-form with world size 2.
             t_reformed = None
-            # Host 1 hosts the rendezvous store (the endpoint names it); hosts 1 and 2 survive.
-            before = {i: len(text(i)) for i in (1, 2)}
+            before = {i: len(text(i)) for i in survivors}
 
             def survivors_after():
-                return "".join(text(i)[before[i]:] for i in (1, 2))
+                return "".join(text(i)[before[i]:] for i in survivors)
 
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -1101,35 +1107,40 @@ def nodes_suite(h):
             t3_exit = None
             if mode == "cut":
                 try:
-                    rc3 = agents[3].wait(timeout=60)
+                    rc3 = agents[victim].wait(timeout=60)
                     t3_exit = time.monotonic()
                 except subprocess.TimeoutExpired:
                     rc3 = None
                     problems.append("the cut-off node's agent did not give up within 60 s")
                 if rc3 != 3:
                     problems.append(f"the cut-off node's agent exited {rc3}, expected 3")
-                if "this node is cut off from the others" not in text(3):
+                if "this node is cut off from the others" not in text(victim):
                     problems.append("the cut-off node's agent did not say it is cut off")
-                left = [p for p, _ in marked_processes(run_id) if netns_of(p) == host3]
+                left = [p for p, _ in marked_processes(run_id) if netns_of(p) == victim_ns]
                 if left:
                     problems.append(f"the cut-off node left processes: {[(p, proc_exe_name(p)) for p in left]}")
+            if failover:
+                if "this node serves the rendezvous store now" not in text(survivors[0]):
+                    problems.append(f"host {survivors[0]} did not take the rendezvous store over")
+                if "now using the rendezvous store of node" not in text(survivors[1]):
+                    problems.append(f"host {survivors[1]} did not move to host {survivors[0]}'s standby store")
             rcs = {}
-            for i in (1, 2):
+            for i in survivors:
                 try:
                     rcs[i] = agents[i].wait(timeout=240)
                 except subprocess.TimeoutExpired:
                     rcs[i] = None
                 if rcs[i] != 0:
                     problems.append(f"node {i}'s agent exited {rcs[i]}, expected 0")
-            t1 = text(1) + text(2)
+            t1 = "".join(text(i) for i in survivors)
             after = survivors_after()
             # The store host must not wait for the removed node's dead connection (close_timeout, 30 s).
             if "still connected to the rendezvous store hosted here" in t1:
-                problems.append("node 1 waited for a removed node's connection before exiting: " +
+                problems.append("the store host waited for a removed node's connection before exiting: " +
                                 re.search(r".*still connected.*", t1).group(0)[:200])
             m = re.search(r"resume: (.*continued by 2 ranks.*|.*redone with 2 ranks.*|.*2 ranks.*)", after)
             if not m:
-                problems.append("no resume line under world size 2 on node 1")
+                problems.append("no resume line under world size 2 on the survivors")
             acc = last_accuracy(t1)
             if acc is None or not (lo_acc <= acc <= hi_acc):
                 problems.append(f"accuracy {acc}% outside [{lo_acc:.1f}, {hi_acc:.1f}] (undisturbed runs: "
@@ -1138,7 +1149,7 @@ def nodes_suite(h):
             problems += [f"snapshot {n}: {why}" for n, why in bad if why]
             ok = not problems
             first_step = None
-            ev = f"{'PASS' if ok else 'FAIL'}  nodes {mode:<4} host 3 at global step {step_at}: "
+            ev = f"{'PASS' if ok else 'FAIL'}  nodes {mode:<4} host {victim} at global step {step_at}: "
             ev += f"survivors re-formed (world 2) {t_reformed - t_fault:.1f} s later" if t_reformed else "no re-form"
             if t3_exit:
                 ev += f", cut-off agent exited 3 after {t3_exit - t_fault:.1f} s"
@@ -1146,7 +1157,7 @@ def nodes_suite(h):
             h.log(ev + (f" | {m.group(0)[:160]}" if m else ""), always=True)
             for pr in problems:
                 h.log(f"      problem: {pr}", always=True)
-            results.append(dict(name=f"nodes-{mode}", ok=ok, problems=problems, injected=[], lost=[],
+            results.append(dict(name=f"nodes-{mode}-host{victim}", ok=ok, problems=problems, injected=[], lost=[],
                                 reform_s=round(t_reformed - t_fault, 2) if t_reformed else None,
                                 cut_exit_s=round(t3_exit - t_fault, 2) if t3_exit else None,
                                 accuracy=acc, reference_accuracy=[ref_acc, ref2_acc]))
@@ -1158,6 +1169,102 @@ def nodes_suite(h):
             if left:
                 results[-1]["ok"] = False if results else None
                 h.log(f"FAIL  nodes {mode}: processes left after teardown {[p for p, _ in left]}", always=True)
+    if len(results) > 2:
+        for mode in ("kill", "cut"):
+            rs = [r for r in results if r["name"].startswith(f"nodes-{mode}")]
+            ts = [r["reform_s"] for r in rs if r["reform_s"] is not None]
+            h.log(f"host {victim} {mode}: survived {sum(1 for r in rs if r['ok'])} of {len(rs)}; re-formed after "
+                  + (f"{sum(ts) / len(ts):.2f} s mean, {min(ts):.2f}-{max(ts):.2f} s" if ts else "-"), always=True)
+    return results
+
+
+def nodes_store_torchrun(h):
+    """The side-by-side for the nodes-store suite: the same three hosts and the same fault (host 1,
+    which serves the c10d rendezvous store, killed or cut off mid-training) under Debian's torchrun
+    with the Python peer (bench/trainer/python_peer.py: PyTorch's DDP on Fashion-MNIST), torchrun's
+    own elastic settings (--nnodes 2:3 --max_restarts 3). Records what becomes of the job: whether the
+    survivors train another epoch, how their agents end and after how long. An observation, not a
+    pass/fail of torchrun (it fails only when the harness could not run it)."""
+    netns_sh = os.path.join(ROOT, "scripts", "lab", "netns.sh")
+    torchrun = shutil.which("torchrun", path="/usr/bin") or "/usr/bin/torchrun"
+    if subprocess.run([netns_sh, "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT).returncode != 0:
+        h.log("CTORCH_SKIPPED: netns.sh check: no network namespaces here", always=True)
+        return None
+    if not os.access(torchrun, os.X_OK):
+        h.log("CTORCH_SKIPPED: no torchrun (python3-torch) here", always=True)
+        return None
+    peer = os.path.join(ROOT, "bench", "trainer", "python_peer.py")
+    epochs = 12
+    results = []
+    for run_no, mode in enumerate([m for m in ("kill", "cut") for _ in range(max(1, h.args.repeat))]):
+        prefix = lab_up(netns_sh, 3)
+        d = os.path.join(h.work, f"torchrun-{mode}-{run_no}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        run_id = uuid.uuid4().hex
+        env = dict(os.environ, **{MARKER: run_id, "OMP_NUM_THREADS": "1"})
+        agents, problems = {}, []
+        try:
+            for i in (1, 2, 3):
+                cmd = [netns_sh, "exec", prefix, str(i), torchrun, "--nnodes", "2:3", "--nproc_per_node", "1",
+                       "--rdzv_backend", "c10d", "--rdzv_endpoint", "n1:29400", "--rdzv_id", "chaos",
+                       "--max_restarts", "3", "-r", "1", "-t", "1", "--log_dir", f"logs-n{i}", peer,
+                       "--epochs", str(epochs), "--train-limit", "6000", "--test-limit", "500", "--data", "preloaded"]
+                agents[i] = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL,
+                                             stdout=open(os.path.join(d, f"node{i}.log"), "w"),
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+
+            def text(i):
+                return open(os.path.join(d, f"node{i}.log"), errors="replace").read()
+
+            def epochs_done():
+                return max([int(m.group(1)) for i in (1, 2, 3)
+                            for m in re.finditer(r'"impl": "python".*?"epoch": (\d+)', text(i))] or [0])
+
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and epochs_done() < 2:
+                if any(a.poll() is not None for a in agents.values()):
+                    break
+                time.sleep(0.05)
+            at = epochs_done()
+            if at < 2:
+                problems.append(f"torchrun's job never trained 2 epochs (at {at})")
+                raise RuntimeError("; ".join(problems))
+            before = {i: len(text(i)) for i in (2, 3)}
+            t_fault = time.monotonic()
+            subprocess.run([netns_sh, mode, prefix, "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=30)
+            ends = {}
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and len(ends) < 2:
+                for i in (2, 3):
+                    if i not in ends and agents[i].poll() is not None:
+                        ends[i] = (agents[i].returncode, time.monotonic() - t_fault)
+                time.sleep(0.05)
+            later = max([int(m.group(1)) for i in (2, 3)
+                         for m in re.finditer(r'"impl": "python".*?"epoch": (\d+)', text(i)[before[i]:])] or [0])
+            errors = sorted({m.group(0)[:140] for i in (2, 3) for m in
+                             re.finditer(r"(RendezvousConnectionError|RendezvousError|RendezvousTimeoutError|"
+                                         r"TimeoutError|RuntimeError)[^\n]*", text(i)[before[i]:])})
+            survived = later == epochs and all(rc == 0 for rc, _ in ends.values()) and len(ends) == 2
+            ev = (f"torchrun {mode:<4} host 1 after epoch {at}: " +
+                  ("the job SURVIVED" if survived else "the job was LOST") +
+                  f"; survivors' agents: " + ", ".join(f"host {i} exited {rc} after {t:.1f} s"
+                                                        for i, (rc, t) in sorted(ends.items())) +
+                  ("" if len(ends) == 2 else f", {2 - len(ends)} still running after 180 s") +
+                  f"; epochs trained after the fault: {max(0, later - at)}")
+            h.log(ev, always=True)
+            for e in errors[:3]:
+                h.log(f"      {e}", always=True)
+            results.append(dict(name=f"torchrun-{mode}", ok=True, problems=[], injected=[], lost=[],
+                                survived=survived, ends={str(i): v for i, v in ends.items()}, errors=errors[:3]))
+        except Exception as e:  # noqa: BLE001
+            h.log(f"FAIL  torchrun {mode}: {e}", always=True)
+            results.append(dict(name=f"torchrun-{mode}", ok=False, problems=[str(e)], injected=[], lost=[]))
+        finally:
+            kill_agents(agents)
+            subprocess.run([netns_sh, "down", prefix], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=120)
     return results
 
 
@@ -1359,7 +1466,7 @@ def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train (or consumer) runs.")
     ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer",
-                                        "inplace", "nodes-inplace"],
+                                        "inplace", "nodes-inplace", "nodes-store", "nodes-store-torchrun"],
                     default="quick")
     ap.add_argument("--recovery", choices=["restart", "in-place"], default="",
                     help="ctorchrun's --recovery for the faulty runs (default: in-place for the inplace suite, "
@@ -1371,6 +1478,7 @@ def main():
                     help="with --recovery in-place: ctorchrun's --spare-workers (processes started ahead)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
+    ap.add_argument("--repeat", type=int, default=1, help="nodes suites: runs of each fault (kill, cut)")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
     ap.add_argument("--kinds", default="", help=f"comma-separated subset of {','.join(KINDS)}")
     ap.add_argument("--only", default="", help="run only scenarios whose name contains this")
@@ -1395,7 +1503,7 @@ def main():
     if uses_consumer(args) and not os.access(args.consumer, os.X_OK):
         ap.error(f"'{args.consumer}' is not an executable (the consumer test builds it: "
                  f"ctest --test-dir build -R 'consumer: find_package')")
-    if args.program == "consumer" and args.suite in ("integrity", "nodes", "self-test"):
+    if args.program == "consumer" and args.suite in ("integrity", "nodes", "nodes-store", "self-test"):
         ap.error(f"--program consumer: the {args.suite} suite runs the trainer only")
 
     h = Harness(args)
@@ -1404,9 +1512,11 @@ def main():
         if ok and not args.keep and not args.work:
             shutil.rmtree(h.work, ignore_errors=True)
         return 0 if ok else 1
-    if args.suite in ("integrity", "slurm", "nodes", "nodes-inplace"):
+    if args.suite in ("integrity", "slurm", "nodes", "nodes-inplace", "nodes-store", "nodes-store-torchrun"):
         results = {"integrity": integrity, "slurm": slurm_suite, "nodes": nodes_suite,
-                   "nodes-inplace": nodes_inplace_suite}[args.suite](h)
+                   "nodes-inplace": nodes_inplace_suite,
+                   "nodes-store": lambda h: nodes_suite(h, victim=1, failover=True),
+                   "nodes-store-torchrun": nodes_store_torchrun}[args.suite](h)
         if results is None:
             return 0  # skipped
         failed = sum(1 for r in results if not r["ok"])

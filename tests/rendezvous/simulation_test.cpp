@@ -8,6 +8,7 @@
 #include "ctorch/rdzv/c10d/executor.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -634,4 +635,126 @@ TEST_CASE("rendezvous simulation: while 64 nodes run, heartbeats cost a handful 
   } else {
     CHECK(sim.store().casOps() >= 64 + 64 + 64 * 6);  // every node rewrites the state for each heartbeat
   }
+}
+
+namespace {
+
+// One agent's connection: the store it talks to changes when it fails over (as StoreLink retargets).
+class SwitchStore final : public CasStore {
+ public:
+  explicit SwitchStore(CasStore* to) : to_(to) {}
+  void point(CasStore* to) { to_.store(to); }
+  std::string compareSet(const std::string& k, const std::string& e, const std::string& d) override {
+    return to_.load()->compareSet(k, e, d);
+  }
+  std::string get(const std::string& k) override { return to_.load()->get(k); }
+  bool supportsAnnouncements() const override { return to_.load()->supportsAnnouncements(); }
+  std::int64_t add(const std::string& k, std::int64_t d) override { return to_.load()->add(k, d); }
+  void set(const std::string& k, const std::string& v) override { to_.load()->set(k, v); }
+  bool check(const std::string& k) override { return to_.load()->check(k); }
+  void deleteKey(const std::string& k) override { to_.load()->deleteKey(k); }
+
+ private:
+  std::atomic<CasStore*> to_;
+};
+
+} // namespace
+
+TEST_CASE("rendezvous simulation: store failover: the next node re-creates the state in its standby, the others adopt it, the survivors re-form", "[rendezvous]") {
+  const bool announce = GENERATE(true, false);
+  CAPTURE(announce);
+  MemStore primary, standby;
+  primary.announce = standby.announce = announce;
+  VirtualClock clock;
+  auto s = simSettings("job", 2, 3);
+  s.lastCallTimeout = 5s;
+  NodeInfo a = simNode("a", 1, 0), b = simNode("b", 1, 1), c = simNode("c", 2, 2);
+  a.storeHost = true;
+  b.standbyPort = 4001;
+  c.standbyPort = 4002;
+  std::map<std::string, AgentLog> logs;
+  for (const char* n : {"a", "b", "c"}) logs[n];
+  std::atomic<bool> seeded{false};
+  auto agent = [&](NodeInfo self, AgentLog& log) {
+    try {
+      SwitchStore link(&primary);
+      Executor ex(link, s, self, clock);
+      log.rounds.push_back(ex.nextRound());
+      for (;;) {
+        clock.sleepFor(1s);
+        if (clock.elapsed() >= 60s) return;
+        if (self.id == a.id) {
+          if (clock.elapsed() >= 20s) return;  // a and its store die at 20 s
+          ex.keepAlive();
+          continue;
+        }
+        if (clock.elapsed() >= 20s && !seeded && self.id == b.id) {
+          // b is first in line (rank 1, not the store host): it takes its own copy to its standby.
+          link.point(&standby);
+          REQUIRE(ex.lastState());
+          REQUIRE(ex.seedStore({a.id}, "its store was lost"));
+          ex.setStoreHost(true);
+          seeded = true;
+          continue;
+        }
+        if (clock.elapsed() >= 21s && self.id == c.id && log.events.empty() && log.rounds.size() == 1) {
+          if (!seeded) continue;
+          link.point(&standby);
+          ex.adoptStore();
+        }
+        if (clock.elapsed() < 20s) {
+          ex.keepAlive();
+          continue;
+        }
+        if (self.id == c.id && clock.elapsed() < 21s) continue;
+        auto as = ex.keepAlive();
+        if (as.status == RoundStatus::Healthy) continue;
+        if (log.rounds.size() == 2) continue;
+        log.events.push_back({clock.elapsed(), as});
+        log.rounds.push_back(ex.nextRound());
+        log.roundTimes.push_back(clock.elapsed());
+      }
+    } catch (const std::exception& e) {
+      log.error = e.what();
+    }
+  };
+  std::vector<std::thread> threads;
+  clock.enter();
+  for (auto [node, name] : {std::pair{a, "a"}, std::pair{b, "b"}, std::pair{c, "c"}}) {
+    clock.enter();
+    threads.emplace_back([&, node, name] {
+      agent(node, logs[name]);
+      clock.leave();
+    });
+  }
+  clock.leave();
+  for (auto& t : threads) t.join();
+  for (const char* n : {"a", "b", "c"}) {
+    INFO(n << ": " << logs[n].error);
+    REQUIRE(logs[n].error.empty());
+  }
+  for (const char* n : {"b", "c"}) {
+    auto& log = logs[n];
+    INFO(n);
+    REQUIRE(log.rounds.size() == 2);
+    REQUIRE(log.events.size() == 1);
+    // a was removed at once by the seeding node, not after its heartbeat expired (15 s).
+    CHECK(log.events[0].second.status == RoundStatus::PeerLost);
+    CHECK(log.events[0].first <= 23s);
+    CHECK(log.rounds[0].round == 0);
+    CHECK(log.rounds[1].round == 1);  // the round numbers go on: the state is the old one, re-created
+    CHECK(log.rounds[1].nodeCount == 2);
+    CHECK(log.rounds[1].worldSize == 3);
+    CHECK(log.rounds[1].restartCount == 0);
+    // The failover fields travel with the nodes.
+    CHECK(log.rounds[0].nodes.at(0).storeHost);
+    CHECK(log.rounds[0].nodes.at(1).standbyPort == 4001);
+  }
+  // b serves the store now: its next participant entry says so (the next loss fails over from it).
+  const auto& r1 = logs["c"].rounds[1];
+  bool bIsHost = false;
+  for (const auto& n : r1.nodes) bIsHost = bIsHost || (n.id == b.id && n.storeHost);
+  CHECK(bIsHost);
+  // The old store saw nothing after the loss: everything since went to the standby.
+  CHECK(standby.check(stateKey("job")));
 }

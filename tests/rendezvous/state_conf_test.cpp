@@ -23,6 +23,8 @@ State sampleState() {
   NodeInfo a{"hostA_11_0", "hostA", "10.0.0.1", 4, 0, std::nullopt};
   NodeInfo b{"hostB_22_0", "hostB", "fe80::1", 2, std::nullopt, 1};
   a.storePort = 41234;
+  a.storeHost = true;
+  b.standbyPort = 40001;
   s.participants = {{a, 10, 0}, {b, 11, 1}};
   s.restarts = 2;
   s.failure = Failure{7, b.id, "rank 5 exited with code 1"};
@@ -55,7 +57,7 @@ TEST_CASE("rendezvous state: JSON round trip keeps every field", "[rendezvous]")
 TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvous]") {
   auto j = nlohmann::json::parse(encodeState(sampleState()));
   CHECK(j["format"] == "ctorchrun-rdzv");
-  CHECK(j["version"] == 3);
+  CHECK(j["version"] == 4);
   CHECK(j["announced"] == 17);
   CHECK(j["run_id"] == "job-42");
   CHECK(j["round"] == 7);
@@ -75,6 +77,10 @@ TEST_CASE("rendezvous state: the JSON layout is the documented one", "[rendezvou
   CHECK(j["heartbeats_ms"]["hostB_22_0"] == 1'700'000'000'500LL);
   CHECK(j["participants"][0]["store_port"] == 41234);
   CHECK(j["participants"][1]["store_port"].is_null());
+  CHECK(j["participants"][0]["store_host"] == true);
+  CHECK(j["participants"][0]["standby_port"].is_null());
+  CHECK(j["participants"][1]["store_host"] == false);
+  CHECK(j["participants"][1]["standby_port"] == 40001);
   CHECK(j["restarts"] == 2);
   CHECK(j["failure"]["round"] == 7);
   CHECK(j["failure"]["node"] == "hostB_22_0");
@@ -86,13 +92,19 @@ TEST_CASE("rendezvous state: a version 1 state is still read", "[rendezvous]") {
   auto j = nlohmann::json::parse(encodeState(sampleState()));
   j["version"] = 1;
   for (const char* k : {"restarts", "failure", "expected", "round_size"}) j.erase(k);
-  for (auto& p : j["participants"]) p.erase("store_port");
+  for (auto& p : j["participants"]) {
+    p.erase("store_port");
+    p.erase("standby_port");
+    p.erase("store_host");
+  }
   State back = decodeState(j.dump());
   CHECK(back.round == 7);
   CHECK(back.restarts == 0);
   CHECK_FALSE(back.failure);
   CHECK(back.expected.empty());
   CHECK_FALSE(back.participants[0].node.storePort);
+  CHECK_FALSE(back.participants[0].node.storeHost);
+  CHECK_FALSE(back.participants[1].node.standbyPort);
   // Control: a version 2 state without the new fields is refused.
   j["version"] = 2;
   CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'store_port'") || Catch::Contains("no 'restarts'"));
@@ -110,6 +122,23 @@ TEST_CASE("rendezvous state: a version 2 state (before the scalable join) is sti
   CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'announced'"));
   j["announced"] = -1;
   CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("announced is negative"));
+}
+
+TEST_CASE("rendezvous state: a version 3 state (before store failover) is still read", "[rendezvous]") {
+  auto j = nlohmann::json::parse(encodeState(sampleState()));
+  CHECK(j["version"] == 4);
+  j["version"] = 3;
+  for (auto& p : j["participants"]) {
+    p.erase("standby_port");
+    p.erase("store_host");
+  }
+  State back = decodeState(j.dump());
+  CHECK_FALSE(back.participants[0].node.storeHost);
+  CHECK_FALSE(back.participants[1].node.standbyPort);
+  CHECK(back.participants[0].node.storePort == 41234);
+  // Control: a version 4 state without them is refused.
+  j["version"] = 4;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("no 'standby_port'"));
 }
 
 TEST_CASE("rendezvous announcements: round trip, keys, and garbage is skipped not fatal", "[rendezvous]") {
@@ -149,8 +178,8 @@ TEST_CASE("rendezvous state: unusable values are refused with the reason", "[ren
   CHECK_THROWS_AS(decodeState("[1,2]"), RendezvousStateError);
   CHECK_THROWS_WITH(decodeState(R"({"format":"other","version":1})"), Catch::Contains("format 'other'"));
   auto j = nlohmann::json::parse(encodeState(sampleState()));
-  j["version"] = 4;
-  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 4") && Catch::Contains("newer") &&
+  j["version"] = 5;
+  CHECK_THROWS_WITH(decodeState(j.dump()), Catch::Contains("version 5") && Catch::Contains("newer") &&
                                                Catch::Contains("same ctorchrun version"));
   j = nlohmann::json::parse(encodeState(sampleState()));
   j.erase("round");

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cerrno>
 #include <mutex>
 #include <sstream>
@@ -256,6 +257,7 @@ class AgentClock final : public rc::Clock {
   }
   std::chrono::steady_clock::time_point steadyNow() override { return std::chrono::steady_clock::now(); }
   void sleepFor(milliseconds d) override {
+    if (check_) check_();
     if (!request_ || request_->cancelFd < 0) {
       std::this_thread::sleep_for(d);
       return;
@@ -271,9 +273,12 @@ class AgentClock final : public rc::Clock {
     }
   }
   void setRequest(const RendezvousRequest* r) { request_ = r; }
+  // Runs before every wait of the executor (it may throw to end the wait).
+  void setCheck(std::function<void()> check) { check_ = std::move(check); }
 
  private:
   const RendezvousRequest* request_ = nullptr;
+  std::function<void()> check_;
 };
 
 std::string confText(const std::vector<std::pair<std::string, std::string>>& pairs) {
@@ -368,6 +373,15 @@ class C10dRendezvous::Impl {
     clock_.setRequest(&request);
     link_->setRequest(&request);
     rc::RoundResult r;
+    // A node left with a minority of its last round while it re-forms (the others were removed:
+    // cut off, after its own workers failed) stops instead of waiting for the join timeout.
+    if (o_.storeFailover) clock_.setCheck([this] {
+      if (auto why = minorityReason()) throw RendezvousError(*why);
+    });
+    struct ClearCheck {
+      AgentClock& c;
+      ~ClearCheck() { c.setCheck(nullptr); }
+    } clearCheck{clock_};
     for (int failovers = 0;; ++failovers) {
       try {
         r = executor_->nextRound();
@@ -771,21 +785,27 @@ class C10dRendezvous::Impl {
   // --store-failover: a node whose round lost a majority of its nodes stops (the majority side
   // may have failed over to another store and trains on without it).
   std::optional<RendezvousEvent> minority(const rc::RoundAssessment& a) {
-    if (!o_.storeFailover || !round_ || round_->nodeCount < 2) return std::nullopt;
     if (a.status != rc::RoundStatus::PeerLost && a.status != rc::RoundStatus::Removed) return std::nullopt;
+    auto why = minorityReason();
+    if (!why) return std::nullopt;
+    return RendezvousEvent{RendezvousEventKind::Failed, a.reason + ": " + *why + "; stopping its workers",
+                           kLostPeerGrace};
+  }
+
+  // Set when, with --store-failover, no more than half of the last round's nodes are still in the
+  // rendezvous as this node sees it: in any of its lists (a node re-joining has left the round for
+  // the wait list or the next round; a lost node is removed from all of them).
+  std::optional<std::string> minorityReason() const {
+    if (!o_.storeFailover || !round_ || round_->nodeCount < 2 || !executor_) return std::nullopt;
     const auto& st = executor_->lastState();
     if (!st) return std::nullopt;
-    // Still in the rendezvous: in any of its lists (a node re-joining has left the round for the
-    // wait list or the next round); a lost node is removed from all of them.
     int left = 0;
     for (const auto& id : round_->participantIds) left += st->heartbeats.count(id) ? 1 : 0;
     if (left * 2 > round_->nodeCount) return std::nullopt;
-    return RendezvousEvent{RendezvousEventKind::Failed,
-                           a.reason + ": only " + std::to_string(left) + " of round " + std::to_string(round_->round) +
-                               "'s " + std::to_string(round_->nodeCount) +
-                               " nodes are left here, not a majority; this node is cut off from the others "
-                               "(they may have taken the store over with --store-failover); stopping its workers",
-                           kLostPeerGrace};
+    return "only " + std::to_string(left) + " of round " + std::to_string(round_->round) + "'s " +
+           std::to_string(round_->nodeCount) +
+           " nodes are left here, not a majority; this node is cut off from the others (they may have taken "
+           "the store over with --store-failover)";
   }
 
   RendezvousEvent cutOff(const std::string& why) {

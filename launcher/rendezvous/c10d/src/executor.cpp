@@ -115,7 +115,13 @@ bool Executor::seedStore(const std::vector<std::string>& lost, const std::string
     }
   }
   if (announcing_ && s.announced > 0) store_.add(countKey_, s.announced);
-  store_.compareSet(key_, "", encodeState(s));
+  // Whatever a client may have put there before (the standby is as open as any TCPStore) is
+  // overwritten: this node's copy is the authority now. A store without set takes a compare-and-set.
+  try {
+    store_.set(key_, encodeState(s));
+  } catch (const std::logic_error&) {
+    store_.compareSet(key_, "", encodeState(s));
+  }
   adoptStore();
   bumpPhase();
   return true;
