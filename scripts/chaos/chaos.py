@@ -1120,6 +1120,13 @@ def nodes_suite(h, victim=3, failover=False):
                 if left:
                     problems.append(f"the cut-off node left processes: {[(p, proc_exe_name(p)) for p in left]}")
             if failover:
+                # docs/store-failover.md's bound: the heartbeat expiry (3 s), one store request (1 s),
+                # the old workers' stop (--shutdown-timeout) and 2 s; doubled for a loaded machine
+                # (CTest runs tests in parallel).
+                bound = 2 * (3 + 1 + SHUTDOWN_TIMEOUT_S + 2)
+                if t_reformed is not None and t_reformed - t_fault > bound:
+                    problems.append(f"re-formed {t_reformed - t_fault:.1f} s after the fault, beyond the bound "
+                                    f"of {bound} s")
                 if "this node serves the rendezvous store now" not in text(survivors[0]):
                     problems.append(f"host {survivors[0]} did not take the rendezvous store over")
                 if "now using the rendezvous store of node" not in text(survivors[1]):

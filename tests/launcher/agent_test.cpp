@@ -7,6 +7,7 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 #include "ctorch/launcher/logging.hpp"
 #include "ctorch/launcher/worker_env.hpp"
+#include "ctorch/store/tcp_store_server.hpp"
 #include "multiproc.hpp"
 
 #include <fcntl.h>
@@ -121,6 +122,14 @@ class FakeProcessContext : public ProcessContext {
 class FakeRendezvous : public RendezvousHandler {
  public:
   FakeRendezvous() { fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); }
+  // The workers' store the rounds name (--recovery in-place reads it): nothing answers at the
+  // default; a test that needs one serves it (serveWorkerStore).
+  int storePort = 1234;
+  std::unique_ptr<ctorch::store::TcpStoreServer> workerStore;
+  void serveWorkerStore() {
+    workerStore = std::make_unique<ctorch::store::TcpStoreServer>(ctorch::store::TcpStoreServerOptions{});
+    storePort = workerStore->port();
+  }
   ~FakeRendezvous() override { ::close(fd_); }
   std::string backend() const override { return "fake"; }
   RendezvousInfo next(const RendezvousRequest& r) override {
@@ -131,7 +140,7 @@ class FakeRendezvous : public RendezvousHandler {
     i.nprocPerNode = {r.localNproc};
     i.computeRanks();
     i.storeHost = "127.0.0.1";
-    i.storePort = 1234;
+    i.storePort = storePort;
     i.nodeHosts = {"fakehost"};
     if (static_cast<std::size_t>(i.round) < sharedRestartCounts.size())
       i.restartCount = sharedRestartCounts[static_cast<std::size_t>(i.round)];
@@ -521,6 +530,7 @@ TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") 
 
 TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its rank and CTORCH_REPLACEMENT") {
   Fixture f({"--nproc-per-node", "3", "--max-restarts", "2", "--recovery", "in-place"});
+  f.rendezvous.serveWorkerStore();
   FakeProcessContext pc([](int attempt, int) {
     REQUIRE(attempt == 0);  // never a second group
     return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}, {}};
@@ -543,6 +553,7 @@ TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its 
 
 TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts, then fails as torchrun") {
   Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  f.rendezvous.serveWorkerStore();
   FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(3)}}; });
   pc.onAdd = [&pc](const WorkerLaunch& w) { pc.exitWorker(w.localRank, ExitStatus::exited(4)); };
   CHECK(f.run(pc) == 4);  // the replacement failed too, and no restart was left
@@ -551,6 +562,28 @@ TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts
   CHECK(pc.signals == std::vector<int>{SIGTERM});
   REQUIRE(f.agent->failureReport());
   CHECK(f.agent->failureReport()->failures.at(0).status.asExitCode() == 4);
+}
+
+TEST_CASE("agent: --recovery in-place restarts the group when the workers' store does not answer (its host was lost)") {
+  // No workers' store: node rank 0's host died with it, so a replacement could not join and the
+  // survivors could not re-form; the group restarts (the next round brings a new store).
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  f.rendezvous.storePort = 1;  // privileged and unserved: refused at once
+  FakeProcessContext pc([](int attempt, int) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}};
+    return allSucceed(2);
+  });
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.added.empty());           // nothing replaced in place
+  CHECK(pc.launches.size() == 2);    // the group restarted
+  CHECK(f.rendezvous.rounds == 2);
+  // Control: the same failure with the store answering is repaired in place.
+  Fixture g({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  g.rendezvous.serveWorkerStore();
+  FakeProcessContext pc2([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}}; });
+  CHECK(g.run(pc2) == 0);
+  CHECK(pc2.added.size() == 1);
+  CHECK(pc2.launches.size() == 1);
 }
 
 TEST_CASE("agent: without --recovery in-place the workers get no CTORCH_RECOVERY") {

@@ -2,6 +2,7 @@
 // program resolution, and every bad input the issue lists (one line naming the bad value).
 #include "ctorch_catch.hpp"
 
+#include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/cli.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/launch_config.hpp"
@@ -434,4 +435,28 @@ TEST_CASE("config: --recovery restart (default) or in-place, in every spelling")
              Catch::Contains("use --recovery restart"));
   CHECK_THAT(errorFor({"--spare-workers", "1", "/bin/true"}), Catch::Contains("needs --recovery in-place"));
   CHECK(configFor({"--recovery", "in-place", "--spare-workers", "2", "/bin/true"}).spareWorkers == 2);
+}
+
+TEST_CASE("config: --store-failover needs the c10d rendezvous and reaches its options") {
+  const std::vector<std::string> c10d = {"--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = c10d;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  CHECK_FALSE(configFor(with({"/bin/true"})).storeFailover);
+  const LaunchConfig c = configFor(with({"--store-failover", "/bin/true"}));
+  CHECK(c.storeFailover);
+  CHECK(c10dOptionsFrom(c).storeFailover);
+  CHECK_FALSE(c10dOptionsFrom(configFor(with({"/bin/true"}))).storeFailover);
+  CHECK_THAT(describeConfig(c), Catch::Contains("store failover"));
+  CHECK(configFor(with({"--store_failover", "/bin/true"})).storeFailover);
+  ::setenv("PET_STORE_FAILOVER", "1", 1);  // read by the command-line parser from the real environment
+  CHECK(configFor(with({"/bin/true"})).storeFailover);
+  ::unsetenv("PET_STORE_FAILOVER");
+  // Static and standalone rendezvous have no rendezvous store to fail over.
+  CHECK_THAT(errorFor({"--store-failover", "/bin/true"}),
+             Catch::Contains("--store-failover needs --rdzv-backend c10d") && Catch::Contains("static"));
+  CHECK_THAT(errorFor({"--standalone", "--store-failover", "/bin/true"}),
+             Catch::Contains("--store-failover needs --rdzv-backend c10d"));
 }

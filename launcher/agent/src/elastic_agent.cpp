@@ -159,12 +159,24 @@ void ElasticAgent::replaceWorker(int localRank) {
   attempts_.back().pids = processes_.pids();
 }
 
+bool ElasticAgent::workerStoreAnswers() {
+  try {
+    workerStore().check({contract::inplace::kGenerationKey});
+    return true;
+  } catch (const std::exception& e) {
+    workerStore_.reset();
+    log("agent").warn("the workers' store does not answer ({}): restarting the group instead of replacing the "
+                      "worker in place", e.what());
+    return false;
+  }
+}
+
 store::TcpStoreClient& ElasticAgent::workerStore() {
   if (!workerStore_) {
     const RendezvousInfo& info = attempts_.back().rendezvous;
     store::TcpStoreClientOptions o;
-    o.timeout = std::chrono::seconds(2);
-    o.operationTimeout = std::chrono::seconds(2);
+    o.timeout = std::chrono::milliseconds(500);
+    o.operationTimeout = std::chrono::seconds(1);
     o.retryConnect = false;
     workerStore_ = std::make_unique<store::TcpStoreClient>(info.storeHost, static_cast<std::uint16_t>(info.storePort), o);
   }
@@ -233,6 +245,7 @@ void ElasticAgent::serveEvictions() {
   [[maybe_unused]] auto n = ::read(evictTimerFd_, &expirations, sizeof expirations);
   if (attempts_.empty() || !monitor_ || monitor_->stopping()) return;
   const RendezvousInfo& info = attempts_.back().rendezvous;
+  if (std::chrono::steady_clock::now() < workerStoreRetryAt_) return;
   try {
     store::TcpStoreClient& store = workerStore();
     const auto pids = processes_.pids();
@@ -249,10 +262,14 @@ void ElasticAgent::serveEvictions() {
                         rank, localRank, pid);
       processes_.kill(pid);
     }
+    workerStoreBackoff_ = std::chrono::milliseconds(0);
   } catch (const std::exception& e) {
-    // The store is node 0's and may be unreachable for a moment; the next tick tries again.
+    // The store is node 0's and may be unreachable for a moment (or lost with its host): try again
+    // after a pause that doubles, so that the event loop is not held up at every tick.
     log("agent").debug("eviction requests: {}", e.what());
     workerStore_.reset();
+    workerStoreBackoff_ = std::clamp(workerStoreBackoff_ * 2, std::chrono::milliseconds(250), std::chrono::milliseconds(4000));
+    workerStoreRetryAt_ = std::chrono::steady_clock::now() + workerStoreBackoff_;
   }
 }
 
@@ -328,7 +345,10 @@ GroupOutcome ElasticAgent::monitor() {
               l.info("worker rank {} (local {}, pid {}) stopped: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
             else
               l.error("worker rank {} (local {}, pid {}) failed: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
-            apply(mon.onWorkerExit(e));
+            // In place only while the workers' store answers: a replacement, and the survivors'
+            // re-forming, need it (lost with node rank 0's host, the group restarts instead).
+            const bool replaceable = !mon.wouldReplace() || e.status.success() || workerStoreAnswers();
+            apply(mon.onWorkerExit(e, replaceable));
           }
           if (mon.stopping() || mon.allExited()) killSpares();
           break;
@@ -468,6 +488,8 @@ int ElasticAgent::run() {
     processes_.start(launches);
     spares_.clear();
     workerStore_.reset();
+    workerStoreBackoff_ = std::chrono::milliseconds(0);
+    workerStoreRetryAt_ = {};
     for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
     if (evictTimerFd_ >= 0) {
       itimerspec every{};

@@ -22,7 +22,7 @@ MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
   return a;
 }
 
-MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
+MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable) {
   ++exited_;
   if (stopping()) {
     // Stopped by us: it ended the way a stop ends a worker (our signal, SIGKILL, 128+signal, or
@@ -39,7 +39,7 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e) {
   }
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
   // Exit 75 is a stop on request (the worker saved its state), never a failure to repair.
-  if (replaced_ < replacements_ && e.status.asExitCode() != kExitPreempted) {
+  if (replaceable && replaced_ < replacements_ && e.status.asExitCode() != kExitPreempted) {
     // In-place recovery: only this worker is started again; the others re-form the group with it.
     ++replaced_;
     ++numWorkers_;  // the replacement's exit is one more to wait for

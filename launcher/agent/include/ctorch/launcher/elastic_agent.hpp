@@ -63,6 +63,7 @@ class ElasticAgent {
   GroupOutcome monitor();
   void apply(const MonitorActions& actions);
   void replaceWorker(int localRank);
+  bool workerStoreAnswers();
   // --recovery in-place: kills the workers the survivors asked to evict (they stopped answering).
   void serveEvictions();
   store::TcpStoreClient& workerStore();
@@ -92,6 +93,10 @@ class ElasticAgent {
   int evictTimerFd_ = -1;
   // The workers' store: eviction requests in, spare assignments out.
   std::unique_ptr<store::TcpStoreClient> workerStore_;
+  // After the workers' store failed to answer, eviction requests are not read again before this
+  // (doubling pauses up to 4 s): a lost store host must not hold the event loop up every tick.
+  std::chrono::steady_clock::time_point workerStoreRetryAt_{};
+  std::chrono::milliseconds workerStoreBackoff_{0};
   struct Spare {
     std::string id;
     int tag = 0;  // the negative local rank it runs under until it takes one over

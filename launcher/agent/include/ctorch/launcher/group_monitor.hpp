@@ -49,7 +49,11 @@ class GroupMonitor {
   // stops the group.
   GroupMonitor(int numWorkers, std::chrono::milliseconds shutdownTimeout, int replacements = 0);
 
-  MonitorActions onWorkerExit(const WorkerExit& exit);
+  // `replaceable`: whether a failed worker could be replaced in place now (the agent finds the
+  // workers' store unreachable: its host was lost, the group must re-form from scratch).
+  MonitorActions onWorkerExit(const WorkerExit& exit, bool replaceable = true);
+  // Whether a failed worker's exit would be answered by a replacement (budget left).
+  bool wouldReplace() const { return replaced_ < replacements_ && reason_ == Reason::None; }
   // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
   // supervisor) precedes it failed on its own and is listed as a failure, not as stopped.
   void noteStopSent(std::chrono::system_clock::time_point time) { stopSentAt_ = time; }
