@@ -167,18 +167,25 @@ def trainer_workers(run_id, spares=None):
     return ranks
 
 
-def listening_ports():
+def listening_ports(netns=None):
+    """TCP ports listened on in this network namespace, or in the named one (/run/netns/NAME)."""
+    if netns:
+        out = subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "cat", "/proc/net/tcp", "/proc/net/tcp6"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10).stdout.decode()
+        lines = out.splitlines()
+    else:
+        lines = []
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(name) as f:
+                    lines += f.read().splitlines()
+            except OSError:
+                pass
     ports = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "0A":  # LISTEN
-                        ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-        except OSError:
-            pass
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 3 and parts[3] == "0A":  # LISTEN
+            ports.add(int(parts[1].rsplit(":", 1)[1], 16))
     return ports
 
 
@@ -1139,6 +1146,11 @@ def nodes_suite(h, victim=3, failover=False):
                     rcs[i] = None
                 if rcs[i] != 0:
                     problems.append(f"node {i}'s agent exited {rcs[i]}, expected 0")
+            # Every agent of a survivor exited: nothing may listen there any more (stores, standbys).
+            for i in survivors:
+                left_ports = listening_ports(f"{prefix}-h{i}")
+                if left_ports:
+                    problems.append(f"host {i} still listens on {sorted(left_ports)} after its agent exited")
             t1 = "".join(text(i) for i in survivors)
             after = survivors_after()
             # The store host must not wait for the removed node's dead connection (close_timeout, 30 s).
