@@ -1191,6 +1191,8 @@ def nodes_suite(h, victim=3, failover=False):
     if len(results) > 2:
         for mode in ("kill", "cut"):
             rs = [r for r in results if r["name"].startswith(f"nodes-{mode}")]
+            if not rs:
+                continue
             ts = [r["reform_s"] for r in rs if r["reform_s"] is not None]
             h.log(f"host {victim} {mode}: survived {sum(1 for r in rs if r['ok'])} of {len(rs)}; re-formed after "
                   + (f"{sum(ts) / len(ts):.2f} s mean, {min(ts):.2f}-{max(ts):.2f} s" if ts else "-"), always=True)

@@ -344,3 +344,27 @@ TEST_CASE("store client: retryConnect false makes one connection attempt") {
   CHECK_THROWS_AS(TcpStoreClient("127.0.0.1", static_cast<std::uint16_t>(port), o), StoreConnectionError);
   CHECK(std::chrono::steady_clock::now() - start < 10s);  // refused at once, not retried for 20 s
 }
+
+TEST_CASE("store client: a port nothing listens on is StoreRefused (a gone server), not a timeout") {
+  // A port just served and closed: the machine answers with a refusal (store failover counts them).
+  int port = 0;
+  {
+    TcpStoreServer server(TcpStoreServerOptions{});
+    port = server.port();
+  }
+  TcpStoreClientOptions o;
+  o.timeout = std::chrono::milliseconds(300);
+  o.retryConnect = false;
+  CHECK_THROWS_AS(TcpStoreClient("127.0.0.1", static_cast<std::uint16_t>(port), o), StoreRefused);
+  // Control: with a server there the same client connects.
+  TcpStoreServer server(TcpStoreServerOptions{});
+  CHECK_NOTHROW(TcpStoreClient("127.0.0.1", server.port(), o));
+  // A name that does not resolve is a connection error, not a refusal.
+  try {
+    TcpStoreClient("no-such-host.invalid", 1, o);
+    FAIL("connected to no-such-host.invalid");
+  } catch (const StoreRefused&) {
+    FAIL("an unresolvable name reported as a refusal");
+  } catch (const StoreConnectionError&) {
+  }
+}

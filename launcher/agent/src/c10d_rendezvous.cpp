@@ -133,9 +133,13 @@ class StoreLink final : public rc::CasStore {
     port_ = port;
     lastSuccess_ = Clock::now();
     everConnected_ = false;
+    refusedSince_.reset();
   }
 
   void setPatient(bool patient) { patient_ = patient; }
+  // Store failover: connections refused (nothing listens on the store's port, its machine answers)
+  // for this long mean the store's ctorchrun is gone: no need to wait for the whole expiry.
+  void setRefusedLimit(milliseconds limit) { refusedLimit_ = limit; }
   void setRequest(const RendezvousRequest* request) { request_ = request; }
   milliseconds silentFor() const { return since(lastSuccess_); }
   std::string where() const { return host_ + ":" + std::to_string(port_); }
@@ -212,10 +216,18 @@ class StoreLink final : public rc::CasStore {
         if (!client_ || !client_->usable()) connect();
         auto result = f();
         lastSuccess_ = Clock::now();
+        refusedSince_.reset();
         return result;
       } catch (const store::StoreError& e) {
         client_.reset();
         lastError_ = e.what();
+        if (!dynamic_cast<const store::StoreRefused*>(&e))
+          refusedSince_.reset();
+        else if (!refusedSince_)
+          refusedSince_ = Clock::now();
+        if (refusedLimit_ && refusedSince_ && since(*refusedSince_) >= *refusedLimit_)
+          throw StoreUnreachable("the rendezvous store at " + where() + " has refused connections for " +
+                                 secs(since(*refusedSince_)) + ": its ctorchrun is gone (" + lastError_ + ")");
         if (silentFor() > limit_ || since(started) > limit_)
           throw StoreUnreachable("no answer from the rendezvous store at " + where() + " for " +
                                  secs(std::max(silentFor(), since(started))) + " (" + lastError_ + ")");
@@ -247,6 +259,8 @@ class StoreLink final : public rc::CasStore {
   std::string lastError_;
   bool patient_ = true;
   const RendezvousRequest* request_ = nullptr;
+  std::optional<milliseconds> refusedLimit_;
+  std::optional<Clock::time_point> refusedSince_;
 };
 
 // The executor's clock: real time; its sleeps wake up for a stop request of the agent.
@@ -585,6 +599,8 @@ class C10dRendezvous::Impl {
     }
     link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
                                         s.heartbeatExpiry(), aliveKey(nodeId_));
+    // Two ticks of refusals (at least 0.5 s): a store that is merely slow never refuses.
+    if (o_.storeFailover) link_->setRefusedLimit(std::max(milliseconds(500), o_.tick * 2));
     link_->connectFirst(Clock::now() + s.joinTimeout, request);
   }
 

@@ -36,10 +36,12 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
       fd_ = detail::connectTo(host_, port_, std::max(left, std::chrono::milliseconds(1))).release();
       break;
     } catch (const std::system_error& e) {
-      if (!options_.retryConnect || std::chrono::steady_clock::now() + delay >= deadline)
-        throw StoreConnectionError("cannot reach the store at " + host_ + ":" +
-                                   std::to_string(port_) + " within " +
-                                   std::to_string(options_.timeout.count()) + " ms: " + e.what());
+      if (!options_.retryConnect || std::chrono::steady_clock::now() + delay >= deadline) {
+        const std::string what = "cannot reach the store at " + host_ + ":" + std::to_string(port_) + " within " +
+                                 std::to_string(options_.timeout.count()) + " ms: " + e.what();
+        if (e.code().value() == ECONNREFUSED) throw StoreRefused(what);
+        throw StoreConnectionError(what);
+      }
       std::this_thread::sleep_for(delay);
       delay = std::min(delay * 2, std::chrono::milliseconds(200));
     }

@@ -26,6 +26,12 @@ class StoreConnectionError : public StoreError {
  public:
   using StoreError::StoreError;
 };
+// Connecting was refused (ECONNREFUSED): the peer's machine answered that nothing listens on the
+// port, e.g. the process that served the store is gone while its machine is up.
+class StoreRefused : public StoreConnectionError {
+ public:
+  using StoreConnectionError::StoreConnectionError;
+};
 // A bounded wait (wait, get, connect) ran out of time.
 class StoreTimeout : public StoreError {
  public:
