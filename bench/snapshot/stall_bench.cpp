@@ -3,7 +3,11 @@
 // `--every` steps (the writer encodes, checksums, fsyncs and renames in the background while the
 // loop goes on). Prints the median step without saves, each save step's time and the whole run's
 // extra time per save, in steps.
-//   build/bench/snapshot/stall_bench [--mb 512] [--batch 64] [--steps 36] [--every 12] [--dir /tmp]
+//   build/bench/snapshot/stall_bench [--mb 512] [--batch 64] [--steps 40] [--every 12] [--rounds 1]
+//                                    [--dir /tmp]
+// --rounds N alternates the two runs N times and reports each round and the median: on a shared VM
+// two runs of the same loop differ by a few steps, so one pair of runs is no measurement. Choose
+// --steps so that the last save's write still overlaps training (not a multiple of --every).
 // Model: one square Linear layer holding --mb MiB of float32, plain SGD (the snapshot is the model).
 #include <ctorch/distributed.hpp>
 #include <ctorch/resilience.hpp>
@@ -74,7 +78,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   double mb = 512;
-  int batch = 64, steps = 36, every = 12;
+  int batch = 64, steps = 40, every = 12, rounds = 1;
   std::filesystem::path dir = std::filesystem::temp_directory_path();
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -82,6 +86,7 @@ int main(int argc, char** argv) {
     else if (flag == "--batch") batch = std::atoi(argv[i + 1]);
     else if (flag == "--steps") steps = std::atoi(argv[i + 1]);
     else if (flag == "--every") every = std::atoi(argv[i + 1]);
+    else if (flag == "--rounds") rounds = std::max(1, std::atoi(argv[i + 1]));
     else if (flag == "--dir") dir = argv[i + 1];
     else {
       std::fprintf(stderr, "stall_bench: unknown flag %s\n", flag.c_str());
@@ -92,20 +97,34 @@ int main(int argc, char** argv) {
     ctorch::initProcessGroup();  // a world of 1
     const auto dim = static_cast<std::int64_t>(std::sqrt(mb * 1024 * 1024 / 4));
     dir /= "ctorch-stall-bench-" + std::to_string(::getpid());
-    const Run plain = train(dim, batch, steps, 0, dir);
-    const Run saving = train(dim, batch, steps, every, dir);
+    std::vector<double> perSave, saveStep;
+    double step = 0;
+    for (int round = 1; round <= rounds; ++round) {
+      const Run plain = train(dim, batch, steps, 0, dir);
+      const Run saving = train(dim, batch, steps, every, dir);
+      step = median(plain.steps);
+      if (round == 1)
+        std::printf("model %.0f MiB (Linear %lld x %lld, no bias), batch %d, %d steps, torch threads %d\n",
+                    static_cast<double>(dim * dim * 4) / (1 << 20), static_cast<long long>(dim),
+                    static_cast<long long>(dim), batch, steps, torch::get_num_threads());
+      std::printf("round %d: median step without snapshots: %.3f s; run %.3f s\n", round, step, plain.total);
+      std::printf("  with a snapshot every %d steps (%d saves): run %.3f s\n", every, saving.saves, saving.total);
+      for (int i = every - 1; i < steps; i += every) {
+        std::printf("  save at step %d: that step took %.3f s (%.2f steps)\n", i + 1, saving.steps[i],
+                    saving.steps[i] / step);
+        saveStep.push_back(saving.steps[i] / step);
+      }
+      const double extra = (saving.total - plain.total) / std::max(saving.saves, 1);
+      std::printf("  extra run time per save: %.3f s = %.2f steps\n", extra, extra / step);
+      perSave.push_back(extra / step);
+    }
     std::filesystem::remove_all(dir);
-    const double step = median(plain.steps);
-    std::printf("model %.0f MiB (Linear %lld x %lld, no bias), batch %d, %d steps, torch threads %d\n",
-                static_cast<double>(dim * dim * 4) / (1 << 20), static_cast<long long>(dim),
-                static_cast<long long>(dim), batch, steps, torch::get_num_threads());
-    std::printf("median step without snapshots: %.3f s; run %.3f s\n", step, plain.total);
-    std::printf("with a snapshot every %d steps (%d saves): run %.3f s\n", every, saving.saves, saving.total);
-    for (int i = every - 1; i < steps; i += every)
-      std::printf("  save at step %d: that step took %.3f s (%.2f steps)\n", i + 1, saving.steps[i],
-                  saving.steps[i] / step);
-    const double extra = (saving.total - plain.total) / std::max(saving.saves, 1);
-    std::printf("extra run time per save: %.3f s = %.2f steps\n", extra, extra / step);
+    if (rounds > 1) {
+      std::sort(perSave.begin(), perSave.end());
+      std::printf("over %d rounds: extra run time per save, in steps: median %.2f (min %.2f, max %.2f); "
+                  "the step that saves: median %.2f steps\n",
+                  rounds, median(perSave), perSave.front(), perSave.back(), median(saveStep));
+    }
     ctorch::destroyProcessGroup();
     return 0;
   } catch (const std::exception& e) {
