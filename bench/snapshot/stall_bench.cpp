@@ -9,10 +9,16 @@
 // two runs of the same loop differ by a few steps, so one pair of runs is no measurement. Choose
 // --steps so that the last save's write still overlaps training (not a multiple of --every).
 // Model: one square Linear layer holding --mb MiB of float32, plain SGD (the snapshot is the model).
+// --threads N (default 1) sets LibTorch's intra-op threads and OpenBLAS's own pool (which ignores
+// LibTorch's setting: before 2026-11-25 this bench's "1 thread" ran its GEMMs on both cores of the
+// VM, so the writer could only run by taking a core from the step). --threads 1 on a 2-core machine
+// leaves a core to the writer; --threads <all CPUs> measures a training that occupies every core.
 #include <ctorch/distributed.hpp>
 #include <ctorch/resilience.hpp>
 
 #include <torch/torch.h>
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -78,7 +84,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   double mb = 512;
-  int batch = 64, steps = 40, every = 12, rounds = 1;
+  int batch = 64, steps = 40, every = 12, rounds = 1, threads = 1;
   std::filesystem::path dir = std::filesystem::temp_directory_path();
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -86,6 +92,7 @@ int main(int argc, char** argv) {
     else if (flag == "--batch") batch = std::atoi(argv[i + 1]);
     else if (flag == "--steps") steps = std::atoi(argv[i + 1]);
     else if (flag == "--every") every = std::atoi(argv[i + 1]);
+    else if (flag == "--threads") threads = std::max(1, std::atoi(argv[i + 1]));
     else if (flag == "--rounds") rounds = std::max(1, std::atoi(argv[i + 1]));
     else if (flag == "--dir") dir = argv[i + 1];
     else {
@@ -94,6 +101,9 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    torch::set_num_threads(threads);
+    using SetThreads = void (*)(int);
+    if (auto* f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
     ctorch::initProcessGroup();  // a world of 1
     const auto dim = static_cast<std::int64_t>(std::sqrt(mb * 1024 * 1024 / 4));
     dir /= "ctorch-stall-bench-" + std::to_string(::getpid());
@@ -104,7 +114,7 @@ int main(int argc, char** argv) {
       const Run saving = train(dim, batch, steps, every, dir);
       step = median(plain.steps);
       if (round == 1)
-        std::printf("model %.0f MiB (Linear %lld x %lld, no bias), batch %d, %d steps, torch threads %d\n",
+        std::printf("model %.0f MiB (Linear %lld x %lld, no bias), batch %d, %d steps, torch and BLAS threads %d\n",
                     static_cast<double>(dim * dim * 4) / (1 << 20), static_cast<long long>(dim),
                     static_cast<long long>(dim), batch, steps, torch::get_num_threads());
       std::printf("round %d: median step without snapshots: %.3f s; run %.3f s\n", round, step, plain.total);
