@@ -2,10 +2,14 @@
 // allreduce) and an SGD step, on the process group from the environment, for an MLP (1.2 M
 // parameters at hidden 1024), the seeds' MNIST CNN, or a tiny Linear(20, 1) whose step is almost
 // nothing but one small allreduce. CTORCH_BENCH_HOOK=shared-memory selects CommHook::kSharedMemory.
+// The CNN pools with ctorch::models::maxPool2x2 (what ctorch-train's CNN runs: max_pool2d's results
+// bit for bit, a faster kernel); CTORCH_BENCH_TORCH_POOL=1 pools with torch::max_pool2d, as the
+// Python twin does, to compare DDP alone.
 // The Python twin is bench/ddp_step.py; bench/ddp_step.sh runs them side by side.
 // Usage: ddp_step_bench [steps] [warmup] [batch] [hidden] [mlp|cnn|linear]   (RANK, WORLD_SIZE, ...)
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/models/ops.hpp>
 
 #include <torch/torch.h>
 
@@ -18,7 +22,12 @@
 
 namespace {
 
-// The seeds' CNN (models/ has it too; the bench keeps to the installed library's headers).
+const bool kTorchPool = [] {
+  const char* v = std::getenv("CTORCH_BENCH_TORCH_POOL");
+  return v && std::string(v) == "1";
+}();
+
+// The seeds' CNN without dropout (as bench/ddp_step.py builds it).
 struct CnnImpl : torch::nn::Module {
   CnnImpl()
       : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)))),
@@ -27,7 +36,8 @@ struct CnnImpl : torch::nn::Module {
         fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
   torch::Tensor forward(torch::Tensor x) {
     x = torch::relu(conv1(x));
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    x = torch::relu(conv2(x));
+    x = kTorchPool ? torch::max_pool2d(x, 2) : ctorch::models::maxPool2x2(x);
     x = torch::relu(fc1(torch::flatten(x, 1)));
     return fc2(x);
   }

@@ -1,4 +1,5 @@
 #include <ctorch/models/simple_cnn.hpp>
+#include <ctorch/models/ops.hpp>
 
 #include <torch/torch.h>
 
@@ -17,8 +18,8 @@ SimpleConvNet::SimpleConvNet(int64_t inChannels, int64_t numClasses, int64_t ima
 }
 
 torch::Tensor SimpleConvNet::forward(torch::Tensor x) {
-  x = F::max_pool2d(F::relu(conv1(x)), F::MaxPool2dFuncOptions(2));
-  x = F::max_pool2d(F::relu(conv2(x)), F::MaxPool2dFuncOptions(2));
+  x = maxPool2x2(F::relu(conv1(x)));  // = F::max_pool2d(.., 2), bit for bit (ops.hpp)
+  x = maxPool2x2(F::relu(conv2(x)));
   x = torch::flatten(x, 1);
   x = F::relu(fc1(x));
   x = F::relu(fc2(x));

@@ -8,6 +8,7 @@
 
 #include <ctorch/models/linear.hpp>
 #include <ctorch/models/mnist_cnn.hpp>
+#include <ctorch/models/ops.hpp>
 #include <ctorch/models/registry.hpp>
 #include <ctorch/models/resnet.hpp>
 #include <ctorch/models/simple_cnn.hpp>
@@ -159,4 +160,74 @@ TEST_CASE("models: identical weights give identical outputs in C++ and in PyTorc
   for (const auto& c : cases) CHECK_THAT(result.output, Catch::Contains(c.options.name + ": max abs diff"));
   CHECK(std::count(result.output.begin(), result.output.end(), '\n') >= static_cast<long>(cases.size()));
   CHECK(result.output.find("FAIL") == std::string::npos);
+}
+
+namespace {
+
+// Bitwise equality (NaN == NaN when the bits agree): what "the same values" means for the pool.
+bool sameBits(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         torch::equal(a.contiguous().view(torch::kInt32), b.contiguous().view(torch::kInt32));
+}
+
+// Activations as the CNN makes them, and worse: ReLU zeros (ties of 0 in most windows), values
+// from a handful of levels (ties of positive values), NaNs, -inf and +inf.
+torch::Tensor hostile(std::vector<int64_t> shape, std::uint64_t seed) {
+  torch::manual_seed(static_cast<int64_t>(seed));
+  auto x = torch::relu(torch::randn(shape));
+  auto levels = torch::randint(0, 4, shape).to(torch::kFloat) * 0.5;
+  x = torch::where(torch::rand(shape) < 0.3, levels, x);
+  x.masked_fill_(torch::rand(shape) < 0.02, std::numeric_limits<float>::quiet_NaN());
+  x.masked_fill_(torch::rand(shape) < 0.02, -std::numeric_limits<float>::infinity());
+  x.masked_fill_(torch::rand(shape) < 0.01, std::numeric_limits<float>::infinity());
+  x.view(-1)[1] = std::numeric_limits<float>::quiet_NaN();  // at least one, even in a single window
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("models: maxPool2x2 gives max_pool2d's values, indices and gradients bit for bit", "[models][ops]") {
+  const std::vector<std::vector<int64_t>> shapes = {
+      {64, 64, 24, 24}, {3, 5, 7, 9}, {2, 3, 24, 26}, {1, 1, 2, 2}, {2, 2, 5, 17}, {1, 4, 30, 30}};
+  std::uint64_t seed = 1;
+  for (const auto& shape : shapes) {
+    CAPTURE(shape);
+    const auto input = hostile(shape, seed++);
+    // The cases the kernel must decide like LibTorch's: a NaN and ties in some window.
+    REQUIRE(torch::isnan(input).any().item<bool>());
+    auto x1 = input.clone().requires_grad_();
+    auto x2 = input.clone().requires_grad_();
+    auto [expected, expectedIndex] = torch::max_pool2d_with_indices(x1, 2);
+    auto got = ctorch::models::maxPool2x2(x2);
+    CHECK(sameBits(got, expected));
+    // The indices themselves, through the no-grad path (the same kernel).
+    {
+      torch::NoGradGuard noGrad;
+      auto plain = ctorch::models::maxPool2x2(input);
+      CHECK(sameBits(plain, expected.detach()));
+    }
+    const auto gradOut = torch::randn(expected.sizes());
+    expected.backward(gradOut);
+    got.backward(gradOut);
+    CHECK(sameBits(x2.grad(), x1.grad()));
+    CHECK(x2.grad().ne(0).sum().item<int64_t>() > 0);
+    // Gradients only reach LibTorch's chosen indices: a different tie-break would move them.
+    auto chosen = torch::zeros({input.numel() / (shape[2] * shape[3]), shape[2] * shape[3]});
+    chosen.scatter_(1, expectedIndex.reshape({chosen.size(0), -1}), 1.0);
+    CHECK(torch::equal(x2.grad().reshape(chosen.sizes()).ne(0).logical_and(chosen.eq(0)).any(),
+                       torch::tensor(false)));
+  }
+}
+
+TEST_CASE("models: maxPool2x2 falls back to max_pool2d for what its kernel does not take", "[models][ops]") {
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 3, 8, 8});
+  const std::vector<torch::Tensor> inputs = {x.to(torch::kDouble), x.contiguous(torch::MemoryFormat::ChannelsLast),
+                                             x[0], x.transpose(2, 3), x.slice(3, 0, 7)};
+  for (const auto& in : inputs) {
+    const auto got = ctorch::models::maxPool2x2(in);
+    const auto expected = torch::max_pool2d(in, 2);
+    CHECK(got.sizes() == expected.sizes());
+    CHECK(torch::equal(got, expected));
+  }
 }
