@@ -4,11 +4,14 @@
 // nothing but one small allreduce. CTORCH_BENCH_HOOK=shared-memory selects CommHook::kSharedMemory.
 // The CNN pools with ctorch::models::maxPool2x2 (what ctorch-train's CNN runs: max_pool2d's results
 // bit for bit, a faster kernel); CTORCH_BENCH_TORCH_POOL=1 pools with torch::max_pool2d, as the
-// Python twin does, to compare DDP alone.
+// Python twin does, to compare DDP alone. The process is tuned as ctorch-train tunes it
+// (ctorch::tuneAllocator, ctorch::configureThreads); CTORCH_BENCH_DEFAULT_ALLOCATOR=1 leaves glibc's
+// allocator as it comes, as the Python twin does.
 // The Python twin is bench/ddp_step.py; bench/ddp_step.sh runs them side by side.
 // Usage: ddp_step_bench [steps] [warmup] [batch] [hidden] [mlp|cnn|linear]   (RANK, WORLD_SIZE, ...)
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/process_tuning.hpp>
 #include <ctorch/models/ops.hpp>
 
 #include <torch/torch.h>
@@ -54,6 +57,9 @@ int main(int argc, char** argv) {
   const int batch = argc > 3 ? std::atoi(argv[3]) : 64;
   const int hidden = argc > 4 ? std::atoi(argv[4]) : 1024;
   try {
+    const char* plainAllocator = std::getenv("CTORCH_BENCH_DEFAULT_ALLOCATOR");
+    if (!(plainAllocator && std::string(plainAllocator) == "1")) ctorch::tuneAllocator();
+    ctorch::configureThreads();
     ctorch::initProcessGroup();
     const int rank = ctorch::getRank();
     torch::manual_seed(0);

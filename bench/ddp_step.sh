@@ -3,7 +3,8 @@
 # side: rounds alternate ctorch (the Reducer's Gloo allreduce), ctorch with CommHook::kSharedMemory
 # and Python so all see the same machine load; prints every run, the median of the per-run medians,
 # and the ratios. Models: mlp (1.2 M parameters at hidden 1024), cnn (the seeds' MNIST CNN), linear
-# (Linear(20, 1): a step is almost only its one small allreduce).
+# (Linear(20, 1): a step is almost only its one small allreduce). For the cnn, a fourth run per round:
+# ctorch with torch's max_pool2d and glibc's default allocator, i.e. DDP alone.
 # Usage: bench/ddp_step.sh [world=2] [rounds=3] [steps=50] [batch=64] [hidden=1024] [model=mlp]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +35,10 @@ run_job() {
 for ((i = 1; i <= rounds; i++)); do
   CTORCH_BENCH_HOOK=none run_job "$tmp/cpp.log" "$cpp"
   CTORCH_BENCH_HOOK=shared-memory run_job "$tmp/shm.log" "$cpp"
+  if [[ $model == cnn ]]; then  # DDP alone: the pooling kernel and the allocator as Python has them
+    CTORCH_BENCH_HOOK=shared-memory CTORCH_BENCH_TORCH_POOL=1 CTORCH_BENCH_DEFAULT_ALLOCATOR=1 \
+      run_job "$tmp/plain.log" "$cpp"
+  fi
   run_job "$tmp/py.log" /usr/bin/python3 "$root/bench/ddp_step.py"
 done
 median() { sed -E 's/.*median_ms=([0-9.]+).*/\1/' "$1" | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
@@ -42,3 +47,8 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
 echo "model=$model world=$world batch=$batch hidden=$hidden OMP_NUM_THREADS=$OMP_NUM_THREADS rounds=$rounds steps=$steps"
 echo "median of per-run median step time: ctorch ${c} ms, ctorch shared-memory ${s} ms, python ${p} ms;" \
   "ctorch/python $(ratio "$c" "$p"), ctorch shared-memory/python $(ratio "$s" "$p")"
+if [[ -s $tmp/plain.log ]]; then
+  q=$(median "$tmp/plain.log")
+  echo "ctorch shared-memory with torch's max_pool2d and glibc's default allocator (DDP alone): ${q} ms," \
+    "/python $(ratio "$q" "$p")"
+fi

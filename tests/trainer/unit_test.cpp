@@ -4,6 +4,7 @@
 
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/errors.hpp>
+#include <ctorch/process_tuning.hpp>
 #include <ctorch/train/evaluate.hpp>
 #include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
@@ -13,6 +14,9 @@
 #include <ctorch/snapshot_writer.hpp>
 
 #include "multiproc.hpp"
+
+#include <ATen/Parallel.h>
+#include <sched.h>
 
 #include <chrono>
 #include <cmath>
@@ -424,4 +428,36 @@ TEST_CASE("snapshot writer: a failed background write is reported at once and se
                              Catch::Contains("not-a-dir"));
   }
   CHECK_THROWS(writer.wait());  // the loop stops with it
+}
+
+TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE", "[trainer][threads]") {
+  const int before = at::get_num_threads();
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const std::string savedOmp = omp ? omp : "";
+  const char* lws = std::getenv("LOCAL_WORLD_SIZE");
+  const std::string savedLws = lws ? lws : "";
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+  const int cpus = CPU_COUNT(&set);
+
+  auto three = ctorch::configureThreads(3);
+  CHECK(three.threads == 3);
+  CHECK(three.reason == "requested");
+  CHECK(at::get_num_threads() == 3);
+
+  ::unsetenv("OMP_NUM_THREADS");
+  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+  auto shared = ctorch::configureThreads();
+  CHECK(shared.threads == std::max(1, cpus / 2));
+  CHECK(shared.reason == std::to_string(cpus) + " CPUs / 2 local ranks");
+  CHECK(at::get_num_threads() == shared.threads);
+  ::setenv("LOCAL_WORLD_SIZE", "junk", 1);  // not a number: one local rank
+  CHECK(ctorch::configureThreads().threads == cpus);
+  CHECK(ctorch::configureThreads(0, 4 * cpus).threads == 1);  // never 0
+
+  if (omp) ::setenv("OMP_NUM_THREADS", savedOmp.c_str(), 1);
+  if (lws) ::setenv("LOCAL_WORLD_SIZE", savedLws.c_str(), 1);
+  else ::unsetenv("LOCAL_WORLD_SIZE");
+  at::set_num_threads(before);
 }

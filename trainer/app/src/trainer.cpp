@@ -12,7 +12,7 @@
 
 #include "ctorch/train/grad_scaler.hpp"
 #include "ctorch/train/memory_check.hpp"
-#include "ctorch/train/process_tuning.hpp"
+#include "ctorch/process_tuning.hpp"
 #include "ctorch/train/report.hpp"
 #include "ctorch/train/schedule.hpp"
 
@@ -392,10 +392,10 @@ class Trainer {
         worldSize_(getWorldSize()),
         device_(bindDevice(wanted)),
         console_(ctorch::isMainProcess() ? hooks.out : nullptr, o.progress, hooks.terminal) {
-    const ThreadChoice threads = configureThreads(o.threads, getLocalWorldSize());
+    const ctorch::ThreadChoice threads = ctorch::configureThreads(o.threads, getLocalWorldSize());
     console_.line("ctorch-train: " + getDistributedEnv().describe() + ", device " + device_.str() + ", backend " +
                   getBackendName() + ", " + std::to_string(threads.threads) + " thread" +
-                  (threads.threads == 1 ? "" : "s") + " per rank (" + threads.reason + ")");
+                  (threads.threads == 1 ? "" : "s") + " per rank (" + (threads.reason == "requested" ? std::string("--threads") : threads.reason) + ")");
     console_.line("config: " + o.describe());
     data_ = std::move(data);
     dataSeconds_ = dataSeconds;
@@ -800,7 +800,7 @@ RunResult Trainer::stopped(RunResult result, bool stepLimit) {
 
 RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   o.validate();
-  tuneAllocator();
+  ctorch::tuneAllocator();
   const torch::Device wanted = chooseDevice(o);
   const auto dataStart = Clock::now();
   TrainData data = loadData(o);

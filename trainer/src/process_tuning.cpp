@@ -1,4 +1,4 @@
-#include "ctorch/train/process_tuning.hpp"
+#include "ctorch/process_tuning.hpp"
 
 #include <ATen/Parallel.h>
 
@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-namespace ctorch::train {
+namespace ctorch {
 
 namespace {
 
@@ -30,10 +30,16 @@ void setBlasThreads(int threads) {
 }  // namespace
 
 ThreadChoice configureThreads(int requested, int localWorldSize) {
+  if (localWorldSize < 1) {
+    const char* env = std::getenv("LOCAL_WORLD_SIZE");
+    char* end = nullptr;
+    const long n = env ? std::strtol(env, &end, 10) : 0;
+    localWorldSize = env && end != env && *end == '\0' && n >= 1 && n <= 1 << 20 ? static_cast<int>(n) : 1;
+  }
   ThreadChoice choice;
   if (requested > 0) {
     choice.threads = requested;
-    choice.reason = "--threads";
+    choice.reason = "requested";
   } else if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && *omp) {
     choice.threads = std::max(1, at::get_num_threads());
     choice.reason = std::string("OMP_NUM_THREADS=") + omp;
@@ -55,4 +61,4 @@ void tuneAllocator() {
   mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);
 }
 
-}  // namespace ctorch::train
+}  // namespace ctorch
