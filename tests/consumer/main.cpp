@@ -10,6 +10,7 @@
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/error_file.hpp>
+#include <ctorch/process_tuning.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
@@ -127,6 +128,8 @@ int train(const Flags& f) {
   // A stop signal during start-up (the rendezvous can take a while) is kept for resume() to agree on;
   // without this it would end the process before ResilientTraining installs the same handlers.
   ctorch::installStopHandlers();
+  ctorch::tuneAllocator();     // the installed package's process tuning, as README's quickstart has it
+  ctorch::configureThreads();
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(f.timeoutS)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   if (ctorch::isMainProcess())
