@@ -250,12 +250,15 @@ struct Joined {
 
 // Waits until every rank has arrived at the newest generation, and returns it. A replacement
 // (failed < 0) first adds a generation of its own; a survivor of generation `failed` waits for a
-// newer one (a replacement's), asking for the silent ranks to be evicted after `timeout` / 2.
+// newer one (a replacement's), asking for the silent ranks to be evicted after `timeout` / 2 — and
+// from then on gives the replacements a whole `timeout` to arrive (their agents start them only
+// then, and a LibTorch process on a loaded machine takes more than the half left: a chaos run under
+// a parallel CTest had a survivor give up 1.3 s after the replacement was started).
 Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t failed,
                             std::chrono::milliseconds timeout) {
   namespace ip = contract::inplace;
   const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + timeout;
+  auto deadline = start + timeout;
   const auto evictAt = start + timeout / 2;
   bool evicted = false;
   if (failed < 0) root.add(ip::kGenerationKey, 1);
@@ -277,7 +280,9 @@ Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t
                                               : "only " + std::to_string(root.add(ip::arrivedKey(arrivedAt), 0)) + " of " +
                                                     std::to_string(env.worldSize) + " ranks arrived at group generation " +
                                                     std::to_string(arrivedAt);
-      throw DistributedTimeout("in-place recovery timed out after " + seconds(timeout) + ": " + where);
+      throw DistributedTimeout("in-place recovery timed out after " +
+                               seconds(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) + ": " +
+                               where);
     }
     if (failed >= 0 && arrivedAt < 0 && newest == failed && env.rank == 0 && allAlive(root, failed, env.worldSize)) {
       // Every rank of the failed generation is alive and here (the collective failed without a
@@ -290,6 +295,7 @@ Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t
     if (failed >= 0 && !evicted && now >= evictAt) {
       requestEvictions(root, failed, env.worldSize);
       evicted = true;
+      deadline = std::max(deadline, now + timeout);
     }
     // Short: the survivors wait on this while the job stands still (larger worlds poll less).
     std::this_thread::sleep_for(std::chrono::microseconds(2000 + 100 * env.worldSize));

@@ -92,7 +92,8 @@ std::int64_t groupGeneration();
 // launcher, which kills and replaces it. Release every other reference to the old group first (DDP,
 // your own copies): its connections close when the last goes, which frees peers still waiting on them.
 // Throws ConfigError without in-place recovery, DistributedTimeout when the group does not re-form
-// within the group's timeout.
+// within the group's timeout — or, once silent ranks were reported, within a whole timeout after
+// that (their replacements are started only then): 1.5 x the timeout at most.
 c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup();
 
 namespace detail {

@@ -205,7 +205,8 @@ class ResilientTraining {
   // it, over the network. Afterwards every tracked object stands at the returned point (the sampler
   // too): continue the loop from there (a new batch loader where it caches the sampler's order).
   // Rethrows the exception being handled when it is not a failed collective or in-place recovery
-  // is off; throws DistributedTimeout when the group does not re-form within the group's timeout.
+  // is off; throws DistributedTimeout when the group does not re-form within the group's timeout
+  // (1.5 x when a silent rank had to be reported for replacement: reformProcessGroup()).
   //   } catch (const std::exception&) { training.recover(); }   // then go on with the loop
   ResumePoint recover();
   // True when recover() can re-form the group (the job runs under ctorchrun --recovery in-place).
