@@ -90,6 +90,9 @@ if [ "$mode" = speed ] || [ "$mode" = all ]; then
     # LibTorch's own default is the physical cores it detects (1 here).
     cpp "ctorch-train --threads 1" 1 $epochs --threads 1
     OMP_NUM_THREADS=2 py "python per-sample, 2 threads" 1 $epochs --data per-sample
+    # ctorch::configureThreads keeps OpenBLAS to one thread under LibTorch's pool; what Python gets
+    # from the same setting (which it can only make through the environment, before torch loads).
+    OPENBLAS_NUM_THREADS=1 py "python preloaded, OpenBLAS 1" 1 $epochs --data preloaded
   done
 fi
 if [ "$mode" = accuracy ] || [ "$mode" = all ]; then

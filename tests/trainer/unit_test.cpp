@@ -16,6 +16,7 @@
 #include "multiproc.hpp"
 
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <sched.h>
 
 #include <chrono>
@@ -430,7 +431,7 @@ TEST_CASE("snapshot writer: a failed background write is reported at once and se
   CHECK_THROWS(writer.wait());  // the loop stops with it
 }
 
-TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE", "[trainer][threads]") {
+TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE; OpenBLAS at one", "[trainer][threads]") {
   const int before = at::get_num_threads();
   const char* omp = std::getenv("OMP_NUM_THREADS");
   const std::string savedOmp = omp ? omp : "";
@@ -455,6 +456,40 @@ TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WO
   ::setenv("LOCAL_WORLD_SIZE", "junk", 1);  // not a number: one local rank
   CHECK(ctorch::configureThreads().threads == cpus);
   CHECK(ctorch::configureThreads(0, 4 * cpus).threads == 1);  // never 0
+
+  // OpenBLAS (LibTorch's BLAS wherever the system's libblas is OpenBLAS): one thread under LibTorch's
+  // pool, whatever the intra-op count, unless the user set OPENBLAS_NUM_THREADS.
+  using GetThreads = int (*)();
+  using SetThreads = void (*)(int);
+  auto* blasGet = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto* blasSet = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  const char* blasEnv = std::getenv("OPENBLAS_NUM_THREADS");
+  const std::string savedBlasEnv = blasEnv ? blasEnv : "";
+  const char* gotoEnv = std::getenv("GOTO_NUM_THREADS");
+  const std::string savedGotoEnv = gotoEnv ? gotoEnv : "";
+  ::unsetenv("OPENBLAS_NUM_THREADS");
+  ::unsetenv("GOTO_NUM_THREADS");
+  if (blasGet && blasSet) {
+    const int blasBefore = blasGet();
+    blasSet(2);
+    auto many = ctorch::configureThreads(3);
+    CHECK(many.blasThreads == 1);
+    CHECK(many.blasReason == "one per calling thread");
+    CHECK(blasGet() == 1);
+    blasSet(2);  // what OpenBLAS read from the user's OPENBLAS_NUM_THREADS=2 at load
+    ::setenv("OPENBLAS_NUM_THREADS", "2", 1);
+    auto user = ctorch::configureThreads(1);
+    CHECK(user.blasThreads == 2);
+    CHECK(user.blasReason == "OPENBLAS_NUM_THREADS=2");
+    CHECK(blasGet() == 2);
+    blasSet(blasBefore);
+  } else {
+    auto none = ctorch::configureThreads(1);
+    CHECK(none.blasThreads == 0);  // not OpenBLAS: nothing to set, nothing claimed
+  }
+  if (blasEnv) ::setenv("OPENBLAS_NUM_THREADS", savedBlasEnv.c_str(), 1);
+  else ::unsetenv("OPENBLAS_NUM_THREADS");
+  if (gotoEnv) ::setenv("GOTO_NUM_THREADS", savedGotoEnv.c_str(), 1);
 
   if (omp) ::setenv("OMP_NUM_THREADS", savedOmp.c_str(), 1);
   if (lws) ::setenv("LOCAL_WORLD_SIZE", savedLws.c_str(), 1);

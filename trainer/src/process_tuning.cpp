@@ -21,10 +21,27 @@ int affinityCpus() {
 }
 
 // OpenBLAS is reached through LibTorch's BLAS dependency when the system's libblas is OpenBLAS;
-// its thread count is set through its own entry point when that is loaded (no link dependency).
-void setBlasThreads(int threads) {
+// its thread count is set through its own entry points when it is loaded (no link dependency).
+// Returns the count OpenBLAS reports afterwards, 0 when it is not loaded.
+int setBlasThreads(int threads) {
   using SetThreads = void (*)(int);
-  if (auto* f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
+  using GetThreads = int (*)();
+  auto* set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto* get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (set && threads > 0) set(threads);
+  return get ? std::max(0, get()) : 0;
+}
+
+// The user's own OpenBLAS setting (which OpenBLAS read when it loaded), if any.
+const char* blasEnvironment(std::string& name) {
+  for (const char* var : {"OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"}) {
+    const char* value = std::getenv(var);
+    if (value && *value) {
+      name = var;
+      return value;
+    }
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -50,7 +67,17 @@ ThreadChoice configureThreads(int requested, int localWorldSize) {
                     (localWorldSize == 1 ? "" : "s");
   }
   if (at::get_num_threads() != choice.threads) at::set_num_threads(choice.threads);
-  setBlasThreads(choice.threads);
+  // OpenBLAS on the calling thread: LibTorch calls BLAS from inside its own parallel loops (the
+  // convolutions), so a second pool on the same cores only fights the first (spinning in
+  // sched_yield while LibTorch's threads compute, or taking a core from the other ranks).
+  std::string var;
+  if (const char* value = blasEnvironment(var)) {
+    choice.blasThreads = setBlasThreads(0);
+    choice.blasReason = var + "=" + value;
+  } else {
+    choice.blasThreads = setBlasThreads(1);
+    choice.blasReason = "one per calling thread";
+  }
   return choice;
 }
 

@@ -395,7 +395,11 @@ class Trainer {
     const ctorch::ThreadChoice threads = ctorch::configureThreads(o.threads, getLocalWorldSize());
     console_.line("ctorch-train: " + getDistributedEnv().describe() + ", device " + device_.str() + ", backend " +
                   getBackendName() + ", " + std::to_string(threads.threads) + " thread" +
-                  (threads.threads == 1 ? "" : "s") + " per rank (" + (threads.reason == "requested" ? std::string("--threads") : threads.reason) + ")");
+                  (threads.threads == 1 ? "" : "s") + " per rank (" +
+                  (threads.reason == "requested" ? std::string("--threads") : threads.reason) + ")" +
+                  (threads.blasThreads > 0 ? ", OpenBLAS " + std::to_string(threads.blasThreads) + " (" +
+                                                 threads.blasReason + ")"
+                                           : std::string()));
     console_.line("config: " + o.describe());
     data_ = std::move(data);
     dataSeconds_ = dataSeconds;

@@ -1,9 +1,10 @@
 // Process-wide settings that make CPU training fast without changing any result: intra-op threads
-// sized to the CPUs this rank may use, OpenBLAS kept to the same count (it ignores LibTorch's
-// setting, and its idle threads otherwise spin in sched_yield on the cores the others compute on),
-// and a glibc heap that keeps freed activation memory instead of returning it to the kernel after
-// every step. ctorch-train calls both first thing; a loop of your own should too (docs/ddp.md,
-// "Fast CPU training"; docs/trainer.md and docs/performance.md have the measurements).
+// sized to the CPUs this rank may use, OpenBLAS single-threaded under them (its own pool ignores
+// LibTorch's setting; LibTorch calls it from inside its parallel loops, and the two pools on the
+// same cores fight: the MNIST CNN at 1 rank, 2 threads, 2x faster with LibTorch 2.14), and a glibc
+// heap that keeps freed activation memory instead of returning it to the kernel after every step.
+// ctorch-train calls both first thing; a loop of your own should too (docs/ddp.md, "Fast CPU
+// training"; docs/trainer.md and docs/performance.md have the measurements).
 #pragma once
 
 #include <string>
@@ -12,13 +13,20 @@ namespace ctorch {
 
 struct ThreadChoice {
   int threads = 1;
-  std::string reason;  // "requested", "OMP_NUM_THREADS=1", "2 CPUs / 1 local rank"
+  std::string reason;      // "requested", "OMP_NUM_THREADS=1", "2 CPUs / 1 local rank"
+  int blasThreads = 0;     // OpenBLAS's thread count afterwards; 0 when OpenBLAS is not loaded
+  std::string blasReason;  // "one per calling thread", "OPENBLAS_NUM_THREADS=2"
 };
 
-// requested > 0: that many. Else OMP_NUM_THREADS when set (LibTorch's own rule). Else the CPUs in
-// this process's affinity mask divided by the ranks on this node (at least 1). Applies the choice to
-// LibTorch and OpenBLAS and returns it. localWorldSize < 1: LOCAL_WORLD_SIZE from the environment
-// (the launcher's worker contract), 1 when unset.
+// LibTorch's intra-op threads: requested > 0: that many. Else OMP_NUM_THREADS when set (LibTorch's
+// own rule). Else the CPUs in this process's affinity mask divided by the ranks on this node (at
+// least 1). localWorldSize < 1: LOCAL_WORLD_SIZE from the environment (the launcher's worker
+// contract), 1 when unset.
+// OpenBLAS (when it is LibTorch's BLAS): 1 thread, so that the intra-op threads are the only pool,
+// unless OPENBLAS_NUM_THREADS (or GOTO_NUM_THREADS) is set: then OpenBLAS keeps what it read from
+// it (a model whose time is in large matrix products called outside LibTorch's parallel loops, an
+// MLP with 4096 hidden units, runs ~20 % faster at 1 rank with OpenBLAS's own 2 threads).
+// Applies both and returns them.
 ThreadChoice configureThreads(int requested = 0, int localWorldSize = 0);
 
 // glibc's mallopt: activations up to 32 MiB come from the heap, and up to 1 GiB of freed heap is
