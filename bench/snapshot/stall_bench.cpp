@@ -11,9 +11,9 @@
 // Model: one square Linear layer holding --mb MiB of float32, plain SGD (the snapshot is the model).
 // --threads N (default 1) sets LibTorch's intra-op threads and OpenBLAS's own pool (which ignores
 // LibTorch's setting: before 2026-11-25 this bench's "1 thread" ran its GEMMs on both cores of the
-// VM, so the writer could only run by taking a core from the step; ctorch::configureThreads sets
-// both). --threads 1 on a 2-core machine
-// leaves a core to the writer; --threads <all CPUs> measures a training that occupies every core.
+// VM, so the writer could only run by taking a core from the step; ctorch::configureThreads and
+// ctorch::setBlasThreads set both). --threads 1 on a 2-core machine leaves a core to the writer;
+// --threads <all CPUs> measures a training that occupies every core.
 #include <ctorch/distributed.hpp>
 #include <ctorch/process_tuning.hpp>
 #include <ctorch/resilience.hpp>
@@ -101,7 +101,10 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    ctorch::configureThreads(threads);  // LibTorch's intra-op threads and OpenBLAS's pool
+    // LibTorch's intra-op threads, and OpenBLAS's own pool at the same count (configureThreads
+    // would hold it to one: this model's time is one large GEMM called outside LibTorch's loops).
+    ctorch::configureThreads(threads);
+    ctorch::setBlasThreads(threads);
     ctorch::initProcessGroup();  // a world of 1
     const auto dim = static_cast<std::int64_t>(std::sqrt(mb * 1024 * 1024 / 4));
     dir /= "ctorch-stall-bench-" + std::to_string(::getpid());

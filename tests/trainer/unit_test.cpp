@@ -482,10 +482,14 @@ TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WO
     CHECK(user.blasThreads == 2);
     CHECK(user.blasReason == "OPENBLAS_NUM_THREADS=2");
     CHECK(blasGet() == 2);
+    CHECK(ctorch::setBlasThreads(3) == 3);  // from code, after configureThreads
+    CHECK(blasGet() == 3);
+    CHECK(ctorch::setBlasThreads(0) == 3);  // only reads
     blasSet(blasBefore);
   } else {
     auto none = ctorch::configureThreads(1);
     CHECK(none.blasThreads == 0);  // not OpenBLAS: nothing to set, nothing claimed
+    CHECK(ctorch::setBlasThreads(2) == 0);
   }
   if (blasEnv) ::setenv("OPENBLAS_NUM_THREADS", savedBlasEnv.c_str(), 1);
   else ::unsetenv("OPENBLAS_NUM_THREADS");

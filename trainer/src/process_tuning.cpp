@@ -20,18 +20,6 @@ int affinityCpus() {
   return std::max(1, CPU_COUNT(&set));
 }
 
-// OpenBLAS is reached through LibTorch's BLAS dependency when the system's libblas is OpenBLAS;
-// its thread count is set through its own entry points when it is loaded (no link dependency).
-// Returns the count OpenBLAS reports afterwards, 0 when it is not loaded.
-int setBlasThreads(int threads) {
-  using SetThreads = void (*)(int);
-  using GetThreads = int (*)();
-  auto* set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto* get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set && threads > 0) set(threads);
-  return get ? std::max(0, get()) : 0;
-}
-
 // The user's own OpenBLAS setting (which OpenBLAS read when it loaded), if any.
 const char* blasEnvironment(std::string& name) {
   for (const char* var : {"OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"}) {
@@ -45,6 +33,18 @@ const char* blasEnvironment(std::string& name) {
 }
 
 }  // namespace
+
+// OpenBLAS is reached through LibTorch's BLAS dependency when the system's libblas is OpenBLAS;
+// its thread count is set through its own entry points when it is loaded (no link dependency).
+int setBlasThreads(int threads) {
+  using SetThreads = void (*)(int);
+  using GetThreads = int (*)();
+  auto* set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto* get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (!get) return 0;
+  if (set && threads > 0) set(threads);
+  return std::max(0, get());
+}
 
 ThreadChoice configureThreads(int requested, int localWorldSize) {
   if (localWorldSize < 1) {

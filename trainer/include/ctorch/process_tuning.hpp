@@ -25,9 +25,14 @@ struct ThreadChoice {
 // OpenBLAS (when it is LibTorch's BLAS): 1 thread, so that the intra-op threads are the only pool,
 // unless OPENBLAS_NUM_THREADS (or GOTO_NUM_THREADS) is set: then OpenBLAS keeps what it read from
 // it (a model whose time is in large matrix products called outside LibTorch's parallel loops, an
-// MLP with 4096 hidden units, runs ~20 % faster at 1 rank with OpenBLAS's own 2 threads).
-// Applies both and returns them.
+// MLP with 4096 hidden units, runs 15-22 % faster at 1 rank on 2 cores with OpenBLAS's own 2
+// threads). Applies both and returns them.
 ThreadChoice configureThreads(int requested = 0, int localWorldSize = 0);
+
+// OpenBLAS's own pool from code (what OPENBLAS_NUM_THREADS sets before it loads), e.g. after
+// configureThreads for such a model. Returns the count OpenBLAS reports afterwards; 0 when LibTorch's
+// BLAS is not OpenBLAS (nothing is set). threads < 1: only reads it.
+int setBlasThreads(int threads);
 
 // glibc's mallopt: activations up to 32 MiB come from the heap, and up to 1 GiB of freed heap is
 // kept. Without it, glibc returns the freed activations of every step to the kernel and the next
