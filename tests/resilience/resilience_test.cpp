@@ -43,7 +43,8 @@ std::string hexDouble(double v) {
 // the distributed sampler, a tracked double and a tracked tensor. Flags:
 //   --dir D --epochs N --stop-at S (rank 1 asks to stop before global step S) --crash-after S (every
 //   rank exits 3 after step S once its snapshot is durable) --seeded 0|1 (stepSeed or gathered
-//   generator states) --view 0|1 (gradientAsBucketView) --save-every K --lr X
+//   generator states) --view 0|1 (gradientAsBucketView) --save-every K --lr X --overlap 0|1
+//   (overlapAgreement, default on as in the library)
 CTORCH_TEST_WORKER(user_loop) {
   const fs::path dir = arg(args, "dir", ".");
   const std::int64_t epochs = intArg(args, "epochs", 3);
@@ -80,6 +81,7 @@ CTORCH_TEST_WORKER(user_loop) {
                      .config({{"lr", arg(args, "lr", "0.05")}})
                      .runName("user-mlp")
                      .allowConfigChange(intArg(args, "allow-change", 0) != 0)
+                     .overlapAgreement(intArg(args, "overlap", 1) != 0)
                      .log([](const std::string& line) { std::cout << "log: " << line << std::endl; });
   if (seeded) options.stepSeed(11);
   ctorch::ResilientTraining training(options);
@@ -179,34 +181,44 @@ void requireExit(const std::vector<ctorch::test::ProcessResult>& results, int co
 
 TEST_CASE("resilience: a user's loop stopped twice by a signal on one rank ends bit-identical (generator states gathered)",
           "[resilience]") {
-  Runs runs;
-  const auto reference = runs.run("reference", {});
-  ctorch::test::requireAllOk(reference);
+  // Both ways of agreeing on the stop. Overlapped (the default): the flag of step N is read at step
+  // N + 1, so a signal before step 4 stops after step 5, and one before the epoch's last step (12)
+  // is read by epochDone(): the run stops at the end of epoch 2. At once (overlapAgreement(false)):
+  // a signal before step 5 stops after step 5, one before step 12 after step 12, before epochDone().
+  for (const bool overlap : {true, false}) {
+    INFO((overlap ? "overlapped agreement" : "agreement at once"));
+    Runs runs;
+    runs.common = {"--overlap", overlap ? "1" : "0"};
+    const auto reference = runs.run("reference", {});
+    ctorch::test::requireAllOk(reference);
 
-  // Stopped mid-epoch (step 5 of 6), then at the last step of epoch 2 (step 12: the sampler is
-  // exhausted, the scheduler has not stepped yet), then to the end.
-  const auto first = runs.run("stopped", {"--stop-at", "5"});
-  requireExit(first, 75);
-  CHECK(first[0].output.find("log: stopped on request after global step 5 (epoch 1, step 5)") != std::string::npos);
-  CHECK(first[1].output.find("ctorch: rank 1/2 stopped after global step 5 (epoch 1, step 5): User defined signal 1 here") !=
-        std::string::npos);
-  const auto second = runs.run("stopped", {"--stop-at", "12"});
-  requireExit(second, 75);
-  CHECK(second[0].output.find("start: epoch 0 step 5 global 5 resumed") != std::string::npos);
-  const auto last = runs.run("stopped", {});
-  ctorch::test::requireAllOk(last);
-  CHECK(last[0].output.find("start: epoch 1 step 6 global 12 resumed") != std::string::npos);
+    const auto first = runs.run("stopped", {"--stop-at", overlap ? "4" : "5"});
+    requireExit(first, 75);
+    CHECK(first[0].output.find("log: stopped on request after global step 5 (epoch 1, step 5)") != std::string::npos);
+    CHECK(first[1].output.find("ctorch: rank 1/2 stopped after global step 5 (epoch 1, step 5): User defined signal 1 here") !=
+          std::string::npos);
+    const auto second = runs.run("stopped", {"--stop-at", "12"});
+    requireExit(second, 75);
+    CHECK(second[0].output.find("start: epoch 0 step 5 global 5 resumed") != std::string::npos);
+    CHECK(second[0].output.find(overlap ? "log: stopped on request after the end of epoch 2 (global step 12)"
+                                        : "log: stopped on request after global step 12 (epoch 2, step 6)") !=
+          std::string::npos);
+    const auto last = runs.run("stopped", {});
+    ctorch::test::requireAllOk(last);
+    CHECK(last[0].output.find(overlap ? "start: epoch 2 step 0 global 12 resumed" : "start: epoch 1 step 6 global 12 resumed") !=
+          std::string::npos);
 
-  CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "stopped")) == "");
-  CHECK(finalLine(last[0]) == finalLine(reference[0]));  // the tracked double and the scheduler's lr
-  CHECK_FALSE(finalLine(reference[0]).empty());
+    CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "stopped")) == "");
+    CHECK(finalLine(last[0]) == finalLine(reference[0]));  // the tracked double and the scheduler's lr
+    CHECK_FALSE(finalLine(reference[0]).empty());
 
-  // Control: the same stop, resumed with per-step seeding instead of the restored generator states,
-  // differs (dropout draws other masks): the comparison bites, and the gathered states are what
-  // keeps the resumed run identical.
-  requireExit(runs.run("control", {"--stop-at", "5"}), 75);
-  ctorch::test::requireAllOk(runs.run("control", {"--seeded", "1"}));
-  CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "control")) != "");
+    // Control: the same stop, resumed with per-step seeding instead of the restored generator states,
+    // differs (dropout draws other masks): the comparison bites, and the gathered states are what
+    // keeps the resumed run identical.
+    requireExit(runs.run("control", {"--stop-at", overlap ? "4" : "5"}), 75);
+    ctorch::test::requireAllOk(runs.run("control", {"--seeded", "1"}));
+    CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "control")) != "");
+  }
 }
 
 TEST_CASE("resilience: 3 ranks, gradients as bucket views, crash after a durable step snapshot, end bit-identical",
@@ -248,7 +260,7 @@ TEST_CASE("resilience: a damaged newest snapshot is named, set aside, and the on
 TEST_CASE("resilience: another configuration is refused naming the difference, and a stop while starting up saves nothing",
           "[resilience]") {
   Runs runs;
-  requireExit(runs.run("run", {"--stop-at", "2"}), 75);
+  requireExit(runs.run("run", {"--stop-at", "1"}), 75);  // the agreement of step 1, read at step 2
   const auto refused = runs.run("run", {"--lr", "0.1"});
   for (const auto& r : refused) {
     CHECK(r.exitCode == 1);
@@ -271,7 +283,7 @@ TEST_CASE("resilience: another configuration is refused naming the difference, a
 TEST_CASE("resilience: a crafted snapshot (sound file, digest recomputed) with wrong content is refused in one line",
           "[resilience]") {
   Runs runs;
-  requireExit(runs.run("run", {"--stop-at", "4"}), 75);
+  requireExit(runs.run("run", {"--stop-at", "4", "--overlap", "0"}), 75);
   const fs::path file = runs.dir / "run" / "snapshot.pt";
   const ctorch::Snapshot good = ctorch::loadSnapshot(file);
   auto craft = [&](const std::string& key, const c10::IValue& value) {

@@ -168,6 +168,8 @@ TEST_CASE("loop: gradient accumulation over micro-batches equals one batch of th
 }
 
 TEST_CASE("loop: a stop request on one rank stops every rank after the same step", "[trainer][loop][signals]") {
+  // Rank 1 asks before step 5. Step 5 does not log (every 10 steps): its agreement is read at step 6,
+  // and every rank stops after step 6.
   TempDir dir("train-stop");
   const auto r = runWorkerGroup({"train", 2, {dir.path().string(), "stop_at=5", "model=linear",
                                               "dataset=synthetic-regression", "synthetic-size=512",
@@ -175,18 +177,18 @@ TEST_CASE("loop: a stop request on one rank stops every rank after the same step
   for (int rank = 0; rank < 2; ++rank) {
     INFO("rank " << rank << ": " << show(r[rank]));
     CHECK(r[rank].exitCode == ctorch::contract::kExitPreempted);
-    CHECK(r[rank].output.find("result status=1 global=5 ") != std::string::npos);
+    CHECK(r[rank].output.find("result status=1 global=6 ") != std::string::npos);
   }
-  CHECK(r[0].output.find("stopped on request after global step 5 (epoch 1, step 5)") != std::string::npos);
-  CHECK(r[1].output.find("rank 1/2 stopped after global step 5 (epoch 1, step 5): User defined signal 1 here") !=
+  CHECK(r[0].output.find("stopped on request after global step 6 (epoch 1, step 6)") != std::string::npos);
+  CHECK(r[1].output.find("rank 1/2 stopped after global step 6 (epoch 1, step 6): User defined signal 1 here") !=
         std::string::npos);
   CHECK(r[0].output.find("a stop signal on another rank") != std::string::npos);
   const auto snap = ctorch::loadSnapshot(dir / "snapshot.pt");
-  CHECK(snap.globalStep == 5);
-  CHECK(snap.stepInEpoch == 5);
+  CHECK(snap.globalStep == 6);
+  CHECK(snap.stepInEpoch == 6);
   CHECK(snap.epochsRun == 0);
   REQUIRE(snap.sampler);
-  CHECK(snap.sampler->consumed == 40);
+  CHECK(snap.sampler->consumed == 48);
   CHECK_FALSE(fs::exists(dir / "model.pt"));  // not finished: no final weights
 
   // Resumed, it finishes where an uninterrupted run finishes, bit for bit.
@@ -195,7 +197,7 @@ TEST_CASE("loop: a stop request on one rank stops every rank after the same step
                                                     "batch-size=8", "epochs=3", "test-limit=64"}});
   requireAllOk(resumed);
   CHECK(resumed[0].output.find("resuming from " + (dir / "snapshot.pt").string() +
-                               " at epoch 1, step 5 (global step 5), exactly where it stopped") != std::string::npos);
+                               " at epoch 1, step 6 (global step 6), exactly where it stopped") != std::string::npos);
   TempDir reference("train-stop-ref");
   const auto uninterrupted = runWorkerGroup({"train", 2, {reference.path().string(), "model=linear",
                                                           "dataset=synthetic-regression", "synthetic-size=512",
@@ -327,8 +329,10 @@ TEST_CASE("resume: 3 ranks stopped after their first step, then mid-epoch, end b
   // an order set by its place in the bucket (so the bucket layout after the first step must be the
   // one recorded in the snapshot), and DDP's first step in a process scaled by 1/3 instead of
   // dividing by 3 (so gradients are bucket views from the start). The CNN (two buckets, dropout) on
-  // synthetic images: 96 samples, 3 ranks x 8 = 4 steps per epoch; stopped after step 1, resumed
-  // and stopped after step 6 (epoch 2, step 2), resumed to the end.
+  // synthetic images: 96 samples, 3 ranks x 8 = 4 steps per epoch; asked to stop during step 1
+  // (which does not log: its agreement is read at step 2) and stopped after step 2, resumed, asked
+  // during step 6 (which logs: agreed at once) and stopped after it (epoch 2, step 2), resumed to
+  // the end.
   const std::vector<std::string> args = {"model=mnist-cnn", "dataset=synthetic-images", "synthetic-size=96",
                                          "test-limit=24", "batch-size=8", "epochs=2", "log-interval=2"};
   auto run = [&](const fs::path& dir, std::vector<std::string> extra) {
@@ -339,8 +343,8 @@ TEST_CASE("resume: 3 ranks stopped after their first step, then mid-epoch, end b
   };
   TempDir reference("train-3-ref"), dir("train-3");
   requireAllOk(run(reference.path(), {}));
-  for (int stop : {1, 6}) {
-    const auto stopped = run(dir.path(), {"stop_at=" + std::to_string(stop)});
+  for (const auto& [ask, stop] : std::vector<std::pair<int, int>>{{1, 2}, {6, 6}}) {
+    const auto stopped = run(dir.path(), {"stop_at=" + std::to_string(ask)});
     for (const auto& r : stopped) {
       INFO(show(r));
       CHECK(r.exitCode == ctorch::contract::kExitPreempted);

@@ -196,6 +196,14 @@ struct ResilientTraining::Impl {
   std::vector<at::Tensor> committedBuffers;
   std::unique_ptr<SnapshotWriter> writer;
   detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
+  // overlapAgreement: the stop agreement that stepDone() started, read at the next stepDone(),
+  // epochDone() or finish(). Its allreduce runs while the next step computes.
+  struct PendingAgreement {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor flag;
+    std::int64_t step = 0;
+  };
+  std::optional<PendingAgreement> pending;
 
   void say(const std::string& line) const {
     if (rank != 0) return;
@@ -227,6 +235,37 @@ struct ResilientTraining::Impl {
       throw;
     } catch (const std::exception& e) {
       failed(e, during);
+    }
+  }
+
+  // Starts this step's stop agreement without waiting for it (overlapAgreement).
+  void startAgreement() {
+    const std::string during = "step " + std::to_string(globalStep) + "'s agreement";
+    try {
+      std::vector<at::Tensor> t{torch::tensor({ctorch::stopSignal() != 0 ? 1.0 : 0.0}, torch::kFloat64).to(commDevice())};
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      auto work = group->allreduce(t, options);
+      pending = PendingAgreement{std::move(work), t[0], globalStep};
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      failed(e, during);
+    }
+  }
+
+  // Waits for the agreement startAgreement() left running; true when some rank asked to stop.
+  bool finishAgreement() {
+    if (!pending) return false;
+    PendingAgreement p = std::move(*pending);
+    pending.reset();
+    try {
+      p.work->wait();
+      return p.flag.cpu().item<double>() > 0;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      failed(e, "step " + std::to_string(p.step) + "'s agreement");
     }
   }
 
@@ -721,10 +760,13 @@ ResumePoint ResilientTraining::resume() {
 
 bool ResilientTraining::stepDone() {
   std::vector<double> none;
-  return stepDone(none);
+  // One rank has nobody to agree with: its own stop flag is read at once.
+  return impl_->o.overlapAgreement() && impl_->world > 1 ? stepDoneImpl(nullptr) : stepDoneImpl(&none);
 }
 
-bool ResilientTraining::stepDone(std::vector<double>& sums) {
+bool ResilientTraining::stepDone(std::vector<double>& sums) { return stepDoneImpl(&sums); }
+
+bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before the first step");
   s.checkFinished("stepDone");
@@ -735,15 +777,22 @@ bool ResilientTraining::stepDone(std::vector<double>& sums) {
   ++s.stepInEpoch;
   ++s.globalStep;
   s.phase = Impl::Phase::kStepAgreement;
-  std::vector<double> values{ctorch::stopSignal() != 0 ? 1.0 : 0.0};
-  values.insert(values.end(), sums.begin(), sums.end());
-  values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
-  std::copy(values.begin() + 1, values.end(), sums.begin());
+  // The previous step's agreement, when it was left running (long finished by now, unless a rank
+  // is slower): a stop asked before that step ends the run at this one.
+  bool stopAgreed = s.finishAgreement();
+  if (sums) {
+    std::vector<double> values{ctorch::stopSignal() != 0 ? 1.0 : 0.0};
+    values.insert(values.end(), sums->begin(), sums->end());
+    values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
+    std::copy(values.begin() + 1, values.end(), sums->begin());
+    stopAgreed = stopAgreed || values[0] > 0;
+  }
   if (s.writer->failed()) s.writer->wait();  // rethrows the failed write: no training on without it
-  if (values[0] > 0) {
+  if (stopAgreed) {
     s.stop = true;
     return s.stopHere();
   }
+  if (!sums && s.world > 1) s.startAgreement();
   const bool epochEnds = s.sampler && s.sampler->exhausted();  // epochDone() saves that one
   if (s.o.saveEverySteps() > 0 && s.globalStep % s.o.saveEverySteps() == 0 && !epochEnds)
     s.save(Impl::Kind::kMidEpoch, {}, false);
@@ -760,13 +809,15 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
   ++s.epoch;
   s.stepInEpoch = 0;
   s.phase = Impl::Phase::kEpochAgreement;
+  const bool stopAgreed = s.finishAgreement();  // the epoch's last step's, when left running
   const bool due = extras.force || s.o.saveEverySteps() > 0 ||
                    (s.o.saveEveryEpochs() > 0 && s.epoch % s.o.saveEveryEpochs() == 0);
   if (due) s.save(Impl::Kind::kEpochBoundary, extras, false);
   else if (!extras.alsoWriteTo.empty()) s.save(Impl::Kind::kEpochBoundary, extras, true);
   if (s.writer->failed()) s.writer->wait();
   // A stop requested during the evaluation (or the last step's agreement) ends the run here.
-  if (s.allReduce({ctorch::stopSignal() != 0 ? 1.0 : 0.0}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch))[0] > 0) {
+  if (s.allReduce({ctorch::stopSignal() != 0 ? 1.0 : 0.0}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch))[0] > 0 ||
+      stopAgreed) {
     s.stop = true;
     return s.stopHere();
   }
@@ -800,6 +851,7 @@ ResumePoint ResilientTraining::recover() {
   std::cerr << s.o.programName() << ": rank " << s.rank << "/" << s.world << ": in-place recovery after: " << cause
             << std::endl;
   s.settleAfterFailure();
+  s.pending.reset();  // an agreement left running on the failed group ends with it (a stop signal is asked again)
   // Every reference to the failed group goes, so that its connections close now (peers still waiting
   // on this rank fail at once and come to re-form too).
   std::optional<std::vector<std::vector<size_t>>> buckets;
@@ -830,6 +882,9 @@ int ResilientTraining::finish() {
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before finish()");
   s.checkFinished("finish");
   if (s.stop) return s.writer->wait(), contract::kExitPreempted;  // stopped at start-up: nothing to save
+  // The last step's agreement, when left running: the training is complete, so a stop asked during
+  // that step changes nothing (the final state is saved and the run ends with 0).
+  s.finishAgreement();
   const bool scheduled = s.o.saveEverySteps() > 0 || s.o.saveEveryEpochs() > 0;
   if (scheduled && !s.saved()) s.save(s.currentKind(), {}, false);
   s.writer->wait();

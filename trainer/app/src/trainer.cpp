@@ -592,7 +592,9 @@ bool Trainer::runEpoch(RunResult& result) {
   const double epochCpuStart = processCpuSeconds();
   auto intervalStart = epochStart;
   const std::int64_t firstStep = t.stepInEpoch();
-  double intervalLoss = 0.0, epochLoss = 0.0;
+  // Losses: this rank's own over the log interval; summed over the ranks (in that step's agreement)
+  // only at the steps that log, so that the others need no meeting of the ranks after the step.
+  double intervalLocalLoss = 0.0, epochLoss = 0.0;
   std::int64_t intervalSteps = 0, intervalSamples = 0, epochSamples = 0;
   StepPhases phases;
   while (!sampler_->exhausted()) {
@@ -602,12 +604,19 @@ bool Trainer::runEpoch(RunResult& result) {
     StepOutcome step;
     std::vector<double> sums;
     bool stop = false;
+    bool periodic = false;
     try {
       step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
-      // The step's one small allreduce: every rank's loss for the log, and whether any must stop.
-      sums = {step.loss};
+      // Whether any rank must stop: agreed in the background (read at the next step) except at the
+      // steps that log, where the same small allreduce also sums the interval's losses.
+      periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
       const auto agreeStart = Clock::now();
-      stop = t.stepDone(sums);
+      if (periodic) {
+        sums = {intervalLocalLoss + step.loss};
+        stop = t.stepDone(sums);
+      } else {
+        stop = t.stepDone();
+      }
       step.phases.agreement = secondsSince(agreeStart);
     } catch (const DistributedError& e) {
       if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
@@ -620,14 +629,15 @@ bool Trainer::runEpoch(RunResult& result) {
       recoverInPlace();  // a failure that is not a lost peer is rethrown as the step's failure
       return runEpoch(result);
     }
-    const double loss = sums[0] / worldSize_;
     phases += step.phases;
-    intervalLoss += loss;
-    epochLoss += loss;
+    intervalLocalLoss += step.loss;
     ++intervalSteps;
     intervalSamples += step.samples * worldSize_;
     epochSamples += step.samples * worldSize_;
-    const bool periodic = t.globalStep() % o_.logInterval == 0 || sampler_->exhausted();
+    // The interval's mean loss over every rank at the steps that log; the bar between them shows
+    // this rank's own.
+    const double intervalLoss = periodic ? sums[0] / worldSize_ : intervalLocalLoss;
+    if (periodic) epochLoss += intervalLoss;
     if (periodic || console_.barMode()) {
       StepReport r;
       r.epoch = epoch;
@@ -655,7 +665,7 @@ bool Trainer::runEpoch(RunResult& result) {
           m.lossKind = lossKindName(model_->output());
           metrics_->write(m);
         }
-        intervalLoss = 0.0;
+        intervalLocalLoss = 0.0;
         intervalSteps = 0;
         intervalSamples = 0;
         intervalStart = Clock::now();
