@@ -5,13 +5,21 @@
 # the system's BLAS for both (OpenBLAS when installed), each launcher's own OMP_NUM_THREADS rule
 # (1 per worker when 2 share the node, unset for 1).
 #
-#   bench/trainer_vs_python.sh [speed|accuracy|all] [epochs] [rounds]
+#   bench/trainer_vs_python.sh speed [epochs=1] [rounds=2] [train-limit=0]
+#   bench/trainer_vs_python.sh accuracy [epochs=3] [seeds=1]
+#   bench/trainer_vs_python.sh all          (speed 1 2, then accuracy 3 1)
 #
-# speed (default epochs 1, rounds 2): time per epoch (training steps only) and samples/s at 1 and 2
-#   ranks; rounds alternate C++ and Python so both see the same machine load; the best round of each
-#   row is reported (the least disturbed one on a shared machine) together with the median.
-# accuracy (default epochs 3): test accuracy after each epoch, ctorch-train with 2 ranks x 64 and
-#   with 1 rank x 128 (the same global batch), and the Python peer with 2 ranks x 64.
+# speed: time per epoch (training steps only) and samples/s at 1 and 2 ranks (train-limit > 0: that
+#   many samples of the training set, for shorter runs); rounds alternate C++ and Python so both see
+#   the same machine load; each row reports its best round and the median of the rounds, and the
+#   ratios are given for both. Also measured in every round: both implementations at the same thread
+#   count (Python at OMP_NUM_THREADS=2, and with OPENBLAS_NUM_THREADS=1 as ctorch sets it), the
+#   ceiling's unit (ctorch-train --threads 1 at 1 rank: the ceiling is twice it) and two independent
+#   1-rank, 1-thread runs at the same time (what two processes that never meet reach on this machine).
+# accuracy: test accuracy after each epoch, ctorch-train and the Python peer with 2 ranks x 64, for
+#   seeds 1..S (--seed on both sides: the same sampler order; weights and dropout drawn by each
+#   side's own generator calls), the mean over the seeds, and ctorch-train with 1 rank x 128 (the
+#   same global batch) for seed 1.
 # Results go to stdout and bench/results/trainer_vs_python-<date>.txt.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -77,30 +85,39 @@ for line in sys.stdin:
 if [ "$mode" = speed ] || [ "$mode" = all ]; then
   epochs=${2:-1}
   rounds=${3:-2}
-  [ "$mode" = all ] && epochs=1 && rounds=2
+  limit=${4:-0}
+  [ "$mode" = all ] && epochs=1 && rounds=2 && limit=0
+  short=()
+  [ "$limit" -gt 0 ] && short=(--train-limit "$limit" --test-limit 1000)
   for ((i = 1; i <= rounds; i++)); do
     for world in 1 2; do
-      cpp "ctorch-train" $world $epochs
+      cpp "ctorch-train" $world $epochs "${short[@]}"
       # The gradients through Gloo's allreduce, as Python's DDP moves them (the default is shared memory).
-      [ "$world" -gt 1 ] && cpp "ctorch-train --comm-hook none" $world $epochs --comm-hook none
-      py "python per-sample" $world $epochs --data per-sample
-      py "python preloaded" $world $epochs --data preloaded
+      [ "$world" -gt 1 ] && cpp "ctorch-train --comm-hook none" $world $epochs --comm-hook none "${short[@]}"
+      py "python per-sample" $world $epochs --data per-sample "${short[@]}"
+      py "python preloaded" $world $epochs --data preloaded "${short[@]}"
     done
-    # Where the 1-rank difference comes from: ctorch-train uses CPUs / local ranks threads (2 here),
-    # LibTorch's own default is the physical cores it detects (1 here).
-    cpp "ctorch-train --threads 1" 1 $epochs --threads 1
-    OMP_NUM_THREADS=2 py "python per-sample, 2 threads" 1 $epochs --data per-sample
-    # ctorch::configureThreads keeps OpenBLAS to one thread under LibTorch's pool; what Python gets
-    # from the same setting (which it can only make through the environment, before torch loads).
-    OPENBLAS_NUM_THREADS=1 py "python preloaded, OpenBLAS 1" 1 $epochs --data preloaded
+    # At 1 rank ctorch-train runs CPUs / local ranks threads (2 here) with OpenBLAS at one under them;
+    # torch's own default is the physical cores it detects. Python at the same count, with OpenBLAS
+    # as torch leaves it and as ctorch sets it (which Python can only do before torch loads).
+    OMP_NUM_THREADS=2 py "python preloaded, 2 threads" 1 $epochs --data preloaded "${short[@]}"
+    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=1 py "python preloaded, 2 thr, BLAS 1" 1 $epochs --data preloaded "${short[@]}"
+    # The ceiling's unit, and two such processes side by side that never meet.
+    cpp "ctorch-train --threads 1" 1 $epochs --threads 1 "${short[@]}"
+    cpp "independent --threads 1 (a)" 1 $epochs --threads 1 "${short[@]}" &
+    cpp "independent --threads 1 (b)" 1 $epochs --threads 1 "${short[@]}"
+    wait
   done
 fi
 if [ "$mode" = accuracy ] || [ "$mode" = all ]; then
   epochs=${2:-3}
-  [ "$mode" = all ] && epochs=3
-  cpp "accuracy: ctorch-train 2 x 64" 2 $epochs
-  cpp "accuracy: ctorch-train 1 x 128" 1 $epochs --batch-size 128
-  py "accuracy: python 2 x 64" 2 $epochs --data preloaded
+  seeds=${3:-1}
+  [ "$mode" = all ] && epochs=3 && seeds=1
+  for ((seed = 1; seed <= seeds; seed++)); do
+    cpp "accuracy: ctorch-train 2 x 64" 2 $epochs --seed $seed
+    py "accuracy: python 2 x 64" 2 $epochs --data preloaded --seed $seed
+  done
+  cpp "accuracy: ctorch-train 1 x 128, seed 1" 1 $epochs --batch-size 128 --seed 1
 fi
 
 "$python" - "$records" <<'EOF' | tee -a "$out"
@@ -111,32 +128,62 @@ for r in rows:
     if not r["label"].startswith("accuracy"):
         speed.setdefault((r["label"], r["world"]), []).append(r)
 if speed:
-    print("\nspeed: training steps of one epoch (60,000 samples), batch 64 per rank; best (median) of the rounds")
+    print("\nspeed: training steps of one epoch, batch 64 per rank; best (median) of the rounds")
     print(f"{'implementation':34} {'ranks':>5} {'s/epoch':>16} {'samples/s':>18} {'acc. epoch 1':>13}")
-    best = {}
+    best, med = {}, {}
     for (label, world), rs in speed.items():
         s = min(r["seconds"] for r in rs)
-        rate = max(r["samples_per_s"] for r in rs)
-        best[(label, world)] = rate
+        best[(label, world)] = max(r["samples_per_s"] for r in rs)
+        med[(label, world)] = statistics.median(r["samples_per_s"] for r in rs)
         acc = [r["accuracy"] for r in rs if r["epoch"] == 1 and r["accuracy"] is not None]
         print(f"{label:34} {world:>5} {s:7.1f} ({statistics.median(r['seconds'] for r in rs):6.1f}) "
-              f"{rate:8.0f} ({statistics.median(r['samples_per_s'] for r in rs):7.0f}) "
+              f"{best[(label, world)]:8.0f} ({med[(label, world)]:7.0f}) "
               f"{(100 * statistics.median(acc)) if acc else float('nan'):12.2f}%")
-    print("\nratios (best samples/s): ctorch-train / python")
-    for world in (1, 2):
-        c = best.get(("ctorch-train", world))
-        for peer in ("python per-sample", "python preloaded"):
-            p = best.get((peer, world))
-            if c and p:
-                print(f"  {world} rank{'s' if world > 1 else ' '}: vs {peer:18} {c / p:5.2f}x")
+    print("\nratios: best (median) samples/s")
+    pairs = [(("ctorch-train", 1), ("python per-sample", 1)), (("ctorch-train", 1), ("python preloaded", 1)),
+             (("ctorch-train", 1), ("python preloaded, 2 threads", 1)),
+             (("ctorch-train", 1), ("python preloaded, 2 thr, BLAS 1", 1)),
+             (("ctorch-train", 2), ("python per-sample", 2)), (("ctorch-train", 2), ("python preloaded", 2))]
+    for a, b in pairs:
+        if a in best and b in best:
+            print(f"  {a[0]} {a[1]} rank{'s' if a[1] > 1 else ' '} / {b[0]:32} "
+                  f"{best[a] / best[b]:5.2f} ({med[a] / med[b]:5.2f})")
+    unit = ("ctorch-train --threads 1", 1)
+    if unit in best:
+        print(f"\nceiling: 2 x ctorch-train --threads 1 at 1 rank = {2 * best[unit]:.0f} ({2 * med[unit]:.0f}) samples/s")
+        for label in ("ctorch-train", "ctorch-train --comm-hook none", "python preloaded"):
+            if (label, 2) in best:
+                print(f"  {label + ' 2 ranks':36} {best[(label, 2)] / (2 * best[unit]):5.2f} "
+                      f"({med[(label, 2)] / (2 * med[unit]):5.2f}) of it")
+        pair = [speed.get((f"independent --threads 1 ({x})", 1)) for x in "ab"]
+        if all(pair):
+            sums = [a["samples_per_s"] + b["samples_per_s"] for a, b in zip(*pair)]
+            slower = [2 * min(a["samples_per_s"], b["samples_per_s"]) for a, b in zip(*pair)]
+            print(f"  {'two independent 1-thread processes':36} {max(sums) / (2 * best[unit]):5.2f} "
+                  f"({statistics.median(sums) / (2 * med[unit]):5.2f}) of it (the pair's sum in each round)")
+            # Ranks that meet every step go at the slower one's pace: a bound for any synchronous DDP here.
+            print(f"  {'  ... paced by the slower of the two':36} {max(slower) / (2 * best[unit]):5.2f} "
+                  f"({statistics.median(slower) / (2 * med[unit]):5.2f}) of it (2 x the slower of the pair)")
+            print("  pairs (samples/s): " + ", ".join(f"{a['samples_per_s']:.0f}+{b['samples_per_s']:.0f}"
+                                                   for a, b in zip(*pair)))
 acc = {}
 for r in rows:
     if r["label"].startswith("accuracy"):
         acc.setdefault(r["label"], []).append(r)
 if acc:
-    print("\naccuracy: test accuracy (10,000 images) after each epoch")
+    print("\naccuracy: test accuracy (10,000 images) after each epoch, one line per seed")
+    final = {}
     for label, rs in acc.items():
-        print(f"  {label[10:]:26} " + "  ".join(f"epoch {r['epoch']}: {100 * r['accuracy']:.2f}%" for r in rs)
-              + f"   ({statistics.median(r['seconds'] for r in rs):.1f} s/epoch)")
+        epochs = max(r["epoch"] for r in rs)
+        runs = [rs[i:i + epochs] for i in range(0, len(rs), epochs)]
+        for run in runs:
+            print(f"  {label[10:]:38} " + "  ".join(f"epoch {r['epoch']}: {100 * r['accuracy']:.2f}%" for r in run)
+                  + f"   ({statistics.median(r['seconds'] for r in run):.1f} s/epoch)")
+        final[label] = [100 * run[-1]["accuracy"] for run in runs]
+    c, p = final.get("accuracy: ctorch-train 2 x 64"), final.get("accuracy: python 2 x 64")
+    if c and p:
+        print(f"  final accuracy, mean over {len(c)} seed(s): ctorch-train {statistics.mean(c):.2f}% "
+              f"({min(c):.2f}-{max(c):.2f}), python {statistics.mean(p):.2f}% ({min(p):.2f}-{max(p):.2f}); "
+              f"difference {statistics.mean(c) - statistics.mean(p):+.2f} points")
 EOF
 echo "(saved to $out)"
