@@ -196,14 +196,15 @@ struct ResilientTraining::Impl {
   std::vector<at::Tensor> committedBuffers;
   std::unique_ptr<SnapshotWriter> writer;
   detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
+  // A small allreduce of doubles that was started and not yet waited for.
+  struct Reduction {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor values;
+    std::string during;  // names it when it fails
+  };
   // overlapAgreement: the stop agreement that stepDone() started, read at the next stepDone(),
   // epochDone() or finish(). Its allreduce runs while the next step computes.
-  struct PendingAgreement {
-    c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor flag;
-    std::int64_t step = 0;
-  };
-  std::optional<PendingAgreement> pending;
+  std::optional<Reduction> pending;
 
   void say(const std::string& line) const {
     if (rank != 0) return;
@@ -222,15 +223,16 @@ struct ResilientTraining::Impl {
     detail::throwDistributed("rank " + std::to_string(rank) + ": " + during + " failed: " + message, message);
   }
 
-  std::vector<double> allReduce(std::vector<double> values, c10d::ReduceOp op, const std::string& during) {
-    if (world == 1) return values;
+  // 1.0 when this process was asked to stop: summed over the ranks, whether any was.
+  static double stopFlag() { return ctorch::stopSignal() != 0 ? 1.0 : 0.0; }
+
+  Reduction startAllReduce(const std::vector<double>& values, c10d::ReduceOp op, std::string during) {
     try {
       std::vector<at::Tensor> t{torch::tensor(values, torch::kFloat64).to(commDevice())};
       c10d::AllreduceOptions options;
       options.reduceOp = op;
-      group->allreduce(t, options)->wait();
-      const auto cpu = t[0].cpu();
-      return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
+      auto work = group->allreduce(t, options);
+      return {std::move(work), t[0], std::move(during)};
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -238,35 +240,35 @@ struct ResilientTraining::Impl {
     }
   }
 
-  // Starts this step's stop agreement without waiting for it (overlapAgreement).
-  void startAgreement() {
-    const std::string during = "step " + std::to_string(globalStep) + "'s agreement";
+  std::vector<double> finishAllReduce(Reduction& r) {
     try {
-      std::vector<at::Tensor> t{torch::tensor({ctorch::stopSignal() != 0 ? 1.0 : 0.0}, torch::kFloat64).to(commDevice())};
-      c10d::AllreduceOptions options;
-      options.reduceOp = c10d::ReduceOp::SUM;
-      auto work = group->allreduce(t, options);
-      pending = PendingAgreement{std::move(work), t[0], globalStep};
+      r.work->wait();
+      const auto cpu = r.values.cpu();
+      return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, during);
+      failed(e, r.during);
     }
+  }
+
+  std::vector<double> allReduce(std::vector<double> values, c10d::ReduceOp op, const std::string& during) {
+    if (world == 1) return values;
+    Reduction r = startAllReduce(values, op, during);
+    return finishAllReduce(r);
+  }
+
+  // Starts this step's stop agreement without waiting for it (overlapAgreement).
+  void startAgreement() {
+    pending = startAllReduce({stopFlag()}, c10d::ReduceOp::SUM, "step " + std::to_string(globalStep) + "'s agreement");
   }
 
   // Waits for the agreement startAgreement() left running; true when some rank asked to stop.
   bool finishAgreement() {
     if (!pending) return false;
-    PendingAgreement p = std::move(*pending);
+    Reduction r = std::move(*pending);
     pending.reset();
-    try {
-      p.work->wait();
-      return p.flag.cpu().item<double>() > 0;
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      failed(e, "step " + std::to_string(p.step) + "'s agreement");
-    }
+    return finishAllReduce(r)[0] > 0;
   }
 
   // Every rank's generator states, index = rank (for snapshots without stepSeed).
@@ -739,7 +741,7 @@ ResumePoint ResilientTraining::resume() {
   // Every rank read the files itself: all must stand at the same step. A stop requested while
   // starting up is agreed here too.
   const double g = static_cast<double>(s.globalStep);
-  const auto agreed = s.allReduce({g, -g, ctorch::stopSignal() != 0 ? 1.0 : 0.0}, c10d::ReduceOp::MAX, "resume");
+  const auto agreed = s.allReduce({g, -g, s.stopFlag()}, c10d::ReduceOp::MAX, "resume");
   if (agreed[0] != -agreed[1])
     throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) + " to " +
                            std::to_string(agreed[0]) + "): every rank must see the same snapshot files (a shared file system)");
@@ -781,7 +783,7 @@ bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
   // is slower): a stop asked before that step ends the run at this one.
   bool stopAgreed = s.finishAgreement();
   if (sums) {
-    std::vector<double> values{ctorch::stopSignal() != 0 ? 1.0 : 0.0};
+    std::vector<double> values{s.stopFlag()};
     values.insert(values.end(), sums->begin(), sums->end());
     values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
     std::copy(values.begin() + 1, values.end(), sums->begin());
@@ -816,7 +818,7 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
   else if (!extras.alsoWriteTo.empty()) s.save(Impl::Kind::kEpochBoundary, extras, true);
   if (s.writer->failed()) s.writer->wait();
   // A stop requested during the evaluation (or the last step's agreement) ends the run here.
-  if (s.allReduce({ctorch::stopSignal() != 0 ? 1.0 : 0.0}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch))[0] > 0 ||
+  if (s.allReduce({s.stopFlag()}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch))[0] > 0 ||
       stopAgreed) {
     s.stop = true;
     return s.stopHere();
