@@ -37,6 +37,7 @@ write_basic_package_version_file(
   VERSION ${PROJECT_VERSION}
   COMPATIBILITY SameMinorVersion)
 install(FILES
+  ${CMAKE_SOURCE_DIR}/cmake/CtorchNccl.cmake
   ${CMAKE_BINARY_DIR}/ctorchConfig.cmake
   ${CMAKE_BINARY_DIR}/ctorchConfigVersion.cmake
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/ctorch)

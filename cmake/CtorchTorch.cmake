@@ -36,6 +36,19 @@ if(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM)
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/ctorch/shim>)
 endif()
 
+include(CtorchNccl)
+ctorch_find_nccl_headers()
+if(CTORCH_NCCL_INCLUDE_DIR)
+  target_include_directories(ctorch_torch_deps INTERFACE $<BUILD_INTERFACE:${CTORCH_NCCL_INCLUDE_DIR}>)
+endif()
+# The C++ ABI of LibTorch's std::string and lists: its TORCH_CXX_FLAGS carry it to the LibTorch
+# targets only, so a LibTorch built with the old ABI (pip wheels before 2.7) needs it everywhere:
+# pass -DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI=0 (scripts/gpu/run.sh does, from torch itself).
+if(TORCH_CXX_FLAGS MATCHES "_GLIBCXX_USE_CXX11_ABI=0" AND NOT CMAKE_CXX_FLAGS MATCHES "_GLIBCXX_USE_CXX11_ABI=0")
+  message(WARNING "ctorch: this LibTorch uses the old C++ ABI (_GLIBCXX_USE_CXX11_ABI=0): configure with "
+                  "-DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI=0 so that every target agrees")
+endif()
+
 # The precompiled header: <torch/torch.h> plus the c10d headers the library uses. Targets call
 # ctorch_use_torch_pch(<target>) to reuse it instead of parsing LibTorch again (~10-20 s per TU).
 option(CTORCH_USE_PCH "Use a precompiled header for LibTorch" ON)

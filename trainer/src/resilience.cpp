@@ -3,6 +3,7 @@
 // (resume_plan.cpp); the files are crash-safe slots (snapshot_file.cpp) written on a background
 // thread (snapshot_writer.cpp); every agreement between ranks is one small allreduce.
 #include "ctorch/resilience.hpp"
+#include "ctorch/amp.hpp"
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/snapshot_writer.hpp"
@@ -657,6 +658,11 @@ ResilientTraining& ResilientTraining::trackItems(std::function<void(ItemDict&)> 
   if (!save || !load) throw ConfigError("ResilientTraining::trackItems needs both a save and a load function");
   impl_->items.push_back(Impl::Items{std::move(save), std::move(load)});
   return *this;
+}
+
+ResilientTraining& ResilientTraining::track(amp::GradScaler& scaler) {
+  auto* s = &scaler;
+  return trackItems([s](ItemDict& d) { s->saveTo(d); }, [s](const ItemDict& d) { s->loadFrom(d); });
 }
 
 ResilientTraining& ResilientTraining::track(const std::string& name, std::function<c10::IValue()> save,

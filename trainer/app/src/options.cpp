@@ -1,6 +1,7 @@
 // The command line of ctorch-train (CLI11) and the one validation of TrainOptions.
 #include "ctorch/train/options.hpp"
 
+#include <ctorch/amp.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/version.hpp>
 
@@ -326,8 +327,9 @@ void TrainOptions::validate() const {
 
   if (device == DeviceChoice::kCpu && backend == BackendChoice::kNccl)
     throw UsageError("--backend 'nccl' needs CUDA tensors, but --device is 'cpu' (use --backend gloo or auto)");
-  if (device == DeviceChoice::kCpu && amp)
-    throw UsageError("--amp needs CUDA, but --device is 'cpu' (drop --amp or use --device cuda)");
+  if (ampDtype != "float16" && ampDtype != "bfloat16") bad("--amp-dtype", ampDtype, "must be float16 or bfloat16");
+  if (device == DeviceChoice::kCpu && amp && ampDtype == "float16" && !amp::autocastSupported(torch::kCPU, torch::kHalf))
+    throw UsageError("--amp with float16 needs CUDA, but --device is 'cpu' (use --amp-dtype bfloat16 on the CPU, or --device cuda)");
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -379,7 +381,7 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
     c["epochs"] = std::to_string(epochs);
   }
   c["seed"] = std::to_string(seed);
-  c["amp"] = amp ? "on" : "off";
+  c["amp"] = amp ? ampDtype : "off";
   return c;
 }
 
@@ -513,7 +515,8 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   const char* kSys = "Devices, communication, DDP";
   opt("--device", device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
   opt("--backend", backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
-  flag("--amp", o.amp, "automatic mixed precision (float16 autocast + loss scaling; CUDA only)")->group(kSys);
+  flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
+  opt("--amp-dtype", o.ampDtype, "float16 (CUDA) or bfloat16 (CUDA or CPU)")->group(kSys)->capture_default_str();
   opt("--timeout", timeoutS, "seconds any collective may wait for a peer before the run fails")
       ->group(kSys)->capture_default_str();
   opt("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
@@ -578,6 +581,11 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
     o.timeout = std::chrono::seconds(timeoutS);
     o.stepDelay = std::chrono::milliseconds(stepDelayMs);
     o.gradientAsBucketView = !noBucketView;
+    try {  // bf16, BFloat16, fp16, half: the canonical name, which the binding configuration records
+      o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));
+    } catch (const std::invalid_argument&) {
+      bad("--amp-dtype", o.ampDtype, "must be float16 or bfloat16");
+    }
     if (timeoutS < 1) bad("--timeout", std::to_string(timeoutS), "must be in [1, 604800] seconds");
     o.validate();
   } catch (const UsageError& e) {

@@ -10,7 +10,6 @@
 // buffers come from the snapshot.
 #include "ctorch/train/trainer.hpp"
 
-#include "ctorch/train/grad_scaler.hpp"
 #include "ctorch/train/memory_check.hpp"
 #include "ctorch/process_tuning.hpp"
 #include "ctorch/train/report.hpp"
@@ -26,6 +25,7 @@
 #include <ctorch/distributed.hpp>
 #include <ctorch/models/registry.hpp>
 #include <ctorch/resilience.hpp>
+#include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
 
@@ -94,7 +94,8 @@ torch::Device chooseDevice(const TrainOptions& o) {
     throw UsageError("--device 'cuda' but no CUDA device is available to this LibTorch");
   const bool useCuda = o.device == DeviceChoice::kCuda || (o.device == DeviceChoice::kAuto && cuda);
   if (!useCuda) {
-    if (o.amp) throw UsageError("--amp needs CUDA, and this run uses the CPU");
+    if (o.amp && !amp::autocastSupported(torch::kCPU, amp::parseDtype(o.ampDtype)))
+      throw UsageError("--amp with " + o.ampDtype + " needs CUDA, and this run uses the CPU (use --amp-dtype bfloat16)");
     if (o.backend == BackendChoice::kNccl)
       throw UsageError("--backend 'nccl' needs CUDA tensors, and this run uses the CPU");
     return torch::kCPU;
@@ -330,7 +331,7 @@ struct StepOutcome {
   StepPhases phases;
 };
 
-StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer, GradScaler& scaler,
+StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer, amp::GradScaler& scaler,
                       data::BatchLoader& loader, DistributedSampler& sampler, const TrainOptions& o,
                       const torch::Device& device) {
   ddp.zeroGrad();
@@ -358,7 +359,7 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
     if (m + 1 < micro) noSync.emplace(ddp.noSync());
     torch::Tensor loss;
     {
-      compat::CudaAutocastGuard autocast(o.amp);
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
       loss = lossFor(model.output(), ddp(inputs), targets);
     }
     scaler.scale(micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
@@ -436,7 +437,7 @@ class Trainer {
   std::int64_t activationBytes_ = 0;
   std::unique_ptr<DDP> ddp_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  std::unique_ptr<GradScaler> scaler_;
+  std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::unique_ptr<LrSchedule> schedule_;
   std::int64_t stepsPerEpoch_ = 0;
@@ -465,7 +466,9 @@ void Trainer::buildTraining() {
                                            .findUnusedParameters(o_.findUnusedParameters)
                                            .gradientAsBucketView(o_.gradientAsBucketView));
   optimizer_ = makeOptimizer(o_, ddp_->parameters());
-  scaler_ = std::make_unique<GradScaler>(o_.amp, device_);
+  // Loss scaling for float16 only: bfloat16 has float32's exponent range.
+  scaler_ = std::make_unique<amp::GradScaler>(
+      device_, amp::GradScalerOptions().enabled(o_.amp && amp::parseDtype(o_.ampDtype) == torch::kHalf));
   DistributedSamplerOptions samplerOptions;
   samplerOptions.datasetSize = data_.train->size();
   samplerOptions.worldSize = worldSize_;

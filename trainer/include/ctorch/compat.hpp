@@ -379,36 +379,39 @@ inline OptimizerStateKey optimizerStateKey(const at::Tensor& parameter) {
 #define CTORCH_TORCH_AUTOCAST_PER_DEVICE \
   (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
 
-// CUDA autocast on (or off) for this thread while it lives, as Python's torch.autocast("cuda").
-class CudaAutocastGuard {
- public:
-  explicit CudaAutocastGuard(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
+// Autocast's per-thread switch and dtype for one device type (CPU or CUDA), as Python's
+// torch.autocast sets them.
+inline bool autocastEnabled(at::DeviceType device) {
 #if CTORCH_TORCH_AUTOCAST_PER_DEVICE
-    previous_ = at::autocast::is_autocast_enabled(at::kCUDA);
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
+  return at::autocast::is_autocast_enabled(device);
 #else
-    previous_ = at::autocast::is_enabled();
-    at::autocast::set_enabled(true);
+  return device == at::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
 #endif
-    at::autocast::increment_nesting();
-  }
-  ~CudaAutocastGuard() {
-    if (!enabled_) return;
-    // Python's autocast.__exit__: the cast cache lives while any autocast region is open.
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+}
+inline void setAutocastEnabled(at::DeviceType device, bool enabled) {
 #if CTORCH_TORCH_AUTOCAST_PER_DEVICE
-    at::autocast::set_autocast_enabled(at::kCUDA, previous_);
+  at::autocast::set_autocast_enabled(device, enabled);
 #else
-    at::autocast::set_enabled(previous_);
+  if (device == at::kCPU) at::autocast::set_cpu_enabled(enabled);
+  else at::autocast::set_enabled(enabled);
 #endif
-  }
-  CudaAutocastGuard(const CudaAutocastGuard&) = delete;
-  CudaAutocastGuard& operator=(const CudaAutocastGuard&) = delete;
-
- private:
-  bool enabled_;
-  bool previous_ = false;
-};
+}
+inline at::ScalarType autocastDtype(at::DeviceType device) {
+#if CTORCH_TORCH_AUTOCAST_PER_DEVICE
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == at::kCPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+inline void setAutocastDtype(at::DeviceType device, at::ScalarType dtype) {
+#if CTORCH_TORCH_AUTOCAST_PER_DEVICE
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  if (device == at::kCPU) at::autocast::set_autocast_cpu_dtype(dtype);
+  else at::autocast::set_autocast_gpu_dtype(dtype);
+#endif
+}
+// CPU autocast to float16 came with the per-device API (2.4); 1.13 casts the CPU to bfloat16 only.
+inline constexpr bool kCpuAutocastHalf = CTORCH_TORCH_AUTOCAST_PER_DEVICE;
 
 } // namespace ctorch::compat

@@ -52,6 +52,9 @@ class LRScheduler;
 }
 
 namespace ctorch {
+namespace amp {
+class GradScaler;
+}
 
 struct ResilienceOptions {
   using ConfigMap = std::map<std::string, std::string>;
@@ -176,6 +179,9 @@ class ResilientTraining {
   ResilientTraining& track(const std::string& name, double& value);
   ResilientTraining& track(const std::string& name, std::int64_t& value);
   ResilientTraining& track(const std::string& name, at::Tensor& value);  // saved as a CPU copy
+  // Mixed precision's loss scale and growth count (amp.hpp), in USER_STATE ("amp_scale",
+  // "amp_growth_tracker"), so a resumed float16 run goes on with the same scale.
+  ResilientTraining& track(amp::GradScaler& scaler);
   // Several entries at once, straight into USER_STATE (load gets the whole dict).
   ResilientTraining& trackItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
   // Anything else: `save` returns a value (numbers, strings, tensors, lists and dicts of them);

@@ -98,7 +98,8 @@ struct TrainOptions {
   // ---- devices, communication, DDP
   DeviceChoice device = DeviceChoice::kAuto;
   BackendChoice backend = BackendChoice::kAuto;
-  bool amp = false;                  // automatic mixed precision (CUDA only)
+  bool amp = false;                  // automatic mixed precision (autocast; float16 adds loss scaling)
+  std::string ampDtype = "float16";  // --amp-dtype: float16 (CUDA) or bfloat16 (CUDA or CPU)
   std::chrono::seconds timeout{300}; // every collective; a stuck peer becomes an error exit
   int threads = 0;                   // intra-op threads (0: OMP_NUM_THREADS, else CPUs / local ranks)
   double bucketCapMb = 25.0;
