@@ -513,7 +513,10 @@ int getLocalWorldSize() { return getDistributedEnv().localWorldSize; }
 void barrier() {
   auto group = getDefaultGroup();
   c10d::BarrierOptions opts;
-  if (getBackendName() == "nccl") opts.device_ids = {getLocalRank()};  // else NCCL guesses rank % GPUs
+  // NCCL's barrier allreduces on the device it is told (else it guesses rank % GPUs): the one
+  // initProcessGroup made current (cuda:LOCAL_RANK, or cuda:0 when this process sees one GPU).
+  if (getBackendName() == "nccl")
+    opts.device_ids = {c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()};
   try {
     group->barrier(opts)->wait();
   } catch (const std::exception& e) {
