@@ -27,6 +27,8 @@ packages=(
   libopenblas0-pthread dataset-fashion-mnist python3-matplotlib
   procps psmisc iproute2 util-linux ca-certificates hyperfine
 )
+# CTORCH_MODERN_PACKAGES: the whole list instead (scripts/gpu/selftest.sh: only what a GPU machine has).
+[ -z "${CTORCH_MODERN_PACKAGES:-}" ] || read -r -a packages <<<"$CTORCH_MODERN_PACKAGES"
 # What the root was made from; a change remakes it.
 stamp="$suite ${packages[*]}"
 [ "$components" = main ] || stamp="$stamp components=$components"
