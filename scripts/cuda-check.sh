@@ -3,7 +3,8 @@
 # AMP scaler) against Debian trixie contrib's libtorch-cuda-dev (LibTorch 2.6 with CUDA and NCCL),
 # for machines without a GPU: makes (once, cached) a trixie root with main contrib non-free, then
 # compiles the library and the trainer's core there (static libraries: nothing is linked against
-# CUDA, and no tests: nothing CUDA can run without a GPU).
+# CUDA), and the object files of the GPU tests (tests/cuda) and the GPU benchmark (bench/gpu),
+# unlinked: nothing CUDA can run without a GPU.
 # Run by hand, as root: too large for CI (the CUDA LibTorch and its toolkit are several GB).
 #   scripts/cuda-check.sh            # root in /var/cache/ctorch/trixie-cuda-root, build in build-cuda/
 set -euo pipefail
@@ -16,8 +17,10 @@ export CTORCH_MODERN_TORCH_PACKAGES="libtorch-cuda-dev libgloo-cuda-dev nvidia-c
 export CTORCH_MODERN_SKIP_POSTINST="nvidia-cudnn"
 export CTORCH_MODERN_ROOT=${CTORCH_CUDA_ROOT:-/var/cache/ctorch/trixie-cuda-root}
 export CTORCH_MODERN_BUILD_DIR=$here/build-cuda
-export CTORCH_CMAKE_ARGS="-DCTORCH_BUILD_TESTS=OFF ${CTORCH_CMAKE_ARGS:-}"
+export CTORCH_CMAKE_ARGS="${CTORCH_CMAKE_ARGS:-}"
 bash "$here/scripts/modern.sh" run bash -c 'dpkg-query -W -f "\${Package} \${Version}\n" libtorch-cuda-dev 2>/dev/null | sed "s/^/cuda-check: /"'
 bash "$here/scripts/modern.sh" build --target ctorch ctorch_train_core ctorch_models ctorch_data
+# The GPU tests' and benchmark's translation units, compiled but not linked (no libcudnn here).
+bash "$here/scripts/modern.sh" run bash -c 'cd build-cuda && objs=$(ninja -t targets all | grep -oE "^(tests/cuda/CMakeFiles/cuda_tests|bench/gpu/CMakeFiles/gpu_step_bench)\.dir/[^:]+\.o") && ninja $objs && echo "cuda-check: compiled $(echo $objs | wc -w) object files of tests/cuda and bench/gpu"'
 bash "$here/scripts/modern.sh" run bash -c 'grep -c USE_C10D_NCCL build-cuda/compile_commands.json | sed "s/^/cuda-check: translation units compiled with USE_C10D_NCCL: /"'
 echo "cuda-check: the CUDA / NCCL paths compiled against trixie's libtorch-cuda-dev"

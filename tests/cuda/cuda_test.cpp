@@ -287,7 +287,7 @@ std::vector<ProcessResult> ddpGroup(int world, const std::vector<std::string>& a
   auto env = workerEnv();
   env.insert(extraEnv.begin(), extraEnv.end());
   return runWorkerGroup({.worker = "cuda_ddp_equal", .worldSize = world, .args = args, .env = env,
-                         .timeout = std::chrono::seconds(90)});
+                         .timeout = std::chrono::seconds(60)});
 }
 
 void requireExact(const std::vector<ProcessResult>& results) {
@@ -336,7 +336,8 @@ TEST_CASE("cuda: DDP, world 2 on one GPU with Gloo on CUDA tensors, is bit-ident
 TEST_CASE("cuda: DDP, world 2 on NCCL: exact, or NCCL's refusal of two ranks on one GPU recorded", "[cuda]") {
   REQUIRE_GPU();
   // NCCL 2.30's experimental switch; older NCCL ignores it and refuses ("Duplicate GPU detected").
-  const auto results = ddpGroup(2, {"backend=nccl", "model=mlp"}, {{"NCCL_MULTI_RANK_GPU_ENABLE", "1"}});
+  const auto results =
+      ddpGroup(2, {"backend=nccl", "model=mlp"}, {{"NCCL_MULTI_RANK_GPU_ENABLE", "1"}, {"NCCL_DEBUG", "WARN"}});
   bool allOk = true;
   std::string all;
   for (const auto& r : results) {
@@ -573,8 +574,9 @@ std::optional<std::string> twoNcclRanksRefused() {
   if (gpuCount() >= 2) return std::nullopt;
   auto env = workerEnv();
   env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1";
+  env["NCCL_DEBUG"] = "WARN";
   const auto results = runWorkerGroup({.worker = "nccl_probe", .worldSize = 2, .env = env,
-                                       .timeout = std::chrono::seconds(60)});
+                                       .timeout = std::chrono::seconds(40)});
   bool ok = true;
   std::string all;
   for (const auto& r : results) {
