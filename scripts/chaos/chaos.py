@@ -1051,7 +1051,8 @@ def nodes_suite(h, victim=3, failover=False):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         run_id = uuid.uuid4().hex
-        env = dict(os.environ, **{MARKER: run_id})
+        # In-place recovery across hosts signs its commands with a key all agents share.
+        env = dict(os.environ, **{MARKER: run_id, "CTORCH_JOB_SECRET": "chaos-" + run_id + "-0123456789"})
         agents, outs = {}, {}
         try:
             for i in (1, 2, 3):
@@ -1311,7 +1312,8 @@ def nodes_inplace_suite(h):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         run_id = uuid.uuid4().hex
-        env = dict(os.environ, **{MARKER: run_id})
+        # In-place recovery across hosts signs its commands with a key all agents share.
+        env = dict(os.environ, **{MARKER: run_id, "CTORCH_JOB_SECRET": "chaos-" + run_id + "-0123456789"})
         agents, problems, injected = {}, [], []
         t0 = time.monotonic()
 

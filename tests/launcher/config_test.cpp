@@ -437,6 +437,47 @@ TEST_CASE("config: --recovery restart (default) or in-place, in every spelling")
   CHECK(configFor({"--recovery", "in-place", "--spare-workers", "2", "/bin/true"}).spareWorkers == 2);
 }
 
+TEST_CASE("config: in-place recovery's control key: random on one node, from CTORCH_JOB_SECRET across nodes, "
+          "else in-place is turned off with the reason") {
+  const auto one = configFor({"--standalone", "--recovery", "in-place", "/bin/true"});
+  CHECK(one.inPlaceRecovery);
+  CHECK(one.controlKey.size() == 32);
+  CHECK(one.controlKey != configFor({"--standalone", "--recovery", "in-place", "/bin/true"}).controlKey);
+  CHECK(configFor({"/bin/true"}).controlKey.empty());  // no in-place recovery: no key
+
+  const std::vector<std::string> nodes = {"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400",
+                                          "--rdzv-id", "job7", "--recovery", "in-place", "--spare-workers", "1",
+                                          "/bin/true"};
+  const auto unsigned_ = configFor(nodes);
+  CHECK_FALSE(unsigned_.inPlaceRecovery);
+  CHECK(unsigned_.spareWorkers == 0);
+  CHECK_THAT(unsigned_.recoveryWarning, Catch::Contains("CTORCH_JOB_SECRET") && Catch::Contains("restarts the group"));
+  const std::map<std::string, std::string> secret{{"CTORCH_JOB_SECRET", "0123456789abcdef-shared"}};
+  const auto a = configFor(nodes, secret), b = configFor(nodes, secret);
+  CHECK(a.inPlaceRecovery);
+  CHECK(a.controlKey.size() == 32);
+  CHECK(a.controlKey == b.controlKey);  // every node derives the same key
+  CHECK(a.controlKeySource == "CTORCH_JOB_SECRET");
+  CHECK_THAT(errorFor(nodes, {{"CTORCH_JOB_SECRET", "short"}}),
+             Catch::Contains("CTORCH_JOB_SECRET is 5 characters long: at least 16"));
+
+  // ctorchrun's own worker variables inherited from the environment are named (and not passed on).
+  const auto inherited = configFor({"--standalone", "/bin/true"}, {{"CTORCH_SPARE", "0-0-1"}, {"CTORCH_REPLACEMENT", "2"}});
+  CHECK(inherited.inheritedLauncherVariables == std::vector<std::string>{"CTORCH_REPLACEMENT", "CTORCH_SPARE"});
+}
+
+TEST_CASE("config: --rdzv-id is checked before the rendezvous, and a long one is quoted short") {
+  const std::string huge(100000, 'x');
+  const std::string e = errorFor({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400",
+                                  "--rdzv-id", huge, "/bin/true"});
+  CHECK_THAT(e, Catch::Contains("at most 128 characters") && Catch::Contains("(100000 characters)"));
+  CHECK(e.size() < 300);
+  CHECK_THAT(errorFor({"--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "a/b", "/bin/true"}),
+             Catch::Contains("must not contain '/'"));
+  CHECK(configFor({"--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", std::string(128, 'y'),
+                   "/bin/true"}).rdzvId.size() == 128);
+}
+
 TEST_CASE("config: --store-failover needs the c10d rendezvous and reaches its options") {
   const std::vector<std::string> c10d = {"--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400"};
   auto with = [&](std::vector<std::string> extra) {

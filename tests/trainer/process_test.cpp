@@ -401,7 +401,7 @@ TEST_CASE("hang guard: a stopped peer turns into a timeout error within --timeou
   CHECK(r.output.find("ctorch::DistributedTimeout") != std::string::npos);  // the launcher shows the error file
 }
 
-TEST_CASE("outputs: Python opens the snapshot and the final weights; the metrics plot", "[trainer][process][python]") {
+TEST_CASE("outputs: Python opens the snapshot and the final weights, and the metrics plot", "[trainer][process][python]") {
   if (!haveFashionMnist()) CTORCH_SKIP("Debian's dataset-fashion-mnist is not installed");
   if (!havePythonTorch()) CTORCH_SKIP("/usr/bin/python3 has no torch (Debian's python3-torch)");
   TempDir dir("train-python");

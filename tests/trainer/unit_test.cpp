@@ -2,6 +2,7 @@
 // schedule, the resume decision, the evaluation split, formatting.
 #include "ctorch_catch.hpp"
 
+#include <ctorch/amp.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/errors.hpp>
 #include <ctorch/process_tuning.hpp>
@@ -120,7 +121,7 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
       {{"--device", "tpu"}, "--device 'tpu'"},
       {{"--backend", "mpi"}, "--backend 'mpi'"},
       {{"--device", "cpu", "--backend", "nccl"}, "--backend 'nccl'"},
-      {{"--device", "cpu", "--amp"}, "--amp"},
+      {{"--amp-dtype", "int8"}, "--amp-dtype 'int8'"},
       {{"--timeout", "0"}, "--timeout '0'"},
       {{"--threads", "-1"}, "--threads '-1'"},
       {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb '0'"},
@@ -145,6 +146,24 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
     CHECK(p.message.rfind("ctorch-train: error: ", 0) == 0);
     CHECK(std::count(p.message.begin(), p.message.end(), '\n') == 1);  // one line
   }
+}
+
+TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch autocasts the CPU to float16, "
+          "bfloat16 everywhere, by any of its names", "[trainer][options]") {
+  const auto half = parse({"--device", "cpu", "--amp"});
+  if (ctorch::amp::autocastSupported(torch::kCPU, torch::kHalf)) {
+    CHECK(half.options);
+  } else {
+    REQUIRE_FALSE(half.options);
+    CHECK_THAT(half.message, Catch::Contains("--amp with float16 needs CUDA") && Catch::Contains("bfloat16"));
+  }
+  for (const char* name : {"bf16", "bfloat16", "BFloat16"}) {
+    const auto bf = parse({"--device", "cpu", "--amp", "--amp-dtype", name});
+    REQUIRE(bf.options);
+    CHECK(bf.options->ampDtype == "bfloat16");
+    CHECK(bf.options->bindingConfig().at("amp") == "bfloat16");  // recorded by its canonical name
+  }
+  CHECK(parse({}).options->bindingConfig().at("amp") == "off");
 }
 
 TEST_CASE("trainer options: a mistyped flag or value says what to type instead", "[trainer][options]") {
@@ -431,7 +450,7 @@ TEST_CASE("snapshot writer: a failed background write is reported at once and se
   CHECK_THROWS(writer.wait());  // the loop stops with it
 }
 
-TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE; OpenBLAS at one", "[trainer][threads]") {
+TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE, OpenBLAS at one", "[trainer][threads]") {
   const int before = at::get_num_threads();
   const char* omp = std::getenv("OMP_NUM_THREADS");
   const std::string savedOmp = omp ? omp : "";

@@ -55,6 +55,9 @@ int trainMain(int argc, char** argv) {
     return configurationFailure(e);
   } catch (const ctorch::models::ModelOptionsError& e) {
     return configurationFailure(e);
+  } catch (const ctorch::Stopped& e) {  // a spare stopped before it held a rank: nothing to save
+    std::cerr << "ctorch-train: " << e.what() << std::endl;
+    return ctorch::contract::kExitPreempted;
   } catch (const ctorch::Error& e) {
     return ownFailure(e);
   }

@@ -3,7 +3,9 @@
 #include "ctorch/compat.hpp"
 #include "error_text.hpp"
 
+#include <ctorch/contract/control_auth.hpp>
 #include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/stop_signal.hpp>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -14,7 +16,12 @@
 
 #include <unistd.h>
 
+#include <climits>
 #include <csignal>
+#include <filesystem>
+#include <map>
+#include <iostream>
+#include <set>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -227,12 +234,33 @@ void arrive(c10d::Store& root, std::int64_t generation, int rank) {
 // Asks the agents to kill the ranks of generation `failed` that did not say they are alive (they
 // stopped answering: a hung process, or one the survivors cannot reach). A rank that died already
 // is named with its old pid, which its agent ignores.
-void requestEvictions(c10d::Store& root, std::int64_t failed, int worldSize) {
+// The job's control key (CTORCH_CONTROL_KEY, hex) that signs in-place recovery's commands; empty
+// when ctorchrun gave none.
+std::string controlKeyFrom(const EnvLookup& lookup) {
+  const auto hex = lookup(contract::env::kControlKey);
+  if (!hex) return "";
+  return contract::auth::fromHex(*hex).value_or("");
+}
+
+void requestEvictions(c10d::Store& root, std::int64_t failed, int worldSize, const std::string& key) {
+  if (key.empty()) {
+    std::cerr << "ctorch: cannot ask for silent ranks to be evicted: no " << contract::env::kControlKey
+              << " to sign the request (not started by ctorchrun --recovery in-place?)" << std::endl;
+    return;
+  }
   for (int r = 0; r < worldSize; ++r) {
     if (root.check({contract::inplace::aliveKey(failed, r)})) continue;
     const std::string member = contract::inplace::memberKey(failed, r);
     if (!root.check({member})) continue;
-    root.set(contract::inplace::evictKey(r), root.get(member));
+    const auto bytes = root.get(member);
+    long pid = 0;
+    try {
+      pid = std::stol(std::string(bytes.begin(), bytes.end()));
+    } catch (const std::exception&) {
+      continue;  // not a pid: nothing of ours to evict
+    }
+    const std::string evict = contract::inplace::evictKey(r);
+    root.set(evict, bytesOf(contract::auth::signCommand(key, evict, contract::inplace::evictionPayload(pid, failed))));
   }
 }
 
@@ -255,7 +283,7 @@ struct Joined {
 // then, and a LibTorch process on a loaded machine takes more than the half left: a chaos run under
 // a parallel CTest had a survivor give up 1.3 s after the replacement was started).
 Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t failed,
-                            std::chrono::milliseconds timeout) {
+                            std::chrono::milliseconds timeout, const std::string& controlKey) {
   namespace ip = contract::inplace;
   const auto start = std::chrono::steady_clock::now();
   auto deadline = start + timeout;
@@ -293,7 +321,7 @@ Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t
       continue;
     }
     if (failed >= 0 && !evicted && now >= evictAt) {
-      requestEvictions(root, failed, env.worldSize);
+      requestEvictions(root, failed, env.worldSize, controlKey);
       evicted = true;
       deadline = std::max(deadline, now + timeout);
     }
@@ -305,10 +333,19 @@ Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t
 // A spare worker (ctorchrun --spare-workers): waits, connected to the workers' store, until its agent
 // hands it a failed worker's rank, then makes the assignment this process's environment (the rest of
 // the program, and initProcessGroup, read it from there). Waits as long as the job runs: the agent
-// kills unused spares when the group ends.
+// kills unused spares when the group ends. Anyone who reaches the store could write the assignment's
+// key, so only a value signed with the job's key counts, and it carries numbers only, each checked:
+// the error file follows from CTORCH_SPARE_LOG_DIR and LOCAL_RANK, never from the store. A stop
+// signal while it waits ends it (ctorch::Stopped): it holds nothing to save.
 void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
-  const std::string addr = lookup(contract::env::kMasterAddr).value_or("");
-  const std::string port = lookup(contract::env::kMasterPort).value_or("");
+  namespace cenv = contract::env;
+  const std::string controlKey = controlKeyFrom(lookup);
+  if (controlKey.empty() || !contract::isTruthy(lookup(cenv::kUseAgentStore).value_or("")))
+    throw ConfigError(std::string(cenv::kSpare) + "='" + id + "' is set, but this process was not started as a spare "
+                      "by ctorchrun --spare-workers (it has no " + cenv::kControlKey + " or agent store): unset " +
+                      cenv::kSpare);
+  const std::string addr = lookup(cenv::kMasterAddr).value_or("");
+  const std::string port = lookup(cenv::kMasterPort).value_or("");
   int portNumber = 0;
   try {
     portNumber = std::stoi(port);
@@ -317,6 +354,14 @@ void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
   if (addr.empty() || portNumber <= 0 || portNumber > 65535)
     throw ConfigError("spare worker '" + id + "': MASTER_ADDR/MASTER_PORT ('" + addr + "', '" + port +
                       "') do not name the workers' store");
+  auto number = [&](const char* name) {
+    try {
+      return std::stoi(lookup(name).value_or(""));
+    } catch (const std::exception&) {
+      throw ConfigError("spare worker '" + id + "': " + name + " is not a number");
+    }
+  };
+  const int worldSize = number(cenv::kWorldSize), localWorldSize = number(cenv::kLocalWorldSize);
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(portNumber);
   opts.isServer = false;
@@ -324,25 +369,62 @@ void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
   compat::setUseLibUV(opts, lookup("USE_LIBUV").value_or("") == "1");
   auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
   const std::string key = contract::inplace::spareKey(id);
+  std::set<std::string> refused;
+  std::string payload;
   // Polled (a few ms: what a takeover waits on): a timed-out store wait would leave 1.13's client
   // out of step with the server.
-  while (!store->check({key})) std::this_thread::sleep_for(std::chrono::milliseconds(3));
-  const auto value = store->get(key);
-  std::stringstream lines(std::string(value.begin(), value.end()));
+  for (;;) {
+    if (const int signo = stopSignal())
+      throw Stopped("spare worker '" + id + "' stopped by signal " + std::to_string(signo) +
+                    " before it took a rank over");
+    if (store->check({key})) {
+      const auto bytes = store->get(key);
+      const std::string value(bytes.begin(), bytes.end());
+      if (const auto signedPayload = contract::auth::verifyCommand(controlKey, key, value)) {
+        payload = *signedPayload;
+        break;
+      }
+      if (refused.insert(value).second)
+        std::cerr << "ctorch: spare worker '" << id << "': ignoring " << key
+                  << " in the workers' store: it is not signed with this job's key (forged, or another job's)"
+                  << std::endl;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+  std::map<std::string, int> assigned;
+  std::stringstream lines(payload);
   std::string line;
-  bool rank = false;
   while (std::getline(lines, line)) {
     const auto eq = line.find('=');
     if (eq == std::string::npos) continue;
-    const std::string name = line.substr(0, eq);
+    const std::string name = line.substr(0, eq), text = line.substr(eq + 1);
     bool known = false;
     for (const char* allowed : contract::inplace::kSpareAssigned) known = known || name == allowed;
     if (!known) throw DistributedError("spare worker '" + id + "': its assignment sets '" + name + "', which is not a rank variable");
-    ::setenv(name.c_str(), line.substr(eq + 1).c_str(), 1);
-    rank = rank || name == contract::env::kRank;
+    int value = -1;
+    try {
+      std::size_t used = 0;
+      value = std::stoi(text, &used);
+      if (used != text.size()) value = -1;
+    } catch (const std::exception&) {
+    }
+    const int limit = name == cenv::kLocalRank ? localWorldSize : name == cenv::kReplacement ? INT_MAX : worldSize;
+    if (value < 0 || value >= limit)
+      throw DistributedError("spare worker '" + id + "': its assignment's " + name + " '" + text.substr(0, 20) +
+                             "' is not a number in [0, " + std::to_string(limit) + ")");
+    assigned[name] = value;
   }
-  if (!rank) throw DistributedError("spare worker '" + id + "': its assignment names no RANK");
-  ::unsetenv(contract::env::kSpare);
+  if (!assigned.count(cenv::kRank) || !assigned.count(cenv::kLocalRank))
+    throw DistributedError("spare worker '" + id + "': its assignment names no RANK and LOCAL_RANK");
+  for (const auto& [name, value] : assigned) ::setenv(name.c_str(), std::to_string(value).c_str(), 1);
+  if (const auto dir = lookup(cenv::kSpareLogDir); dir && !dir->empty()) {
+    const auto file = std::filesystem::path(*dir) / std::to_string(assigned[cenv::kLocalRank]) / "error.json";
+    ::setenv(cenv::kErrorFile, file.c_str(), 1);
+  } else {
+    ::unsetenv(cenv::kErrorFile);
+  }
+  ::unsetenv(cenv::kSpare);
+  ::unsetenv(cenv::kSpareLogDir);
 }
 
 // From a handler: the error of a failed set-up in one line naming the rank and the phase. A
@@ -449,7 +531,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     bool joining = false;
     if (replacement) {
       phase = "joining the running group in place of a failed rank (timeout " + seconds(options.timeout()) + ")";
-      const Joined joined = joinGeneration(*raw, env, -1, options.timeout());
+      const Joined joined = joinGeneration(*raw, env, -1, options.timeout(), controlKeyFrom(lookup));
       generation = joined.generation;
       // Without survivors every rank starts afresh, as after a full restart.
       joining = joined.survivors > 0;
@@ -595,7 +677,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
   const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
   std::string phase = "waiting for the group to re-form after generation " + std::to_string(failed) + " failed";
   try {
-    const std::int64_t generation = joinGeneration(*raw, env, failed, options.timeout()).generation;
+    const std::int64_t generation =
+        joinGeneration(*raw, env, failed, options.timeout(), controlKeyFrom(lookup)).generation;
     phase = "connecting to the other ranks of group generation " + std::to_string(generation) + " (timeout " +
             seconds(options.timeout()) + ")";
     auto pg = buildGroup(root, contract::inplace::groupPrefix(generation), env, options, lookup, recipe, phase);

@@ -1,6 +1,7 @@
 #include "ctorch/error_file.hpp"
 
 #include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/errors.hpp"
 #include "file_io.hpp"
 
 #include <c10/util/Exception.h>
@@ -175,6 +176,9 @@ bool recordErrorMessage(const std::string& message, const std::string& details) 
 int runRecorded(const std::function<int()>& body) {
   try {
     return body();
+  } catch (const Stopped& e) {
+    std::cerr << e.what() << std::endl;
+    return contract::kExitPreempted;
   } catch (const std::exception& e) {
     recordError(e);
     std::cerr << "error: " << describeException(e) << std::endl;

@@ -44,6 +44,17 @@ int launch(int argc, char** argv) {
   log("ctorchrun").info("{}", describeConfig(config));
   if (!config.pythonChoice.empty()) log("ctorchrun").info("Python interpreter: {}", config.pythonChoice);
   if (!config.pythonWarning.empty()) log("ctorchrun").warn("{}", config.pythonWarning);
+  if (!config.inheritedLauncherVariables.empty()) {
+    std::string names;
+    for (const auto& n : config.inheritedLauncherVariables) names += (names.empty() ? "" : ", ") + n;
+    log("ctorchrun").warn("ignoring {} from the environment: ctorchrun sets these for its workers itself (left in "
+                          "a shell or a batch script they would make workers wait as spares or use a stale key)",
+                          names);
+  }
+  if (!config.recoveryWarning.empty()) log("ctorchrun").warn("{}", config.recoveryWarning);
+  if (config.inPlaceRecovery)
+    log("ctorchrun").info("in-place recovery: the commands in the workers' store are signed with the job's key ({})",
+                          config.controlKeySource);
 
   // Before any thread exists (the store starts one): the signals we handle are read from a
   // signalfd, never delivered; the workers get the mask we started with.

@@ -1,5 +1,7 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 
+#include "ctorch/contract/control_auth.hpp"
+
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/worker_env.hpp"
@@ -11,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <sstream>
 #include <cerrno>
 #include <csignal>
 #include <system_error>
@@ -196,12 +199,16 @@ void ElasticAgent::startSpare() {
   w.localRank = spare.tag;
   w.globalRank = -1;
   auto assigned = [](const std::string& entry) {
+    if (entry.rfind(std::string(contract::env::kErrorFile) + "=", 0) == 0) return true;  // local rank 0's
     for (const char* name : contract::inplace::kSpareAssigned)
       if (entry.rfind(std::string(name) + "=", 0) == 0) return true;
     return false;
   };
   w.env.erase(std::remove_if(w.env.begin(), w.env.end(), assigned), w.env.end());
   w.env.push_back(std::string(contract::env::kSpare) + "=" + spare.id);
+  // Its error file once it holds local rank L: <attempt dir>/L/error.json, as every worker's.
+  if (!files_.empty())
+    w.env.push_back(std::string(contract::env::kSpareLogDir) + "=" + files_.front().rankDir.parent_path().string());
   // Through the agent: once it holds a rank its lines go where that rank's go (adoptSpare).
   w.out = OutputSpec{};
   w.err = OutputSpec{};
@@ -217,8 +224,9 @@ bool ElasticAgent::handToSpare(const WorkerLaunch& replacement) {
   for (const auto& entry : replacement.env)
     for (const char* name : contract::inplace::kSpareAssigned)
       if (entry.rfind(std::string(name) + "=", 0) == 0) lines += entry + "\n";
+  const std::string key = contract::inplace::spareKey(spare.id);
   try {
-    workerStore().set(contract::inplace::spareKey(spare.id), store::toBytes(lines));
+    workerStore().set(key, store::toBytes(contract::auth::signCommand(config_.controlKey, key, lines)));
   } catch (const std::exception& e) {
     log("agent").warn("could not hand rank {} to spare {} ({}): starting a new process instead",
                       replacement.globalRank, spare.id, e.what());
@@ -254,8 +262,8 @@ void ElasticAgent::serveEvictions() {
       const int rank = info.globalRank(localRank);
       const std::string key = contract::inplace::evictKey(rank);
       if (localRank < 0 || !store.check({key})) continue;  // spares hold no rank yet
-      const std::string named = store::toString(store.get(key));
-      if (named != std::to_string(pid)) continue;  // an earlier process of this rank, already gone
+      const std::string value = store::toString(store.get(key));
+      if (!acceptEviction(store, key, value, rank, pid)) continue;
       evicted_.insert(pid);
       log("agent").warn("worker rank {} (local {}, pid {}) stopped answering its peers: killing it to replace it "
                         "in place",
@@ -271,6 +279,37 @@ void ElasticAgent::serveEvictions() {
     workerStoreBackoff_ = std::clamp(workerStoreBackoff_ * 2, std::chrono::milliseconds(250), std::chrono::milliseconds(4000));
     workerStoreRetryAt_ = std::chrono::steady_clock::now() + workerStoreBackoff_;
   }
+}
+
+// A signed request (control_auth.hpp) naming this rank's current worker, in a generation this
+// rank has not said it is alive in, that is the newest or the one being formed. Anything else is
+// ignored; a forged, malformed or stale value is logged once, naming the key.
+bool ElasticAgent::acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value,
+                                  int rank, int pid) {
+  auto refuse = [&](const std::string& why) {
+    if (refusedEvictions_.insert(key + '\0' + value).second)
+      log("agent").warn("ignoring {} in the workers' store: {}", key, why);
+    return false;
+  };
+  const auto payload = contract::auth::verifyCommand(config_.controlKey, key, value);
+  if (!payload) return refuse("it is not signed with this job's key (forged, or written by another job)");
+  long named = -1;
+  std::int64_t generation = -1;
+  std::istringstream in(*payload);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("pid=", 0) == 0) named = std::strtol(line.c_str() + 4, nullptr, 10);
+    else if (line.rfind("generation=", 0) == 0) generation = std::strtoll(line.c_str() + 11, nullptr, 10);
+  }
+  if (named <= 0 || generation < 0) return refuse("its signed content is not an eviction request");
+  if (named != pid) return false;  // an earlier process of this rank, already gone: nothing to say
+  const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
+  if (generation + 1 < newest)
+    return refuse("it names generation " + std::to_string(generation) + ", and the group is at " +
+                  std::to_string(newest) + " (a stale request)");
+  if (store.check({contract::inplace::aliveKey(generation, rank)}))
+    return refuse("rank " + std::to_string(rank) + " said it is alive in generation " + std::to_string(generation));
+  return true;
 }
 
 void ElasticAgent::reapOrphans() {

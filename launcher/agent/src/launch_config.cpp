@@ -6,7 +6,11 @@
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/slurm/derive.hpp"
+#include "ctorch/contract/control_auth.hpp"
+#include "ctorch/contract/worker_contract.hpp"
 
+#include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -63,6 +67,28 @@ std::optional<long long> toInt(const std::string& text, long long lo, long long 
 bool isExecutableFile(const fs::path& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
+}
+
+// `n` bytes from the kernel's random source.
+std::string randomBytes(std::size_t n) {
+  std::string out(n, '\0');
+  std::size_t have = 0;
+  while (have < n) {
+    const ssize_t got = ::getrandom(out.data() + have, n - have, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw LauncherError(std::string("cannot read random bytes for the job's control key: ") + std::strerror(errno));
+    }
+    have += static_cast<std::size_t>(got);
+  }
+  return out;
+}
+
+// A value the user gave, quoted, shortened to its first 40 characters when long (a 100,000-character
+// --rdzv-id must not become a 100,000-character error line).
+std::string quoteShort(const std::string& v) {
+  if (v.size() <= 60) return "'" + v + "'";
+  return "'" + v.substr(0, 40) + "...' (" + std::to_string(v.size()) + " characters)";
 }
 
 std::string randomRunId() {
@@ -493,6 +519,14 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   } else {
     c.rdzvBackend = trim(raw.rdzvBackend);
     c.rdzvId = trim(raw.rdzvId).empty() ? "none" : trim(raw.rdzvId);
+    // It names the log directory (<run id>_<random>) and every store key prefix: checked before the
+    // rendezvous, not at the first file it names.
+    if (c.rdzvId.size() > 128)
+      throw UsageError("--rdzv-id " + quoteShort(c.rdzvId) + ": at most 128 characters (it names the log directory)");
+    if (c.rdzvId.find_first_of(std::string("/\0", 2)) != std::string::npos ||
+        std::any_of(c.rdzvId.begin(), c.rdzvId.end(), [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; }))
+      throw UsageError("--rdzv-id " + quoteShort(c.rdzvId) +
+                       ": must not contain '/' or control characters (it names the log directory)");
     const auto& torchrunBackends = torchrunRendezvousBackends();
     bool known = std::find(torchrunBackends.begin(), torchrunBackends.end(), c.rdzvBackend) !=
                  torchrunBackends.end();
@@ -583,6 +617,32 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   if (c.storeFailover && c.rdzvBackend != "c10d")
     throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
                      " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
+  // --- in-place recovery's control key (ctorch/contract/control_auth.hpp)
+  for (const char* name : contract::kLauncherOwnedVariables)
+    if (env(name)) c.inheritedLauncherVariables.push_back(name);
+  if (c.inPlaceRecovery) {
+    namespace auth = contract::auth;
+    const auto secret = env(auth::kJobSecretEnv);
+    if (secret && !secret->empty()) {
+      if (secret->size() < auth::kMinSecretLength)
+        throw UsageError(std::string(auth::kJobSecretEnv) + " is " + std::to_string(secret->size()) +
+                         " characters long: at least " + std::to_string(auth::kMinSecretLength) +
+                         " (e.g. head -c 32 /dev/urandom | base64), the same on every node");
+      c.controlKey = auth::deriveControlKey(*secret, c.rdzvId);
+      c.controlKeySource = auth::kJobSecretEnv;
+    } else if (c.maxNodes == 1) {
+      c.controlKey = randomBytes(32);
+      c.controlKeySource = "random (one node)";
+    } else {
+      c.recoveryWarning = std::string("--recovery in-place across nodes needs ") + auth::kJobSecretEnv +
+                          " (the same secret of 16+ characters on every node; scripts/slurm/*.sbatch set one) to "
+                          "sign its commands in the workers' store, which anyone who reaches that port could "
+                          "otherwise forge: a failed worker restarts the group instead";
+      c.inPlaceRecovery = false;
+      c.spareWorkers = 0;
+    }
+  }
+
   // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
   // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
   if (c.inPlaceRecovery && c.usesPython)

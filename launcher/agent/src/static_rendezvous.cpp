@@ -31,7 +31,9 @@ StaticRendezvousOptions staticOptionsFrom(const LaunchConfig& c) {
   o.runId = c.rdzvId;
   o.backendName = c.standalone ? "standalone" : "static";
   o.hostname = c.hostname;
-  if (c.standalone) o.bindHost = "";  // every interface, like torchrun's agent store
+  // --standalone: one node, MASTER_ADDR 127.0.0.1: its stores listen on the loopback only, so nobody
+  // on the network reaches them (torchrun's listen on every interface).
+  if (c.standalone) o.bindHost = "127.0.0.1";
   return o;
 }
 

@@ -1,5 +1,6 @@
 #include "ctorch/launcher/worker_env.hpp"
 
+#include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
 
 extern char** environ;
@@ -14,6 +15,15 @@ namespace {
 constexpr const char* kLegacyNcclAsyncErrorHandling = "NCCL_ASYNC_ERROR_HANDLING";
 
 std::string keyOf(const std::string& entry) { return entry.substr(0, entry.find('=')); }
+
+// ctorchrun's own variables (set by it or not at all) and the job secret (the workers get the key
+// derived from it): never passed on from ctorchrun's own environment.
+bool launcherOwned(const std::string& key) {
+  if (key == contract::auth::kJobSecretEnv) return true;
+  for (const char* name : contract::kLauncherOwnedVariables)
+    if (key == name) return true;
+  return false;
+}
 
 bool hasKey(const std::vector<std::string>& base, const std::string& key) {
   for (const auto& e : base)
@@ -45,7 +55,12 @@ std::map<std::string, std::string> contractVariables(const LaunchConfig& c, cons
       {env::kUseAgentStore, info.agentStore ? "True" : "False"},
       {env::kErrorFile, errorFile},
   };
-  if (c.inPlaceRecovery) vars[env::kRecovery] = contract::kRecoveryInPlace;
+  if (c.inPlaceRecovery) {
+    vars[env::kRecovery] = contract::kRecoveryInPlace;
+    if (!c.controlKey.empty())
+      vars[env::kControlKey] = contract::auth::toHex(reinterpret_cast<const std::uint8_t*>(c.controlKey.data()),
+                                                     c.controlKey.size());
+  }
   return vars;
 }
 
@@ -59,7 +74,7 @@ std::vector<std::string> workerEnvironment(const std::vector<std::string>& base,
   std::vector<std::string> out;
   out.reserve(base.size() + vars.size() + 3);
   for (const auto& e : base)
-    if (!vars.count(keyOf(e))) out.push_back(e);
+    if (!vars.count(keyOf(e)) && !launcherOwned(keyOf(e))) out.push_back(e);
   for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
   for (const char* k : {env::kNcclAsyncErrorHandling, kLegacyNcclAsyncErrorHandling})
     if (!hasKey(base, k)) out.push_back(std::string(k) + "=1");

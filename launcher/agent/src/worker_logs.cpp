@@ -129,9 +129,22 @@ std::vector<WorkerLogs::WorkerFiles> WorkerLogs::beginAttempt(const RendezvousIn
   return files;
 }
 
+WorkerLogs::RankState* WorkerLogs::stateOf(int localRank) {
+  if (localRank >= 0) {
+    if (static_cast<std::size_t>(localRank) >= ranks_.size()) return nullptr;
+    return &ranks_[static_cast<std::size_t>(localRank)];
+  }
+  auto [it, added] = spares_.try_emplace(localRank);
+  if (added) {
+    it->second.prefix = "[" + config_.role + " spare]:";
+    it->second.out.console = it->second.err.console = true;
+  }
+  return &it->second;
+}
+
 WorkerLogs::Channel& WorkerLogs::channel(int localRank, Stream stream) {
-  auto& st = ranks_.at(static_cast<std::size_t>(localRank));
-  return stream == Stream::Stdout ? st.out : st.err;
+  RankState* st = stateOf(localRank);
+  return stream == Stream::Stdout ? st->out : st->err;
 }
 
 namespace {
@@ -201,11 +214,12 @@ void WorkerLogs::appendTerminal(Channel& ch, const std::string& prefix, std::str
 }
 
 void WorkerLogs::onOutput(int localRank, Stream stream, std::string_view data) {
-  if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
-  Channel& ch = channel(localRank, stream);
+  RankState* st = stateOf(localRank);
+  if (!st) return;
+  Channel& ch = stream == Stream::Stdout ? st->out : st->err;
   if (ch.teeFd >= 0) writeAll(ch.teeFd, data.data(), data.size());
   if (!ch.console) return;
-  const std::string& prefix = ranks_[static_cast<std::size_t>(localRank)].prefix;
+  const std::string& prefix = st->prefix;
   batch_.clear();
   if (console(stream).isTerminal()) {
     appendTerminal(ch, prefix, data);
@@ -233,7 +247,12 @@ void WorkerLogs::closeChannel(Channel& ch, Stream stream, const std::string& pre
 }
 
 void WorkerLogs::onClosed(int localRank, Stream stream) {
-  if (localRank < 0 || static_cast<std::size_t>(localRank) >= ranks_.size()) return;
+  if (localRank < 0) {
+    if (auto it = spares_.find(localRank); it != spares_.end())
+      closeChannel(stream == Stream::Stdout ? it->second.out : it->second.err, stream, it->second.prefix);
+    return;
+  }
+  if (static_cast<std::size_t>(localRank) >= ranks_.size()) return;
   // The partial line goes out now; the tee file stays open until the attempt ends: a replacement of
   // this worker (--recovery in-place) writes on into it.
   Channel& ch = channel(localRank, stream);
@@ -258,6 +277,11 @@ void WorkerLogs::endAttempt() {
     closeChannel(st.out, Stream::Stdout, st.prefix);
     closeChannel(st.err, Stream::Stderr, st.prefix);
   }
+  for (auto& [tag, st] : spares_) {
+    closeChannel(st.out, Stream::Stdout, st.prefix);
+    closeChannel(st.err, Stream::Stderr, st.prefix);
+  }
+  spares_.clear();
 }
 
 } // namespace ctorch::launcher

@@ -36,7 +36,8 @@ std::string errorFileJson(const std::string& message, const std::string& details
 
 // Runs `body` the way Python's @record runs a main function: its return value is the exit code; an
 // escaping exception is recorded in the error file, printed to stderr as one line, and becomes exit
-// code 1 (ctorch::contract::kExitFailure).
+// code 1 (ctorch::contract::kExitFailure) -- except ctorch::Stopped (a stop signal before there was
+// anything to save), which becomes 75 (kExitPreempted) with no record.
 //   int main(int argc, char** argv) { return ctorch::runRecorded([&] { return realMain(argc, argv); }); }
 int runRecorded(const std::function<int()>& body);
 

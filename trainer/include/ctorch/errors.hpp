@@ -42,4 +42,12 @@ class DistributedTimeout : public DistributedError {
   using DistributedError::DistributedError;
 };
 
+// A stop was asked for (SIGTERM, SIGUSR1, SIGINT: installStopHandlers) at a point where the process
+// holds nothing to save -- a spare worker still waiting for a rank. runRecorded() turns it into
+// contract::kExitPreempted (75) without an error record.
+class Stopped : public Error {
+ public:
+  using Error::Error;
+};
+
 } // namespace ctorch

@@ -66,6 +66,8 @@ class ElasticAgent {
   bool workerStoreAnswers();
   // --recovery in-place: kills the workers the survivors asked to evict (they stopped answering).
   void serveEvictions();
+  bool acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value, int rank,
+                      int pid);
   store::TcpStoreClient& workerStore();
   void startSpare();
   bool handToSpare(const WorkerLaunch& replacement);
@@ -104,6 +106,7 @@ class ElasticAgent {
   std::vector<Spare> spares_;
   int sparesStarted_ = 0;
   std::set<pid_t> evicted_;
+  std::set<std::string> refusedEvictions_;  // key + value, logged once each
   std::vector<Attempt> attempts_;
   std::vector<int> watchedConsoles_;
   std::optional<FailureReport> report_;

@@ -61,6 +61,16 @@ struct LaunchConfig {
   // --store-failover (c10d): every agent keeps a standby rendezvous store; the survivors of the
   // store host's loss re-form on the next node's (docs/store-failover.md).
   bool storeFailover = false;
+  // --recovery in-place: the key that signs the commands of in-place recovery in the workers' store
+  // (ctorch/contract/control_auth.hpp; 32 bytes, given to the workers as CTORCH_CONTROL_KEY, never
+  // logged), and where it came from. In-place recovery across nodes needs CTORCH_JOB_SECRET: without
+  // it in-place recovery is turned off and `recoveryWarning` says why.
+  std::string controlKey;
+  std::string controlKeySource;
+  std::string recoveryWarning;
+  // ctorchrun's own worker variables (CTORCH_SPARE, ...) found in the environment it was started
+  // in: removed from what the workers inherit, and named in a warning.
+  std::vector<std::string> inheritedLauncherVariables;
   std::chrono::milliseconds monitorInterval{100};  // accepted for compatibility; unused
   std::chrono::milliseconds shutdownTimeout{std::chrono::seconds(30)};
   std::vector<int> signalsToHandle;

@@ -17,7 +17,8 @@ std::map<std::string, std::string> contractVariables(const LaunchConfig& config,
                                                      const RendezvousInfo& info, int localRank,
                                                      int restartCount, const std::string& errorFile);
 
-// `base` ("KEY=VALUE" entries, e.g. environ) with the contract variables set, plus defaults that
+// `base` ("KEY=VALUE" entries, e.g. environ) less ctorchrun's own variables (contract::
+// kLauncherOwnedVariables) and CTORCH_JOB_SECRET, with the contract variables set, plus defaults that
 // apply only when unset: TORCH_NCCL_ASYNC_ERROR_HANDLING and NCCL_ASYNC_ERROR_HANDLING (the
 // name LibTorch 1.x reads) = 1, and OMP_NUM_THREADS = 1 when `defaultOmpThreads`.
 std::vector<std::string> workerEnvironment(const std::vector<std::string>& base,

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -130,6 +131,9 @@ class WorkerLogs : public OutputSink {
     Channel err;
   };
   Channel& channel(int localRank, Stream stream);
+  // A spare (negative local rank until it takes a rank over): its lines reach the console with a
+  // "[<role> spare]:" prefix -- what it says while it waits (a refused assignment) is not lost.
+  RankState* stateOf(int localRank);
   void writeConsole(Stream stream, const std::string& text);
   ConsoleWriter& console(Stream stream) { return stream == Stream::Stdout ? *consoleOut_ : *consoleErr_; }
   const std::filesystem::path& runDir(const std::string& runId);
@@ -137,6 +141,7 @@ class WorkerLogs : public OutputSink {
   void closeChannel(Channel& c, Stream stream, const std::string& prefix);
 
   const LaunchConfig& config_;
+  std::map<int, RankState> spares_;
   std::unique_ptr<ConsoleWriter> consoleOut_;
   std::unique_ptr<ConsoleWriter> consoleErr_;
   std::filesystem::path base_;

@@ -38,6 +38,12 @@ inline constexpr const char* kReplacement = "CTORCH_REPLACEMENT";
 // the rank variables (kSpareAssigned): it loads its program and waits in ctorch::initProcessGroup()
 // until the agent hands it a failed worker's rank (inplace::spareKey), then sets them and joins.
 inline constexpr const char* kSpare = "CTORCH_SPARE";
+// On a spare: the attempt's log directory. Its error file becomes <dir>/<LOCAL_RANK>/error.json
+// once it holds a rank (a path is never read from the store).
+inline constexpr const char* kSpareLogDir = "CTORCH_SPARE_LOG_DIR";
+// The job's control key (hex), with which in-place recovery's commands in the workers' store are
+// signed and checked (control_auth.hpp). Only in the workers' environment.
+inline constexpr const char* kControlKey = "CTORCH_CONTROL_KEY";
 
 // Slurm variables read by the library when a worker is started by plain `srun` (no launcher).
 inline constexpr const char* kSlurmProcId = "SLURM_PROCID";
@@ -85,7 +91,15 @@ inline constexpr VariableDoc kInPlaceVariables[] = {
     {env::kRecovery, "in-place with --recovery in-place (else unset)"},
     {env::kReplacement, "on a worker started in place of a failed one: 1, 2, ..."},
     {env::kSpare, "on a spare worker (--spare-workers): its id; it gets the rank variables when it takes over"},
+    {env::kSpareLogDir, "on a spare worker: the attempt's log directory (its error file, once it holds a rank)"},
+    {env::kControlKey, "the job's key for in-place recovery's signed commands (secret: never logged or stored)"},
 };
+
+// The variables above are ctorchrun's to set: one inherited from the environment ctorchrun was
+// started in (left in a shell or a batch script) would make workers wait as spares or act on a
+// stale key, so ctorchrun removes them from what its workers inherit, and says so.
+inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery, env::kReplacement, env::kSpare,
+                                                          env::kSpareLogDir, env::kControlKey};
 
 // ---- The agent store ------------------------------------------------------------------------------
 // With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
@@ -125,13 +139,18 @@ inline std::string aliveKey(std::int64_t generation, int rank) {
   return "ctorch/inplace/g" + std::to_string(generation) + "/alive" + std::to_string(rank);
 }
 // A request to the agent that runs `rank`: kill the process with the pid in the value (it stopped
-// answering; the survivors could not reach it). The agent kills it only if that pid is still its
-// worker for the rank, then replaces it as after any failure.
+// answering; the survivors could not reach it). Signed (control_auth.hpp) with the payload
+// evictionPayload(pid, generation): the agent kills only the process that is still its worker for
+// the rank, only while that rank has not said it is alive in that generation, and only while the
+// generation is the newest (or the one being formed), then replaces it as after any failure.
 inline std::string evictKey(int rank) { return "ctorch/inplace/evict/rank" + std::to_string(rank); }
-// The variables a spare does not have until it takes a rank over (the agent's assignment sets them).
-inline constexpr const char* kSpareAssigned[] = {env::kRank, env::kLocalRank, env::kRoleRank, env::kErrorFile,
-                                                 env::kReplacement};
-// The assignment of spare `id`: "NAME=value" lines for kSpareAssigned.
+inline std::string evictionPayload(long pid, std::int64_t generation) {
+  return "pid=" + std::to_string(pid) + "\ngeneration=" + std::to_string(generation);
+}
+// The variables a spare does not have until it takes a rank over (the agent's assignment sets them;
+// the error file follows from kSpareLogDir and LOCAL_RANK, the world from its own environment).
+inline constexpr const char* kSpareAssigned[] = {env::kRank, env::kLocalRank, env::kRoleRank, env::kReplacement};
+// The assignment of spare `id`: "NAME=value" lines for kSpareAssigned (numbers only), signed.
 inline std::string spareKey(const std::string& id) { return "ctorch/inplace/spare/" + id; }
 // The prefix of generation g's process group keys (g = 0: Python's own "default_pg").
 inline std::string groupPrefix(std::int64_t generation) {
