@@ -55,6 +55,10 @@ int trainMain(int argc, char** argv) {
     return configurationFailure(e);
   } catch (const ctorch::models::ModelOptionsError& e) {
     return configurationFailure(e);
+  } catch (const ctorch::WriteFailed& e) {  // a full or failing disk: every rank stopped together
+    ctorch::recordError(e);
+    std::cerr << "ctorch-train: error: " << e.what() << std::endl;
+    return ctorch::contract::kExitWriteFailed;
   } catch (const ctorch::Stopped& e) {  // a spare stopped before it held a rank: nothing to save
     std::cerr << "ctorch-train: " << e.what() << std::endl;
     return ctorch::contract::kExitPreempted;

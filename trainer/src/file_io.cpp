@@ -7,6 +7,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
 #include <thread>
 
 namespace ctorch::detail {
@@ -15,6 +19,59 @@ namespace {
 [[noreturn]] void throwErrno(int err, const std::string& what, const std::filesystem::path& p) {
   throw std::system_error(err, std::generic_category(), what + " " + p.string());
 }
+
+} // namespace
+
+// CTORCH_TEST_IO_FAULT (see file_io.hpp). Parsed again whenever the variable's value changes, so
+// that an in-process test can set, change and clear it between cases; its counters restart then.
+int injectedFault(const char* op, const std::filesystem::path& p) {
+  struct Rule {
+    std::string op;
+    long from = 0;
+    int err = 0;
+    std::string match;
+    long seen = 0;
+  };
+  static std::mutex mutex;
+  static std::string parsed;
+  static std::vector<Rule> rules;
+  const char* value = std::getenv("CTORCH_TEST_IO_FAULT");
+  if (!value || !*value) {
+    if (!parsed.empty()) {
+      std::lock_guard<std::mutex> lock(mutex);
+      parsed.clear();
+      rules.clear();
+    }
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (parsed != value) {
+    parsed = value;
+    rules.clear();
+    std::stringstream all(parsed);
+    std::string item;
+    while (std::getline(all, item, ',')) {
+      std::vector<std::string> f;
+      std::stringstream fields(item);
+      std::string field;
+      while (std::getline(fields, field, ':')) f.push_back(field);
+      if (f.size() < 3) continue;
+      Rule r;
+      r.op = f[0];
+      r.from = std::strtol(f[1].c_str(), nullptr, 10);
+      r.err = f[2] == "ENOSPC" ? ENOSPC : f[2] == "EIO" ? EIO : f[2] == "EDQUOT" ? EDQUOT : 0;
+      if (f.size() > 3) r.match = f[3];
+      if (r.from > 0 && r.err != 0) rules.push_back(r);
+    }
+  }
+  for (auto& r : rules) {
+    if (r.op != op || (!r.match.empty() && p.string().find(r.match) == std::string::npos)) continue;
+    if (++r.seen >= r.from) return r.err;
+  }
+  return 0;
+}
+
+namespace {
 
 class Fd {
  public:
@@ -30,6 +87,7 @@ class Fd {
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) throwErrno(errno, "close", p);
+    if (const int err = injectedFault("close", p)) throwErrno(err, "close", p);
   }
 
  private:
@@ -38,6 +96,7 @@ class Fd {
 
 void writeAll(int fd, const char* data, std::size_t size, const std::filesystem::path& p) {
   while (size > 0) {
+    if (const int err = injectedFault("write", p)) throwErrno(err, "write", p);
     const ssize_t n = ::write(fd, data, size);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -49,6 +108,7 @@ void writeAll(int fd, const char* data, std::size_t size, const std::filesystem:
 }
 
 void fsyncFd(int fd, const std::filesystem::path& p) {
+  if (const int err = injectedFault("fsync", p)) throwErrno(err, "fsync", p);
   while (::fsync(fd) != 0) {
     if (errno != EINTR) throwErrno(errno, "fsync", p);
   }
@@ -56,7 +116,7 @@ void fsyncFd(int fd, const std::filesystem::path& p) {
 
 } // namespace
 
-static std::string fileTypeName(unsigned mode) {
+std::string fileTypeName(unsigned mode) {
   switch (mode & S_IFMT) {
     case S_IFIFO: return "a FIFO";
     case S_IFCHR: return "a character device";
@@ -192,6 +252,10 @@ std::filesystem::path writeTempFileStreaming(
   return tmp;
 }
 
+void appendChecked(int fd, const char* data, std::size_t size, const std::filesystem::path& path) {
+  writeAll(fd, data, size, path);
+}
+
 void fsyncDirectory(const std::filesystem::path& dir) {
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) throwErrno(errno, "open directory", dir);
@@ -223,3 +287,72 @@ void writeFileAtomically(const std::filesystem::path& path, const std::string& c
 }
 
 } // namespace ctorch::detail
+
+// ---- the public durable_io.hpp -----------------------------------------------------------------
+#include "ctorch/durable_io.hpp"
+
+namespace ctorch {
+
+void writeFileAtomically(const std::filesystem::path& path, std::string_view content) {
+  detail::writeFileAtomically(path, std::string(content));
+}
+
+AppendOnlyFile::AppendOnlyFile(const std::filesystem::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0644);
+  if (fd_ < 0) throw std::system_error(errno, std::generic_category(), "open " + path.string());
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    throw std::system_error(err, std::generic_category(), "stat " + path.string());
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    throw std::runtime_error(path.string() + " is " + detail::fileTypeName(st.st_mode) + ", not a regular file");
+  }
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
+
+AppendOnlyFile::~AppendOnlyFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void AppendOnlyFile::append(std::string_view record) {
+  if (fd_ < 0) throw std::system_error(EBADF, std::generic_category(), "append to closed " + path_.string());
+  try {
+    detail::appendChecked(fd_, record.data(), record.size(), path_);
+  } catch (...) {
+    // Whatever part of the record reached the file goes again: the file ends with a whole record.
+    if (::ftruncate(fd_, static_cast<off_t>(size_)) != 0) {
+      // Nothing more can be done; the next reader skips a partial last line.
+    }
+    throw;
+  }
+  size_ += record.size();
+}
+
+void AppendOnlyFile::sync() {
+  if (fd_ < 0) return;
+  if (const int err = detail::injectedFault("fsync", path_))
+    throw std::system_error(err, std::generic_category(), "fsync " + path_.string());
+  while (::fsync(fd_) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EINVAL || errno == ENOTSUP) break;
+    throw std::system_error(errno, std::generic_category(), "fsync " + path_.string());
+  }
+}
+
+void AppendOnlyFile::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) throw std::system_error(errno, std::generic_category(), "close " + path_.string());
+  if (const int err = detail::injectedFault("close", path_))
+    throw std::system_error(err, std::generic_category(), "close " + path_.string());
+}
+
+} // namespace ctorch

@@ -37,6 +37,18 @@ std::filesystem::path writeTempFileStreaming(
     const std::function<void(const std::function<void(const char*, std::size_t)>&)>& produce,
     std::size_t sizeHint, std::chrono::milliseconds midWriteStall = {}, std::size_t* written = nullptr);
 
+// A test hook: CTORCH_TEST_IO_FAULT=<op>:<n>:<errno>[:<text>][,...] makes the n-th and every later
+// call of <op> (write, fsync or close) on a file whose path contains <text> fail with <errno>
+// (ENOSPC, EIO or EDQUOT), as a full or failing disk does. Returns that errno, or 0. Unset (the
+// normal case): 0 after one getenv.
+int injectedFault(const char* op, const std::filesystem::path& path);
+
+// "a FIFO", "a directory", ... for a stat mode that is not a regular file.
+std::string fileTypeName(unsigned mode);
+
+// An append-only file whose every write is checked (see ctorch/durable_io.hpp).
+void appendChecked(int fd, const char* data, std::size_t size, const std::filesystem::path& path);
+
 void fsyncDirectory(const std::filesystem::path& dir);
 void renameFile(const std::filesystem::path& from, const std::filesystem::path& to);
 

@@ -8,8 +8,10 @@
 #include "ctorch/distributed.hpp"
 #include "ctorch/snapshot_writer.hpp"
 #include "capture_pool.hpp"
+#include "slot_lock.hpp"
 #include "error_text.hpp"
 
+#include <atomic>
 #include <ctorch/contract/worker_contract.hpp>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -196,6 +198,11 @@ struct ResilientTraining::Impl {
   // The module's buffers as agreed (BatchNorm statistics move in a forward that may be abandoned).
   std::vector<at::Tensor> committedBuffers;
   std::unique_ptr<SnapshotWriter> writer;
+  detail::SlotLock slotLock;  // rank 0: "<slot>.lock", held for the run's life
+  // Rank 0: the failed write's error, taken from the writer (its wait() hands it out once), and the
+  // global step of the newest snapshot known durable.
+  std::exception_ptr writeError;
+  std::atomic<std::int64_t> durableAt{-1};
   detail::CapturePool capturePool;  // rank 0's copies, reused from save to save
   // A small allreduce of doubles that was started and not yet waited for.
   struct Reduction {
@@ -226,6 +233,77 @@ struct ResilientTraining::Impl {
 
   // 1.0 when this process was asked to stop: summed over the ranks, whether any was.
   static double stopFlag() { return ctorch::stopSignal() != 0 ? 1.0 : 0.0; }
+  // 1.0 when a snapshot write failed here (rank 0): voted with the stop flag, so that every rank
+  // stops at the same step with WriteFailed.
+  double writeFlag() const { return writeError || writer->failed() ? 1.0 : 0.0; }
+
+  // Rank 0: takes "<slot>.lock". False (with `holder` naming it) when another job holds it; a slot
+  // that cannot be locked here (a read-only directory, no locks on this file system) is said once
+  // and not refused.
+  bool lockSlot(std::string& holder) {
+    const char* id = std::getenv(contract::env::kRunId);
+    std::string runId = id ? std::string(id).substr(0, 200) : std::string();
+    for (char& c : runId)
+      if (c == ' ' || c < 0x20 || c > 0x7e) c = '_';
+    std::string detail;
+    switch (slotLock.acquire(slot, runId, std::chrono::seconds(10), detail)) {
+      case detail::SlotLock::Result::kHeld: return true;
+      case detail::SlotLock::Result::kUnavailable:
+        say("warning: " + detail + "; running without the check that no other job uses this snapshot slot");
+        return true;
+      case detail::SlotLock::Result::kInUse: holder = detail; return false;
+    }
+    return true;
+  }
+
+  [[noreturn]] void refuseBusySlot(const std::string& holder) const {
+    if (rank == 0)
+      throw ConfigError("snapshot slot " + slot.string() + " is in use by another job (" + holder + "; lock " +
+                        slotLock.path().string() + "): two jobs on one slot would mix their snapshots; stop that "
+                        "job, or give this one another snapshot path");
+    throw ConfigError("rank " + std::to_string(rank) + ": snapshot slot " + slot.string() +
+                      " is in use by another job (rank 0's error names it)");
+  }
+
+  // Every rank, once the vote said a write failed: rank 0 rethrows its error with where the run
+  // stands; the others say that rank 0 could not write.
+  [[noreturn]] void throwWriteFailed() {
+    const std::string at = "global step " + std::to_string(globalStep);
+    if (rank != 0)
+      throw WriteFailed("rank " + std::to_string(rank) + ": stopped at " + at +
+                        " with every rank: rank 0 could not write the snapshot (its error names the file)");
+    if (!writeError) {
+      try {
+        writer->wait();
+      } catch (...) {
+        writeError = std::current_exception();
+      }
+    }
+    try {
+      if (writeError) std::rethrow_exception(writeError);
+    } catch (const WriteFailed& e) {
+      const std::int64_t durable = durableAt.load();
+      throw WriteFailed(std::string(e.what()) + "; " + slot.string() +
+                        (durable >= 0 ? " holds the last snapshot written (global step " + std::to_string(durable) + ")"
+                                      : " keeps what it held before") +
+                        "; every rank stopped at " + at + " (exit code " + std::to_string(contract::kExitWriteFailed) +
+                        "): free space and run the same command again to resume");
+    }
+    throw WriteFailed("a snapshot write failed; every rank stopped at " + at);
+  }
+
+  // At a point where every rank waits for rank 0's snapshot (a stop, the end): the write finishes,
+  // and its success or failure is agreed instead of a plain barrier.
+  void settleWrites(const std::string& during) {
+    if (rank == 0 && !writeError) {
+      try {
+        writer->wait();
+      } catch (const WriteFailed&) {
+        writeError = std::current_exception();
+      }
+    }
+    if (allReduce({writeFlag()}, c10d::ReduceOp::SUM, during)[0] > 0) throwWriteFailed();
+  }
 
   Reduction startAllReduce(const std::vector<double>& values, c10d::ReduceOp op, std::string during) {
     try {
@@ -261,15 +339,23 @@ struct ResilientTraining::Impl {
 
   // Starts this step's stop agreement without waiting for it (overlapAgreement).
   void startAgreement() {
-    pending = startAllReduce({stopFlag()}, c10d::ReduceOp::SUM, "step " + std::to_string(globalStep) + "'s agreement");
+    pending = startAllReduce({stopFlag(), writeFlag()}, c10d::ReduceOp::SUM,
+                             "step " + std::to_string(globalStep) + "'s agreement");
   }
 
-  // Waits for the agreement startAgreement() left running; true when some rank asked to stop.
-  bool finishAgreement() {
-    if (!pending) return false;
+  // What the ranks agreed: some rank asked to stop; rank 0's snapshot write failed.
+  struct Vote {
+    bool stop = false;
+    bool writeFailed = false;
+  };
+
+  // Waits for the agreement startAgreement() left running.
+  Vote finishAgreement() {
+    if (!pending) return {};
     Reduction r = std::move(*pending);
     pending.reset();
-    return finishAllReduce(r)[0] > 0;
+    const auto v = finishAllReduce(r);
+    return {v[0] > 0, v[1] > 0};
   }
 
   // Every rank's generator states, index = rank (for snapshots without stepSeed).
@@ -355,7 +441,23 @@ struct ResilientTraining::Impl {
                     ? "end of epoch " + std::to_string(epoch)
                     : "epoch " + std::to_string(epoch + 1) + ", step " + std::to_string(stepInEpoch);
     job.label += ", global step " + std::to_string(globalStep);
-    writer->submit(std::move(job));
+    if (!onlyExtras) {
+      auto after = std::move(job.afterWrite);
+      job.afterWrite = [this, after = std::move(after), step = globalStep] {
+        if (after) after();
+        durableAt = step;
+      };
+    }
+    // After a failed write nothing more is written: the agreed stop comes at the next agreement.
+    if (!writeError && !writer->failed()) {
+      try {
+        writer->submit(std::move(job));
+      } catch (const WriteFailed& e) {
+        // This write (run now: said here) or the background one before it (said when it failed).
+        writeError = std::current_exception();
+        if (!o.backgroundWrite()) std::cerr << o.programName() << ": " << e.what() << std::endl;
+      }
+    }
     if (!onlyExtras) {
       savedAt = globalStep;
       savedBoundary = kind == Kind::kEpochBoundary;
@@ -364,13 +466,11 @@ struct ResilientTraining::Impl {
 
   bool saved() const { return savedAt == globalStep && (stepInEpoch != 0 || savedBoundary); }
 
-  void barrier() { allReduce({0.0}, c10d::ReduceOp::SUM, "the final barrier"); }
 
   // An agreed stop: the snapshot of exactly this point is durable on rank 0 before anyone leaves.
   bool stopHere() {
     if (!saved()) save(currentKind(), {}, false);
-    writer->wait();
-    barrier();
+    settleWrites("the stop's barrier");
     status = TrainingStatus::kStopped;
     const int signo = ctorch::stopSignal();
     const std::string at = describePoint(epoch, stepInEpoch, globalStep);
@@ -724,11 +824,22 @@ ResumePoint ResilientTraining::resume() {
   s.resumed = true;
   ResumePoint point;
   if (detail::joiningInPlace()) {
-    // A replacement: the survivors send the state they hold (no snapshot is read).
+    // A replacement: the survivors send the state they hold (no snapshot is read). A new rank 0
+    // takes the slot's lock over from the one it replaces (gone, so the lock is free).
+    std::string holder;
+    if (s.rank == 0 && !s.lockSlot(holder))
+      std::cerr << s.o.programName() << ": warning: snapshot slot " << s.slot.string() << " is locked by " << holder
+                << std::endl;
     const bool joined = s.joinWithState(-1, std::nullopt);
     detail::joinedInPlace();
     if (joined) return s.pointFromMemory("joined the running group in place of a failed rank at ");
   }
+  // One job per slot: rank 0 locks it before reading it; a slot in use is refused on every rank
+  // (agreed below) before anything is read, rotated or set aside.
+  std::string holder;
+  const bool slotBusy = s.rank == 0 && !s.lockSlot(holder);
+  if (s.allReduce({slotBusy ? 1.0 : 0.0}, c10d::ReduceOp::MAX, "resume (the slot's lock)")[0] > 0)
+    s.refuseBusySlot(holder);
   std::vector<SkippedSnapshot> unusable;
   const std::optional<Snapshot> snap = s.find(point, unusable);
   s.say("resume: " + point.message);
@@ -787,15 +898,18 @@ bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
   s.phase = Impl::Phase::kStepAgreement;
   // The previous step's agreement, when it was left running (long finished by now, unless a rank
   // is slower): a stop asked before that step ends the run at this one.
-  bool stopAgreed = s.finishAgreement();
+  Impl::Vote vote = s.finishAgreement();
   if (sums) {
-    std::vector<double> values{s.stopFlag()};
+    std::vector<double> values{s.stopFlag(), s.writeFlag()};
     values.insert(values.end(), sums->begin(), sums->end());
     values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
-    std::copy(values.begin() + 1, values.end(), sums->begin());
-    stopAgreed = stopAgreed || values[0] > 0;
+    std::copy(values.begin() + 2, values.end(), sums->begin());
+    vote.stop = vote.stop || values[0] > 0;
+    vote.writeFailed = vote.writeFailed || values[1] > 0;
   }
-  if (s.writer->failed()) s.writer->wait();  // rethrows the failed write: no training on without it
+  // A failed snapshot write stops every rank here: no training on without snapshots.
+  if (vote.writeFailed) s.throwWriteFailed();
+  const bool stopAgreed = vote.stop;
   if (stopAgreed) {
     s.stop = true;
     return s.stopHere();
@@ -817,15 +931,16 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
   ++s.epoch;
   s.stepInEpoch = 0;
   s.phase = Impl::Phase::kEpochAgreement;
-  const bool stopAgreed = s.finishAgreement();  // the epoch's last step's, when left running
+  const Impl::Vote vote = s.finishAgreement();  // the epoch's last step's, when left running
   const bool due = extras.force || s.o.saveEverySteps() > 0 ||
                    (s.o.saveEveryEpochs() > 0 && s.epoch % s.o.saveEveryEpochs() == 0);
   if (due) s.save(Impl::Kind::kEpochBoundary, extras, false);
   else if (!extras.alsoWriteTo.empty()) s.save(Impl::Kind::kEpochBoundary, extras, true);
-  if (s.writer->failed()) s.writer->wait();
-  // A stop requested during the evaluation (or the last step's agreement) ends the run here.
-  if (s.allReduce({s.stopFlag()}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch))[0] > 0 ||
-      stopAgreed) {
+  // A stop requested during the evaluation (or the last step's agreement) ends the run here; a
+  // failed snapshot write stops every rank with WriteFailed.
+  const auto agreed = s.allReduce({s.stopFlag(), s.writeFlag()}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch));
+  if (agreed[1] > 0 || vote.writeFailed) s.throwWriteFailed();
+  if (agreed[0] > 0 || vote.stop) {
     s.stop = true;
     return s.stopHere();
   }
@@ -895,8 +1010,7 @@ int ResilientTraining::finish() {
   s.finishAgreement();
   const bool scheduled = s.o.saveEverySteps() > 0 || s.o.saveEveryEpochs() > 0;
   if (scheduled && !s.saved()) s.save(s.currentKind(), {}, false);
-  s.writer->wait();
-  s.barrier();  // nobody exits before rank 0's snapshot is durable
+  s.settleWrites("the final barrier");  // nobody exits before rank 0's snapshot is durable (or failed)
   s.status = TrainingStatus::kFinished;
   return contract::kExitSuccess;
 }

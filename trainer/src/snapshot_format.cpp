@@ -13,6 +13,7 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 
 #include <algorithm>
+#include <exception>
 #include <cstring>
 #include <ctime>
 #include <optional>
@@ -308,14 +309,28 @@ std::size_t detail::PreparedArchive::sizeBound() const {
 }
 
 void detail::PreparedArchive::write(const ByteSink& sink) const {
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
-    sink(static_cast<const char*>(p), n);
-    return n;
-  });
-  for (std::size_t i = 0; i < tensors_.size(); ++i)
-    writer.writeRecord("data/" + std::to_string(i), tensors_[i].storage().data(), tensors_[i].storage().nbytes());
-  writer.writeRecord("data.pkl", pickled_.data(), pickled_.size());
-  writer.writeEndOfFile();
+  // The sink's failure (a full disk: ENOSPC, EIO) must not cross the archive writer: the writer
+  // then finishes its archive in its destructor, which calls the sink again and throws from a
+  // destructor (std::terminate, SIGABRT; seen with a 6 MB snapshot on a full tmpfs). So the first
+  // failure is kept, the sink becomes a no-op, no further record is written, and the failure is
+  // rethrown once the writer has closed.
+  std::exception_ptr failure;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) -> std::size_t {
+      if (failure) return n;
+      try {
+        sink(static_cast<const char*>(p), n);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      return n;
+    });
+    for (std::size_t i = 0; i < tensors_.size() && !failure; ++i)
+      writer.writeRecord("data/" + std::to_string(i), tensors_[i].storage().data(), tensors_[i].storage().nbytes());
+    if (!failure) writer.writeRecord("data.pkl", pickled_.data(), pickled_.size());
+    writer.writeEndOfFile();
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 std::vector<char> detail::portableArchive(const c10::IValue& top) {

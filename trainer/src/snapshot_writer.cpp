@@ -1,5 +1,7 @@
 #include "ctorch/snapshot_writer.hpp"
 
+#include "ctorch/errors.hpp"
+
 #include <c10/core/GradMode.h>
 
 #include <chrono>
@@ -32,6 +34,18 @@ std::string SnapshotWriter::describe(const std::exception_ptr& error) {
   } catch (...) {
     return "unknown exception";
   }
+}
+
+std::exception_ptr SnapshotWriter::classify(const std::exception_ptr& error, const std::string& label) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const WriteFailed&) {
+    return error;
+  } catch (const Error&) {
+    return error;  // e.g. ConfigError: a user item that cannot be encoded
+  } catch (...) {
+  }
+  return std::make_exception_ptr(WriteFailed("snapshot write failed (" + label + "): " + describe(error)));
 }
 
 void SnapshotWriter::run(SnapshotJob& job) {
@@ -73,7 +87,8 @@ void SnapshotWriter::loop() {
     if (error) {
       // Said at once, not at the next save: the run may go on for a long time believing its last
       // snapshot exists. The loop sees failed() and stops at its next step (wait() rethrows).
-      const std::string line = "snapshot write failed (" + job.label + "): " + describe(error);
+      error = classify(error, job.label);
+      const std::string line = describe(error);
       if (job.reportError) job.reportError(line);
       else std::cerr << "ctorch-train: " << line << std::endl;
       failed_ = true;
@@ -103,7 +118,7 @@ void SnapshotWriter::submit(SnapshotJob job) {
       run(job);
     } catch (...) {
       failed_ = true;
-      throw;
+      std::rethrow_exception(classify(std::current_exception(), job.label));
     }
     return;
   }

@@ -165,7 +165,10 @@ std::string contractFooter() {
         "period)\n"
         "  75   stopped by a signal, and every worker exited 75 (state saved, "
         "contract::kExitPreempted):\n"
-        "       the job can be requeued\n";
+        "       the job can be requeued\n"
+        "  74   a worker could not write a file the run needs (disk full, I/O error; "
+        "contract::kExitWriteFailed):\n"
+        "       every rank stopped at the same step, not restarted; free space and run again to resume\n";
   os << "  " << contract::kExitFailure << "    launcher failure    " << contract::kExitUsage
      << "  bad command line    " << contract::kExitRendezvousFailed << "  rendezvous failed\n";
   os << "  " << contract::kExitCannotExecute << "  program not executable    "

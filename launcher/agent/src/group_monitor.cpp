@@ -39,7 +39,10 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable)
   }
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
   // Exit 75 is a stop on request (the worker saved its state), never a failure to repair.
-  if (replaceable && replaced_ < replacements_ && e.status.asExitCode() != kExitPreempted) {
+  // Exit 74 (a file could not be written) is agreed by every rank: a replacement would meet the
+  // same disk.
+  if (replaceable && replaced_ < replacements_ && e.status.asExitCode() != kExitPreempted &&
+      e.status.asExitCode() != contract::kExitWriteFailed) {
     // In-place recovery: only this worker is started again; the others re-form the group with it.
     ++replaced_;
     ++numWorkers_;  // the replacement's exit is one more to wait for

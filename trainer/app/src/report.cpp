@@ -1,3 +1,5 @@
+#include <ctorch/durable_io.hpp>
+
 #include "ctorch/train/report.hpp"
 
 #include <nlohmann/json.hpp>
@@ -113,21 +115,31 @@ MetricsLog::MetricsLog(const std::filesystem::path& path, std::int64_t resumeSte
         kept.push_back(text);
     }
   }
-  // Rewritten whole through a temporary file: a crash leaves the old or the new file.
-  const auto temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    for (const auto& k : kept) out << k << '\n';
-    if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + temporary);
+  // Rewritten whole through a temporary file (every write, the fsync and the close checked): a
+  // crash or a full disk leaves the old file or the new one, never an empty one.
+  try {
+    std::string text;
+    for (const auto& k : kept) text.append(k).push_back('\n');
+    ctorch::writeFileAtomically(path, text);
+    out_.emplace(path);
+  } catch (const std::exception& e) {
+    disable(e, "it keeps what it held before");
   }
-  std::filesystem::rename(temporary, path);
-  out_.open(path, std::ios::app);
-  if (!out_) throw std::system_error(errno, std::generic_category(), "cannot open " + path.string());
+}
+
+void MetricsLog::disable(const std::exception& e, const std::string& kept) {
+  out_.reset();
+  std::cerr << "ctorch-train: warning: cannot write the metrics file " << path_.string() << " (" << e.what()
+            << "): the run goes on without metrics; " << kept << std::endl;
 }
 
 void MetricsLog::append(const std::string& jsonLine) {
-  out_ << jsonLine << '\n';
-  out_.flush();
+  if (!out_) return;
+  try {
+    out_->append(jsonLine + '\n');
+  } catch (const std::exception& e) {
+    disable(e, "it holds every complete record up to the previous one");
+  }
 }
 
 // The fields every metrics record has (kind, step, epoch), whatever its kind.

@@ -270,9 +270,14 @@ std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
   if (const auto cut = text.find('\n'); cut != std::string::npos) text.resize(cut);
   if (text.rfind("rank ", 0) != 0)
     text = "rank " + std::to_string(rank) + ": step " + std::to_string(globalStep + 1) + " failed: " + text;
+  // The hang guard's bound belongs to lost or silent peers only, not to a disk or a shape error.
+  const auto* ours = dynamic_cast<const DistributedError*>(&e);
+  bool communication = ours != nullptr;
+  for (const char* mark : {"onnection", "imed out", "imeout", "Gloo", "gloo", "NCCL", "peer", "exited while rank"})
+    communication = communication || text.find(mark) != std::string::npos;
+  if (!communication) throw Error(text);
   const std::string message =
       text + " (collectives give up on a silent peer after --timeout " + std::to_string(timeout.count()) + " s)";
-  const auto* ours = dynamic_cast<const DistributedError*>(&e);
   if (ours ? dynamic_cast<const DistributedTimeout*>(&e) != nullptr
            : text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos)
     throw DistributedTimeout(message);
@@ -562,13 +567,23 @@ RunResult Trainer::run() {
   for (bool done = false; !done;) {
     try {
       if (!result.lastEval) result.lastEval = evaluate(training_->epoch());
-      if (ctorch::isMainProcess()) ctorch::saveStateDict(*model_, o_.finalModelPath());
       training_->finish();
       done = true;
     } catch (const std::exception&) {
       if (!training_->canRecoverInPlace()) throw;
       recoverInPlace();
       result.lastEval.reset();  // a replacement evaluates once more: so does every rank
+    }
+  }
+  // After finish(): the final snapshot is durable and the other ranks are done, so a disk that
+  // cannot take model.pt fails rank 0 alone (74), with the snapshot holding the same weights.
+  if (ctorch::isMainProcess()) {
+    try {
+      ctorch::saveStateDict(*model_, o_.finalModelPath());
+    } catch (const std::system_error& e) {
+      throw WriteFailed("cannot write the final weights: " + std::string(e.what()) + "; " +
+                        o_.finalModelPath().string() + " keeps what it held before" +
+                        (o_.saveEvery > 0 || o_.saveEverySteps > 0 ? ", and " + o_.snapshotPath.string() + " holds the final state" : std::string()));
     }
   }
   result.epochsRun = training_->epoch();

@@ -42,6 +42,16 @@ class DistributedTimeout : public DistributedError {
   using DistributedError::DistributedError;
 };
 
+// A file the run depends on could not be written: a snapshot (of any size, or its rotation), a
+// checkpoint copy, the final weights -- the disk is full (ENOSPC), over quota (EDQUOT) or failing
+// (EIO). The files written before are intact and no temporary file is left. ResilientTraining
+// throws it on every rank at the same step (rank 0's message names the file and the errno; the
+// others say that rank 0 could not write); its exit code is contract::kExitWriteFailed (74).
+class WriteFailed : public Error {
+ public:
+  using Error::Error;
+};
+
 // A stop was asked for (SIGTERM, SIGUSR1, SIGINT: installStopHandlers) at a point where the process
 // holds nothing to save -- a spare worker still waiting for a rank. runRecorded() turns it into
 // contract::kExitPreempted (75) without an error record.

@@ -202,7 +202,10 @@ class ResilientTraining {
   // allreduce; with overlapAgreement, the default, stepDone() leaves it running and reads it at the
   // next call: a stop asked during step N ends the run after step N + 1), saves when due. Returns
   // true when the loop must end: a stop signal was agreed and the snapshot of exactly this step is
-  // durable; return exitCode() then. Rethrows a failed background write. `sums` are summed over the
+  // durable; return exitCode() then. A snapshot write that failed on rank 0 (a full disk, EIO) is
+  // part of the same vote: every rank throws ctorch::WriteFailed at the same step (one or two steps
+  // after the failure; the files written before stay intact), whose exit code is
+  // contract::kExitWriteFailed (74); epochDone() and finish() do the same. `sums` are summed over the
   // ranks in this step's allreduce (e.g. the loss), which every rank then waits for: a loop that
   // logs every K steps passes them at those steps only, and calls stepDone() at the others.
   bool stepDone();

@@ -35,8 +35,11 @@ class SnapshotWriter {
   SnapshotWriter& operator=(const SnapshotWriter&) = delete;
 
   // Waits for the previous job (rethrowing its error), then starts this one (or runs it now).
+  // A job that fails on the file system (a full disk, an I/O error) fails with ctorch::WriteFailed,
+  // whose message names the job, the file and the errno; the library's own errors (an item that
+  // cannot be encoded) keep their type.
   void submit(SnapshotJob job);
-  // Waits until nothing is in flight; rethrows the error of a failed job.
+  // Waits until nothing is in flight; rethrows the error of a failed job (once).
   void wait();
   // True once a write has failed (already reported); the loop then calls wait() to stop with it.
   bool failed() const { return failed_; }
@@ -45,6 +48,9 @@ class SnapshotWriter {
   void run(SnapshotJob& job);
   void loop();
   static std::string describe(const std::exception_ptr& error);
+  // The job's failure as it is kept and rethrown: WriteFailed("snapshot write failed (<label>): ...")
+  // unless it is already one of the library's errors.
+  static std::exception_ptr classify(const std::exception_ptr& error, const std::string& label);
 
   bool background_;
   std::mutex mutex_;

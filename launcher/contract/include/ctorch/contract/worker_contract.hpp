@@ -189,6 +189,13 @@ inline constexpr int kExitSignalBase = 128;     // 128 + signal number
 // snapshot exits with this code (EX_TEMPFAIL: "try again later"); the job can be requeued.
 inline constexpr int kExitPreempted = 75;
 
+// A worker that could not write a file the run depends on (a snapshot, a checkpoint copy, the
+// final weights: ENOSPC, EDQUOT, EIO) exits with this code (EX_IOERR) after every rank agreed to
+// stop at the same step; the files written before are intact. ctorchrun neither restarts the group
+// nor replaces the worker for it (a restart would redo the steps since the last snapshot and meet
+// the same disk) and exits with it: free space, run the same command again, it resumes.
+inline constexpr int kExitWriteFailed = 74;
+
 // Copies of one stop arrive together: `timeout` signals ctorchrun and then its process group,
 // slurmstepd signals the whole step while ctorchrun forwards too, so a worker may see the same
 // SIGTERM two or three times within milliseconds. A stop signal within this window of the first is

@@ -5,6 +5,9 @@
 
 #include "ctorch/train/options.hpp"
 
+#include <ctorch/durable_io.hpp>
+
+#include <optional>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -95,7 +98,9 @@ struct EpochRecord {
 class MetricsLog {
  public:
   // Starts `path` afresh (resumeStep 0) or keeps only the records of steps <= resumeStep, so a run
-  // that resumes from an older snapshot does not leave records of the steps it redoes.
+  // that resumes from an older snapshot does not leave records of the steps it redoes. A file that
+  // cannot be written (a full disk, EIO) is said once on stderr and the run goes on without
+  // metrics; the file then holds whole records only (the old file, or those written before).
   MetricsLog(const std::filesystem::path& path, std::int64_t resumeStep);
   void write(const TrainRecord& record);
   void write(const EvalRecord& record);
@@ -104,8 +109,10 @@ class MetricsLog {
 
  private:
   void append(const std::string& jsonLine);
+  // A write failed (a full disk): said once on stderr; no more records are written.
+  void disable(const std::exception& e, const std::string& kept);
   std::filesystem::path path_;
-  std::ofstream out_;
+  std::optional<ctorch::AppendOnlyFile> out_;
 };
 
 }  // namespace ctorch::train

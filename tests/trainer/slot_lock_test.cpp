@@ -1,0 +1,54 @@
+// One job per snapshot slot (issue 27): a second job pointed at a slot that a running job uses
+// fails at once (exit 2) with one line naming the other job (run id, pid, host), and leaves the
+// running job's files alone; once the holder is gone, the slot is free again.
+#include "trainer_test_util.hpp"
+
+#include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/snapshot.hpp>
+
+using namespace traintest;
+using ctorch::test::TempDir;
+
+namespace {
+
+std::vector<std::string> slowToy(const std::string& seed) {
+  return {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size", "512", "--batch-size", "16",
+          "--test-limit", "64", "--log-interval", "4", "--epochs", "4", "--step-delay-ms", "30", "--seed", seed,
+          "--snapshot-path", "run/snapshot.pt", "--save-every-steps", "4"};
+}
+
+} // namespace
+
+TEST_CASE("slot lock: a second job on a slot in use fails at once naming the first, the first is untouched, "
+          "the slot is free once the holder has gone", "[trainer][process][slotlock]") {
+  TempDir dir("slot-lock");
+  Process first(trainUnderLauncher(dir.path(), 2, slowToy("1")));
+  std::string seen;
+  REQUIRE(waitForOutput(first, std::regex("epoch 1/4"), std::chrono::seconds(60), &seen));
+  std::smatch id;
+  REQUIRE(std::regex_search(seen, id, std::regex(R"(rendezvous standalone id ([0-9a-f-]+))")));
+  const int holder = findWorkerPid(dir.path(), 0);
+  REQUIRE(holder > 0);
+
+  const auto second = ctorch::test::run(trainUnderLauncher(dir.path(), 2, slowToy("2"), {}, std::chrono::seconds(60)));
+  INFO(show(second));
+  CHECK(second.exitCode == ctorch::contract::kExitUsage);
+  CHECK(second.elapsed < std::chrono::seconds(30));
+  CHECK_THAT(second.output, Catch::Contains("snapshot slot run/snapshot.pt is in use by another job (run " +
+                                            id[1].str() + ", pid " + std::to_string(holder) + " on "));
+  CHECK_THAT(second.output, Catch::Contains("rank 1: snapshot slot run/snapshot.pt is in use by another job"));
+
+  const auto r = first.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("resume:") != std::string::npos);
+  const auto snap = ctorch::loadSnapshot(dir / "run" / "snapshot.pt");
+  CHECK(snap.header.config.at("seed") == "1");  // only the first job wrote the slot
+
+  // The holder has exited: the slot is free (here for a fresh start of another configuration).
+  auto fresh = slowToy("2");
+  fresh.insert(fresh.end(), {"--resume", "never", "--epochs", "1"});
+  const auto third = ctorch::test::run(trainUnderLauncher(dir.path(), 2, fresh));
+  INFO(show(third));
+  CHECK(third.ok());
+}
