@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <pty.h>
 #include <poll.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -58,7 +59,8 @@ std::size_t countOf(const std::string& hay, const std::string& needle) {
 
 // ctorchrun with its stdout on `stdoutFd` (a pipe nobody reads, a pty) and its stderr into
 // `stderrPath`, in its own process group.
-pid_t spawnWithStdout(const test::SpawnOptions& so, int stdoutFd, const std::string& stderrPath) {
+pid_t spawnWithStdout(const test::SpawnOptions& so, int stdoutFd, const std::string& stderrPath,
+                      int stderrFd = -1) {
   std::vector<std::string> envStore;
   for (char** e = environ; *e; ++e) {
     std::string kv = *e;
@@ -73,7 +75,8 @@ pid_t spawnWithStdout(const test::SpawnOptions& so, int stdoutFd, const std::str
   argv.push_back(nullptr);
   for (auto& e : envStore) envp.push_back(e.data());
   envp.push_back(nullptr);
-  int err = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int err = stderrFd >= 0 ? ::fcntl(stderrFd, F_DUPFD_CLOEXEC, 3)
+                          : ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   REQUIRE(err >= 0);
   pid_t pid = ::fork();
   if (pid == 0) {
@@ -564,6 +567,45 @@ TEST_CASE("e2e console: a stdout pipe nobody reads never blocks the agent - exit
   }
   ::close(pipeFds[0]);
   ::close(pipeFds[1]);
+}
+
+// Issue 27.8: stdout and stderr on one pipe nobody reads. The workers' output was already
+// non-blocking, but the agent's own log lines (a worker failed, the failure summary) were blocking
+// writes to the same pipe: ctorchrun hung on its first line after the pipe filled.
+TEST_CASE("e2e console: stdout and stderr on one pipe nobody reads - the agent's own lines never block it") {
+  int pipeFds[2];
+  REQUIRE(::pipe2(pipeFds, O_CLOEXEC) == 0);  // the test never reads pipeFds[0]
+  pid_t pid = spawnWithStdout(ctorchrunSpawn(args({"--standalone", "--nproc-per-node", "2"},
+                                                  {"lines", "50000", "200", "exit", "7"})),
+                              pipeFds[1], "", pipeFds[1]);
+  auto status = waitWithin(pid, 30s);
+  REQUIRE(status);  // not killed at the deadline
+  CHECK(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == 7);
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+}
+
+// Issue 27.7: --tee on a full file system (a 256 KiB tmpfs; root only). The file ends where the
+// disk did, which is said once when it happens and again at the end; the console keeps every line.
+TEST_CASE("e2e logs: a --tee file on a full disk is said once and again at the end, the console keeps every line") {
+  if (::geteuid() != 0) CTORCH_SKIP("mounting a tmpfs needs root");
+  test::TempDir dir;
+  const auto logDir = dir / "logs";
+  std::filesystem::create_directories(logDir);
+  if (::mount("tmpfs", logDir.c_str(), "tmpfs", 0, "size=256k") != 0)
+    CTORCH_SKIP(std::string("cannot mount a tmpfs here: ") + std::strerror(errno));
+  struct Unmount {
+    std::filesystem::path p;
+    ~Unmount() { ::umount2(p.c_str(), MNT_DETACH); }
+  } unmount{logDir};
+  auto r = runCtorchrun(args({"--standalone", "--log-dir", logDir.string(), "--tee", "3"}, {"lines", "3000", "120"}));
+  INFO(r.output.substr(0, 2000) << "\n...\n" << r.output.substr(r.output.size() > 3000 ? r.output.size() - 3000 : 0));
+  CHECK(r.ok());
+  CHECK(countOf(r.output, "cannot write the log file") == 1);
+  CHECK(countOf(r.output, "No space left on device") == 2);  // when it happened, and at the end
+  CHECK(r.output.find("1 worker log file(s) are incomplete") != std::string::npos);
+  CHECK(countOf(r.output, "]:L r0 n") == 3000);
 }
 
 // Issue 13.4: tqdm writes "\r 33%|###" without a newline; on a terminal it must show at once, not

@@ -83,11 +83,19 @@ int launch(int argc, char** argv) {
   if (logs.temporary() && logs.kept())
     log("ctorchrun").info("worker logs and error files kept in {}",
                           (logs.runDir().empty() ? logs.baseDir() : logs.runDir()).string());
+  // Log files that a write failed on (each said when it happened): once more at the end.
+  if (!logs.fileErrors().empty()) {
+    std::string files;
+    for (const auto& e : logs.fileErrors()) files += (files.empty() ? "" : "; ") + e;
+    log("ctorchrun").warn("{} worker log file(s) are incomplete: {}", logs.fileErrors().size(), files);
+  }
   // A console nobody reads must not keep ctorchrun from exiting: a short wait, then drop.
   if (auto dropped = logs.drainConsoles(std::chrono::seconds(2)))
     log("ctorchrun").warn("{} bytes of worker output were dropped: the console was not read (the log "
                           "files of --tee/--redirects are complete)",
                           dropped);
+  // ctorchrun's own lines on an unread stderr: the same short wait, then dropped.
+  drainConsoleErr(std::chrono::seconds(1));
   return code;
 }
 

@@ -32,18 +32,6 @@ constexpr std::uint64_t kEvictTag = 6;
 // its peers' collective timeout first, so this only adds a fraction of a second.
 constexpr std::chrono::milliseconds kEvictPoll{200};
 
-void writeStderr(const std::string& text) {
-  const char* p = text.data();
-  std::size_t left = text.size();
-  while (left > 0) {
-    ssize_t n = ::write(STDERR_FILENO, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    p += n;
-    left -= static_cast<std::size_t>(n);
-  }
-}
-
 } // namespace
 
 ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendezvous,
@@ -56,7 +44,7 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
       signals_(signals),
       options_(std::move(options)) {
   if (!options_.baseEnvironment) options_.baseEnvironment = currentEnvironment();
-  if (!options_.printSummary) options_.printSummary = writeStderr;
+  if (!options_.printSummary) options_.printSummary = writeConsoleErr;  // never blocks on an unread console
   timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
   if (timerFd_ < 0) throwErrno("timerfd_create");
   epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
@@ -604,7 +592,15 @@ int ElasticAgent::run() {
         std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
                                       " " + outcome.failures[0].status.describe()
                                 : outcome.reason;
-        if (restartCount + replacementsUsed_ < config_.maxRestarts) {
+        const bool writeFailed = local && outcome.failures.front().status.asExitCode() == contract::kExitWriteFailed;
+        if (writeFailed) {
+          // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
+          // since the last snapshot and meet the same disk.
+          l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
+                  "free space and run the same command again, it resumes from the last snapshot written",
+                  info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
+        }
+        if (!writeFailed && restartCount + replacementsUsed_ < config_.maxRestarts) {
           ++restartCount;
           l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
                  config_.maxRestarts);
@@ -616,7 +612,8 @@ int ElasticAgent::run() {
           options_.printSummary(formatFailureSummary(*report_));
           logs_.keep();
         }
-        if (config_.maxRestarts > 0)
+        if (writeFailed) {
+        } else if (config_.maxRestarts > 0)
           l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
         else if (!local)
           l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", why);

@@ -2,8 +2,14 @@
 
 #include "ctorch/launcher/logging.hpp"
 
+#include "ctorch/launcher/console_writer.hpp"
+
 #include <spdlog/cfg/env.h>
+#include <spdlog/details/null_mutex.h>
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
+
+#include <unistd.h>
 
 #include <mutex>
 
@@ -14,8 +20,33 @@ namespace {
 constexpr const char* kPattern = "[%H:%M:%S.%e] [%n] [%^%l%$] %v";
 std::mutex gMutex;
 
+// ctorchrun's stderr when it is not a terminal: every line goes through a ConsoleWriter, so a pipe
+// nobody reads (| less paused, a stuck log shipper) never blocks the agent (issue 27.8).
+std::mutex gConsoleMutex;
+ConsoleWriter& stderrConsole() {
+  static ConsoleWriter writer(STDERR_FILENO);
+  return writer;
+}
+
+class ConsoleSink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t formatted;
+    formatter_->format(msg, formatted);
+    std::lock_guard<std::mutex> lock(gConsoleMutex);
+    stderrConsole().write(std::string_view(formatted.data(), formatted.size()));
+  }
+  void flush_() override {
+    std::lock_guard<std::mutex> lock(gConsoleMutex);
+    stderrConsole().flush();
+  }
+};
+
 spdlog::sink_ptr sharedSink() {
-  static spdlog::sink_ptr sink = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
+  // A terminal keeps the colours (and a person reading it); anything else cannot block the agent.
+  static spdlog::sink_ptr sink = ::isatty(STDERR_FILENO) == 1
+                                     ? spdlog::sink_ptr(std::make_shared<spdlog::sinks::stderr_color_sink_mt>())
+                                     : spdlog::sink_ptr(std::make_shared<ConsoleSink>());
   return sink;
 }
 
@@ -47,5 +78,16 @@ void configureLogging(const std::string& level) {
 }
 
 void setLogLevel(const std::string& level) { configureLogging(level); }
+
+void writeConsoleErr(const std::string& text) {
+  std::lock_guard<std::mutex> lock(gConsoleMutex);
+  stderrConsole().write(text);
+}
+
+std::uint64_t drainConsoleErr(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(gConsoleMutex);
+  stderrConsole().drain(timeout);
+  return stderrConsole().droppedBytes();
+}
 
 } // namespace ctorch::launcher

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -121,6 +122,8 @@ std::vector<WorkerLogs::WorkerFiles> WorkerLogs::beginAttempt(const RendezvousIn
       ch.console = route.console;
       if (route.console && route.file) {
         ch.teeFd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
+        ch.teePath = file;
+        ch.teeBytes = 0;
         if (ch.teeFd < 0)
           throw LauncherError("cannot open log file " + file.string() + ": " + std::strerror(errno));
       }
@@ -147,27 +150,31 @@ WorkerLogs::Channel& WorkerLogs::channel(int localRank, Stream stream) {
   return stream == Stream::Stdout ? st->out : st->err;
 }
 
-namespace {
 
-void writeAll(int fd, const char* data, std::size_t size) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
+void WorkerLogs::writeTee(Channel& ch, std::string_view data) {
+  const char* p = data.data();
+  std::size_t left = data.size();
+  while (left > 0) {
+    const ssize_t n = ::write(ch.teeFd, p, left);
     if (n > 0) {
-      data += n;
-      size -= static_cast<std::size_t>(n);
+      p += n;
+      left -= static_cast<std::size_t>(n);
+      ch.teeBytes += static_cast<std::uint64_t>(n);
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EAGAIN) {
-      pollfd p{fd, POLLOUT, 0};
-      ::poll(&p, 1, 1000);
-      continue;
-    }
-    return;  // the console went away (closed pipe): drop the output, keep the workers running
+    // ENOSPC, EDQUOT, EIO, EFBIG: the file ends here. Said once; the console keeps the lines.
+    const int err = n < 0 ? errno : ENOSPC;
+    ::close(ch.teeFd);
+    ch.teeFd = -1;
+    const std::string what = ch.teePath.string() + ": " + std::strerror(err) + " after " +
+                             std::to_string(ch.teeBytes) + " bytes";
+    fileErrors_.push_back(what);
+    log("agent").warn("cannot write the log file {}; it stops there{}", what,
+                      ch.console ? " (the lines go on to the console)" : "");
+    return;
   }
 }
-
-} // namespace
 
 void WorkerLogs::writeConsole(Stream stream, const std::string& text) {
   if (text.empty()) return;
@@ -217,7 +224,7 @@ void WorkerLogs::onOutput(int localRank, Stream stream, std::string_view data) {
   RankState* st = stateOf(localRank);
   if (!st) return;
   Channel& ch = stream == Stream::Stdout ? st->out : st->err;
-  if (ch.teeFd >= 0) writeAll(ch.teeFd, data.data(), data.size());
+  if (ch.teeFd >= 0) writeTee(ch, data);
   if (!ch.console) return;
   const std::string& prefix = st->prefix;
   batch_.clear();
@@ -269,6 +276,9 @@ void WorkerLogs::adoptSpare(int localRank, const WorkerFiles& files) {
     const OutputSpec& spec = s == Stream::Stdout ? files.out : files.err;
     if (ch.teeFd >= 0 || spec.toAgent || !spec.file) continue;
     ch.teeFd = ::open(spec.file->c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_APPEND, 0644);
+    ch.teePath = *spec.file;
+    struct stat st {};
+    ch.teeBytes = ch.teeFd >= 0 && ::fstat(ch.teeFd, &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : 0;
   }
 }
 

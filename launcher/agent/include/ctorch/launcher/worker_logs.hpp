@@ -115,11 +115,17 @@ class WorkerLogs : public OutputSink {
   const std::filesystem::path& runDir() const { return runDir_; }
   // A temporary log directory is removed at destruction unless kept (e.g. after a failure).
   void keep() { keep_ = true; }
+  // The log files the agent writes (--tee, and --redirects of an adopted spare) that a write failed
+  // on (a full disk): "<file>: <error> after <N> bytes", each said once as a warning when it
+  // happened; ctorchrun repeats them at the end.
+  const std::vector<std::string>& fileErrors() const { return fileErrors_; }
 
  private:
   struct Channel {
     bool console = false;
     int teeFd = -1;
+    std::filesystem::path teePath;   // the file teeFd writes (for the message when it fails)
+    std::uint64_t teeBytes = 0;      // written to it so far
     LineSplitter lines;
     // On a terminal, partial lines pass at once (progress bars): where the cursor is.
     bool midLine = false;
@@ -139,6 +145,9 @@ class WorkerLogs : public OutputSink {
   const std::filesystem::path& runDir(const std::string& runId);
   void appendTerminal(Channel& ch, const std::string& prefix, std::string_view data);
   void closeChannel(Channel& c, Stream stream, const std::string& prefix);
+  // Writes to the channel's tee file; on failure says so once, closes it and records it.
+  void writeTee(Channel& ch, std::string_view data);
+  std::vector<std::string> fileErrors_;
 
   const LaunchConfig& config_;
   std::map<int, RankState> spares_;
