@@ -28,6 +28,17 @@ TEST_CASE("failure summary: error files in both torchrun forms / and broken ones
   CHECK_FALSE(readErrorFile(dir / "missing.json"));
 }
 
+TEST_CASE("failure summary: an error file that says a restart cannot help is read as such") {
+  ctorch::test::TempDir dir;
+  const auto never = dir / "never.json", plain = dir / "plain.json";
+  ctorch::test::writeFile(never, R"({"message": {"message": "ctorch::ConfigError: x", "extraInfo": {"py_callstack": "", "timestamp": "1700000000", "ctorch_retry": "never"}}})");
+  ctorch::test::writeFile(plain, R"({"message": {"message": "RuntimeError: y", "extraInfo": {"timestamp": "1700000000", "ctorch_retry": 1}}})");
+  REQUIRE(ctorch::launcher::readErrorFile(never));
+  CHECK(ctorch::launcher::readErrorFile(never)->retryNever);
+  REQUIRE(ctorch::launcher::readErrorFile(plain));
+  CHECK_FALSE(ctorch::launcher::readErrorFile(plain)->retryNever);  // only the string "never" counts
+}
+
 TEST_CASE("failure summary: error-file times keep the precision they have - no invented .000") {
   ctorch::test::TempDir dir;
   auto whole = dir / "whole.json";

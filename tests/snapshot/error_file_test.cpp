@@ -190,3 +190,26 @@ TEST_CASE("Python's torchrun reads the error file", "[errorfile][python]") {
   CHECK_THAT(r.output, Catch::Contains("disk full while writing snapshot.pt"));
   CHECK_THAT(r.output, Catch::Contains("exitcode  : 1"));
 }
+
+TEST_CASE("configuration errors and incompatible snapshots are recorded as not worth retrying, others as usual",
+          "[errorfile]") {
+  TempDir dir("errfile-retry");
+  const auto file = dir / "error.json";
+  ScopedEnv env(file);
+  auto retry = [&] {
+    const auto extra = readJson(file).at("message").at("extraInfo");
+    return extra.contains("ctorch_retry") ? extra.at("ctorch_retry").get<std::string>() : std::string("(absent)");
+  };
+  REQUIRE(ctorch::recordError(ctorch::ConfigError("bad --lr")));
+  CHECK(retry() == "never");
+  REQUIRE(ctorch::recordError(ctorch::ResumeRefused("no usable snapshot")));
+  CHECK(retry() == "never");
+  REQUIRE(ctorch::recordError(ctorch::SnapshotIncompatible("snapshot.pt", {"config 'lr' differs"})));
+  CHECK(retry() == "never");
+  REQUIRE(ctorch::recordError(ctorch::DistributedError("peer lost")));
+  CHECK(retry() == "(absent)");  // torchrun's schema: retried
+  REQUIRE(ctorch::recordError(std::runtime_error("x"), /*retryable=*/false));
+  CHECK(retry() == "never");
+  REQUIRE(ctorch::recordErrorMessage("usage", "", /*retryable=*/false));
+  CHECK(retry() == "never");
+}

@@ -433,3 +433,28 @@ TEST_CASE("outputs: Python opens the snapshot and the final weights, and the met
   const std::string png = ctorch::test::readFile(dir / "curves.png");
   CHECK(png.substr(1, 3) == "PNG");
 }
+
+// Issue 28.2: a deterministic failure (a typo on the command line, a snapshot of another
+// configuration) fails the same way at every restart: ctorch-train records it as not worth
+// retrying, ctorchrun does not restart the group for it, exits with the worker's code 2 and shows
+// the message in its summary.
+TEST_CASE("deterministic failures: a typo and an incompatible snapshot are not restarted, the summary shows why",
+          "[trainer][process]") {
+  TempDir dir("no-retry");
+  const auto typo = ctorch::test::run(trainUnderLauncher(dir.path(), 2, {"--epoch", "1"}, {"--max-restarts", "3"}));
+  INFO(show(typo));
+  CHECK(typo.exitCode == ctorch::contract::kExitUsage);
+  CHECK(typo.output.find("restarting, restart") == std::string::npos);
+  CHECK_THAT(typo.output, Catch::Contains("a restart cannot fix"));
+  CHECK(typo.output.find("<no error file>") == std::string::npos);
+  CHECK_THAT(typo.output, Catch::Contains("ctorch::train::UsageError"));
+
+  const std::vector<std::string> toy = {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size",
+                                        "128", "--batch-size", "16", "--epochs", "1"};
+  REQUIRE(ctorch::test::run(trainAlone(dir.path(), with(toy, {"--lr", "0.1"}))).ok());
+  const auto other = ctorch::test::run(trainUnderLauncher(dir.path(), 2, with(toy, {"--lr", "0.2"}), {"--max-restarts", "2"}));
+  INFO(show(other));
+  CHECK(other.exitCode == ctorch::contract::kExitUsage);
+  CHECK(other.output.find("restarting, restart") == std::string::npos);
+  CHECK_THAT(other.output, Catch::Contains("config 'lr' is '0.1' in the snapshot, '0.2' in this run"));
+}

@@ -19,7 +19,7 @@ namespace {
 // Configuration that cannot work, found after parsing (a missing data file, a snapshot of another
 // run, a bad environment): recorded like any failure, but the exit code says "fix the input".
 int configurationFailure(const std::exception& e) {
-  ctorch::recordError(e);
+  ctorch::recordError(e, /*retryable=*/false);  // ctorchrun does not restart the group for it
   std::cerr << "ctorch-train: error: " << e.what() << std::endl;
   return ctorch::contract::kExitUsage;
 }
@@ -36,6 +36,12 @@ int trainMain(int argc, char** argv) {
   auto parsed = ctorch::train::parseCommandLine(argc, argv);
   if (!parsed.options) {
     (parsed.toStderr ? std::cerr : std::cout) << parsed.message << std::flush;
+    if (parsed.exitCode != 0) {  // a bad command line: in the error file, and not worth a restart
+      std::string first = parsed.message.substr(0, parsed.message.find('\n'));
+      const std::string prefix = "ctorch-train: error: ";
+      if (first.rfind(prefix, 0) == 0) first.erase(0, prefix.size());
+      ctorch::recordErrorMessage("ctorch::train::UsageError: " + first, parsed.message, /*retryable=*/false);
+    }
     return parsed.exitCode;
   }
   ctorch::installStopHandlers();

@@ -2,6 +2,7 @@
 
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/errors.hpp"
+#include "ctorch/snapshot.hpp"
 #include "file_io.hpp"
 
 #include <c10/util/Exception.h>
@@ -95,11 +96,11 @@ std::string jsonString(const std::string& s) {
   return out + "\"";
 }
 
-bool writeRecord(const std::string& message, const std::string& details) {
+bool writeRecord(const std::string& message, const std::string& details, bool retryable) {
   const char* path = std::getenv(contract::env::kErrorFile);
   if (!path || !*path) return false;
   try {
-    detail::writeFileAtomically(path, errorFileJson(message, details, std::chrono::system_clock::now()));
+    detail::writeFileAtomically(path, errorFileJson(message, details, std::chrono::system_clock::now(), retryable));
     return true;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "warning: could not write the error file %s (%s): %s\n",
@@ -115,14 +116,15 @@ std::string describeException(const std::exception& error) {
 }
 
 std::string errorFileJson(const std::string& message, const std::string& details,
-                          std::chrono::system_clock::time_point when) {
+                          std::chrono::system_clock::time_point when, bool retryable) {
   const auto seconds =
       std::chrono::duration_cast<std::chrono::seconds>(when.time_since_epoch()).count();
   // Python's torchrun reads message.extraInfo.timestamp with int(), so it is a decimal string.
   return std::string("{") + jsonString(ef::kMessage) + ": {" + jsonString(ef::kMessage) + ": " +
          jsonString(message) + ", " + jsonString(ef::kExtraInfo) + ": {" +
          jsonString(ef::kCallstack) + ": " + jsonString(details) + ", " +
-         jsonString(ef::kTimestamp) + ": " + jsonString(std::to_string(seconds)) + "}}}";
+         jsonString(ef::kTimestamp) + ": " + jsonString(std::to_string(seconds)) +
+         (retryable ? std::string() : ", " + jsonString(ef::kRetry) + ": " + jsonString(ef::kRetryNever)) + "}}}";
 }
 
 std::string trimBacktrace(const std::string& text) {
@@ -154,20 +156,26 @@ std::string trimBacktrace(const std::string& text) {
 }
 
 bool recordError(const std::exception& error) {
+  const bool deterministic =
+      dynamic_cast<const ConfigError*>(&error) != nullptr || dynamic_cast<const SnapshotIncompatible*>(&error) != nullptr;
+  return recordError(error, !deterministic);
+}
+
+bool recordError(const std::exception& error, bool retryable) {
   try {
     const std::string message = describeException(error);
     std::string details = message;
     appendNested(error, details);
     if (dynamic_cast<const c10::Error*>(&error)) details += "\n\n" + trimBacktrace(error.what());
-    return writeRecord(message, details);
+    return writeRecord(message, details, retryable);
   } catch (...) {
     return false;
   }
 }
 
-bool recordErrorMessage(const std::string& message, const std::string& details) {
+bool recordErrorMessage(const std::string& message, const std::string& details, bool retryable) {
   try {
-    return writeRecord(message, details.empty() ? message : details);
+    return writeRecord(message, details.empty() ? message : details, retryable);
   } catch (...) {
     return false;
   }

@@ -593,14 +593,25 @@ int ElasticAgent::run() {
                                       " " + outcome.failures[0].status.describe()
                                 : outcome.reason;
         const bool writeFailed = local && outcome.failures.front().status.asExitCode() == contract::kExitWriteFailed;
+        // A deterministic error (the worker's error file says a restart cannot help: a bad command
+        // line, a configuration, an incompatible snapshot) fails the same way every time.
+        bool deterministic = false;
+        if (local && static_cast<std::size_t>(outcome.failures[0].localRank) < files.size()) {
+          const auto recorded = readErrorFile(files[static_cast<std::size_t>(outcome.failures[0].localRank)].errorFile);
+          deterministic = recorded && recorded->retryNever;
+        }
         if (writeFailed) {
           // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
           // since the last snapshot and meet the same disk.
           l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
                   "free space and run the same command again, it resumes from the last snapshot written",
                   info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
+        } else if (deterministic && restartCount + replacementsUsed_ < config_.maxRestarts) {
+          l.error("rank {} failed with an error a restart cannot fix (its error file says so: a command line, a "
+                  "configuration or a snapshot that does not fit); not restarting",
+                  info.globalRank(outcome.failures[0].localRank));
         }
-        if (!writeFailed && restartCount + replacementsUsed_ < config_.maxRestarts) {
+        if (!writeFailed && !deterministic && restartCount + replacementsUsed_ < config_.maxRestarts) {
           ++restartCount;
           l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
                  config_.maxRestarts);
@@ -612,7 +623,7 @@ int ElasticAgent::run() {
           options_.printSummary(formatFailureSummary(*report_));
           logs_.keep();
         }
-        if (writeFailed) {
+        if (writeFailed || deterministic) {
         } else if (config_.maxRestarts > 0)
           l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
         else if (!local)

@@ -1,5 +1,7 @@
 #include "ctorch/launcher/failure_summary.hpp"
 
+#include "ctorch/contract/worker_contract.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -43,6 +45,8 @@ std::optional<ErrorFileInfo> readErrorFile(const std::filesystem::path& path) {
       const auto& x = m["extraInfo"];
       if (x.contains("py_callstack") && x["py_callstack"].is_string())
         info.callstack = x["py_callstack"].get<std::string>();
+      if (x.contains(contract::error_file::kRetry) && x[contract::error_file::kRetry].is_string())
+        info.retryNever = x[contract::error_file::kRetry].get<std::string>() == contract::error_file::kRetryNever;
       if (x.contains("timestamp")) {
         // torchrun writes whole seconds ("1700000000"); others may write "1700000000.123".
         try {

@@ -17,9 +17,14 @@ namespace ctorch {
 // and LibTorch's backtrace where there is one. Returns true when written; false when the variable is
 // unset or empty, or when writing failed (then a warning goes to stderr). Never throws: it runs on
 // the way out of a failing program.
+// ctorch::ConfigError (ResumeRefused included) and SnapshotIncompatible are recorded as not worth
+// retrying (extraInfo.ctorch_retry = "never": ctorchrun then does not restart the group for them).
 bool recordError(const std::exception& error);
+// The same, saying whether a restart could help (false: a deterministic error of the caller's, e.g.
+// its own configuration errors).
+bool recordError(const std::exception& error, bool retryable);
 // The same with a message of the caller's (no exception at hand, e.g. a failed check).
-bool recordErrorMessage(const std::string& message, const std::string& details = "");
+bool recordErrorMessage(const std::string& message, const std::string& details = "", bool retryable = true);
 
 // "<Type>: <what>" for an exception, as Python's f"{type(e).__name__}: {e}" (LibTorch errors
 // without their backtrace).
@@ -32,7 +37,7 @@ std::string trimBacktrace(const std::string& text);
 
 // The JSON text of an error file (ASCII only, as Python's json.dump writes it).
 std::string errorFileJson(const std::string& message, const std::string& details,
-                          std::chrono::system_clock::time_point when);
+                          std::chrono::system_clock::time_point when, bool retryable = true);
 
 // Runs `body` the way Python's @record runs a main function: its return value is the exit code; an
 // escaping exception is recorded in the error file, printed to stderr as one line, and becomes exit

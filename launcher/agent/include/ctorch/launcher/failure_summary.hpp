@@ -20,6 +20,7 @@ struct ErrorFileInfo {
   std::string callstack;  // extraInfo.py_callstack, if any
   std::optional<std::chrono::system_clock::time_point> timestamp;
   bool timestampHasMillis = false;  // torchrun writes whole seconds: shown without a fraction
+  bool retryNever = false;          // extraInfo.ctorch_retry == "never" (contract::error_file::kRetry)
 };
 
 // Reads an error file; nullopt when it does not exist or cannot be parsed (a worker that dies

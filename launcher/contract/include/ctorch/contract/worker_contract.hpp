@@ -215,6 +215,11 @@ inline constexpr const char* kMessage = "message";
 inline constexpr const char* kExtraInfo = "extraInfo";
 inline constexpr const char* kCallstack = "py_callstack";
 inline constexpr const char* kTimestamp = "timestamp";
+// extraInfo.ctorch_retry = "never": the error is deterministic (a bad command line, a configuration
+// or an incompatible snapshot); a restart would fail the same way, so ctorchrun does not restart
+// the group for it and exits with the worker's code. Absent (torchrun's schema): retried as usual.
+inline constexpr const char* kRetry = "ctorch_retry";
+inline constexpr const char* kRetryNever = "never";
 } // namespace error_file
 
 } // namespace ctorch::contract
