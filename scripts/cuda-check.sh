@@ -21,6 +21,8 @@ export CTORCH_CMAKE_ARGS="${CTORCH_CMAKE_ARGS:-}"
 bash "$here/scripts/modern.sh" run bash -c 'dpkg-query -W -f "\${Package} \${Version}\n" libtorch-cuda-dev 2>/dev/null | sed "s/^/cuda-check: /"'
 bash "$here/scripts/modern.sh" build --target ctorch ctorch_train_core ctorch_models ctorch_data
 # The GPU tests' and benchmark's translation units, compiled but not linked (no libcudnn here).
-bash "$here/scripts/modern.sh" run bash -c 'cd build-cuda && objs=$(ninja -t targets all | grep -oE "^(tests/cuda/CMakeFiles/cuda_tests|bench/gpu/CMakeFiles/gpu_step_bench)\.dir/[^:]+\.o") && ninja $objs && echo "cuda-check: compiled $(echo $objs | wc -w) object files of tests/cuda and bench/gpu"'
+# Each object's own compile command: building the object targets through ninja would first link
+# the programs they are ordered after (ctorch-train), which needs the missing libcudnn.
+bash "$here/scripts/modern.sh" run bash -c 'cd build-cuda && objs=$(ninja -t targets all | grep -oE "^(tests/cuda/CMakeFiles/cuda_tests|bench/gpu/CMakeFiles/gpu_step_bench)\.dir/[^:]+\.o") && for o in $objs; do ninja -t commands "$o" | tail -1 | sh -e || exit 1; done && echo "cuda-check: compiled $(echo $objs | wc -w) object files of tests/cuda and bench/gpu"'
 bash "$here/scripts/modern.sh" run bash -c 'grep -c USE_C10D_NCCL build-cuda/compile_commands.json | sed "s/^/cuda-check: translation units compiled with USE_C10D_NCCL: /"'
 echo "cuda-check: the CUDA / NCCL paths compiled against trixie's libtorch-cuda-dev"
