@@ -246,6 +246,28 @@ TEST_CASE("config bad input: a program that is not executable is a ProgramError 
   }
 }
 
+// Issue 28.7: `ctorchrun script.sh` for a file in the current directory (a shell would not run it
+// either) says what to type; PET_LOG_LEVEL is --log-level, as every flag has its PET_ variable.
+TEST_CASE("config: a bare name found only in the current directory suggests ./name, PET_LOG_LEVEL sets --log-level") {
+  ctorch::test::TempDir dir;
+  const auto script = dir / "train.sh";
+  ctorch::test::writeFile(script, "#!/bin/sh\n");
+  ::chmod(script.c_str(), 0755);
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  const std::string here = errorFor({"train.sh"});
+  const std::string elsewhere = errorFor({"no-such-program"});
+  std::filesystem::current_path(cwd);
+  CHECK_THAT(here, Catch::Contains("training program 'train.sh' not found on PATH; did you mean ./train.sh?"));
+  CHECK(elsewhere.find("did you mean") == std::string::npos);
+
+  ::setenv("PET_LOG_LEVEL", "debug", 1);
+  auto cl = parseCommandLine({"/bin/true"});
+  ::unsetenv("PET_LOG_LEVEL");
+  REQUIRE_FALSE(cl.exitNow);
+  CHECK(cl.options.logLevel == "debug");
+}
+
 TEST_CASE("config: --help ends with the exit codes and the worker contract") {
   auto cl = parseCommandLine({"--help"});
   REQUIRE(cl.exitNow);

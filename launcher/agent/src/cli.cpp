@@ -134,9 +134,9 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
   boolFlag("module", o.module, "Run the program as a Python module (python -u -m ...)", "-m");
   boolFlag("no-python", o.noPython, "Execute the program directly, even if it ends in .py");
   boolFlag("run-path", o.runPath, "Run the program as a Python script");
-  app.add_option("--log-level", o.logLevel,
-                 "Launcher log level: trace, debug, info, warn, error, critical, off "
-                 "(default: SPDLOG_LEVEL, else info)")
+  opt("log-level", o.logLevel,
+      "Launcher log level: trace, debug, info, warn, error, critical, off "
+      "(default: SPDLOG_LEVEL, else info)")
       ->type_name("LEVEL");
   opt("slurm", o.slurm,
       "Under srun, fill what is not given (--nnodes, node rank, rendezvous endpoint and id, "

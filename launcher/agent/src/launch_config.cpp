@@ -475,10 +475,15 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
     c.workerArgv.push_back(c.program);
   } else {
     auto exe = findExecutable(c.program, env);
-    if (!exe)
+    if (!exe) {
+      // As a shell: a bare name is looked up on PATH only, never in the current directory.
+      std::error_code ec;
+      const bool here = c.program.find('/') == std::string::npos && fs::is_regular_file(c.program, ec);
       throw ProgramError("training program " + quote(c.program) + " not found" +
-                             (c.program.find('/') == std::string::npos ? " on PATH" : ""),
+                             (c.program.find('/') == std::string::npos ? " on PATH" : "") +
+                             (here ? "; did you mean ./" + c.program + "?" : ""),
                          contract::kExitNotFound);
+    }
     std::error_code ec;
     if (fs::is_directory(*exe, ec))
       throw ProgramError("training program " + quote(c.program) + " is a directory",
