@@ -68,6 +68,23 @@ TEST_CASE("failure summary: error-file times keep the precision they have - no i
   CHECK(table.find(":20.500") != std::string::npos);
 }
 
+// Issue 28.7: a root cause without an error file says how the program would write one.
+TEST_CASE("failure summary: a missing error file says how a Python or a C++ program writes one") {
+  FailureReport r;
+  r.program = "train.py";
+  r.python = true;
+  FailureRecord a;
+  a.globalRank = 0;
+  a.status = ExitStatus::exited(1);
+  a.errorFile = "/tmp/x/error.json";
+  r.failures = {a};
+  CHECK_THAT(formatFailureSummary(r), Catch::Contains("(not written)") && Catch::Contains("@record"));
+  r.python = false;
+  CHECK_THAT(formatFailureSummary(r), Catch::Contains("ctorch::runRecorded"));
+  r.failures[0].status = ExitStatus::killed(SIGKILL);  // killed: no program could have written it
+  CHECK(formatFailureSummary(r).find("ctorch::runRecorded") == std::string::npos);
+}
+
 TEST_CASE("failure summary: table with the root cause first and marked") {
   FailureReport r;
   r.program = "train";

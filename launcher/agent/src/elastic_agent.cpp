@@ -434,6 +434,7 @@ FailureReport ElasticAgent::makeReport(const GroupOutcome& outcome, const Rendez
                                        const std::vector<WorkerLogs::WorkerFiles>& files) const {
   FailureReport r;
   r.program = config_.program;
+  r.python = config_.usesPython;
   r.runId = info.runId;
   r.attempt = restartCount;
   r.maxRestarts = config_.maxRestarts;

@@ -132,8 +132,14 @@ std::string formatFailureSummary(const FailureReport& r) {
     const auto& root = r.failures.front();
     os << "  * root cause (first failure observed): rank " << root.globalRank << ", "
        << root.status.describe() << "\n";
-    if (!root.errorFile.empty())
+    if (!root.errorFile.empty()) {
       os << "    error file: " << root.errorFile.string() << (root.error ? "" : " (not written)") << "\n";
+      // Where the traceback would have come from (it is on the worker's stderr meanwhile).
+      if (!root.error && root.status.signal == 0)
+        os << (r.python ? "    (Python writes its traceback there when main() is decorated with @record from "
+                          "torch.distributed.elastic.multiprocessing.errors)\n"
+                        : "    (a C++ program writes it with ctorch::runRecorded or ctorch::recordError)\n");
+    }
     if (root.error && !root.error->callstack.empty()) {
       os << "    traceback:\n";
       std::istringstream cs(root.error->callstack);

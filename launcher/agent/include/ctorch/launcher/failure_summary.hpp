@@ -40,6 +40,7 @@ struct FailureRecord {
 
 struct FailureReport {
   std::string program;
+  bool python = false;    // the program runs under Python (the hint for a missing error file)
   std::string runId;
   int attempt = 0;        // restart count of the failed attempt
   int maxRestarts = 0;
