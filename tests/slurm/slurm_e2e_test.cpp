@@ -175,6 +175,30 @@ TEST_CASE("slurm e2e: the single-node and multi-node sbatch scripts run the job 
   }
 }
 
+// Issue 28.4: the preemptible script asked for 4 GPUs and 16 CPUs per node: on a CPU partition
+// sbatch refused it (or it pended forever). It now sizes the workers from the allocation.
+TEST_CASE("slurm e2e: the preemptible script runs on a partition without GPUs, one CPU worker per node", "[slurm][lab]") {
+  CTORCH_REQUIRE_SLURM();
+  test::lab::SlurmLab slurm({.nodes = 2});
+  test::TempDir dir("ctorch-preempt-cpu");
+  fs::permissions(dir.path(), fs::perms::all);
+  auto r = slurm.run({"sbatch", "--wait", "--parsable", "--chdir=" + dir.path().string(), script("preemptible.sbatch"),
+                      fakeWorkerBin(), "env"},
+                     90s, launcherEnv());
+  INFO(r.output);
+  REQUIRE(r.ok());
+  const std::string job = r.output.substr(0, r.output.find_first_of(";\n"));
+  const std::string text = test::readFile(dir / ("ctorch-train-" + job + ".out"));
+  INFO(text);
+  auto env = envOf(text);
+  REQUIRE(env.size() == 2);
+  for (auto& [rank, w] : env) {
+    CHECK(w.vars["WORLD_SIZE"] == "2");
+    CHECK(w.vars["LOCAL_WORLD_SIZE"] == "1");
+    CHECK(w.host == (rank == 0 ? "n1" : "n2"));
+  }
+}
+
 TEST_CASE("slurm e2e: the preemptible script forwards SIGUSR1 and requeues and the job resumes from its snapshot", "[slurm][lab]") {
   CTORCH_REQUIRE_SLURM();
   test::lab::SlurmLab slurm({.nodes = 2, .gpusPerNode = 1});
