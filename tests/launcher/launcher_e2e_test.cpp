@@ -184,6 +184,20 @@ TEST_CASE("e2e contract: PET_ variables configure ctorchrun like flags") {
   CHECK(envByRank(r.output).size() == 3);
 }
 
+// Issue 28.7: a static --nnodes 2 whose other node never comes was silent until Ctrl-C.
+TEST_CASE("e2e contract: a static node waiting for the others says so every few seconds, and stops on SIGTERM") {
+  int port = test::freePort();
+  test::Process alone(ctorchrunSpawn(args({"--log-level", "info", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                                           "--master-port", std::to_string(port), "--rdzv-id", "lonely"},
+                                          {"env"})));
+  CHECK(waitForLines(alone, "waiting for the other nodes: 1 of 2 here", 1, 20s));
+  CHECK_THAT(alone.outputSoFar(), Catch::Contains("127.0.0.1:" + std::to_string(port) + ", run id lonely"));
+  ::kill(alone.pid(), SIGTERM);  // ctorchrun itself, as Ctrl-C or scancel would
+  auto r = alone.wait();
+  INFO(r.output);
+  CHECK_FALSE(r.ok());
+}
+
 TEST_CASE("e2e contract: two static nodes on loopback: node ranks and global ranks") {
   int port = test::freePort();
   auto node = [&](int rank) {

@@ -106,10 +106,26 @@ void StaticRendezvous::armTimer(bool on) {
   ::timerfd_settime(timerFd_, 0, &spec, nullptr);
 }
 
+namespace {
+// A wait that says so every few seconds: a node that never comes is visible, not a silent hang.
+constexpr std::chrono::seconds kWaitingLogEvery{5};
+
+std::string secondsText(std::chrono::steady_clock::duration d) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count()) + " s";
+}
+} // namespace
+
 void StaticRendezvous::connect(std::chrono::steady_clock::time_point deadline, const RendezvousRequest& request) {
   // Short tries, so that a signal to the agent is noticed while node 0 is not up yet.
   std::string lastError;
+  const auto start = std::chrono::steady_clock::now();
+  auto nextLog = start + kWaitingLogEvery;
   for (;;) {
+    if (std::chrono::steady_clock::now() >= nextLog) {
+      nextLog += kWaitingLogEvery;
+      log("rendezvous").info("waiting for node 0's store at {}:{} ({}; gives up after {})", options_.masterAddr,
+                             port_, secondsText(std::chrono::steady_clock::now() - start), secondsText(deadline - start));
+    }
     if (request.stopNow()) throw RendezvousInterrupted("interrupted while waiting for node 0's store");
     try {
       store::TcpStoreClientOptions co;
@@ -139,8 +155,17 @@ std::optional<std::string> StaticRendezvous::barrier(const std::string& name,
                                                      const RendezvousRequest* request) {
   const std::string base = key(name);
   if (client_->add(base, 1) == options_.numNodes) client_->set(base + "/done", store::toBytes("1"));
+  const auto start = std::chrono::steady_clock::now();
+  auto nextLog = start + kWaitingLogEvery;
   for (;;) {
     if (request && request->stopNow()) throw RendezvousInterrupted("interrupted in the " + name + " barrier");
+    if (request && std::chrono::steady_clock::now() >= nextLog) {
+      nextLog += kWaitingLogEvery;
+      const std::int64_t arrived = client_->add(base, 0);
+      log("rendezvous").info("waiting for the other nodes: {} of {} here ({} at {}:{}, run id {}; gives up after {})",
+                             arrived, options_.numNodes, secondsText(std::chrono::steady_clock::now() - start),
+                             options_.masterAddr, port_, options_.runId, secondsText(deadline - start));
+    }
     try {
       client_->wait({base + "/done"}, std::chrono::milliseconds(200));
       return std::nullopt;
