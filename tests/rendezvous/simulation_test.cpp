@@ -394,16 +394,24 @@ TEST_CASE("rendezvous simulation: a late joiner triggers a new round at the next
   CHECK(sim.log("c").roundTimes[0] <= 53s);  // 3 = max: no last call needed
 }
 
-TEST_CASE("rendezvous simulation: a killed agent is noticed and the survivors re-form without it", "[rendezvous]") {
-  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
-  CAPTURE(announce);
-  Simulation sim(announce);
+namespace {
+// Three agents of an elastic 2:3 job; b is killed at 20 s (and, with a late joiner, d comes at 40 s).
+void killedAgentScenario(Simulation& sim, bool lateJoiner = false) {
   auto s = simSettings("job", 2, 3);
   s.lastCallTimeout = 5s;
   sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 90s});
   sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 90s, .dieAt = 20s});
   sim.agent("c", s, simNode("c"), Script{.startAt = 0s, .stopAt = 90s});
+  if (lateJoiner) sim.agent("d", s, simNode("d"), Script{.startAt = 40s, .stopAt = 90s});
   sim.wait();
+}
+} // namespace
+
+TEST_CASE("rendezvous simulation: a killed agent is noticed and the survivors re-form without it", "[rendezvous]") {
+  const bool announce = GENERATE(true, false);  // the scalable join, and compare-and-set only
+  CAPTURE(announce);
+  Simulation sim(announce);
+  killedAgentScenario(sim);
   requireNoError(sim, {"a", "c"});
   for (const char* n : {"a", "c"}) {
     auto& log = sim.log(n);
@@ -800,15 +808,9 @@ std::string transcript(Simulation& sim, const std::vector<std::string>& names) {
   return out;
 }
 
-std::string killedAgentScenario(bool announce) {
+std::string killedAgentTranscript(bool announce) {
   Simulation sim(announce);
-  auto s = simSettings("job", 2, 3);
-  s.lastCallTimeout = 5s;
-  sim.agent("a", s, simNode("a"), Script{.startAt = 0s, .stopAt = 90s});
-  sim.agent("b", s, simNode("b"), Script{.startAt = 0s, .stopAt = 90s, .dieAt = 20s});
-  sim.agent("c", s, simNode("c"), Script{.startAt = 0s, .stopAt = 90s});
-  sim.agent("d", s, simNode("d"), Script{.startAt = 40s, .stopAt = 90s});  // a late joiner too
-  sim.wait();
+  killedAgentScenario(sim, /*lateJoiner=*/true);
   return transcript(sim, {"a", "b", "c", "d"});
 }
 } // namespace
@@ -817,7 +819,7 @@ TEST_CASE("rendezvous simulation: one scenario gives the same event log twice, t
           "[rendezvous]") {
   const bool announce = GENERATE(true, false);
   CAPTURE(announce);
-  const std::string quiet = killedAgentScenario(announce);
+  const std::string quiet = killedAgentTranscript(announce);
   std::atomic<bool> stop{false};
   std::vector<std::thread> hogs;
   const unsigned cores = std::max(2u, std::thread::hardware_concurrency());
@@ -828,7 +830,7 @@ TEST_CASE("rendezvous simulation: one scenario gives the same event log twice, t
     });
   std::string busy;
   for (int run = 0; run < 3 && busy.empty(); ++run) {
-    const std::string again = killedAgentScenario(announce);
+    const std::string again = killedAgentTranscript(announce);
     if (again != quiet) busy = again;
   }
   stop = true;

@@ -36,15 +36,12 @@ int injectedFault(const char* op, const std::filesystem::path& p) {
   static std::string parsed;
   static std::vector<Rule> rules;
   const char* value = std::getenv("CTORCH_TEST_IO_FAULT");
+  std::lock_guard<std::mutex> lock(mutex);
   if (!value || !*value) {
-    if (!parsed.empty()) {
-      std::lock_guard<std::mutex> lock(mutex);
-      parsed.clear();
-      rules.clear();
-    }
+    parsed.clear();
+    rules.clear();
     return 0;
   }
-  std::lock_guard<std::mutex> lock(mutex);
   if (parsed != value) {
     parsed = value;
     rules.clear();
@@ -94,6 +91,8 @@ class Fd {
   int fd_;
 };
 
+} // namespace
+
 void writeAll(int fd, const char* data, std::size_t size, const std::filesystem::path& p) {
   while (size > 0) {
     if (const int err = injectedFault("write", p)) throwErrno(err, "write", p);
@@ -107,14 +106,12 @@ void writeAll(int fd, const char* data, std::size_t size, const std::filesystem:
   }
 }
 
-void fsyncFd(int fd, const std::filesystem::path& p) {
+void fsyncFile(int fd, const std::filesystem::path& p) {
   if (const int err = injectedFault("fsync", p)) throwErrno(err, "fsync", p);
   while (::fsync(fd) != 0) {
     if (errno != EINTR) throwErrno(errno, "fsync", p);
   }
 }
-
-} // namespace
 
 std::string fileTypeName(unsigned mode) {
   switch (mode & S_IFMT) {
@@ -188,7 +185,7 @@ std::filesystem::path writeTempFile(const std::filesystem::path& dir, const std:
     } else {
       writeAll(fd.get(), data, size, tmp);
     }
-    fsyncFd(fd.get(), tmp);
+    fsyncFile(fd.get(), tmp);
     fd.close(tmp);
   } catch (...) {
     ::unlink(tmp.c_str());
@@ -242,7 +239,7 @@ std::filesystem::path writeTempFileStreaming(
       maybeStall();
     });
     flush();
-    fsyncFd(fd.get(), tmp);
+    fsyncFile(fd.get(), tmp);
     fd.close(tmp);
     if (written) *written = total;
   } catch (...) {
@@ -250,10 +247,6 @@ std::filesystem::path writeTempFileStreaming(
     throw;
   }
   return tmp;
-}
-
-void appendChecked(int fd, const char* data, std::size_t size, const std::filesystem::path& path) {
-  writeAll(fd, data, size, path);
 }
 
 void fsyncDirectory(const std::filesystem::path& dir) {
@@ -324,7 +317,7 @@ AppendOnlyFile::~AppendOnlyFile() {
 void AppendOnlyFile::append(std::string_view record) {
   if (fd_ < 0) throw std::system_error(EBADF, std::generic_category(), "append to closed " + path_.string());
   try {
-    detail::appendChecked(fd_, record.data(), record.size(), path_);
+    detail::writeAll(fd_, record.data(), record.size(), path_);
   } catch (...) {
     // Whatever part of the record reached the file goes again: the file ends with a whole record.
     if (::ftruncate(fd_, static_cast<off_t>(size_)) != 0) {
@@ -336,14 +329,7 @@ void AppendOnlyFile::append(std::string_view record) {
 }
 
 void AppendOnlyFile::sync() {
-  if (fd_ < 0) return;
-  if (const int err = detail::injectedFault("fsync", path_))
-    throw std::system_error(err, std::generic_category(), "fsync " + path_.string());
-  while (::fsync(fd_) != 0) {
-    if (errno == EINTR) continue;
-    if (errno == EINVAL || errno == ENOTSUP) break;
-    throw std::system_error(errno, std::generic_category(), "fsync " + path_.string());
-  }
+  if (fd_ >= 0) detail::fsyncFile(fd_, path_);
 }
 
 void AppendOnlyFile::close() {

@@ -46,8 +46,10 @@ int injectedFault(const char* op, const std::filesystem::path& path);
 // "a FIFO", "a directory", ... for a stat mode that is not a regular file.
 std::string fileTypeName(unsigned mode);
 
-// An append-only file whose every write is checked (see ctorch/durable_io.hpp).
-void appendChecked(int fd, const char* data, std::size_t size, const std::filesystem::path& path);
+// Writes all of `data` to `fd` (EINTR retried); fsyncs `fd`. A failure (or CTORCH_TEST_IO_FAULT)
+// is std::system_error naming `path`.
+void writeAll(int fd, const char* data, std::size_t size, const std::filesystem::path& path);
+void fsyncFile(int fd, const std::filesystem::path& path);
 
 void fsyncDirectory(const std::filesystem::path& dir);
 void renameFile(const std::filesystem::path& from, const std::filesystem::path& to);

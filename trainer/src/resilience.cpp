@@ -265,6 +265,17 @@ struct ResilientTraining::Impl {
                       " is in use by another job (rank 0's error names it)");
   }
 
+  // Rank 0: waits for the write in flight and keeps its WriteFailed (the writer hands it out once);
+  // the library's other errors (an item that cannot be encoded) propagate as they are.
+  void collectWriteError() {
+    if (rank != 0 || writeError) return;
+    try {
+      writer->wait();
+    } catch (const WriteFailed&) {
+      writeError = std::current_exception();
+    }
+  }
+
   // Every rank, once the vote said a write failed: rank 0 rethrows its error with where the run
   // stands; the others say that rank 0 could not write.
   [[noreturn]] void throwWriteFailed() {
@@ -272,13 +283,7 @@ struct ResilientTraining::Impl {
     if (rank != 0)
       throw WriteFailed("rank " + std::to_string(rank) + ": stopped at " + at +
                         " with every rank: rank 0 could not write the snapshot (its error names the file)");
-    if (!writeError) {
-      try {
-        writer->wait();
-      } catch (...) {
-        writeError = std::current_exception();
-      }
-    }
+    collectWriteError();
     try {
       if (writeError) std::rethrow_exception(writeError);
     } catch (const WriteFailed& e) {
@@ -295,13 +300,7 @@ struct ResilientTraining::Impl {
   // At a point where every rank waits for rank 0's snapshot (a stop, the end): the write finishes,
   // and its success or failure is agreed instead of a plain barrier.
   void settleWrites(const std::string& during) {
-    if (rank == 0 && !writeError) {
-      try {
-        writer->wait();
-      } catch (const WriteFailed&) {
-        writeError = std::current_exception();
-      }
-    }
+    collectWriteError();
     if (allReduce({writeFlag()}, c10d::ReduceOp::SUM, during)[0] > 0) throwWriteFailed();
   }
 
@@ -465,7 +464,6 @@ struct ResilientTraining::Impl {
   }
 
   bool saved() const { return savedAt == globalStep && (stepInEpoch != 0 || savedBoundary); }
-
 
   // An agreed stop: the snapshot of exactly this point is durable on rank 0 before anyone leaves.
   bool stopHere() {

@@ -601,6 +601,8 @@ int ElasticAgent::run() {
           const auto recorded = readErrorFile(files[static_cast<std::size_t>(outcome.failures[0].localRank)].errorFile);
           deterministic = recorded && recorded->retryNever;
         }
+        // Either fails the same way at every restart: no restart is spent on it.
+        const bool noRestart = writeFailed || deterministic;
         if (writeFailed) {
           // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
           // since the last snapshot and meet the same disk.
@@ -612,7 +614,7 @@ int ElasticAgent::run() {
                   "configuration or a snapshot that does not fit); not restarting",
                   info.globalRank(outcome.failures[0].localRank));
         }
-        if (!writeFailed && !deterministic && restartCount + replacementsUsed_ < config_.maxRestarts) {
+        if (!noRestart && restartCount + replacementsUsed_ < config_.maxRestarts) {
           ++restartCount;
           l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
                  config_.maxRestarts);
@@ -624,8 +626,7 @@ int ElasticAgent::run() {
           options_.printSummary(formatFailureSummary(*report_));
           logs_.keep();
         }
-        if (writeFailed || deterministic) {
-        } else if (config_.maxRestarts > 0)
+        if (!noRestart && config_.maxRestarts > 0)
           l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
         else if (!local)
           l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", why);
