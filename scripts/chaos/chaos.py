@@ -68,6 +68,12 @@ WORKLOADS = {
     "consumer-seeded": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4",
                                                       "--step-seed", "7"],
                             steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
+    # The README's loop without try / recover() under --recovery in-place: the first fault's
+    # replacement finds no survivor to re-form with, ctorchrun falls back to one group restart and
+    # restarts the group after every later fault (issue 28.1).
+    "consumer-norecover": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4",
+                                                         "--recover-in-place", "0"],
+                               steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40, no_recover=True),
 }
 COMMON_ARGS = ["--log-interval", "1", "--progress", "lines", "--timeout", str(TRAIN_TIMEOUT_S)]
 # The programs: the executable's name in a run (the /proc scan finds workers by it) and the
@@ -80,6 +86,7 @@ STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\
 STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
 REPLACED_RE = re.compile(r"replacing worker rank (\d+) \(local \d+\) in place")
 SPARE_RE = re.compile(r"spare worker (\S+) takes over rank (\d+) ")
+FELLBACK_RE = re.compile(r"this program does not recover in place")
 STORE_RE = re.compile(r"store ([0-9.:a-zA-Z\[\]-]+):(\d+)")
 TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
 
@@ -247,6 +254,7 @@ class Launch:
                                      start_new_session=True)
         self.restarts = 0
         self.replacements = 0       # --recovery in-place: workers replaced alone
+        self.fallbacks = 0          # ... whose group then restarted (the program does not recover)
         self.ended = False
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -269,6 +277,8 @@ class Launch:
             if REPLACED_RE.search(line):
                 self.replacements += 1
                 self.run.on_attempt(now)
+            if FELLBACK_RE.search(line):
+                self.fallbacks += 1
             m = SPARE_RE.search(line)
             if m:
                 self.run.spares[m.group(1)] = int(m.group(2))
@@ -416,7 +426,8 @@ class Run:
                     launches.append(Launch(self, len(launches)))
                     res["relaunches"] += 1
                 res["lost"].append(self.measure_recovery(kind, t_fault, step_at))
-                if self.h.args.recovery == "in-place" and kind in ("worker-kill", "worker-segv", "worker-stop"):
+                if self.h.args.recovery == "in-place" and kind in ("worker-kill", "worker-segv", "worker-stop") \
+                        and not WORKLOADS[self.workload].get("no_recover"):
                     # The survivors keep their processes: only the faulted rank has a new pid.
                     after = trainer_workers(self.id, self.spares)
                     for rank, pid in workers_before.items():
@@ -441,8 +452,11 @@ class Run:
         for index, rc, want in expected_rcs:
             if rc != want:
                 res["problems"].append(f"launch {index} exited {rc}, expected {want}")
-        res["restarts"] = sum(l.restarts + l.replacements for l in launches) + res["relaunches"]
-        res["replacements"] = sum(l.replacements for l in launches)
+        # A replacement whose group then restarted (fallback) is that fault's one restart, as the
+        # launcher counts it against --max-restarts.
+        res["fallbacks"] = sum(l.fallbacks for l in launches)
+        res["restarts"] = sum(l.restarts + l.replacements for l in launches) - res["fallbacks"] + res["relaunches"]
+        res["replacements"] = sum(l.replacements for l in launches) - res["fallbacks"]
         res["ports"] = sorted(self.ports)
         self.output.close()
         return res
@@ -573,7 +587,13 @@ class Harness:
             res["problems"].append(f"{len(res['faults'])} faults planned, {len(res['injected'])} injected, "
                                    f"{res['restarts']} restarts")
         # In-place recovery: every worker fault was repaired by replacing that worker alone.
-        if self.args.recovery == "in-place":
+        if self.args.recovery == "in-place" and WORKLOADS[run.workload].get("no_recover"):
+            # Exactly one fallback (the first fault), no replacement kept: the program cannot recover
+            # in place and ctorchrun noticed it once.
+            if res.get("fallbacks", 0) != 1 or res.get("replacements", 0) != 0:
+                res["problems"].append(f"a loop without recover(): {res.get('fallbacks', 0)} fallbacks to a group "
+                                       f"restart and {res.get('replacements', 0)} replacements kept (want 1 and 0)")
+        elif self.args.recovery == "in-place":
             worker_faults = sum(1 for f in res["injected"] if f["kind"] in ("worker-kill", "worker-segv", "worker-stop"))
             if res.get("replacements", 0) != worker_faults:
                 res["problems"].append(f"{worker_faults} worker faults, {res.get('replacements', 0)} in-place "
@@ -1465,6 +1485,7 @@ def build_suite(args, rng):
         if consumer:
             add("inplace-consumer", "consumer-seeded", 2, ["worker-kill", "worker-stop"])
             add("inplace-consumer-w3", "consumer-seeded", 3, ["worker-segv"])
+            add("inplace-consumer-norecover", "consumer-norecover", 2, ["worker-kill", "worker-kill"])
             return scen
         add("inplace-kill-synthetic", "synthetic", 2, ["worker-kill", "worker-kill"])
         add("inplace-stop-synthetic", "synthetic", 2, ["worker-stop"])

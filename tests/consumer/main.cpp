@@ -45,11 +45,12 @@ struct Flags {
   std::int64_t timeoutS = 60;    // collectives give up on a silent peer after this long
   double lr = 0.05;
   std::int64_t stepSeed = -1;    // >= 0: every step's randomness from (seed, rank, step)
+  std::int64_t recoverInPlace = 1;  // 0: the README's loop without try / recover(): a failed step ends it
 };
 
 constexpr const char* kUsage =
     "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
-    "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S]";
+    "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S] [--recover-in-place 0|1]";
 
 // Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
 // nothing when every flag was understood.
@@ -84,6 +85,7 @@ std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
     else if (name == "--step-delay-ms") ok = integer(value, 0, f.stepDelayMs);
     else if (name == "--timeout") ok = integer(value, 1, f.timeoutS);
     else if (name == "--step-seed") ok = integer(value, 0, f.stepSeed);
+    else if (name == "--recover-in-place") ok = integer(value, 0, f.recoverInPlace) && f.recoverInPlace <= 1;
     else if (name == "--snapshot") ok = !(f.snapshot = value).empty();
     else if (name == "--out") ok = !(f.out = value).empty();
     else if (name == "--lr") {
@@ -207,6 +209,7 @@ int train(const Flags& f) {
                   << std::setprecision(6) << epochLoss << " best " << bestLoss << std::endl;
       if (training.epochDone()) return training.exitCode();
     } catch (const std::exception&) {
+      if (f.recoverInPlace == 0) throw;  // as a loop without the try: ctorchrun restarts the group
       // A peer died or hung (ctorchrun --recovery in-place): re-form with its replacement and go on
       // from the agreed step with everything restored. Anything else, or without in-place recovery:
       // rethrown.

@@ -7,6 +7,8 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 #include "ctorch/launcher/logging.hpp"
 #include "ctorch/launcher/worker_env.hpp"
+#include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
 #include "multiproc.hpp"
 
@@ -562,6 +564,59 @@ TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts
   CHECK(pc.signals == std::vector<int>{SIGTERM});
   REQUIRE(f.agent->failureReport());
   CHECK(f.agent->failureReport()->failures.at(0).status.asExitCode() == 4);
+}
+
+TEST_CASE("agent: --recovery in-place falls back to one group restart when a survivor ends instead of re-forming "
+          "(issue 28.1)") {
+  // The README's loop without try / recover(): rank 1 is killed, its replacement starts, and rank 0
+  // dies of the broken connection without joining the re-form. Before: rank 0 was replaced too
+  // (the second of --max-restarts 1: the job failed). Now: one group restart for the one fault,
+  // and every later failure restarts the group (the program cannot recover in place).
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place"});
+  f.rendezvous.serveWorkerStore();
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+    if (attempt == 1) return std::vector<FakeWorker>{{ExitStatus::exited(0)}, {ExitStatus::exited(1)}};  // a later fault
+    return allSucceed(n);
+  });
+  pc.onAdd = [&pc](const WorkerLaunch&) { pc.exitWorker(0, ExitStatus::exited(1)); };
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.added.size() == 1);     // the first fault's replacement, stopped with the group
+  CHECK(pc.launches.size() == 3);  // two faults, two group restarts: within --max-restarts 2
+  CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(envValue(pc.launches[2][0], "TORCHELASTIC_RESTART_COUNT") == "2");
+  REQUIRE(f.agent->attempts().size() == 3);
+  const GroupOutcome& first = f.agent->attempts()[0].outcome;
+  CHECK(first.inPlaceFellBack);
+  REQUIRE(first.failures.size() >= 2);
+  CHECK(first.failures[0].localRank == 1);  // the root cause: the killed worker, then the survivor
+  CHECK(first.failures[0].status.signal == SIGKILL);
+  CHECK(first.failures[1].localRank == 0);
+
+  // Control: a survivor that joined the re-form (recover() marked it alive) and failed later is
+  // replaced in place as before.
+  Fixture g({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place"});
+  g.rendezvous.serveWorkerStore();
+  const int port = g.rendezvous.storePort;
+  FakeProcessContext pc2([](int attempt, int) {
+    REQUIRE(attempt == 0);
+    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+  });
+  int adds = 0;
+  pc2.onAdd = [&](const WorkerLaunch&) {
+    if (++adds > 1) {  // the second replacement: the group finishes
+      pc2.exitWorker(1, ExitStatus::exited(0));
+      pc2.exitWorker(0, ExitStatus::exited(0));
+      return;
+    }
+    ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(port));
+    store.set(ctorch::contract::inplace::aliveKey(0, 0), ctorch::store::toBytes("1"));
+    pc2.exitWorker(0, ExitStatus::exited(1));
+  };
+  CHECK(g.run(pc2) == 0);
+  CHECK(pc2.added.size() == 2);  // both replaced in place
+  CHECK(pc2.launches.size() == 1);
+  CHECK_FALSE(g.agent->attempts()[0].outcome.inPlaceFellBack);
 }
 
 TEST_CASE("agent: --recovery in-place restarts the group when the workers' store does not answer (its host was lost)") {

@@ -211,6 +211,46 @@ TEST_CASE("group monitor: in-place recovery replaces a failed worker alone while
   CHECK(m.replaced().size() == 2);  // repaired, not failures of the group
 }
 
+TEST_CASE("group monitor: a survivor that ends without joining a pending re-form makes the group restart (issue 28.1)") {
+  GroupMonitor m(2, 5s, /*replacements=*/3);
+  REQUIRE(m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL), 10)).replaceWorker);
+  CHECK(m.reformPending());
+  auto a = m.onWorkerExit(exitOf(0, ExitStatus::exited(1), 20), true, /*joinedReform=*/false);
+  CHECK_FALSE(a.replaceWorker);
+  REQUIRE(a.signalWorkers);
+  m.noteStopSent(std::chrono::system_clock::time_point(25ms));
+  m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGTERM), 30));  // the replacement, stopped
+  auto o = m.outcome();
+  CHECK(o.kind == GroupOutcome::Kind::Failed);
+  CHECK(o.inPlaceFellBack);
+  REQUIRE(o.failures.size() == 1);
+  CHECK(o.failures[0].localRank == 0);
+  CHECK(m.replaced().size() == 1);
+
+  // Once the group re-formed, a later failure of the same survivor is replaced as any failure.
+  GroupMonitor n(2, 5s, 3);
+  REQUIRE(n.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);
+  n.noteReformed();
+  CHECK_FALSE(n.reformPending());
+  CHECK(n.onWorkerExit(exitOf(0, ExitStatus::exited(1)), true, false).replaceWorker);
+
+  // The replacement itself failing while pending is its own failure, replaced while budget lasts.
+  GroupMonitor r(2, 5s, 3);
+  REQUIRE(r.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);
+  CHECK(r.onWorkerExit(exitOf(1, ExitStatus::exited(4)), true, false).replaceWorker);
+  CHECK_FALSE(r.outcome().inPlaceFellBack);
+
+  // Another node's failure while this node's replacement waits: the same fault, one restart.
+  GroupMonitor q(2, 5s, 3);
+  REQUIRE(q.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);
+  q.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 1 failed", std::nullopt});
+  CHECK(q.outcome().inPlaceFellBack);
+  // Control: no replacement pending, no fallback.
+  GroupMonitor c(2, 5s, 3);
+  c.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 1 failed", std::nullopt});
+  CHECK_FALSE(c.outcome().inPlaceFellBack);
+}
+
 TEST_CASE("group monitor: with replacements the group succeeds once every current worker exited 0") {
   GroupMonitor m(2, 5s, 1);
   REQUIRE(m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);

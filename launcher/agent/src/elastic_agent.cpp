@@ -142,6 +142,14 @@ void ElasticAgent::replaceWorker(int localRank) {
     std::error_code ec;
     std::filesystem::remove(errorFile, ec);
   }
+  if (!monitor_ || !monitor_->reformPending() || reformBase_ < 0) {
+    try {
+      reformBase_ = workerStore().add(contract::inplace::kGenerationKey, 0);
+    } catch (const std::exception&) {
+      workerStore_.reset();
+      reformBase_ = -1;
+    }
+  }
   log("agent").warn("replacing worker rank {} (local {}) in place; the other workers keep running "
                     "(replacement {}, {} of {} restarts used)",
                     w.globalRank, localRank, replacementsUsed_, attempts_.back().restartCount + replacementsUsed_,
@@ -159,6 +167,32 @@ bool ElasticAgent::workerStoreAnswers() {
     log("agent").warn("the workers' store does not answer ({}): restarting the group instead of replacing the "
                       "worker in place", e.what());
     return false;
+  }
+}
+
+bool ElasticAgent::joinedReform(int rank) {
+  if (reformBase_ < 0) return true;
+  try {
+    store::TcpStoreClient& store = workerStore();
+    if (store.check({contract::inplace::aliveKey(reformBase_, rank)})) return true;
+    const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
+    for (std::int64_t g = reformBase_ + 1; g <= newest; ++g)
+      if (store.check({contract::inplace::memberKey(g, rank)})) return true;
+    return false;
+  } catch (const std::exception&) {
+    workerStore_.reset();
+    return true;  // cannot tell: the store's loss is handled as such (replaceable)
+  }
+}
+
+void ElasticAgent::checkReformed(store::TcpStoreClient& store) {
+  if (!monitor_ || !monitor_->reformPending() || reformBase_ < 0) return;
+  const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
+  if (newest > reformBase_ &&
+      store.add(contract::inplace::arrivedKey(newest), 0) >= attempts_.back().rendezvous.worldSize) {
+    monitor_->noteReformed();
+    reformBase_ = -1;
+    log("agent").debug("the group re-formed at generation {}", newest);
   }
 }
 
@@ -258,6 +292,7 @@ void ElasticAgent::serveEvictions() {
                         rank, localRank, pid);
       processes_.kill(pid);
     }
+    checkReformed(store);
     workerStoreBackoff_ = std::chrono::milliseconds(0);
   } catch (const std::exception& e) {
     // The store is node 0's and may be unreachable for a moment (or lost with its host): try again
@@ -375,7 +410,9 @@ GroupOutcome ElasticAgent::monitor() {
             // In place only while the workers' store answers: a replacement, and the survivors'
             // re-forming, need it (lost with node rank 0's host, the group restarts instead).
             const bool replaceable = !mon.wouldReplace() || e.status.success() || workerStoreAnswers();
-            apply(mon.onWorkerExit(e, replaceable));
+            const bool joined = e.status.success() || !mon.reformPending() ||
+                                joinedReform(attempts_.back().rendezvous.globalRank(e.localRank));
+            apply(mon.onWorkerExit(e, replaceable, joined));
           }
           if (mon.stopping() || mon.allExited()) killSpares();
           break;
@@ -507,8 +544,10 @@ int ElasticAgent::run() {
     attempt.restartCount = restartCount;
     attempt.rendezvous = info;
     attempts_.push_back(attempt);
-    const int replacements =
-        config_.inPlaceRecovery ? std::max(0, config_.maxRestarts - restartCount - replacementsUsed_) : 0;
+    const int replacements = config_.inPlaceRecovery && !inPlaceOff_
+                                 ? std::max(0, config_.maxRestarts - restartCount - replacementsUsed_)
+                                 : 0;
+    reformBase_ = -1;
     monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, replacements);
     stopNoted_ = false;
     launches_ = launches;
@@ -589,6 +628,28 @@ int ElasticAgent::run() {
         return contract::kExitRendezvousFailed;
 
       case GroupOutcome::Kind::Failed: {
+        if (outcome.inPlaceFellBack && monitor_ && !monitor_->replaced().empty()) {
+          // The replacement's restart becomes the group's: one fault, one restart.
+          const WorkerExit& first = monitor_->replaced().back();
+          --replacementsUsed_;
+          if (!inPlaceOff_) {
+            const std::string survivor =
+                outcome.failures.empty()
+                    ? "another node's worker failed"
+                    : "rank " + std::to_string(info.globalRank(outcome.failures.front().localRank)) + " " +
+                          outcome.failures.front().status.describe();
+            l.warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
+                   "program does not recover in place (a loop must catch the failed step and call "
+                   "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
+                   "instead, as --recovery restart does, now and after any later failure of this run",
+                   survivor, info.globalRank(first.localRank));
+            inPlaceOff_ = true;
+          }
+          if (!outcome.failures.empty()) {
+            outcome.failures.insert(outcome.failures.begin(), first);  // the root cause
+            attempts_.back().outcome = outcome;
+          }
+        }
         const bool local = !outcome.failures.empty();
         std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
                                       " " + outcome.failures[0].status.describe()

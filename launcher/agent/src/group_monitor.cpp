@@ -2,6 +2,7 @@
 
 #include "ctorch/contract/worker_contract.hpp"
 
+#include <algorithm>
 #include <csignal>
 
 namespace ctorch::launcher {
@@ -22,7 +23,7 @@ MonitorActions GroupMonitor::beginStop(Reason reason, int signo) {
   return a;
 }
 
-MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable) {
+MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable, bool joinedReform) {
   ++exited_;
   if (stopping()) {
     // Stopped by us: it ended the way a stop ends a worker (our signal, SIGKILL, 128+signal, or
@@ -38,6 +39,16 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable)
     return {};
   }
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
+  const bool isReplacement = std::find(pendingReplacements_.begin(), pendingReplacements_.end(), e.localRank) !=
+                             pendingReplacements_.end();
+  if (reformPending() && !isReplacement && !joinedReform) {
+    // A survivor ended while its group re-formed around a replacement, without joining the re-form
+    // (the README's loop without try / recover(), a Python script): replacing it too would cost a
+    // second restart and start every rank afresh anyway. The whole group restarts instead.
+    fellBack_ = true;
+    failures_.push_back(e);
+    return beginStop(Reason::Failure, SIGTERM);
+  }
   // Exit 75 is a stop on request (the worker saved its state), never a failure to repair.
   // Exit 74 (a file could not be written) is agreed by every rank: a replacement would meet the
   // same disk.
@@ -47,6 +58,7 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable)
     ++replaced_;
     ++numWorkers_;  // the replacement's exit is one more to wait for
     replacedExits_.push_back(e);
+    if (!isReplacement) pendingReplacements_.push_back(e.localRank);
     MonitorActions a;
     a.replaceWorker = e.localRank;
     return a;
@@ -101,6 +113,9 @@ MonitorActions GroupMonitor::onRendezvousEvent(const RendezvousEvent& event) {
       a = beginStop(Reason::Membership, SIGTERM);
       break;
     case RendezvousEventKind::RemoteFailure:
+      // Another node failed while this one's replacement waited for the group to re-form: the
+      // group restarts, and the replacement's restart is the same fault's.
+      if (reformPending()) fellBack_ = true;
       a = beginStop(Reason::RemoteFailure, SIGTERM);
       break;
     case RendezvousEventKind::Failed:
@@ -117,6 +132,7 @@ GroupOutcome GroupMonitor::outcome() const {
   o.stopped = stopped_;
   o.signal = signal_;
   o.reason = detail_;
+  o.inPlaceFellBack = fellBack_;
   switch (reason_) {
     case Reason::None:
       // Everything ended on its own: success, unless a worker vanished without an exit status.

@@ -64,6 +64,11 @@ class ElasticAgent {
   void apply(const MonitorActions& actions);
   void replaceWorker(int localRank);
   bool workerStoreAnswers();
+  // While a re-form is pending: whether global rank `rank` said it takes part (alive in the failed
+  // generation, or arrived at a newer one). True when the store cannot tell.
+  bool joinedReform(int rank);
+  // While a re-form is pending: tells the monitor once every rank arrived at the new generation.
+  void checkReformed(store::TcpStoreClient& store);
   // --recovery in-place: kills the workers the survivors asked to evict (they stopped answering).
   void serveEvictions();
   bool acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value, int rank,
@@ -92,6 +97,12 @@ class ElasticAgent {
   std::vector<WorkerLaunch> launches_;  // the running group's, for replacements
   std::vector<WorkerLogs::WorkerFiles> files_;
   int replacementsUsed_ = 0;            // --recovery in-place, over the whole run
+  // The group generation when the pending replacement was started (-1: unknown): a survivor that
+  // joins the re-form says it is alive in it (contract::inplace::aliveKey).
+  std::int64_t reformBase_ = -1;
+  // The program was seen not to recover in place (a survivor ended instead of joining a re-form):
+  // every later failure of this run restarts the group, as --recovery restart.
+  bool inPlaceOff_ = false;
   int evictTimerFd_ = -1;
   // The workers' store: eviction requests in, spare assignments out.
   std::unique_ptr<store::TcpStoreClient> workerStore_;

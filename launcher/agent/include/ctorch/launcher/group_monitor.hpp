@@ -40,6 +40,10 @@ struct GroupOutcome {
   std::vector<WorkerExit> stopped;   // ended by the agent's stop (its signal, SIGKILL, exit 75)
   int signal = 0;                    // Interrupted
   std::string reason;                // RemoteFailure / membership / rendezvous text
+  // --recovery in-place: while the group was re-forming around a replacement, a worker that had
+  // not joined the re-form failed (or another node failed): the program does not recover in
+  // place, and the group restarts as under --recovery restart.
+  bool inPlaceFellBack = false;
 };
 
 class GroupMonitor {
@@ -51,7 +55,15 @@ class GroupMonitor {
 
   // `replaceable`: whether a failed worker could be replaced in place now (the agent finds the
   // workers' store unreachable: its host was lost, the group must re-form from scratch).
-  MonitorActions onWorkerExit(const WorkerExit& exit, bool replaceable = true);
+  // `joinedReform`: asked only while reformPending(): whether the exiting worker had said it takes
+  // part in the re-form (ResilientTraining::recover() marks its rank alive). One that had not, a
+  // survivor that ended instead of recovering, makes the group fall back to a full restart
+  // (GroupOutcome::inPlaceFellBack) rather than being replaced too.
+  MonitorActions onWorkerExit(const WorkerExit& exit, bool replaceable = true, bool joinedReform = true);
+  // A replacement was started and the group has not re-formed with it yet.
+  bool reformPending() const { return !pendingReplacements_.empty(); }
+  // The agent saw every rank arrive at the re-formed group.
+  void noteReformed() { pendingReplacements_.clear(); }
   // Whether a failed worker's exit would be answered by a replacement (budget left).
   bool wouldReplace() const { return replaced_ < replacements_ && reason_ == Reason::None; }
   // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
@@ -82,6 +94,8 @@ class GroupMonitor {
   int replacements_ = 0;
   int replaced_ = 0;
   std::vector<WorkerExit> replacedExits_;
+  std::vector<int> pendingReplacements_;  // local ranks replaced since the group last re-formed
+  bool fellBack_ = false;
   Reason reason_ = Reason::None;
   int signal_ = 0;
   int stopSignal_ = 0;  // what the workers were sent when the stop began
