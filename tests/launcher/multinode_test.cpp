@@ -411,6 +411,25 @@ MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover:
   CHECK(r2.elapsed < 40s);
 }
 
+MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-failover: losing the store host ends the survivor with what happened and what survives it (issue 28.3)", 2) {
+  std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "1:2", 1, {"--node-rank", "0"}, worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "1:2", 1, {"--node-rank", "1"}, worker)));
+  for (auto* a : {&a1, &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  t.kill(1, a1);
+  auto r2 = a2.wait();
+  INFO(r2.output);
+  CHECK(r2.exitCode == 3);
+  CHECK_THAT(r2.output, Catch::Contains("got SIGTERM"));
+  // Which node served the store, that it is gone (or this node cut off), and the flag that survives it.
+  CHECK_THAT(r2.output, Catch::Contains("the rendezvous store at"));
+  CHECK_THAT(r2.output, Catch::Contains("node '") && Catch::Contains("the rendezvous store"));
+  CHECK_THAT(r2.output, Catch::Contains("Without --store-failover no other store takes its place: with 3 or more "
+                                        "nodes, --store-failover keeps the nodes that still reach each other training"));
+  CHECK_THAT(r2.output, !Catch::Contains("they have removed it by now") || Catch::Contains("was lost, or this node"));
+  CHECK(r2.elapsed < 40s);
+}
+
 TEST_CASE("multinode c10d: an agent alone below MIN fails after the join timeout without starting workers", "[multinode]") {
   Loopback t;
   auto r = test::run(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env"}, "job", "1")));

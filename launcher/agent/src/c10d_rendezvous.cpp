@@ -86,7 +86,9 @@ milliseconds since(Clock::time_point t) {
 // Raised by StoreLink when the store has not answered for longer than the heartbeat expiry: the
 // peers have removed this node by now, so waiting longer is pointless.
 struct StoreUnreachable : store::StoreConnectionError {
-  using store::StoreConnectionError::StoreConnectionError;
+  StoreUnreachable(const std::string& what, bool refusedConnections)
+      : store::StoreConnectionError(what), refused(refusedConnections) {}
+  bool refused;  // the host answers and refuses: the store's ctorchrun is gone (not a cut link)
 };
 
 // The rendezvous' connection to the store: one TcpStoreClient, replaced when a request fails,
@@ -227,10 +229,12 @@ class StoreLink final : public rc::CasStore {
           refusedSince_ = Clock::now();
         if (refusedLimit_ && refusedSince_ && since(*refusedSince_) >= *refusedLimit_)
           throw StoreUnreachable("the rendezvous store at " + where() + " has refused connections for " +
-                                 secs(since(*refusedSince_)) + ": its ctorchrun is gone (" + lastError_ + ")");
+                                 secs(since(*refusedSince_)) + ": its ctorchrun is gone (" + lastError_ + ")",
+                                 true);
         if (silentFor() > limit_ || since(started) > limit_)
           throw StoreUnreachable("no answer from the rendezvous store at " + where() + " for " +
-                                 secs(std::max(silentFor(), since(started))) + " (" + lastError_ + ")");
+                                 secs(std::max(silentFor(), since(started))) + " (" + lastError_ + ")",
+                                 false);
         if (!patient_) throw;
       }
       pause(milliseconds(50));
@@ -463,7 +467,7 @@ class C10dRendezvous::Impl {
     } catch (const StoreUnreachable& e) {
       // With failover, the next ticks see the re-created state (the lost store host's nodes
       // removed: PeerLost, a new round at the new store).
-      if (!failOver(e.what())) event = cutOff(e.what());
+      if (!failOver(e.what())) event = cutOff(e);
     } catch (const store::StoreError& e) {
       // One request failed; the next tick tries again (the limit above ends this).
       log("rendezvous").debug("heartbeat: {}", e.what());
@@ -824,11 +828,26 @@ class C10dRendezvous::Impl {
            "the store over with --store-failover)";
   }
 
-  RendezvousEvent cutOff(const std::string& why) {
-    return RendezvousEvent{RendezvousEventKind::Failed,
-                           why + ": this node is cut off from the others (they have removed it by now); "
-                                 "stopping its workers",
-                           kLostPeerGrace};
+  // The rendezvous store stopped answering and no failover took its place. Says which node served
+  // it, what the silence can mean, and (without --store-failover) what would have survived it.
+  RendezvousEvent cutOff(const StoreUnreachable& e) {
+    std::string server;
+    if (round_)
+      for (const auto& n : round_->nodes)
+        if (n.storeHost) server = "node '" + n.id + "' (" + n.addr + ")";
+    if (server.empty()) server = "the node that serves it";
+    std::string text = e.what();
+    if (e.refused)
+      text += "; " + server + " served the rendezvous store: that ctorchrun ended or was killed, and every node "
+              "loses the store with it";
+    else
+      text += ": " + server + ", which serves the rendezvous store, was lost, or this node is cut off from the "
+              "others (they have removed it by now)";
+    if (!o_.storeFailover)
+      text += ". Without --store-failover no other store takes its place: with 3 or more nodes, --store-failover "
+              "keeps the nodes that still reach each other training; run the same command again to resume "
+              "from the last snapshot";
+    return RendezvousEvent{RendezvousEventKind::Failed, text + "; stopping its workers", kLostPeerGrace};
   }
 
   // Only after success or a failure of the whole job: the other agents still need the store to
