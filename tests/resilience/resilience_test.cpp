@@ -59,8 +59,9 @@ CTORCH_TEST_WORKER(user_loop) {
   const auto inputs = torch::randn({96, 8});
   const auto targets = inputs.sum(1, true).sin();
   torch::manual_seed(7 + rank);  // each rank's own stream (dropout); DDP broadcasts rank 0's weights
-  auto model = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::ReLU(), torch::nn::Dropout(0.3),
-                                     torch::nn::Linear(32, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
+  const auto hidden = intArg(args, "hidden", 32);  // another value: a model changed since its snapshot
+  auto model = torch::nn::Sequential(torch::nn::Linear(8, hidden), torch::nn::ReLU(), torch::nn::Dropout(0.3),
+                                     torch::nn::Linear(hidden, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
   ctorch::DistributedDataParallel ddp(
       model, ctorch::DDPOptions().gradientAsBucketView(intArg(args, "view", 0) != 0).bucketCapMb(0.002).firstBucketCapMb(0.001));
   torch::optim::SGD optimizer(ddp.parameters(),
@@ -278,6 +279,30 @@ TEST_CASE("resilience: another configuration is refused naming the difference, a
   // A loop that does not look at stopRequested(): its first stepDone() says stop, nothing is saved.
   requireExit(runs.run("run", {"--stop-at-start", "1", "--ignore-start-stop", "1"}), 75);
   CHECK(ctorch::test::readFile(runs.dir / "run" / "snapshot.pt") == before);
+}
+
+TEST_CASE("resilience: a model changed since its snapshot is refused before anything says 'resuming', with the ways "
+          "forward (issue 28.6)",
+          "[resilience]") {
+  Runs runs;
+  requireExit(runs.run("run", {"--stop-at", "1"}), 75);
+  const auto refused = runs.run("run", {"--hidden", "24"});
+  for (const auto& r : refused) {
+    INFO(r.output);
+    CHECK(r.exitCode == 1);
+    CHECK(r.output.find("does not fit this run") != std::string::npos);
+    CHECK(r.output.find("[24, 8]") != std::string::npos);  // the difference, as before
+    CHECK(r.output.find("resume(false) starts over") != std::string::npos);
+    CHECK(r.output.find("resumeFrom(<file>)") != std::string::npos);
+    // Before: "log: resume: resuming from ... exactly where it stopped", then the refusal.
+    CHECK(r.output.find("exactly where it stopped") == std::string::npos);
+    CHECK(r.output.find("log: resume: resuming") == std::string::npos);
+  }
+  // Control: the same model resumes, and says so.
+  const auto resumed = runs.run("run", {});
+  requireExit(resumed, 0);
+  CHECK(resumed[0].output.find("log: resume: resuming from") != std::string::npos);
+  CHECK(resumed[0].output.find("exactly where it stopped") != std::string::npos);
 }
 
 TEST_CASE("resilience: a crafted snapshot (sound file, digest recomputed) with wrong content is refused in one line",

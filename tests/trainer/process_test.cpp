@@ -4,6 +4,8 @@
 // file, the hang guard, and the files opened by Python.
 #include "trainer_test_util.hpp"
 
+#include <sys/stat.h>
+
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/snapshot.hpp>
 
@@ -194,6 +196,36 @@ TEST_CASE("ctorch-train: weights and metrics land beside the snapshot by default
   CHECK(fs::exists(dir / "weights" / "model.pt"));
   CHECK(fs::exists(dir / "weights" / "metrics.jsonl"));
   CHECK_FALSE(fs::exists(dir / "run2" / "model.pt"));
+}
+
+TEST_CASE("outputs: every place the run writes is checked before anything is loaded, in flag names (issue 28.6)",
+          "[trainer][process][outputs]") {
+  TempDir dir("train-outputs");
+  const fs::path fifo = dir / "fifo", adir = dir / "adir", weights = dir / "weights";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  fs::create_directories(adir);
+  fs::create_directories(weights / "model.pt");  // a directory where the final weights go
+  std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--snapshot-path", adir.string()},
+       "--snapshot-path '" + adir.string() + "' is a directory: name a file in it (e.g. --snapshot-path " +
+           (adir / "snapshot.pt").string() + ")"},
+      {{"--metrics-file", fifo.string()}, "--metrics-file '" + fifo.string() + "' is not a regular file"},
+      {{"--model-dir", fifo.string()}, "--model-dir '" + fifo.string() + "': '" + fifo.string() + "' is not a directory"},
+      {{"--model-dir", weights.string()}, "--model-filename '" + (weights / "model.pt").string() + "' is a directory"},
+  };
+  // A directory nobody may write in, root included (sysfs): as a read-only mount would be.
+  if (fs::is_directory("/sys/kernel"))
+    cases.push_back({{"--model-dir", "/sys/kernel"}, "--model-dir '/sys/kernel': cannot write in '/sys/kernel': "});
+  for (const auto& [args, message] : cases) {
+    const auto r = ctorch::test::run(trainAlone(dir.path(), with(kToy, args)));
+    INFO(show(r));
+    CHECK(r.exitCode == ctorch::contract::kExitUsage);
+    CHECK(r.output.find("ctorch-train: error: " + message) != std::string::npos);
+    CHECK(r.output.find("data: ") == std::string::npos);  // before the data (and the model) were loaded
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+  }
+  CHECK(fs::is_fifo(fifo));  // never opened for writing, never replaced
+  CHECK(std::distance(fs::directory_iterator(adir), fs::directory_iterator()) == 0);  // no probe file left
 }
 
 TEST_CASE("metrics: a classification run stopped before its first evaluation is still classification",

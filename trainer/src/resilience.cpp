@@ -840,15 +840,25 @@ ResumePoint ResilientTraining::resume() {
     s.refuseBusySlot(holder);
   std::vector<SkippedSnapshot> unusable;
   const std::optional<Snapshot> snap = s.find(point, unusable);
-  s.say("resume: " + point.message);
   // DDP first: the bucket layout the snapshot's run reduced with (and gradients defined, for
   // gradientAsBucketView) before any forward of this process.
   if (s.ddp) s.ddp->resetReducer(snap ? bucketsOf(*snap) : std::nullopt);
   if (snap) {
-    s.restore(*snap);
+    try {
+      s.restore(*snap);
+    } catch (const SnapshotIncompatible& e) {
+      // Said before anything claims to resume: the model (or another tracked object) no longer
+      // fits the snapshot, and what the loop can do about it.
+      throw SnapshotIncompatible(e.file(), e.differences(),
+                                 "to go on: ResilienceOptions::resume(false) starts over (the next save replaces "
+                                 "the slot), resumeFrom(<file>) continues from another snapshot, or another "
+                                 "snapshotPath keeps this one");
+    }
     point.resumed = true;
     point.file = snap->source;
   }
+  // Only now that the state is restored: "resuming ... exactly where it stopped" is true.
+  s.say("resume: " + point.message);
   point.epoch = s.epoch;
   point.stepInEpoch = s.stepInEpoch;
   point.globalStep = s.globalStep;

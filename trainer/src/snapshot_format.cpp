@@ -381,11 +381,12 @@ std::string joinDifferences(const std::vector<std::string>& differences) {
 }
 } // namespace
 
-SnapshotIncompatible::SnapshotIncompatible(std::filesystem::path file,
-                                           std::vector<std::string> differences)
-    : SnapshotError(file, "snapshot " + file.string() + " does not fit this run: " +
-                              joinDifferences(differences)),
-      differences_(std::move(differences)) {}
+SnapshotIncompatible::SnapshotIncompatible(std::filesystem::path file, std::vector<std::string> differences,
+                                           std::string advice)
+    : SnapshotError(file, "snapshot " + file.string() + " does not fit this run: " + joinDifferences(differences) +
+                              (advice.empty() ? std::string() : "; " + advice)),
+      differences_(std::move(differences)),
+      advice_(std::move(advice)) {}
 
 // ---- Expectation ------------------------------------------------------------------------------------
 std::vector<std::string> compareWithExpectation(const SnapshotHeader& header,

@@ -7,12 +7,16 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <type_traits>
 
@@ -336,6 +340,53 @@ void TrainOptions::validate() const {
   finiteIn("--bucket-cap-mb", bucketCapMb, 0.0, 1e6, true, false);
   if (stepDelay.count() < 0 || stepDelay.count() > 60000)
     bad("--step-delay-ms", std::to_string(stepDelay.count()), "must be in [0, 60000]");
+}
+
+namespace {
+
+// `dir` exists (made if missing) and a file can be created in it. `what` names the flag and value.
+void checkWritableDirectory(const std::string& what, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path d = dir.empty() ? fs::path(".") : dir;
+  if (fs::exists(d, ec) && !fs::is_directory(d, ec))
+    throw UsageError(what + ": '" + d.string() + "' is not a directory");
+  fs::create_directories(d, ec);
+  if (ec) throw UsageError(what + ": cannot create the directory '" + d.string() + "': " + ec.message());
+  // access(W_OK) says yes to root on a read-only mount: create a file for real.
+  const fs::path probe = d / (".ctorch-write-check-" + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    throw UsageError(what + ": cannot write in '" + d.string() + "': " + std::strerror(err));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+// `file` is absent or a regular file (never a directory, FIFO or device), in a writable directory.
+void checkOutputFile(const std::string& flag, const std::filesystem::path& file, const std::string& example) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const auto st = fs::symlink_status(file, ec);
+  const std::string what = flag + " '" + file.string() + "'";
+  if (!ec && fs::exists(st)) {
+    if (fs::is_directory(st))
+      throw UsageError(what + " is a directory: name a file in it (e.g. " + flag + " " +
+                       (file / example).string() + ")");
+    if (!fs::is_regular_file(st) && !fs::is_symlink(st))
+      throw UsageError(what + " is not a regular file (a FIFO, socket or device): name a file");
+  }
+  checkWritableDirectory(what, file.has_parent_path() ? file.parent_path() : fs::path("."));
+}
+
+}  // namespace
+
+void TrainOptions::checkOutputs() const {
+  checkOutputFile("--snapshot-path", snapshotPath, "snapshot.pt");
+  checkWritableDirectory("--model-dir '" + outputDir().string() + "'", outputDir());
+  checkOutputFile("--model-filename", finalModelPath(), "model.pt");
+  if (const auto metrics = metricsPath()) checkOutputFile("--metrics-file", *metrics, "metrics.jsonl");
 }
 
 std::filesystem::path TrainOptions::outputDir() const {

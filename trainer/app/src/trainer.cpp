@@ -23,6 +23,7 @@
 #include <ctorch/data/transforms.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/distributed_env.hpp>
 #include <ctorch/models/registry.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/amp.hpp>
@@ -287,7 +288,9 @@ std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 // A snapshot of another configuration, or no correct way to resume: the library's message names
 // the files and the differences; this adds the flags that go on.
 [[noreturn]] void refuseSnapshot(const SnapshotIncompatible& e, const TrainOptions& o) {
-  throw ConfigError(std::string(e.what()) + "; to go on, pass --resume never (start over, replacing " +
+  // The library's advice names its options; the flags say the same here.
+  const SnapshotIncompatible plain(e.file(), e.differences());
+  throw ConfigError(std::string(plain.what()) + "; to go on, pass --resume never (start over, replacing " +
                     o.snapshotPath.string() + ")" +
                     (o.allowConfigChange ? "" : ", --allow-config-change (continue from its weights with this run's settings)") +
                     " or another --snapshot-path (keep that run)");
@@ -832,6 +835,9 @@ RunResult Trainer::stopped(RunResult result, bool stepLimit) {
 
 RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   o.validate();
+  // Before the data and the model are loaded: a place the run cannot write fails now, in flag
+  // names, not minutes later in a library's words. Rank 0 writes (RANK, before the group exists).
+  if (detectDistributedEnv(processEnvironment()).rank == 0) o.checkOutputs();
   ctorch::tuneAllocator();
   const torch::Device wanted = chooseDevice(o);
   const auto dataStart = Clock::now();

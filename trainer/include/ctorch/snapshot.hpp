@@ -74,11 +74,14 @@ class SnapshotCorrupt : public SnapshotError {
 // newer format, or parameters/optimizer/sampler that do not fit. Lists every difference.
 class SnapshotIncompatible : public SnapshotError {
  public:
-  SnapshotIncompatible(std::filesystem::path file, std::vector<std::string> differences);
+  // `advice`: what the caller can do about it, appended after the differences ("; advice").
+  SnapshotIncompatible(std::filesystem::path file, std::vector<std::string> differences, std::string advice = "");
   const std::vector<std::string>& differences() const { return differences_; }
+  const std::string& advice() const { return advice_; }
 
  private:
   std::vector<std::string> differences_;
+  std::string advice_;
 };
 
 // ---- Content -------------------------------------------------------------------------------------

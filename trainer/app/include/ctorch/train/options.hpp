@@ -114,6 +114,10 @@ struct TrainOptions {
 
   // Throws UsageError naming the first bad value.
   void validate() const;
+  // The files the run will write (snapshot slot, --model-dir, metrics, final weights), checked on
+  // the file system before anything is loaded: each directory made and writable, no directory or
+  // FIFO where a file goes. Throws UsageError naming the flag and the path. Rank 0 writes them.
+  void checkOutputs() const;
 
   // The metrics file to write, or nullopt for none.
   std::optional<std::filesystem::path> metricsPath() const;
