@@ -44,6 +44,12 @@ def task(train, evals):
     return None
 
 
+def resume_marks(data):
+    """The points (in epochs) where a process continued the run from a snapshot, in order: the run's
+    curve goes on there, and the plot marks each with a dashed line."""
+    return sorted({r["epoch"] for r in data.get("resume", [])})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("metrics", help="the JSONL file ctorch-train wrote (--metrics-file)")
@@ -85,9 +91,17 @@ def main():
         right.text(0.5, 0.5, "no evaluation yet (stopped before the first)", ha="center", va="center")
     right.set_xlabel("epoch")
     right.grid(alpha=0.3)
+    marks = resume_marks(data)
+    for i, at in enumerate(marks):
+        for ax in (left, right):
+            ax.axvline(at, color="tab:red", ls="--", lw=0.8, alpha=0.7,
+                       label="resumed from a snapshot" if (i == 0 and ax is left) else None)
+    if marks:
+        left.legend()
     fig.tight_layout()
     fig.savefig(output, dpi=100)
-    print(f"wrote {output} ({kind or 'task unknown'})")
+    resumed = f", {len(marks)} resume(s) marked" if marks else ""
+    print(f"wrote {output} ({kind or 'task unknown'}{resumed})")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 
 #include <sys/stat.h>
 
+#include <map>
+#include <sstream>
+
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/snapshot.hpp>
 
@@ -334,6 +337,64 @@ TEST_CASE("resume: the toy model killed mid-epoch (SIGKILL, rank 1) ends bit-ide
   // Control: the comparison sees a difference where there is one (another seed).
   REQUIRE(ctorch::test::run(trainUnderLauncher(other.path(), 2, with(args, {"--seed", "2"}))).ok());
   CHECK_FALSE(bitDifference(other / "model.pt", reference / "model.pt").empty());
+}
+
+TEST_CASE("metrics: a run killed mid-epoch writes the same train and epoch records as one never interrupted, and "
+          "marks the resume (issue 28.5)",
+          "[trainer][process][resume][metrics]") {
+  TempDir dir("train-kill-metrics"), reference("train-kill-metrics-ref");
+  // 16 steps per epoch (2 ranks x 16); losses logged every 3 steps, snapshots every 5: the resume
+  // (at step 20 or 25) falls inside a log interval and inside epoch 2 (steps 17..32).
+  const std::vector<std::string> args = {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size",
+                                         "512", "--batch-size", "16", "--test-limit", "64", "--lr", "0.05",
+                                         "--epochs", "2", "--log-interval", "3", "--save-every-steps", "5"};
+  const auto ref = ctorch::test::run(trainUnderLauncher(reference.path(), 2, args));
+  INFO(show(ref));
+  REQUIRE(ref.ok());
+  const auto r = killAndResume(dir.path(), with(args, {"--step-delay-ms", "25"}), /*victim=*/1, /*afterStep=*/20);
+  INFO(show(r));
+  REQUIRE(r.ok());
+  auto records = [](const fs::path& file) {
+    std::map<std::string, std::map<std::int64_t, nlohmann::json>> byKind;
+    std::istringstream lines(ctorch::test::readFile(file));
+    for (std::string line; std::getline(lines, line);) {
+      const auto j = nlohmann::json::parse(line);
+      byKind[j["kind"].get<std::string>()][j["step"].get<std::int64_t>()] = j;
+    }
+    return byKind;
+  };
+  auto a = records(reference / "metrics.jsonl"), b = records(dir / "metrics.jsonl");
+  REQUIRE(b["resume"].size() == 1);
+  const std::int64_t resumedAt = b["resume"].begin()->first;
+  CHECK((resumedAt == 20 || resumedAt == 25));
+  CHECK(a["resume"].empty());
+  // Every loss record, before and after the resume, to the last bit; the epoch's covers all 16 steps.
+  REQUIRE(a["train"].size() == b["train"].size());
+  for (const auto& [step, rec] : a["train"]) {
+    INFO("train record at step " << step);
+    REQUIRE(b["train"].count(step) == 1);
+    CHECK(b["train"][step]["loss"].get<double>() == rec["loss"].get<double>());
+  }
+  REQUIRE(b["epoch"].size() == 2);
+  for (const auto& [step, rec] : a["epoch"]) {
+    INFO("epoch record at step " << step);
+    CHECK(b["epoch"][step]["loss"].get<double>() == rec["loss"].get<double>());
+    CHECK(b["epoch"][step]["steps"] == 16);
+    CHECK(b["epoch"][step]["loss_steps"] == 16);
+  }
+  CHECK(b["epoch"][32]["steps_run"].get<std::int64_t>() == 32 - resumedAt);
+  CHECK(b["epoch"][32]["resumed_at"].get<std::int64_t>() == resumedAt - 16);
+  CHECK(r.output.find("(resumed at step " + std::to_string(resumedAt - 16) + ")") != std::string::npos);
+  // metrics.png marks it: plot_metrics.py's marks, without matplotlib.
+  SpawnOptions py;
+  py.argv = {"/usr/bin/python3", "-c",
+             "import sys; sys.path.insert(0, sys.argv[1]); import plot_metrics as p; "
+             "print('marks:', p.resume_marks(p.read(sys.argv[2])))",
+             CTORCH_SOURCE_DIR "/scripts", (dir / "metrics.jsonl").string()};
+  py.timeout = std::chrono::seconds(60);
+  const auto marks = ctorch::test::run(py);
+  INFO(show(marks));
+  CHECK(marks.output == "marks: [" + std::string(resumedAt == 20 ? "1.25" : "1.5625") + "]\n");
 }
 
 TEST_CASE("resume: the CNN on a Fashion-MNIST subset killed mid-epoch (SIGKILL, rank 0) ends bit-identical",

@@ -174,6 +174,9 @@ void MetricsLog::write(const EvalRecord& r) {
 void MetricsLog::write(const EpochRecord& r) {
   nlohmann::json j = recordHead("epoch", r.step, r.epoch);
   j["steps"] = r.steps;
+  j["steps_run"] = r.stepsRun;
+  if (r.resumedAt > 0) j["resumed_at"] = r.resumedAt;
+  j["loss_steps"] = r.lossSteps;
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpuSeconds;
   j["samples_per_s"] = r.samplesPerSecond;
@@ -183,6 +186,13 @@ void MetricsLog::write(const EpochRecord& r) {
                         {"forward_backward", r.forwardBackwardSeconds},
                         {"optimizer", r.optimizerSeconds},
                         {"agreement", r.agreementSeconds}};
+  append(j.dump());
+}
+
+void MetricsLog::write(const ResumeRecord& r) {
+  nlohmann::json j = recordHead("resume", r.step, r.epoch);
+  j["exact"] = r.exact;
+  j["time"] = r.time;
   append(j.dump());
 }
 

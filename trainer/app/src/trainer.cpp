@@ -387,6 +387,63 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
 // One training run: set-up in the constructor, then run() (loop and finish). Resilience (stop
 // signals, snapshots, resume) is the library's ctorch::ResilientTraining; this class adds the
 // trainer's own data, metrics, evaluation, console and final weights.
+// The epoch's training-loss totals as every rank knows them (summed over the ranks in a step's
+// agreement), tracked in the snapshot: a run resumed mid-epoch writes the same "train" and "epoch"
+// records as one never interrupted (issue 28.5). The losses are summed at the steps that log and at
+// the steps that save on schedule, so a snapshot holds every step before it; a stop that saves
+// between two sums loses the losses of the steps since the last one (rank-local until then).
+struct EpochTally {
+  double epochLoss = 0.0;           // sum of the summed steps' losses (mean over the ranks)
+  std::int64_t epochLossSteps = 0;  // the steps that covers
+  double intervalLoss = 0.0;        // the current log interval's part of it
+  std::int64_t intervalSteps = 0;   // steps of the current interval (summed or not)
+  std::int64_t unsummed = 0;        // steps since the last sum
+  std::int64_t lostSteps = 0;       // steps whose losses a resume lost (a stop between two sums)
+
+  // The tally once the ranks summed the losses of the `unsummed` steps to `sum`; `logs`: this step
+  // ends the log interval (its record is written, the next interval starts).
+  EpochTally summed(double sum, int world, bool logs) const {
+    EpochTally t = *this;
+    const double mean = sum / static_cast<double>(world);
+    t.epochLoss += mean;
+    t.epochLossSteps += t.unsummed;
+    t.intervalLoss += mean;
+    t.unsummed = 0;
+    if (logs) {
+      t.intervalLoss = 0.0;
+      t.intervalSteps = 0;
+    }
+    return t;
+  }
+  c10::IValue toIValue() const {
+    return c10::IValue(std::vector<double>{epochLoss, static_cast<double>(epochLossSteps), intervalLoss,
+                                           static_cast<double>(intervalSteps), static_cast<double>(unsummed),
+                                           static_cast<double>(lostSteps)});
+  }
+  // A resumed process has none of the unsummed steps' losses: they are lost, and out of the interval.
+  static EpochTally resumedFrom(const c10::IValue& v) {
+    // A list of floats (as written), read back as a generic list by some LibTorch versions.
+    std::vector<double> l;
+    if (v.isDoubleList()) {
+      for (double x : v.toDoubleList()) l.push_back(x);
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef())
+        if (x.isDouble() || x.isInt()) l.push_back(x.isDouble() ? x.toDouble() : static_cast<double>(x.toInt()));
+    }
+    const bool counts = l.size() == 6 && std::all_of(l.begin(), l.end(), [](double x) { return std::isfinite(x); }) &&
+                        l[1] >= 0 && l[3] >= l[4] && l[4] >= 0 && l[5] >= 0 && l[1] < 1e15 && l[3] < 1e15 && l[5] < 1e15;
+    if (!counts)
+      throw SnapshotIncompatible("(epoch_tally)", {"USER_STATE['epoch_tally'] is not 6 finite numbers with counts >= 0"});
+    EpochTally t;
+    t.epochLoss = l[0];
+    t.epochLossSteps = static_cast<std::int64_t>(l[1]);
+    t.intervalLoss = l[2];
+    t.intervalSteps = static_cast<std::int64_t>(l[3]) - static_cast<std::int64_t>(l[4]);
+    t.lostSteps = static_cast<std::int64_t>(l[5]) + static_cast<std::int64_t>(l[4]);
+    return t;
+  }
+};
+
 class Trainer {
  public:
   // `data` is loaded before the process group exists (it does not depend on the rank): a spare
@@ -452,6 +509,11 @@ class Trainer {
   std::unique_ptr<ResilientTraining> training_;
   std::optional<MetricsLog> metrics_;
   double trainSecondsBefore_ = 0;  // training time of earlier processes of this run
+  EpochTally tally_;
+  bool tallyRestored_ = false;          // a snapshot (or a peer, in place) gave tally_
+  double intervalLocalLoss_ = 0.0;      // this rank's losses of the tally's unsummed steps
+  const std::vector<double>* summing_ = nullptr;  // the sums of the step being agreed, for a capture in it
+  bool summingLogs_ = false;
   double bestAccuracy_ = -1.0;
 };
 
@@ -535,19 +597,41 @@ void Trainer::buildTraining() {
   t.track("train_seconds", [this] { return c10::IValue(trainSeconds()); },
           [this](const c10::IValue& v) { trainSecondsBefore_ = v.toDouble(); });
   t.track("best_accuracy", bestAccuracy_);
+  // Captured inside stepDone(): a step that sums the losses is saved with its sum folded in.
+  t.track("epoch_tally",
+          [this] {
+            const EpochTally now = summing_ ? tally_.summed((*summing_)[0], worldSize_, summingLogs_) : tally_;
+            return now.toIValue();
+          },
+          [this](const c10::IValue& v) {
+            tally_ = EpochTally::resumedFrom(v);
+            tallyRestored_ = true;
+            intervalLocalLoss_ = 0.0;
+          });
   t.track("steps_per_epoch", [this] { return c10::IValue(stepsPerEpoch_); }, [](const c10::IValue&) {});
   t.trackItems([this](ItemDict& d) { scaler_->saveTo(d); }, [this](const ItemDict& d) { scaler_->loadFrom(d); });
 }
 
 void Trainer::resume() {
+  ResumePoint at;
   try {
-    training_->resume();
+    at = training_->resume();
   } catch (const SnapshotIncompatible& e) {
     refuseSnapshot(e, o_);
   } catch (const ResumeRefused& e) {
     refuseResume(e);
   }
-  if (ctorch::isMainProcess() && o_.metricsPath()) metrics_.emplace(*o_.metricsPath(), training_->globalStep());
+  if (ctorch::isMainProcess() && o_.metricsPath()) {
+    metrics_.emplace(*o_.metricsPath(), training_->globalStep());
+    if (at.resumed) {  // marked in metrics.png
+      ResumeRecord r;
+      r.step = at.globalStep;
+      r.epoch = epochProgress(at.epoch, at.stepInEpoch, stepsPerEpoch_);
+      r.exact = at.exact;
+      r.time = trainSeconds();
+      metrics_->write(r);
+    }
+  }
 }
 
 std::string Trainer::point() const {
@@ -613,10 +697,18 @@ bool Trainer::runEpoch(RunResult& result) {
   const double epochCpuStart = processCpuSeconds();
   auto intervalStart = epochStart;
   const std::int64_t firstStep = t.stepInEpoch();
-  // Losses: this rank's own over the log interval; summed over the ranks (in that step's agreement)
-  // only at the steps that log, so that the others need no meeting of the ranks after the step.
-  double intervalLocalLoss = 0.0, epochLoss = 0.0;
-  std::int64_t intervalSteps = 0, intervalSamples = 0, epochSamples = 0;
+  // Losses: this rank's own since the last sum; summed over the ranks (in that step's agreement)
+  // only at the steps that log or save on schedule, so that the others need no meeting of the
+  // ranks after the step. The totals (tally_) come with a mid-epoch resume.
+  if (firstStep == 0) {
+    tally_ = EpochTally{};
+    intervalLocalLoss_ = 0.0;
+  } else if (!tallyRestored_) {
+    tally_ = EpochTally{};  // a snapshot of an older trainer: the steps before it are unknown
+    tally_.lostSteps = firstStep;
+    intervalLocalLoss_ = 0.0;
+  }
+  std::int64_t intervalSamples = 0, epochSamples = 0;
   StepPhases phases;
   while (!sampler_->exhausted()) {
     const double lr = schedule_->at(epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_));
@@ -626,39 +718,61 @@ bool Trainer::runEpoch(RunResult& result) {
     std::vector<double> sums;
     bool stop = false;
     bool periodic = false;
+    const EpochTally before = tally_;
+    const double localBefore = intervalLocalLoss_;
     try {
       step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
       // Whether any rank must stop: agreed in the background (read at the next step) except at the
-      // steps that log, where the same small allreduce also sums the interval's losses.
+      // steps that log or save on schedule, where the same small allreduce also sums the losses.
       periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
+      const bool saves = o_.saveEverySteps > 0 && (t.globalStep() + 1) % o_.saveEverySteps == 0;
+      ++tally_.intervalSteps;
+      ++tally_.unsummed;
+      intervalLocalLoss_ += step.loss;
       const auto agreeStart = Clock::now();
-      if (periodic) {
-        sums = {intervalLocalLoss + step.loss};
+      if (periodic || saves) {
+        sums = {intervalLocalLoss_};
+        summing_ = &sums;
+        summingLogs_ = periodic;
         stop = t.stepDone(sums);
+        summing_ = nullptr;
       } else {
         stop = t.stepDone();
       }
       step.phases.agreement = secondsSince(agreeStart);
     } catch (const DistributedError& e) {
+      // The tally as before the failed step: what this rank would send in an in-place recovery.
+      summing_ = nullptr;
+      tally_ = before;
+      intervalLocalLoss_ = localBefore;
       if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
       recoverInPlace();
       return runEpoch(result);  // from the agreed point, with a loader that starts there
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
+      summing_ = nullptr;
+      tally_ = before;
+      intervalLocalLoss_ = localBefore;
       if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
       recoverInPlace();  // a failure that is not a lost peer is rethrown as the step's failure
       return runEpoch(result);
     }
     phases += step.phases;
-    intervalLocalLoss += step.loss;
-    ++intervalSteps;
     intervalSamples += step.samples * worldSize_;
     epochSamples += step.samples * worldSize_;
     // The interval's mean loss over every rank at the steps that log; the bar between them shows
-    // this rank's own.
-    const double intervalLoss = periodic ? sums[0] / worldSize_ : intervalLocalLoss;
-    if (periodic) epochLoss += intervalLoss;
+    // this rank's own (its losses since the last sum, over the interval's steps).
+    double intervalLoss = 0.0;
+    const std::int64_t intervalSteps = tally_.intervalSteps;
+    if (!sums.empty()) {
+      const EpochTally folded = tally_.summed(sums[0], worldSize_, false);
+      intervalLoss = folded.intervalLoss;
+      tally_ = tally_.summed(sums[0], worldSize_, periodic);
+      intervalLocalLoss_ = 0.0;
+    } else {
+      intervalLoss = tally_.intervalLoss + intervalLocalLoss_;
+    }
     if (periodic || console_.barMode()) {
       StepReport r;
       r.epoch = epoch;
@@ -668,7 +782,7 @@ bool Trainer::runEpoch(RunResult& result) {
       r.globalStep = t.globalStep();
       r.lr = lr;
       const double elapsed = secondsSince(intervalStart);
-      r.loss = intervalLoss / static_cast<double>(intervalSteps);
+      r.loss = intervalLoss / static_cast<double>(std::max<std::int64_t>(intervalSteps, 1));
       r.samplesPerSecond = elapsed > 0 ? static_cast<double>(intervalSamples) / elapsed : 0.0;
       const double perStep = secondsSince(epochStart) / static_cast<double>(t.stepInEpoch() - firstStep);
       r.epochEtaSeconds = perStep * static_cast<double>(stepsPerEpoch_ - t.stepInEpoch());
@@ -686,8 +800,6 @@ bool Trainer::runEpoch(RunResult& result) {
           m.lossKind = lossKindName(model_->output());
           metrics_->write(m);
         }
-        intervalLocalLoss = 0.0;
-        intervalSteps = 0;
         intervalSamples = 0;
         intervalStart = Clock::now();
       }
@@ -709,12 +821,15 @@ bool Trainer::runEpoch(RunResult& result) {
   const double epochSeconds = secondsSince(epochStart);
   const std::int64_t stepsRun = t.stepInEpoch() - firstStep;
   const double epochRate = static_cast<double>(epochSamples) / std::max(epochSeconds, 1e-9);
-  const double meanLoss = stepsRun > 0 ? epochLoss / static_cast<double>(stepsRun) : 0.0;
+  const double meanLoss =
+      tally_.epochLossSteps > 0 ? tally_.epochLoss / static_cast<double>(tally_.epochLossSteps) : 0.0;
   const auto share = [epochSeconds](double seconds) {
     return std::to_string(std::llround(100.0 * seconds / std::max(epochSeconds, 1e-9))) + "%";
   };
   console_.line("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o_.epochs) + " done: " +
-                std::to_string(stepsRun) + " steps in " + formatDuration(epochSeconds) + ", " +
+                std::to_string(stepsRun) + " steps" +
+                (firstStep > 0 ? " (resumed at step " + std::to_string(firstStep) + ")" : std::string()) + " in " +
+                formatDuration(epochSeconds) + ", " +
                 std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss) +
                 " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
                 share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
@@ -723,7 +838,10 @@ bool Trainer::runEpoch(RunResult& result) {
     EpochRecord r;
     r.step = t.globalStep();
     r.epoch = epoch + 1;
-    r.steps = stepsRun;
+    r.steps = t.stepInEpoch();
+    r.stepsRun = stepsRun;
+    r.resumedAt = firstStep;
+    r.lossSteps = tally_.epochLossSteps;
     r.seconds = epochSeconds;
     r.cpuSeconds = processCpuSeconds() - epochCpuStart;
     r.samplesPerSecond = epochRate;

@@ -82,17 +82,29 @@ struct EvalRecord {
 struct EpochRecord {
   std::int64_t step = 0;
   std::int64_t epoch = 0;          // epochs completed
-  std::int64_t steps = 0;          // steps this process ran in it (fewer after a mid-epoch resume)
-  double seconds = 0.0;            // wall time of those steps
+  std::int64_t steps = 0;          // steps of the epoch, before a mid-epoch resume included
+  std::int64_t stepsRun = 0;       // steps this process ran (fewer after a mid-epoch resume)
+  std::int64_t resumedAt = 0;      // the step in the epoch this process began at (0: its start)
+  double seconds = 0.0;            // wall time of this process's steps
   double cpuSeconds = 0.0;         // CPU time this process (all its threads) spent in them
   double samplesPerSecond = 0.0;   // all ranks together
-  double loss = 0.0;               // mean training loss of those steps
+  double loss = 0.0;               // mean training loss of the epoch's steps (carried across a resume)
+  std::int64_t lossSteps = 0;      // the steps `loss` covers: `steps` unless a stop between two
+                                   // loss sums lost some (their losses were not summed yet)
   double time = 0.0;
   // Where `seconds` went on this rank (the rest: logging, metrics, --step-delay-ms).
   double dataSeconds = 0.0;             // waiting for batches
   double forwardBackwardSeconds = 0.0;  // including the wait for DDP's last gradient allreduce
   double optimizerSeconds = 0.0;
   double agreementSeconds = 0.0;        // the per-step allreduce (stop flag, loss), snapshot captures
+};
+
+// This process continued a run from a snapshot (marked in metrics.png).
+struct ResumeRecord {
+  std::int64_t step = 0;
+  double epoch = 0.0;  // progress in epochs
+  bool exact = true;   // step for step (same world size), else from an epoch boundary
+  double time = 0.0;
 };
 
 class MetricsLog {
@@ -105,6 +117,7 @@ class MetricsLog {
   void write(const TrainRecord& record);
   void write(const EvalRecord& record);
   void write(const EpochRecord& record);
+  void write(const ResumeRecord& record);
   const std::filesystem::path& path() const { return path_; }
 
  private:
