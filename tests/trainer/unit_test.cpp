@@ -322,6 +322,38 @@ TEST_CASE("learning rate: warmup, then constant, step or cosine decay", "[traine
   CHECK(epochProgress(0, 0, 0) == 0.0);
 }
 
+TEST_CASE("learning rate: linear decay, and one-cycle (a cosine up, a cosine down) (issue 28.8)", "[trainer][schedule]") {
+  LrSchedule s;
+  s.peak = 0.4;
+  s.epochs = 10;
+  s.minLr = 0.04;
+  s.warmupEpochs = 2.0;
+  s.warmupStartFactor = 0.25;
+  s.decay = LrDecay::kLinear;
+  CHECK(s.at(1.0) == Approx(0.25));  // the linear warmup as for every decay
+  CHECK(s.at(2.0) == Approx(0.4));
+  CHECK(s.at(6.0) == Approx(0.22));  // half way from 0.4 to 0.04
+  CHECK(s.at(10.0) == Approx(0.04));
+  CHECK(s.at(11.0) == Approx(0.04));
+  for (double p = 2.0; p < 9.9; p += 0.1) CHECK(s.at(p + 0.1) < s.at(p));
+
+  // torch's OneCycleLR shape (anneal_strategy='cos'): from peak x start factor up to the peak over the
+  // warmup epochs, then down to min-lr at the last epoch; both halves cosines.
+  s.decay = LrDecay::kOneCycle;
+  CHECK(s.at(0.0) == Approx(0.1));
+  CHECK(s.at(1.0) == Approx(0.1 + 0.3 * 0.5));  // half way up: the cosine's midpoint
+  CHECK(s.at(2.0) == Approx(0.4));
+  CHECK(s.at(6.0) == Approx(0.04 + 0.36 * 0.5));
+  CHECK(s.at(10.0) == Approx(0.04));
+  CHECK(s.at(0.5) < 0.1 + 0.3 * 0.25);  // a cosine starts slower than a line
+  for (double p = 0.0; p < 1.95; p += 0.1) CHECK(s.at(p + 0.1) > s.at(p));
+  for (double p = 2.0; p < 9.9; p += 0.1) CHECK(s.at(p + 0.1) < s.at(p));
+  // Without warmup epochs: up over the first 30 % of the run (torch's pct_start 0.3).
+  s.warmupEpochs = 0.0;
+  CHECK(s.at(3.0) == Approx(0.4));
+  CHECK(s.at(1.5) == Approx(0.1 + 0.3 * 0.5));
+}
+
 TEST_CASE("evaluation split: contiguous shares, no sample twice, none missing", "[trainer][eval]") {
   for (std::int64_t n : {0, 1, 7, 10, 1001, 10000})
     for (std::int64_t w : {1, 2, 3, 4, 7}) {

@@ -207,10 +207,14 @@ E pick(const char* flag, const std::string& value, const std::vector<std::pair<s
   bad(flag, value, "is not one of: " + joined(names));
 }
 
-const std::vector<std::pair<std::string, OptimizerKind>> kOptimizers = {{"sgd", OptimizerKind::kSgd},
-                                                                         {"adam", OptimizerKind::kAdam}};
-const std::vector<std::pair<std::string, LrDecay>> kDecays = {
-    {"none", LrDecay::kNone}, {"cosine", LrDecay::kCosine}, {"step", LrDecay::kStep}};
+const std::vector<std::pair<std::string, OptimizerKind>> kOptimizers = {
+    {"sgd", OptimizerKind::kSgd},         {"adam", OptimizerKind::kAdam},      {"adamw", OptimizerKind::kAdamW},
+    {"rmsprop", OptimizerKind::kRmsprop}, {"adagrad", OptimizerKind::kAdagrad}};
+const std::vector<std::pair<std::string, LrDecay>> kDecays = {{"none", LrDecay::kNone},
+                                                              {"cosine", LrDecay::kCosine},
+                                                              {"step", LrDecay::kStep},
+                                                              {"linear", LrDecay::kLinear},
+                                                              {"onecycle", LrDecay::kOneCycle}};
 const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
     {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
 const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
@@ -302,6 +306,7 @@ void TrainOptions::validate() const {
   finiteIn("--lr", lr, 0.0, 1e6, true, false);
   finiteIn("--momentum", momentum, 0.0, 1.0, false, true);
   finiteIn("--weight-decay", weightDecay, 0.0, 1.0, false, false);
+  finiteIn("--clip-grad-norm", clipGradNorm, 0.0, 1e9, false, false);
   finiteIn("--warmup-epochs", warmupEpochs, 0.0, static_cast<double>(epochs), false, false);
   finiteIn("--warmup-start-factor", warmupStartFactor, 0.0, 1.0, true, false);
   atLeast("--lr-step-epochs", lrStepEpochs, 1);
@@ -418,6 +423,7 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   c["optimizer"] = toString(optimizer);
   c["lr"] = number(lr);
   c["weight_decay"] = number(weightDecay);
+  if (clipGradNorm > 0) c["clip_grad_norm"] = number(clipGradNorm);  // only when on: older snapshots match
   if (optimizer == OptimizerKind::kSgd) c["momentum"] = number(momentum);
   c["warmup_epochs"] = number(warmupEpochs);
   if (warmupEpochs > 0) c["warmup_start_factor"] = number(warmupStartFactor);
@@ -426,8 +432,8 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
     c["lr_step_epochs"] = std::to_string(lrStepEpochs);
     c["lr_gamma"] = number(lrGamma);
   }
-  // A cosine schedule spans the whole run: its length shapes every step's learning rate.
-  if (lrDecay == LrDecay::kCosine) {
+  // A cosine, linear or one-cycle schedule spans the whole run: its length shapes every step's rate.
+  if (lrDecay == LrDecay::kCosine || lrDecay == LrDecay::kLinear || lrDecay == LrDecay::kOneCycle) {
     c["min_lr"] = number(minLr);
     c["epochs"] = std::to_string(epochs);
   }
@@ -447,6 +453,7 @@ std::string TrainOptions::describe() const {
   if (weightDecay > 0) os << " weight decay " << number(weightDecay);
   if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";
+  if (clipGradNorm > 0) os << ", gradients clipped to norm " << number(clipGradNorm);
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();
   return os.str();
 }
@@ -513,20 +520,27 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   opt("--grad-accum-steps", o.gradAccumSteps,
                  "micro-steps per optimizer step; gradients are all-reduced on the last only")
       ->group(kOpt)->capture_default_str();
-  opt("--optimizer", optimizer, "sgd or adam")->group(kOpt)->capture_default_str();
+  opt("--optimizer", optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
+      ->group(kOpt)->capture_default_str();
   opt("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
   opt("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
-  opt("--weight-decay", o.weightDecay, "L2 weight decay")->group(kOpt)->capture_default_str();
+  opt("--weight-decay", o.weightDecay, "L2 weight decay (adamw: decoupled, 0.01 unless given, as Python's)")->group(kOpt)->capture_default_str();
+  opt("--clip-grad-norm", o.clipGradNorm,
+      "clip the gradients to this global L2 norm before each update (0: off; after DDP's average, before the "
+      "optimizer; with --amp float16, of the unscaled gradients)")
+      ->group(kOpt)->capture_default_str();
   opt("--warmup-epochs", o.warmupEpochs,
                  "linear warmup from lr x warmup-start-factor to lr over this many (fractional) epochs")
       ->group(kOpt)->capture_default_str();
   opt("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
       ->group(kOpt)->capture_default_str();
-  opt("--lr-decay", lrDecay, "after warmup: none, cosine (to --min-lr at the last epoch), step")
+  opt("--lr-decay", lrDecay,
+      "after warmup: none, cosine or linear (to --min-lr at the last epoch), step; or onecycle: a cosine rise from "
+      "lr x warmup-start-factor to lr over --warmup-epochs (30% of the run when 0), then a cosine fall to --min-lr")
       ->group(kOpt)->capture_default_str();
   opt("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
   opt("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
-  opt("--min-lr", o.minLr, "cosine decay: final learning rate")->group(kOpt)->capture_default_str();
+  opt("--min-lr", o.minLr, "cosine, linear and onecycle decay: final learning rate")->group(kOpt)->capture_default_str();
   opt("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
   opt("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
       ->group(kOpt)->capture_default_str();
@@ -617,6 +631,8 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
 
   try {
     o.optimizer = pick("--optimizer", optimizer, kOptimizers);
+    // Python's AdamW decays by 0.01 unless told otherwise; the flag's 0 is for the others.
+    if (o.optimizer == OptimizerKind::kAdamW && app.count("--weight-decay") == 0) o.weightDecay = 0.01;
     o.lrDecay = pick("--lr-decay", lrDecay, kDecays);
     o.device = pick("--device", device, kDevices);
     o.backend = pick("--backend", backend, kBackends);

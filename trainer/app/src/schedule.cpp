@@ -20,6 +20,17 @@ LrSchedule LrSchedule::fromOptions(const TrainOptions& o) {
 
 double LrSchedule::at(double progress) const {
   progress = std::max(0.0, progress);
+  if (decay == LrDecay::kOneCycle) {
+    // torch's OneCycleLR (anneal_strategy='cos', two phases) with div_factor = 1 / warmupStartFactor
+    // and its final rate minLr, as a function of progress: up over `up` epochs, down over the rest.
+    const double total = static_cast<double>(epochs);
+    const double up = warmupEpochs > 0 ? warmupEpochs : 0.3 * total;
+    const double start = peak * warmupStartFactor;
+    auto anneal = [](double from, double to, double t) { return to + (from - to) * 0.5 * (1.0 + std::cos(M_PI * t)); };
+    if (progress < up) return anneal(start, peak, progress / up);
+    const double t = total > up ? std::min(1.0, (progress - up) / (total - up)) : 1.0;
+    return anneal(peak, minLr, t);
+  }
   if (progress < warmupEpochs) {
     const double f = warmupStartFactor + (1.0 - warmupStartFactor) * (progress / warmupEpochs);
     return peak * f;
@@ -35,6 +46,13 @@ double LrSchedule::at(double progress) const {
       const double t = span > 0 ? std::min(1.0, (progress - warmupEpochs) / span) : 1.0;
       return minLr + (peak - minLr) * 0.5 * (1.0 + std::cos(M_PI * t));
     }
+    case LrDecay::kLinear: {
+      const double span = static_cast<double>(epochs) - warmupEpochs;
+      const double t = span > 0 ? std::min(1.0, (progress - warmupEpochs) / span) : 1.0;
+      return peak + (minLr - peak) * t;
+    }
+    case LrDecay::kOneCycle:
+      break;  // above
   }
   return peak;
 }

@@ -231,9 +231,22 @@ std::int64_t sampleBytes(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
+// Python's defaults apart from the learning rate and weight decay (and SGD's momentum).
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
-  if (o.optimizer == OptimizerKind::kAdam)
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
+  switch (o.optimizer) {
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kRmsprop:
+      return std::make_unique<torch::optim::RMSprop>(params,
+                                                     torch::optim::RMSpropOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(params,
+                                                     torch::optim::AdagradOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kSgd:
+      break;
+  }
   return std::make_unique<torch::optim::SGD>(
       params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
 }
@@ -374,6 +387,15 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
     lossSum += loss.detach();
     out.phases.forwardBackward += lap();
   }
+  if (o.clipGradNorm > 0) {
+    // DDP's gradients are averaged already, the same on every rank: their norm is the global one
+    // and every rank clips alike. The scaler's factor comes off first (Python's unscale_ + clip).
+    scaler.unscale(optimizer);
+    std::vector<torch::Tensor> params;
+    for (const auto& group : optimizer.param_groups())
+      for (const auto& p : group.params()) params.push_back(p);
+    torch::nn::utils::clip_grad_norm_(params, o.clipGradNorm);
+  }
   scaler.step(optimizer);
   scaler.update();
   out.loss = lossSum.item<double>() / static_cast<double>(micro);
@@ -384,9 +406,6 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
 
 // ---- the run -------------------------------------------------------------------------------------------
 
-// One training run: set-up in the constructor, then run() (loop and finish). Resilience (stop
-// signals, snapshots, resume) is the library's ctorch::ResilientTraining; this class adds the
-// trainer's own data, metrics, evaluation, console and final weights.
 // The epoch's training-loss totals as every rank knows them (summed over the ranks in a step's
 // agreement), tracked in the snapshot: a run resumed mid-epoch writes the same "train" and "epoch"
 // records as one never interrupted (issue 28.5). The losses are summed at the steps that log and at
@@ -444,6 +463,9 @@ struct EpochTally {
   }
 };
 
+// One training run: set-up in the constructor, then run() (loop and finish). Resilience (stop
+// signals, snapshots, resume) is the library's ctorch::ResilientTraining; this class adds the
+// trainer's own data, metrics, evaluation, console and final weights.
 class Trainer {
  public:
   // `data` is loaded before the process group exists (it does not depend on the rank): a spare

@@ -21,8 +21,8 @@ class UsageError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-enum class OptimizerKind { kSgd, kAdam };
-enum class LrDecay { kNone, kCosine, kStep };
+enum class OptimizerKind { kSgd, kAdam, kAdamW, kRmsprop, kAdagrad };
+enum class LrDecay { kNone, kCosine, kStep, kLinear, kOneCycle };
 enum class DeviceChoice { kAuto, kCpu, kCuda };
 enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
@@ -65,6 +65,7 @@ struct TrainOptions {
   double lr = 0.05;                  // peak learning rate
   double momentum = 0.9;             // SGD momentum
   double weightDecay = 0.0;
+  double clipGradNorm = 0.0;         // > 0: gradients clipped to this global L2 norm before each update
   double warmupEpochs = 0.0;         // linear warmup from lr * warmupStartFactor to lr
   double warmupStartFactor = 0.1;
   // After warmup. The default is the seeds' MNIST example: StepLR(step_size=1, gamma=0.7).
