@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <ctorch/contract/worker_contract.hpp>
@@ -229,6 +230,37 @@ TEST_CASE("outputs: every place the run writes is checked before anything is loa
   }
   CHECK(fs::is_fifo(fifo));  // never opened for writing, never replaced
   CHECK(std::distance(fs::directory_iterator(adir), fs::directory_iterator()) == 0);  // no probe file left
+}
+
+TEST_CASE("profiler: --profile-steps A:B writes a Chrome trace of those steps on every rank (issue 28.8)",
+          "[trainer][process][outputs]") {
+  TempDir dir("train-profile");
+  const auto r = ctorch::test::run(
+      trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "1", "--profile-steps", "3:4", "--model-dir",
+                                                    (dir / "out").string()})));
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("profiling global steps 3 to 4") != std::string::npos);
+  CHECK(r.output.find("profiler trace written: " + (dir / "out" / "trace-rank0.json").string() +
+                      " (through global step 4") != std::string::npos);
+  for (int rank : {0, 1}) {
+    const fs::path trace = dir / "out" / ("trace-rank" + std::to_string(rank) + ".json");
+    INFO(trace);
+    REQUIRE(fs::exists(trace));
+    const auto events = nlohmann::json::parse(ctorch::test::readFile(trace));  // Chrome's trace format: a list
+    REQUIRE(events.is_array());
+    std::set<std::string> names;
+    for (const auto& e : events) names.insert(e.value("name", ""));
+    CHECK(names.count("aten::addmm") + names.count("aten::linear") > 0);  // the forward
+    CHECK(names.count("AddmmBackward0") > 0);                             // and the backward
+  }
+  // Bad values are refused before anything runs, naming the flag.
+  for (const std::string bad : {"5:2", "0:3", "x", "3:"}) {
+    const auto b = ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--profile-steps", bad})));
+    INFO(show(b));
+    CHECK(b.exitCode == ctorch::contract::kExitUsage);
+    CHECK(b.output.find("--profile-steps '" + bad + "'") != std::string::npos);
+  }
 }
 
 TEST_CASE("metrics: a classification run stopped before its first evaluation is still classification",

@@ -392,6 +392,15 @@ void TrainOptions::checkOutputs() const {
   checkWritableDirectory("--model-dir '" + outputDir().string() + "'", outputDir());
   checkOutputFile("--model-filename", finalModelPath(), "model.pt");
   if (const auto metrics = metricsPath()) checkOutputFile("--metrics-file", *metrics, "metrics.jsonl");
+  if (profileFirst > 0) checkOutputFile("--profile-file", profilePath(0), "trace.json");
+}
+
+std::filesystem::path TrainOptions::profilePath(int rank) const {
+  if (profileFile.empty()) return outputDir() / ("trace-rank" + std::to_string(rank) + ".json");
+  std::string p = profileFile.string();
+  for (auto at = p.find("{rank}"); at != std::string::npos; at = p.find("{rank}"))
+    p.replace(at, 6, std::to_string(rank));
+  return p;
 }
 
 std::filesystem::path TrainOptions::outputDir() const {
@@ -599,6 +608,15 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
                "which saves a copy)")
       ->group(kSys);
 
+  std::string profileSteps, profileFile;
+  opt("--profile-steps", profileSteps,
+      "A:B (or A): a Chrome trace of global steps A to B by LibTorch's profiler, one file per rank "
+      "(open it in chrome://tracing or ui.perfetto.dev)")
+      ->group(kSys);
+  opt("--profile-file", profileFile, "where --profile-steps writes (default: <model-dir>/trace-rank<R>.json; "
+                                     "{rank} is replaced by the rank)")
+      ->group(kSys);
+
   opt("--step-delay-ms", stepDelayMs, "testing aid: sleep after every step")->group("Testing");
 
   std::vector<std::string> args;
@@ -647,6 +665,26 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
     if (app.count("--metrics-file")) o.metricsFile = metrics == "none" ? std::filesystem::path() : std::filesystem::path(metrics);
     o.timeout = std::chrono::seconds(timeoutS);
     o.stepDelay = std::chrono::milliseconds(stepDelayMs);
+    if (app.count("--profile-steps")) {
+      const auto colon = profileSteps.find(':');
+      auto step = [&](const std::string& text) {
+        std::size_t used = 0;
+        std::int64_t v = 0;
+        try {
+          v = std::stoll(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || v < 1)
+          bad("--profile-steps", profileSteps, "must be A:B or A, global steps counted from 1 (e.g. 10:12)");
+        return v;
+      };
+      o.profileFirst = step(profileSteps.substr(0, colon));
+      o.profileLast = colon == std::string::npos ? o.profileFirst : step(profileSteps.substr(colon + 1));
+      if (o.profileLast < o.profileFirst)
+        bad("--profile-steps", profileSteps, "ends before it starts (A:B needs B >= A)");
+    }
+    o.profileFile = profileFile;
     o.gradientAsBucketView = !noBucketView;
     try {  // bf16, BFloat16, fp16, half: the canonical name, which the binding configuration records
       o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));

@@ -31,6 +31,7 @@
 #include <ctorch/snapshot.hpp>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/cuda.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -536,6 +537,10 @@ class Trainer {
   double intervalLocalLoss_ = 0.0;      // this rank's losses of the tally's unsummed steps
   const std::vector<double>* summing_ = nullptr;  // the sums of the step being agreed, for a capture in it
   bool summingLogs_ = false;
+  // --profile-steps: LibTorch's profiler while the chosen steps run; the trace is written when it ends.
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> profiler_;
+  void profileBefore(std::int64_t nextStep);
+  void profileAfter(std::int64_t doneStep, bool ending);
   double bestAccuracy_ = -1.0;
 };
 
@@ -736,6 +741,7 @@ bool Trainer::runEpoch(RunResult& result) {
     const double lr = schedule_->at(epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_));
     setLearningRate(*optimizer_, lr);
     if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
+    profileBefore(t.globalStep() + 1);
     StepOutcome step;
     std::vector<double> sums;
     bool stop = false;
@@ -827,6 +833,7 @@ bool Trainer::runEpoch(RunResult& result) {
       }
     }
     if (hooks_.afterStep) hooks_.afterStep(t.globalStep());
+    profileAfter(t.globalStep(), stop);
     if (stop) {
       result = stopped(result, false);
       return true;
@@ -893,6 +900,23 @@ bool Trainer::endEpoch(RunResult& result) {
 
 // Called from a handler of a failed collective: re-forms the group with the launcher's replacement
 // and restores the agreed point (ResilientTraining::recover), or fails the step as without it.
+void Trainer::profileBefore(std::int64_t nextStep) {
+  if (profiler_ || o_.profileFirst == 0 || nextStep < o_.profileFirst || nextStep > o_.profileLast) return;
+  const auto path = o_.profilePath(rank_);
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  profiler_ = std::make_unique<torch::autograd::profiler::RecordProfile>(path.string());
+  console_.line("profiling global steps " + std::to_string(nextStep) + " to " + std::to_string(o_.profileLast) +
+                " (LibTorch's profiler; rank " + std::to_string(rank_) + " writes " + path.string() + ")");
+}
+
+void Trainer::profileAfter(std::int64_t doneStep, bool ending) {
+  if (!profiler_ || (doneStep < o_.profileLast && !ending)) return;
+  profiler_.reset();  // writes the trace
+  console_.line("profiler trace written: " + o_.profilePath(rank_).string() + " (through global step " +
+                std::to_string(doneStep) + "; open it in chrome://tracing or ui.perfetto.dev)");
+}
+
 void Trainer::recoverInPlace() {
   try {
     const ResumePoint p = training_->recover();

@@ -110,6 +110,12 @@ struct TrainOptions {
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
 
+  // ---- profiling: a Chrome trace (LibTorch's profiler) of global steps [profileFirst, profileLast]
+  std::int64_t profileFirst = 0;  // 0: off
+  std::int64_t profileLast = 0;
+  std::filesystem::path profileFile;  // empty: <outputDir()>/trace-rank<R>.json
+  std::filesystem::path profilePath(int rank) const;
+
   // ---- testing aids
   std::chrono::milliseconds stepDelay{0};  // sleep after every step (makes kill tests deterministic)
 
