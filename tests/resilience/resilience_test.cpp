@@ -459,3 +459,25 @@ TEST_CASE("resilience: recover() rethrows what is not a lost peer, and everythin
   }
   ctorch::destroyProcessGroup();
 }
+
+TEST_CASE("errors: one predicate says what is a lost peer, one helper gives a message without LibTorch's backtrace "
+          "(issue 29.2)",
+          "[resilience]") {
+  CHECK(ctorch::isLostPeer(ctorch::DistributedError("rank 1: allReduce failed")));
+  CHECK(ctorch::isLostPeer(ctorch::DistributedTimeout("rank 1: barrier timed out")));
+  // Gloo's, NCCL's and the Reducer's own errors, as they reach a loop through autograd.
+  const c10::Error gloo({"f", "file.cpp", 1}, "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1234");
+  CHECK(ctorch::isLostPeer(gloo));
+  CHECK(ctorch::isLostPeer(c10::Error({"f", "file.cpp", 1}, "NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited")));
+  CHECK(ctorch::isLostPeer(std::runtime_error("Timed out waiting 30000ms for send operation to complete")));
+  // Not a lost peer: the library's own configuration, snapshot and disk errors, a shape error.
+  CHECK_FALSE(ctorch::isLostPeer(ctorch::ConfigError("--lr 'x' is not a number (a peer said so)")));
+  CHECK_FALSE(ctorch::isLostPeer(ctorch::WriteFailed("cannot write snapshot.pt: No space left on device")));
+  CHECK_FALSE(ctorch::isLostPeer(c10::Error({"f", "file.cpp", 1}, "mat1 and mat2 shapes cannot be multiplied (4x3 and 4x2)")));
+  CHECK_FALSE(ctorch::isLostPeer(std::runtime_error("std::bad_alloc")));
+  // The message without the backtrace c10::Error's what() carries.
+  CHECK(ctorch::errorMessage(gloo).find("Connection closed by peer") != std::string::npos);
+  CHECK(ctorch::errorMessage(gloo).size() <= std::string(gloo.what()).size());  // never more than what()
+  CHECK(ctorch::errorMessage(gloo).find("Exception raised from f") == std::string::npos);
+  CHECK(ctorch::errorMessage(std::runtime_error("plain")) == "plain");
+}

@@ -28,10 +28,7 @@ std::string demangle(const char* mangled) {
   return status == 0 && name ? std::string(name.get()) : std::string(mangled);
 }
 
-std::string whatOf(const std::exception& e) {
-  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
+std::string whatOf(const std::exception& e) { return errorMessage(e); }
 
 // The chain of std::nested_exception causes, innermost last.
 void appendNested(const std::exception& e, std::string& out, int depth = 0) {

@@ -12,9 +12,7 @@
 namespace ctorch::detail {
 
 inline std::string messageOf(const std::exception& e) {
-  std::string text;
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-  else text = e.what();
+  std::string text = errorMessage(e);
   // Keep the first paragraph: c10 appends "Exception raised from ..." after a newline.
   if (auto pos = text.find("\nException raised from"); pos != std::string::npos) text.resize(pos);
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();

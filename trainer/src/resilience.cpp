@@ -966,16 +966,10 @@ ResumePoint ResilientTraining::recover() {
   bool communication = false;
   try {
     std::rethrow_exception(failure);
-  } catch (const DistributedError& e) {
-    cause = detail::messageOf(e);
-    communication = true;
-  } catch (const Error&) {
-    // The library's other errors (configuration, snapshots): not a lost peer.
   } catch (const std::exception& e) {
     // Gloo's and the Reducer's own errors reach the loop through autograd as c10::Error.
+    communication = isLostPeer(e);
     cause = detail::messageOf(e);
-    for (const char* mark : {"onnection", "imed out", "imeout", "Gloo", "gloo", "peer", "exited while rank"})
-      communication = communication || cause.find(mark) != std::string::npos;
   } catch (...) {
   }
   if (!communication) std::rethrow_exception(failure);

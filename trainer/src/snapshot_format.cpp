@@ -179,10 +179,7 @@ std::string leadingBytes(const std::vector<char>& bytes) {
   return os.str();
 }
 
-std::string errorText(const std::exception& e) {
-  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
+std::string errorText(const std::exception& e) { return errorMessage(e); }
 
 // Every tensor's view (sizes, strides, offset) must lie inside its storage before anything reads
 // its data: LibTorch's unpickler takes them from the file unchecked. Returns a description of the

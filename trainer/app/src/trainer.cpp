@@ -279,18 +279,13 @@ std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 // (DistributedError from DDP, the agreement or the shared-memory allreduce) keep their type; a line
 // that already names the rank (the agreement's) is not prefixed again.
 [[noreturn]] void stepFailed(const std::exception& e, int rank, std::int64_t globalStep, std::chrono::seconds timeout) {
-  std::string text;
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-  else text = e.what();
+  std::string text = errorMessage(e);
   if (const auto cut = text.find('\n'); cut != std::string::npos) text.resize(cut);
   if (text.rfind("rank ", 0) != 0)
     text = "rank " + std::to_string(rank) + ": step " + std::to_string(globalStep + 1) + " failed: " + text;
   // The hang guard's bound belongs to lost or silent peers only, not to a disk or a shape error.
   const auto* ours = dynamic_cast<const DistributedError*>(&e);
-  bool communication = ours != nullptr;
-  for (const char* mark : {"onnection", "imed out", "imeout", "Gloo", "gloo", "NCCL", "peer", "exited while rank"})
-    communication = communication || text.find(mark) != std::string::npos;
-  if (!communication) throw Error(text);
+  if (!isLostPeer(e)) throw Error(text);
   const std::string message =
       text + " (collectives give up on a silent peer after --timeout " + std::to_string(timeout.count()) + " s)";
   if (ours ? dynamic_cast<const DistributedTimeout*>(&e) != nullptr

@@ -60,4 +60,14 @@ class Stopped : public Error {
   using Error::Error;
 };
 
+// The message of any exception, without the C++ backtrace LibTorch's c10::Error carries in what().
+std::string errorMessage(const std::exception& e);
+
+// Whether `e` is a failed collective: ctorch's DistributedError, or Gloo's, NCCL's or DDP's own
+// error as it reaches a loop through autograd (a c10::Error saying a connection closed or reset, a
+// peer gone, a wait timed out). What ResilientTraining::recover() repairs in place and what a
+// trainer reports with its hang guard's bound; anything else (a shape error, ctorch's
+// configuration and snapshot errors, a full disk) is not.
+bool isLostPeer(const std::exception& e);
+
 } // namespace ctorch
