@@ -172,6 +172,10 @@ TEST_CASE("config: static multi-node ranks and endpoint") {
   auto e = configFor({"--rdzv-endpoint", "[::1]:4100", "/bin/true"});
   CHECK(e.rdzvEndpointHost == "::1");
   CHECK(e.rdzvEndpointPort == 4100);
+  // A bare IPv6 address is a host without a port; anything else with colons splits at the last one.
+  auto bare = configFor({"--rdzv-backend", "c10d", "--rdzv-endpoint", "fe80::1%eth0", "/bin/true"});
+  CHECK(bare.rdzvEndpointHost == "fe80::1%eth0");
+  CHECK(bare.rdzvEndpointPort == 29400);
 }
 
 // ---- Bad input: one line naming the bad value --------------------------------------------------
@@ -192,6 +196,8 @@ TEST_CASE("config bad input: each gives an error that quotes the bad value") {
       {{"--master-port", "-1", "/bin/true"}, "'-1'"},
       {{"--master-port", "http", "/bin/true"}, "'http'"},
       {{"--rdzv-endpoint", "host:99999", "/bin/true"}, "'99999'"},
+      // Refused at once, as torchrun does, not a wait for the join timeout (issue 29).
+      {{"--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400:x", "/bin/true"}, "port 'x': not a port number"},
       {{"--rdzv-backend", "zookeeper", "/bin/true"}, "'zookeeper'"},
       {{"--rdzv-backend", "etcd", "/bin/true"}, "'etcd'"},
       {{"--rdzv-conf", "join_timeout", "/bin/true"}, "'join_timeout'"},

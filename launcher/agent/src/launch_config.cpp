@@ -1,5 +1,7 @@
 #include "ctorch/launcher/launch_config.hpp"
 
+#include <arpa/inet.h>
+
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/exit_status.hpp"
 #include "ctorch/launcher/machine.hpp"
@@ -345,7 +347,13 @@ std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& valu
       throw UsageError("--rdzv-endpoint " + quote(value) + ": expected HOST[:PORT]");
   } else {
     auto colon = v.rfind(':');
-    if (colon != std::string::npos && v.find(':') == colon) {
+    // Several colons: a bare IPv6 address (no port), or as torchrun reads it, HOST:PORT split at
+    // the last one ("localhost:29400:x" has the port 'x', refused at once).
+    in6_addr probe{};
+    const std::string address = v.substr(0, v.find('%'));  // fe80::1%eth0: the zone is not the address's
+    const bool bareIpv6 = colon != std::string::npos && v.find(':') != colon &&
+                          ::inet_pton(AF_INET6, address.c_str(), &probe) == 1;
+    if (colon != std::string::npos && !bareIpv6) {
       host = v.substr(0, colon);
       rest = v.substr(colon);
     } else {
