@@ -996,7 +996,13 @@ RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
   o.validate();
   // Before the data and the model are loaded: a place the run cannot write fails now, in flag
   // names, not minutes later in a library's words. Rank 0 writes (RANK, before the group exists).
-  if (detectDistributedEnv(processEnvironment()).rank == 0) o.checkOutputs();
+  // A spare (no rank yet) or a bad environment skips it: initProcessGroup says what is wrong.
+  int rank = -1;
+  try {
+    rank = detectDistributedEnv(processEnvironment()).rank;
+  } catch (const ConfigError&) {
+  }
+  if (rank == 0) o.checkOutputs();
   ctorch::tuneAllocator();
   const torch::Device wanted = chooseDevice(o);
   const auto dataStart = Clock::now();
