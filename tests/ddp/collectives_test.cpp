@@ -92,7 +92,7 @@ CTORCH_TEST_WORKER(collectives) {
   std::_Exit(failures == 0 ? 0 : 1);  // the group is broken: no orderly teardown
 }
 
-TEST_CASE("collectives: allReduce, broadcast, allGather and gather of a loop's own values over Gloo, 3 ranks; a lost "
+TEST_CASE("collectives: allReduce, broadcast, allGather and gather of a loop's own values over Gloo, 3 ranks, and a lost "
           "peer is a DistributedError (issue 28.8)",
           "[collectives]") {
   auto results = runWorkerGroup({.worker = "collectives", .worldSize = 3, .timeout = std::chrono::seconds(90)});
