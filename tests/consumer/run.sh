@@ -33,6 +33,14 @@ cmake --install "$build" --prefix "$tmp/installed" >/dev/null
 if grep -nE '/[^";]*lib(c10|torch)[a-z_]*\.so' "$tmp"/installed/lib*/cmake/ctorch/ctorchTargets*.cmake; then
   fail "the installed package hard-codes LibTorch library paths (above)"
 fi
+# The public API only: the library's internal headers are neither installed nor included by one that is.
+internal='compat|snapshot_writer|digest|shared_memory_allreduce'
+if ls "$tmp"/installed/include/ctorch/ | grep -xE "($internal)\.hpp"; then
+  fail "internal headers are installed (above)"
+fi
+if grep -rnE "#include [<\"]ctorch/($internal)\.hpp" "$tmp/installed/include"; then
+  fail "an installed header includes an internal one (above)"
+fi
 mv "$tmp/installed" "$tmp/prefix"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
