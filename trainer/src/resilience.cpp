@@ -226,7 +226,7 @@ struct ResilientTraining::Impl {
   }
 
   // A failed collective becomes one line naming the rank and the moment.
-  [[noreturn]] void failed(const std::exception& e, const std::string& during) const {
+  [[noreturn]] void throwCollectiveFailure(const std::exception& e, const std::string& during) const {
     const std::string message = detail::messageOf(e);
     detail::throwDistributed("rank " + std::to_string(rank) + ": " + during + " failed: " + message, message);
   }
@@ -314,7 +314,7 @@ struct ResilientTraining::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, during);
+      throwCollectiveFailure(e, during);
     }
   }
 
@@ -326,7 +326,7 @@ struct ResilientTraining::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, r.during);
+      throwCollectiveFailure(e, r.during);
     }
   }
 
@@ -376,7 +376,7 @@ struct ResilientTraining::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, "gathering generator states");
+      throwCollectiveFailure(e, "gathering generator states");
     }
   }
 
@@ -393,8 +393,11 @@ struct ResilientTraining::Impl {
   }
 
   // Every rank calls it (the generator states are gathered); rank 0 captures a copy and hands it to
-  // the writer. `slots`: the slot (and the boundary slot at an epoch boundary) unless onlyExtras.
-  void save(Kind kind, const SaveExtras& extras, bool onlyExtras) {
+  // the writer: into the slot (and the boundary slot at an epoch boundary) and extras.alsoWriteTo, or
+  // (Targets::kExtrasOnly) into extras.alsoWriteTo alone.
+  enum class Targets { kSlotAndExtras, kExtrasOnly };
+  void save(Kind kind, const SaveExtras& extras, Targets targets) {
+    const bool onlyExtras = targets == Targets::kExtrasOnly;
     std::vector<RngState> rankRng;
     if (!o.stepSeed()) rankRng = gatherRng();
     if (rank != 0) {
@@ -467,7 +470,7 @@ struct ResilientTraining::Impl {
 
   // An agreed stop: the snapshot of exactly this point is durable on rank 0 before anyone leaves.
   bool stopHere() {
-    if (!saved()) save(currentKind(), {}, false);
+    if (!saved()) save(currentKind(), {}, Targets::kSlotAndExtras);
     settleWrites("the stop's barrier");
     status = TrainingStatus::kStopped;
     const int signo = ctorch::stopSignal();
@@ -562,7 +565,7 @@ struct ResilientTraining::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, "in-place recovery (agreeing on the newest state)");
+      throwCollectiveFailure(e, "in-place recovery (agreeing on the newest state)");
     }
     if (code < 0) {
       if (ddp) ddp->rejoin(group, std::nullopt);
@@ -589,7 +592,7 @@ struct ResilientTraining::Impl {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      failed(e, "receiving the training state from rank " + std::to_string(donor));
+      throwCollectiveFailure(e, "receiving the training state from rank " + std::to_string(donor));
     }
     if (rank != donor) {
       const Snapshot snap = decodeSnapshot(bytes, "rank " + std::to_string(donor) + "'s training state");
@@ -637,7 +640,7 @@ struct ResilientTraining::Impl {
 
   // The snapshot to continue from (every rank reads the files itself); `unusable` gets the slot
   // files that were skipped as damaged.
-  std::optional<Snapshot> find(ResumePoint& point, std::vector<SkippedSnapshot>& unusable) {
+  std::optional<Snapshot> chooseResumeSource(ResumePoint& point, std::vector<SkippedSnapshot>& unusable) {
     if (!o.resume()) {
       point.message = "resuming is off: starting from scratch";
       return std::nullopt;
@@ -839,7 +842,7 @@ ResumePoint ResilientTraining::resume() {
   if (s.allReduce({slotBusy ? 1.0 : 0.0}, c10d::ReduceOp::MAX, "resume (the slot's lock)")[0] > 0)
     s.refuseBusySlot(holder);
   std::vector<SkippedSnapshot> unusable;
-  const std::optional<Snapshot> snap = s.find(point, unusable);
+  const std::optional<Snapshot> snap = s.chooseResumeSource(point, unusable);
   // DDP first: the bucket layout the snapshot's run reduced with (and gradients defined, for
   // gradientAsBucketView) before any forward of this process.
   if (s.ddp) s.ddp->resetReducer(snap ? bucketsOf(*snap) : std::nullopt);
@@ -888,12 +891,14 @@ ResumePoint ResilientTraining::resume() {
 bool ResilientTraining::stepDone() {
   std::vector<double> none;
   // One rank has nobody to agree with: its own stop flag is read at once.
-  return impl_->o.overlapAgreement() && impl_->world > 1 ? stepDoneImpl(nullptr) : stepDoneImpl(&none);
+  return impl_->o.overlapAgreement() && impl_->world > 1 ? finishStep(StopAgreement::kOverlapped, nullptr)
+                                                         : finishStep(StopAgreement::kNow, &none);
 }
 
-bool ResilientTraining::stepDone(std::vector<double>& sums) { return stepDoneImpl(&sums); }
+bool ResilientTraining::stepDone(std::vector<double>& sums) { return finishStep(StopAgreement::kNow, &sums); }
 
-bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
+bool ResilientTraining::finishStep(StopAgreement agreement, std::vector<double>* sums) {
+  if (agreement == StopAgreement::kNow && !sums) throw std::logic_error("finishStep: an agreement now needs sums");
   Impl& s = *impl_;
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before the first step");
   s.checkFinished("stepDone");
@@ -907,7 +912,7 @@ bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
   // The previous step's agreement, when it was left running (long finished by now, unless a rank
   // is slower): a stop asked before that step ends the run at this one.
   Impl::Vote vote = s.finishAgreement();
-  if (sums) {
+  if (agreement == StopAgreement::kNow) {
     std::vector<double> values{s.stopFlag(), s.writeFlag()};
     values.insert(values.end(), sums->begin(), sums->end());
     values = s.allReduce(std::move(values), c10d::ReduceOp::SUM, "step " + std::to_string(s.globalStep));
@@ -922,10 +927,10 @@ bool ResilientTraining::stepDoneImpl(std::vector<double>* sums) {
     s.stop = true;
     return s.stopHere();
   }
-  if (!sums && s.world > 1) s.startAgreement();
+  if (agreement == StopAgreement::kOverlapped) s.startAgreement();
   const bool epochEnds = s.sampler && s.sampler->exhausted();  // epochDone() saves that one
   if (s.o.saveEverySteps() > 0 && s.globalStep % s.o.saveEverySteps() == 0 && !epochEnds)
-    s.save(Impl::Kind::kMidEpoch, {}, false);
+    s.save(Impl::Kind::kMidEpoch, {}, Impl::Targets::kSlotAndExtras);
   s.commit();
   s.seedStep();
   return false;
@@ -942,8 +947,8 @@ bool ResilientTraining::epochDone(const SaveExtras& extras) {
   const Impl::Vote vote = s.finishAgreement();  // the epoch's last step's, when left running
   const bool due = extras.force || s.o.saveEverySteps() > 0 ||
                    (s.o.saveEveryEpochs() > 0 && s.epoch % s.o.saveEveryEpochs() == 0);
-  if (due) s.save(Impl::Kind::kEpochBoundary, extras, false);
-  else if (!extras.alsoWriteTo.empty()) s.save(Impl::Kind::kEpochBoundary, extras, true);
+  if (due) s.save(Impl::Kind::kEpochBoundary, extras, Impl::Targets::kSlotAndExtras);
+  else if (!extras.alsoWriteTo.empty()) s.save(Impl::Kind::kEpochBoundary, extras, Impl::Targets::kExtrasOnly);
   // A stop requested during the evaluation (or the last step's agreement) ends the run here; a
   // failed snapshot write stops every rank with WriteFailed.
   const auto agreed = s.allReduce({s.stopFlag(), s.writeFlag()}, c10d::ReduceOp::SUM, "end of epoch " + std::to_string(s.epoch));
@@ -997,7 +1002,7 @@ void ResilientTraining::save(const SaveExtras& extras) {
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before save()");
   s.checkFinished("save");
   if (s.stop) throw ConfigError("ResilientTraining::save() after the run stopped on request: return exitCode() from the loop");
-  s.save(s.currentKind(), extras, false);
+  s.save(s.currentKind(), extras, Impl::Targets::kSlotAndExtras);
 }
 
 void ResilientTraining::wait() { impl_->writer->wait(); }
@@ -1011,7 +1016,7 @@ int ResilientTraining::finish() {
   // that step changes nothing (the final state is saved and the run ends with 0).
   s.finishAgreement();
   const bool scheduled = s.o.saveEverySteps() > 0 || s.o.saveEveryEpochs() > 0;
-  if (scheduled && !s.saved()) s.save(s.currentKind(), {}, false);
+  if (scheduled && !s.saved()) s.save(s.currentKind(), {}, Impl::Targets::kSlotAndExtras);
   s.settleWrites("the final barrier");  // nobody exits before rank 0's snapshot is durable (or failed)
   s.status = TrainingStatus::kFinished;
   return contract::kExitSuccess;

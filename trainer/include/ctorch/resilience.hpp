@@ -250,7 +250,10 @@ class ResilientTraining {
 
  private:
   ResilientTraining& trackModule(torch::nn::Module& module, detail::DDPCore* ddp);
-  bool stepDoneImpl(std::vector<double>* sums);  // nullptr: the stop agreement is left running
+  // kOverlapped: the step's stop agreement is started and read at the next call (sums is null);
+  // kNow: agreed (with `sums` summed) before it returns.
+  enum class StopAgreement { kOverlapped, kNow };
+  bool finishStep(StopAgreement agreement, std::vector<double>* sums);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
