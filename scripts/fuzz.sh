@@ -52,8 +52,11 @@ fuzz_snapshot() {
   local sanitize=${CTORCH_FUZZ_SANITIZE:-fuzzer,address}
   local objs=()
   mkdir -p "$out/snapshot-obj"
-  for f in snapshot_format digest zip_check pickle_scan snapshot_state sampler version; do
-    if [ ! "$out/snapshot-obj/$f.o" -nt "$t/src/$f.cpp" ] || [ "$out/snapshot-obj/$f.o" -ot "$t/src/pickle_scan.hpp" ]; then
+  for f in snapshot_format digest zip_check pickle_scan snapshot_state sampler version errors; do
+    # Rebuilt when its source or any of the library's headers changed since (a changed declaration
+    # would otherwise link against a stale object).
+    if [ ! "$out/snapshot-obj/$f.o" -nt "$t/src/$f.cpp" ] ||
+       [ -n "$(find "$t/include" "$t/src" -name '*.hpp' -newer "$out/snapshot-obj/$f.o" -print -quit)" ]; then
       "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -c $torch_defines -I"$t/include" -I"$t/src" -I"$t/shim" -I"$torch_include" \
         -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$out/snapshot-obj/$f.o"
     fi
