@@ -915,6 +915,12 @@ void Trainer::profileAfter(std::int64_t doneStep, bool ending) {
 void Trainer::recoverInPlace() {
   try {
     const ResumePoint p = training_->recover();
+    // The rank that sent the state kept its own tally: every rank drops the losses not summed yet
+    // (the others never had them), so the tally stays the same on every rank.
+    tally_.lostSteps += tally_.unsummed;
+    tally_.intervalSteps -= tally_.unsummed;
+    tally_.unsummed = 0;
+    intervalLocalLoss_ = 0.0;
     console_.line("in-place recovery: " + p.message + " (group generation " + std::to_string(groupGeneration()) + ")");
   } catch (const DistributedError& e) {
     stepFailed(e, rank_, training_->globalStep(), o_.timeout);
