@@ -42,6 +42,16 @@ void checkRank(const char* what, int rank) {
                       std::to_string(world) + ")");
 }
 
+// The backends work on dense tensors: `f` runs on `tensor` itself, or on a contiguous copy whose
+// result is copied back (a transposed view, a slice).
+template <typename F>
+void onDense(at::Tensor& tensor, F&& f) {
+  if (tensor.is_contiguous()) return f(tensor);
+  at::Tensor dense = tensor.contiguous();
+  f(dense);
+  tensor.copy_(dense);
+}
+
 // Runs one collective; its failure becomes one DistributedError naming it.
 template <typename F>
 void run(const char* what, F&& f) {
@@ -60,16 +70,12 @@ void run(const char* what, F&& f) {
 void allReduce(at::Tensor& tensor, ReduceOp op) {
   if (!tensor.defined()) throw ConfigError("ctorch::allReduce: the tensor is undefined");
   if (!grouped()) return;
-  if (!tensor.is_contiguous()) {
-    at::Tensor dense = tensor.contiguous();
-    allReduce(dense, op);
-    tensor.copy_(dense);
-    return;
-  }
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10dOp(op);
-  run("allReduce", [&](c10d::ProcessGroup& g) { return g.allreduce(tensors, options); });
+  onDense(tensor, [&](at::Tensor& dense) {
+    std::vector<at::Tensor> tensors{dense};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10dOp(op);
+    run("allReduce", [&](c10d::ProcessGroup& g) { return g.allreduce(tensors, options); });
+  });
   if (op == ReduceOp::kAvg) {
     if (tensor.is_floating_point() || tensor.is_complex()) tensor.div_(getWorldSize());
     else tensor.div_(getWorldSize(), "floor");
@@ -91,16 +97,12 @@ void broadcast(at::Tensor& tensor, int src) {
   if (!tensor.defined()) throw ConfigError("ctorch::broadcast: the tensor is undefined");
   checkRank("ctorch::broadcast", src);
   if (!grouped()) return;
-  if (!tensor.is_contiguous()) {
-    at::Tensor dense = tensor.contiguous();
-    broadcast(dense, src);
-    tensor.copy_(dense);
-    return;
-  }
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions options;
-  options.rootRank = src;
-  run("broadcast", [&](c10d::ProcessGroup& g) { return g.broadcast(tensors, options); });
+  onDense(tensor, [&](at::Tensor& dense) {
+    std::vector<at::Tensor> tensors{dense};
+    c10d::BroadcastOptions options;
+    options.rootRank = src;
+    run("broadcast", [&](c10d::ProcessGroup& g) { return g.broadcast(tensors, options); });
+  });
 }
 
 double broadcast(double value, int src) {

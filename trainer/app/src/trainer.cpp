@@ -435,7 +435,13 @@ struct EpochTally {
                                            static_cast<double>(intervalSteps), static_cast<double>(unsummed),
                                            static_cast<double>(lostSteps)});
   }
-  // A resumed process has none of the unsummed steps' losses: they are lost, and out of the interval.
+  // The unsummed steps' losses are gone (a resumed process never had them; after an in-place
+  // recovery no rank keeps them): counted as lost, and out of the interval.
+  void dropUnsummed() {
+    lostSteps += unsummed;
+    intervalSteps -= unsummed;
+    unsummed = 0;
+  }
   static EpochTally resumedFrom(const c10::IValue& v) {
     // A list of floats (as written), read back as a generic list by some LibTorch versions.
     std::vector<double> l;
@@ -453,8 +459,10 @@ struct EpochTally {
     t.epochLoss = l[0];
     t.epochLossSteps = static_cast<std::int64_t>(l[1]);
     t.intervalLoss = l[2];
-    t.intervalSteps = static_cast<std::int64_t>(l[3]) - static_cast<std::int64_t>(l[4]);
-    t.lostSteps = static_cast<std::int64_t>(l[5]) + static_cast<std::int64_t>(l[4]);
+    t.intervalSteps = static_cast<std::int64_t>(l[3]);
+    t.unsummed = static_cast<std::int64_t>(l[4]);
+    t.lostSteps = static_cast<std::int64_t>(l[5]);
+    t.dropUnsummed();
     return t;
   }
 };
@@ -741,8 +749,12 @@ bool Trainer::runEpoch(RunResult& result) {
     std::vector<double> sums;
     bool stop = false;
     bool periodic = false;
-    const EpochTally before = tally_;
-    const double localBefore = intervalLocalLoss_;
+    // The tally as before this step: what this rank would send if the step fails and is recovered.
+    auto undoStep = [this, before = tally_, localBefore = intervalLocalLoss_] {
+      summing_ = nullptr;
+      tally_ = before;
+      intervalLocalLoss_ = localBefore;
+    };
     try {
       step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
       // Whether any rank must stop: agreed in the background (read at the next step) except at the
@@ -764,19 +776,14 @@ bool Trainer::runEpoch(RunResult& result) {
       }
       step.phases.agreement = secondsSince(agreeStart);
     } catch (const DistributedError& e) {
-      // The tally as before the failed step: what this rank would send in an in-place recovery.
-      summing_ = nullptr;
-      tally_ = before;
-      intervalLocalLoss_ = localBefore;
+      undoStep();
       if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
       recoverInPlace();
       return runEpoch(result);  // from the agreed point, with a loader that starts there
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      summing_ = nullptr;
-      tally_ = before;
-      intervalLocalLoss_ = localBefore;
+      undoStep();
       if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
       recoverInPlace();  // a failure that is not a lost peer is rethrown as the step's failure
       return runEpoch(result);
@@ -917,9 +924,7 @@ void Trainer::recoverInPlace() {
     const ResumePoint p = training_->recover();
     // The rank that sent the state kept its own tally: every rank drops the losses not summed yet
     // (the others never had them), so the tally stays the same on every rank.
-    tally_.lostSteps += tally_.unsummed;
-    tally_.intervalSteps -= tally_.unsummed;
-    tally_.unsummed = 0;
+    tally_.dropUnsummed();
     intervalLocalLoss_ = 0.0;
     console_.line("in-place recovery: " + p.message + " (group generation " + std::to_string(groupGeneration()) + ")");
   } catch (const DistributedError& e) {
