@@ -3,16 +3,10 @@
 #include <torch/torch.h>
 
 #include <ctorch/data/error.hpp>
+#include <ctorch/mix_bits.hpp>
 
 namespace ctorch::data {
 namespace {
-
-uint64_t splitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // mean/std as a float tensor broadcasting over [B, C, ...].
 torch::Tensor channelTensor(const std::vector<double>& values, int64_t dims) {
@@ -25,9 +19,7 @@ torch::Tensor channelTensor(const std::vector<double>& values, int64_t dims) {
 
 }  // namespace
 
-uint64_t mixBits(uint64_t seed, uint64_t a, uint64_t b) {
-  return splitMix64(splitMix64(splitMix64(seed) ^ a) ^ b);
-}
+uint64_t mixBits(uint64_t seed, uint64_t a, uint64_t b) { return ctorch::mixBits(seed, a, b); }
 
 torch::Tensor toFloat(const torch::Tensor& inputs) {
   if (inputs.scalar_type() == torch::kByte) return inputs.to(torch::kFloat).div_(255);

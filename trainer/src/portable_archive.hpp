@@ -11,6 +11,7 @@
 
 namespace ctorch {
 struct Snapshot;
+struct SnapshotSlotOptions;
 }
 
 namespace ctorch::detail {
@@ -37,5 +38,8 @@ std::vector<char> portableArchive(const c10::IValue& top);
 
 // encodeSnapshot up to the bytes: the header and digest filled in, the value pickled (snapshot_format.cpp).
 PreparedArchive prepareSnapshot(Snapshot& snapshot);
+// saveSnapshot after its encoding: `prepared` written into the slot crash-safely (snapshot_file.cpp).
+// A snapshot going to several files is prepared (pickled, digested) once and written to each.
+std::size_t writePreparedSnapshot(const PreparedArchive& prepared, const SnapshotSlotOptions& options);
 
 } // namespace ctorch::detail

@@ -111,16 +111,19 @@ void SnapshotSlotOptions::validate() const {
 
 std::size_t saveSnapshot(Snapshot& snapshot, const SnapshotSlotOptions& options) {
   options.validate();
+  // Encoding (pickling) happens before the file system is touched: a snapshot that cannot be
+  // encoded (an unsupported user item) leaves the slot as it was.
+  return detail::writePreparedSnapshot(detail::prepareSnapshot(snapshot), options);
+}
+
+std::size_t detail::writePreparedSnapshot(const PreparedArchive& prepared, const SnapshotSlotOptions& options) {
   const fs::path& slot = options.path;
   const fs::path dir = directoryOf(slot);
   auto step = [&](SnapshotWriteStep s) {
     if (options.onWriteStep) options.onWriteStep(s);
   };
-  // Encoding (pickling) happens before the file system is touched: a snapshot that cannot be
-  // encoded (an unsupported user item) leaves the slot as it was. The archive is then streamed
-  // from the tensors into the file, not built in memory first (for a large model that copy, and
-  // its fresh pages, slowed the training steps running beside the writer).
-  const auto prepared = detail::prepareSnapshot(snapshot);
+  // The archive is streamed from the tensors into the file, not built in memory first (for a large
+  // model that copy, and its fresh pages, slowed the training steps running beside the writer).
   fs::create_directories(dir);
   removeStaleTemporaries(slot);
 

@@ -482,17 +482,17 @@ std::vector<char> encodeSnapshot(Snapshot& s) {
 }
 
 // ---- Decoding ---------------------------------------------------------------------------------------
-Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::path& file) {
-  auto corrupt = [&](Kind kind, const std::string& detail) -> SnapshotCorrupt {
-    return SnapshotCorrupt(file, kind, detail);
-  };
-  if (bytes.empty()) throw corrupt(Kind::Empty, "the file has 0 bytes");
+namespace {
+
+// 1. The archive: not empty or zeroed, then its structure and the CRC-32 of every record, before
+//    anything is parsed.
+detail::ZipCheckResult checkArchive(const std::vector<char>& bytes, const std::filesystem::path& file) {
+  if (bytes.empty()) throw SnapshotCorrupt(file, Kind::Empty, "the file has 0 bytes");
   if (std::all_of(bytes.begin(), bytes.end(), [](char c) { return c == 0; }))
-    throw corrupt(Kind::Zeroed, "all " + std::to_string(bytes.size()) +
+    throw SnapshotCorrupt(file, Kind::Zeroed, "all " + std::to_string(bytes.size()) +
                                     " bytes are zero (typically a crash before the data reached "
                                     "the disk)");
 
-  // 1. The archive: structure and the CRC-32 of every record, before anything is parsed.
   const auto zip = detail::checkZipArchive(bytes.data(), bytes.size());
   if (!zip.problems.empty()) {
     const auto& p = zip.problems.front();
@@ -501,21 +501,24 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
         std::string what = "not a torch.save archive: " + p.detail + " (" + leadingBytes(bytes) + ")";
         if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80)
           what = "a legacy (pre-zip) torch.save / pickle file, not a ctorch snapshot";
-        throw corrupt(Kind::Foreign, what);
+        throw SnapshotCorrupt(file, Kind::Foreign, what);
       }
-      case detail::ZipProblem::Kind::Truncated: throw corrupt(Kind::Truncated, p.detail);
-      case detail::ZipProblem::Kind::Damaged: throw corrupt(Kind::Damaged, p.detail);
-      case detail::ZipProblem::Kind::Checksum: throw corrupt(Kind::Checksum, p.detail);
+      case detail::ZipProblem::Kind::Truncated: throw SnapshotCorrupt(file, Kind::Truncated, p.detail);
+      case detail::ZipProblem::Kind::Damaged: throw SnapshotCorrupt(file, Kind::Damaged, p.detail);
+      case detail::ZipProblem::Kind::Checksum: throw SnapshotCorrupt(file, Kind::Checksum, p.detail);
     }
   }
   const bool hasPickle = std::any_of(zip.records.begin(), zip.records.end(), [](const auto& r) {
     return r.name.size() >= 9 && r.name.compare(r.name.size() - 9, 9, "/data.pkl") == 0;
   });
-  if (!hasPickle) throw corrupt(Kind::Foreign, "a zip archive without a data.pkl record, not a torch.save file");
+  if (!hasPickle) throw SnapshotCorrupt(file, Kind::Foreign, "a zip archive without a data.pkl record, not a torch.save file");
+  return zip;
+}
 
-  // 2. The pickle. The records are intact, so a failure here means a file written by something
-  //    else (e.g. torch.save of Python objects LibTorch cannot rebuild) or crafted: a bounded scan
-  //    first, then LibTorch's unpickler, then every tensor's view against its storage.
+// 2. The pickle. The records are intact, so a failure here means a file written by something
+//    else (e.g. torch.save of Python objects LibTorch cannot rebuild) or crafted: a bounded scan
+//    first, then LibTorch's unpickler, then every tensor's view against its storage.
+c10::IValue unpickle(const std::vector<char>& bytes, const detail::ZipCheckResult& zip, const std::filesystem::path& file) {
   checkPickle(bytes, zip, file);
   c10::IValue top;
   try {
@@ -525,40 +528,43 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
     if (why.find("Unknown opcode") != std::string::npos)
       why += " (Python's pickle uses opcodes older LibTorch releases cannot read, e.g. APPEND for "
              "a one-element list when Python re-saved the file; LibTorch 1.13 has this gap)";
-    throw corrupt(Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+    throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
   }
   if (auto bad = badTensorView(top, "the pickle"))
-    throw corrupt(Kind::BadContent, "a tensor's view lies outside its storage: " + *bad);
-  if (!top.isGenericDict()) throw corrupt(Kind::Foreign, "a torch.save file holding " + describeType(top));
+    throw SnapshotCorrupt(file, Kind::BadContent, "a tensor's view lies outside its storage: " + *bad);
+  if (!top.isGenericDict()) throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top));
+  return top;
+}
+
+// 3. The header (its magic and format version first), and 4. the content digest over everything
+//    but itself, before any field is trusted.
+SnapshotHeader readHeader(const c10::IValue& top, const std::filesystem::path& file) {
   auto topDict = top.toGenericDict();
   auto headerIt = topDict.find(kHeaderKey);
   if (headerIt == topDict.end())
-    throw corrupt(Kind::Foreign, "a torch.save file holding " + describeType(top) + ", without a '" +
+    throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top) + ", without a '" +
                                      kHeaderKey + "' header");
-
-  // 3. The header.
   const FieldReader hr(file, Kind::BadHeader);
   auto header = hr.dict(headerIt->value(), kHeaderKey);
   const auto magicIt = header.find("magic");
   if (magicIt == header.end() || !magicIt->value().isString() ||
       magicIt->value().toStringRef() != kSnapshotMagic)
-    throw corrupt(Kind::Foreign, std::string("the '") + kHeaderKey + "' header lacks the magic '" +
+    throw SnapshotCorrupt(file, Kind::Foreign, std::string("the '") + kHeaderKey + "' header lacks the magic '" +
                                      kSnapshotMagic + "'");
-  Snapshot s;
-  s.source = file;
-  s.header.magic = kSnapshotMagic;
-  s.header.formatVersion = hr.integer(header, "format_version", kHeaderKey);
-  if (s.header.formatVersion > kSnapshotFormatVersion)
-    throw SnapshotIncompatible(file, {"format version " + std::to_string(s.header.formatVersion) +
+  SnapshotHeader h;
+  h.magic = kSnapshotMagic;
+  h.formatVersion = hr.integer(header, "format_version", kHeaderKey);
+  if (h.formatVersion > kSnapshotFormatVersion)
+    throw SnapshotIncompatible(file, {"format version " + std::to_string(h.formatVersion) +
                                       " is newer than this ctorch reads (up to " +
                                       std::to_string(kSnapshotFormatVersion) +
                                       "); it was written by " +
                                       (header.contains("ctorch_version") && header.at("ctorch_version").isString()
                                            ? header.at("ctorch_version").toStringRef()
                                            : std::string("a newer ctorch"))});
-  if (s.header.formatVersion < 1)
-    throw corrupt(Kind::BadHeader, "format version " + std::to_string(s.header.formatVersion));
-  s.header.contentDigest = hr.text(header, kDigestKey, kHeaderKey);
+  if (h.formatVersion < 1)
+    throw SnapshotCorrupt(file, Kind::BadHeader, "format version " + std::to_string(h.formatVersion));
+  h.contentDigest = hr.text(header, kDigestKey, kHeaderKey);
 
   // 4. The digest, over everything but itself (as written: see encodeSnapshot).
   (void)header.erase(kDigestKey);
@@ -566,26 +572,30 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
   try {
     actual = contentDigest(top, "snapshot");
   } catch (const std::invalid_argument& e) {
-    throw corrupt(Kind::BadContent, e.what());
+    throw SnapshotCorrupt(file, Kind::BadContent, e.what());
   }
-  if (actual != s.header.contentDigest)
-    throw corrupt(Kind::Digest, "recorded " + s.header.contentDigest + ", computed " + actual +
+  if (actual != h.contentDigest)
+    throw SnapshotCorrupt(file, Kind::Digest, "recorded " + h.contentDigest + ", computed " + actual +
                                     " (the content changed after it was written)");
 
-  s.header.worldSize = hr.integer(header, "world_size", kHeaderKey);
-  s.header.modelName = hr.text(header, "model_name", kHeaderKey);
+  h.worldSize = hr.integer(header, "world_size", kHeaderKey);
+  h.modelName = hr.text(header, "model_name", kHeaderKey);
   for (const auto& e : hr.dict(hr.get(header, "config", kHeaderKey), "config")) {
     if (!e.key().isString() || !e.value().isString())
       hr.fail("config entries must be str -> str");
-    s.header.config[e.key().toStringRef()] = e.value().toStringRef();
+    h.config[e.key().toStringRef()] = e.value().toStringRef();
   }
-  s.header.configHash = hr.text(header, "config_hash", kHeaderKey);
-  s.header.createdAt = std::chrono::system_clock::time_point(
+  h.configHash = hr.text(header, "config_hash", kHeaderKey);
+  h.createdAt = std::chrono::system_clock::time_point(
       std::chrono::seconds(hr.integer(header, "created_unix", kHeaderKey)));
-  s.header.ctorchVersion = hr.text(header, "ctorch_version", kHeaderKey);
-  s.header.torchVersion = hr.text(header, "torch_version", kHeaderKey);
+  h.ctorchVersion = hr.text(header, "ctorch_version", kHeaderKey);
+  h.torchVersion = hr.text(header, "torch_version", kHeaderKey);
 
-  // 5. The content.
+  return h;
+}
+
+// 5. The content, each field checked for its type.
+void readContent(const c10::impl::GenericDict& topDict, const std::filesystem::path& file, Snapshot& s) {
   const FieldReader cr(file, Kind::BadContent);
   for (const auto& e : cr.dict(cr.get(topDict, kModelKey, "snapshot"), kModelKey)) {
     if (!e.key().isString() || !e.value().isTensor())
@@ -634,6 +644,17 @@ Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::p
   for (std::size_t i = 0; i < ranks.toListRef().size(); ++i)
     s.rankRng.push_back(readRng(ranks.toListRef()[i], std::string(kRngKey) + "['ranks'][" + std::to_string(i) + "]"));
   s.userState = cr.stringKeyed(cr.get(topDict, kUserKey, "snapshot"), kUserKey);
+}
+
+}  // namespace
+
+Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::path& file) {
+  const auto zip = checkArchive(bytes, file);
+  const c10::IValue top = unpickle(bytes, zip, file);
+  Snapshot s;
+  s.source = file;
+  s.header = readHeader(top, file);
+  readContent(top.toGenericDict(), file, s);
   return s;
 }
 

@@ -1,6 +1,7 @@
 #include "ctorch/snapshot_writer.hpp"
 
 #include "ctorch/errors.hpp"
+#include "portable_archive.hpp"
 
 #include <c10/core/GradMode.h>
 
@@ -52,7 +53,14 @@ void SnapshotWriter::run(SnapshotJob& job) {
   c10::NoGradGuard noGrad;
   const auto start = std::chrono::steady_clock::now();
   std::size_t bytes = 0;
-  for (const auto& slot : job.slots) bytes = saveSnapshot(job.snapshot, slot);
+  // Encoded once for every file of the job (the slot, the epoch-boundary slot, extra copies); each
+  // slot is checked before, as saveSnapshot checks it.
+  std::optional<detail::PreparedArchive> prepared;
+  for (const auto& slot : job.slots) {
+    slot.validate();
+    if (!prepared) prepared = detail::prepareSnapshot(job.snapshot);
+    bytes = detail::writePreparedSnapshot(*prepared, slot);
+  }
   if (job.afterWrite) job.afterWrite();
   if (job.report) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

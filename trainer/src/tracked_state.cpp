@@ -1,0 +1,117 @@
+// The registry of what ResilientTraining saves, with its one capture and its one restore: a file's
+// snapshot and a state sent in place between ranks are assembled and read back the same way.
+#include "tracked_state.hpp"
+
+#include "ctorch/errors.hpp"
+
+#include <torch/optim/optimizer.h>
+
+namespace ctorch::detail {
+namespace {
+
+c10::IValue bucketsValue(const BucketLayout& buckets) {
+  c10::impl::GenericList list(c10::ListType::create(c10::ListType::ofInts()));
+  for (const auto& bucket : buckets) {
+    c10::List<int64_t> indices;
+    for (size_t i : bucket) indices.push_back(static_cast<int64_t>(i));
+    list.push_back(indices);
+  }
+  return list;
+}
+
+}  // namespace
+
+SnapshotPoint pointOf(const Snapshot& s) {
+  SnapshotPoint p;
+  p.file = s.source;
+  p.worldSize = s.header.worldSize;
+  p.epochsRun = s.epochsRun;
+  p.stepInEpoch = s.stepInEpoch;
+  p.globalStep = s.globalStep;
+  if (s.userState.contains(kEpochCompleteKey)) p.epochComplete = s.userState.at(kEpochCompleteKey).toBool();
+  return p;
+}
+
+std::optional<BucketLayout> bucketsOf(const Snapshot& snap) {
+  if (!snap.userState.contains(kDdpBucketsKey)) return std::nullopt;
+  const auto value = snap.userState.at(kDdpBucketsKey);
+  if (!value.isList()) throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets is not a list");
+  BucketLayout buckets;
+  for (const auto& bucket : value.toList()) {
+    const c10::IValue b = bucket;
+    if (!b.isList()) throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets holds a non-list");
+    buckets.emplace_back();
+    for (const auto& item : b.toList()) {
+      const c10::IValue index = item;
+      if (!index.isInt() || index.toInt() < 0)
+        throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets holds a bad parameter index");
+      buckets.back().push_back(static_cast<size_t>(index.toInt()));
+    }
+  }
+  return buckets;
+}
+
+void TrackedState::setModel(torch::nn::Module& module, DDPCore* ddp) {
+  if (model_) throw ConfigError("ResilientTraining: a model is already registered (one model per run)");
+  model_ = &module;
+  ddp_ = ddp;
+}
+
+void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
+  if (optimizer_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
+  optimizer_ = &optimizer;
+}
+
+void TrackedState::setSampler(DistributedSampler& sampler) {
+  if (sampler_) throw ConfigError("ResilientTraining: a sampler is already registered (one per run)");
+  sampler_ = &sampler;
+}
+
+void TrackedState::setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load) {
+  if (schedulerSave_) throw ConfigError("ResilientTraining: a scheduler is already registered (one per run)");
+  if (!save || !load) throw ConfigError("ResilientTraining::trackScheduler needs both a save and a load function");
+  schedulerSave_ = std::move(save);
+  schedulerLoad_ = std::move(load);
+}
+
+void TrackedState::addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load) {
+  if (!save || !load) throw ConfigError("ResilientTraining::trackItems needs both a save and a load function");
+  items_.push_back(Items{std::move(save), std::move(load)});
+}
+
+void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
+                            std::function<void(const c10::IValue&)> load) {
+  if (name.empty()) throw ConfigError("ResilientTraining::track: the name of a value is empty");
+  if (name == kEpochCompleteKey || name == kDdpBucketsKey)
+    throw ConfigError("ResilientTraining::track: '" + name + "' is a name the library keeps for itself");
+  for (const auto& n : names_)
+    if (n == name) throw ConfigError("ResilientTraining::track: '" + name + "' is registered twice");
+  if (!save || !load) throw ConfigError("ResilientTraining::track('" + name + "'): needs a save and a load function");
+  names_.push_back(name);
+  addItems([name, save](ItemDict& d) { d.insert(name, save()); },
+           [name, load](const ItemDict& d) {
+             if (d.contains(name)) load(d.at(name));
+           });
+}
+
+Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,
+                               const std::optional<BucketLayout>& buckets, CapturePool* pool) const {
+  Snapshot s = [&] {
+    CapturePoolScope reuse(pool);
+    return captureSnapshot(TrainingObjects{model_, optimizer_, sampler_}, identity, progress);
+  }();
+  if (schedulerSave_) s.schedulerState = schedulerSave_();
+  for (const auto& item : items_) item.save(s.userState);
+  s.userState.insert(kEpochCompleteKey, epochComplete);
+  if (buckets) s.userState.insert(kDdpBucketsKey, bucketsValue(*buckets));
+  return s;
+}
+
+SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options) const {
+  restoreSnapshot(snap, TrainingObjects{model_, optimizer_, sampler_}, options);
+  if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
+  for (const auto& item : items_) item.load(snap.userState);
+  return pointOf(snap);
+}
+
+} // namespace ctorch::detail
