@@ -1,0 +1,74 @@
+// ZeRO stage 1 for LibTorch, Python's torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds
+// and steps the optimizer state of its share of the parameters only; after the step every share is
+// broadcast from its owner, so all ranks hold the same updated parameters. Use it beside DDP (whose
+// allreduce leaves every rank the averaged gradients) in place of a whole optimizer:
+//
+//   ctorch::DistributedDataParallel ddp(model);
+//   ctorch::ZeroRedundancyOptimizer optimizer(ddp.parameters(), [](std::vector<at::Tensor> share) {
+//     return std::make_unique<torch::optim::Adam>(share, torch::optim::AdamOptions(1e-3));
+//   });
+//   ... loss.backward(); optimizer.step(); optimizer.zeroGrad(); ...
+//
+// Exact: a parameter's update is computed by its owner with the same operations a whole optimizer
+// applies to it, so the parameters are bit-identical to DDP with that optimizer (docs/sharding.md).
+#pragma once
+
+#include "ctorch/errors.hpp"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/optimizer.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ctorch {
+
+struct ZeroOptions {
+  // The group the parameters are shared over (default: the default process group).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+};
+
+// Which rank owns each parameter: Python's sorted-greedy packing (largest parameters first, each to
+// the rank holding the fewest elements so far, the lowest such rank on a tie). Whole parameters,
+// never split. `numels` in the parameters' order; returns the owner of each.
+std::vector<int> partitionParameters(const std::vector<std::int64_t>& numels, int worldSize);
+
+class ZeroRedundancyOptimizer {
+ public:
+  // Builds this rank's optimizer over its share (an empty share builds none).
+  using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> share)>;
+
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> parameters, OptimizerFactory makeOptimizer,
+                          ZeroOptions options = {});
+  ~ZeroRedundancyOptimizer();
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
+
+  // The local optimizer's step on this rank's share, then every share broadcast from its owner.
+  // A collective: every rank calls it at the same point. A failed broadcast throws DistributedError.
+  void step();
+  // Every parameter's gradient set to none (or zeroed, `setToNone` false), owned or not.
+  void zeroGrad(bool setToNone = true);
+
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  int ownerOf(std::size_t parameterIndex) const { return owners_.at(parameterIndex); }
+  // This rank's optimizer (null when it owns no parameter), e.g. for its learning rate.
+  torch::optim::Optimizer* localOptimizer() { return local_.get(); }
+  // The bytes of optimizer state held on this rank (its share's momentum, Adam's moments, ...).
+  std::size_t localStateBytes() const;
+
+ private:
+  std::vector<at::Tensor> parameters_;
+  std::vector<int> owners_;
+  std::vector<std::vector<std::size_t>> shares_;  // per rank: indices of the parameters it owns
+  std::unique_ptr<torch::optim::Optimizer> local_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+};
+
+} // namespace ctorch
