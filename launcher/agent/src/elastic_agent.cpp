@@ -42,7 +42,8 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
       processes_(processes),
       logs_(logs),
       signals_(signals),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      policy_(config.maxRestarts, config.inPlaceRecovery) {
   if (!options_.baseEnvironment) options_.baseEnvironment = currentEnvironment();
   if (!options_.printSummary) options_.printSummary = writeConsoleErr;  // never blocks on an unread console
   timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -129,12 +130,12 @@ void ElasticAgent::apply(const MonitorActions& a) {
 void ElasticAgent::replaceWorker(int localRank) {
   auto it = std::find_if(launches_.begin(), launches_.end(), [&](const WorkerLaunch& w) { return w.localRank == localRank; });
   if (it == launches_.end()) return;
-  ++replacementsUsed_;
+  policy_.noteReplacement();
   WorkerLaunch w = *it;
   const std::string mark = std::string(contract::env::kReplacement) + "=";
   w.env.erase(std::remove_if(w.env.begin(), w.env.end(), [&](const std::string& e) { return e.rfind(mark, 0) == 0; }),
               w.env.end());
-  w.env.push_back(mark + std::to_string(replacementsUsed_));
+  w.env.push_back(mark + std::to_string(policy_.replacementsUsed()));
   // The failed worker's recorded error is logged now; the file is the replacement's from here on.
   if (static_cast<std::size_t>(localRank) < files_.size()) {
     const auto& errorFile = files_[static_cast<std::size_t>(localRank)].errorFile;
@@ -152,8 +153,7 @@ void ElasticAgent::replaceWorker(int localRank) {
   }
   log("agent").warn("replacing worker rank {} (local {}) in place; the other workers keep running "
                     "(replacement {}, {} of {} restarts used)",
-                    w.globalRank, localRank, replacementsUsed_, attempts_.back().restartCount + replacementsUsed_,
-                    config_.maxRestarts);
+                    w.globalRank, localRank, policy_.replacementsUsed(), policy_.restartsUsed(), config_.maxRestarts);
   if (!handToSpare(w)) processes_.add(w);
   attempts_.back().pids = processes_.pids();
 }
@@ -497,207 +497,192 @@ FailureReport ElasticAgent::makeReport(const GroupOutcome& outcome, const Rendez
   return r;
 }
 
-int ElasticAgent::run() {
-  int restartCount = 0;
+// Waits for the next round; the exit code instead when the agent must leave (a stop signal, a
+// rendezvous that was interrupted or closed).
+std::optional<int> ElasticAgent::joinRound(RendezvousInfo& info) {
   auto& l = log("agent");
-  for (;;) {
-    if (auto s = pendingStopSignal()) {
-      l.warn("received {} between attempts: not restarting", signalName(*s));
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return contract::exitCodeForSignal(*s);
-    }
+  if (auto s = pendingStopSignal()) {
+    l.warn("received {} between attempts: not restarting", signalName(*s));
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return contract::exitCodeForSignal(*s);
+  }
+  RendezvousRequest req;
+  req.localNproc = config_.nprocPerNode;
+  req.timeout = options_.rendezvousTimeout;
+  req.cancelFd = signals_.fd();
+  std::optional<int> stopSignal;
+  req.stopRequested = [&] {
+    if (!stopSignal) stopSignal = pendingStopSignal();
+    return stopSignal.has_value();
+  };
+  try {
+    info = rendezvous_.next(req);
+  } catch (const RendezvousInterrupted&) {
+    if (!stopSignal) stopSignal = pendingStopSignal();
+    if (stopSignal) l.warn("received {} while waiting for the rendezvous: stopping", signalName(*stopSignal));
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return stopSignal ? contract::exitCodeForSignal(*stopSignal) : contract::kExitRendezvousFailed;
+  } catch (const RendezvousGracefulExit& e) {
+    l.info("{}: exiting", e.what());
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return contract::kExitSuccess;
+  } catch (...) {
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    throw;
+  }
+  l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round, info.nodeRank,
+         info.numNodes, info.worldSize, info.storeHost, info.storePort);
+  return std::nullopt;
+}
 
-    RendezvousRequest req;
-    req.localNproc = config_.nprocPerNode;
-    req.timeout = options_.rendezvousTimeout;
-    req.cancelFd = signals_.fd();
-    std::optional<int> stopSignal;
-    req.stopRequested = [&] {
-      if (!stopSignal) stopSignal = pendingStopSignal();
-      return stopSignal.has_value();
-    };
+// One attempt: starts the local workers of the round and waits until they are all gone.
+GroupOutcome ElasticAgent::runGroup(const RendezvousInfo& info) {
+  const int restartCount = policy_.restartCount();
+  std::vector<WorkerLogs::WorkerFiles> files;
+  auto launches = buildLaunches(info, restartCount, files);
+  Attempt attempt;
+  attempt.restartCount = restartCount;
+  attempt.rendezvous = info;
+  attempts_.push_back(attempt);
+  reformBase_ = -1;
+  monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, policy_.replacementsAllowed());
+  stopNoted_ = false;
+  launches_ = launches;
+  files_ = files;
+  processes_.start(launches);
+  spares_.clear();
+  workerStore_.reset();
+  workerStoreBackoff_ = std::chrono::milliseconds(0);
+  workerStoreRetryAt_ = {};
+  for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
+  if (evictTimerFd_ >= 0) {
+    itimerspec every{};
+    every.it_interval.tv_nsec = every.it_value.tv_nsec = kEvictPoll.count() * 1000000;
+    if (::timerfd_settime(evictTimerFd_, 0, &every, nullptr) != 0) throwErrno("timerfd_settime");
+  }
+  attempts_.back().pids = processes_.pids();
+  log("agent").info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(), config_.program,
+                    restartCount + 1, restartCount, config_.maxRestarts);
+
+  GroupOutcome outcome = monitor();
+  attempts_.back().pids = processes_.pids();
+  attempts_.back().outcome = outcome;
+  logs_.endAttempt();
+  return outcome;
+}
+
+// After this node's workers succeeded: the other nodes' workers may have failed meanwhile, and
+// then the whole group runs again.
+void ElasticAgent::passExitBarrier(GroupOutcome& outcome) {
+  auto& l = log("agent");
+  l.info("all {} worker(s) finished successfully", files_.size());
+  auto event = rendezvous_.exitBarrier(options_.exitBarrierTimeout);
+  if (!event || event->kind != RendezvousEventKind::RemoteFailure) return;
+  l.warn("rendezvous: {}", event->reason);
+  outcome.kind = GroupOutcome::Kind::Failed;
+  outcome.reason = event->reason;
+}
+
+// A deterministic error: the root cause's error file says a restart cannot help.
+bool ElasticAgent::rootCauseRetryNever(const GroupOutcome& outcome) const {
+  if (outcome.kind != GroupOutcome::Kind::Failed || outcome.failures.empty()) return false;
+  const auto localRank = static_cast<std::size_t>(outcome.failures[0].localRank);
+  if (localRank >= files_.size()) return false;
+  const auto recorded = readErrorFile(files_[localRank].errorFile);
+  return recorded && recorded->retryNever;
+}
+
+void ElasticAgent::explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info) {
+  if (!fallback.firstTime) return;
+  const std::string survivor = !fallback.survivor ? "another node's worker failed"
+                                                  : "rank " + std::to_string(info.globalRank(fallback.survivor->localRank)) +
+                                                        " " + fallback.survivor->status.describe();
+  log("agent").warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
+                    "program does not recover in place (a loop must catch the failed step and call "
+                    "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
+                    "instead, as --recovery restart does, now and after any later failure of this run",
+                    survivor, info.globalRank(fallback.replaced.localRank));
+}
+
+void ElasticAgent::explain(const AttemptDecision& d, const GroupOutcome& outcome, const RendezvousInfo& info) {
+  auto& l = log("agent");
+  switch (d.note) {
+    case AttemptDecision::Note::None:
+      break;
+    case AttemptDecision::Note::Preempted:
+      l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job can be requeued",
+             contract::kExitPreempted, contract::kExitPreempted);
+      break;
+    case AttemptDecision::Note::Membership:
+      l.warn("membership changed ({}): restarting the workers without counting a failure", outcome.reason);
+      break;
+    case AttemptDecision::Note::RendezvousFailed:
+      l.error("rendezvous failed: {}", outcome.reason);
+      break;
+    case AttemptDecision::Note::Restart:
+      l.warn("worker group failed ({}); restarting, restart {} of {}", d.why, policy_.restartCount(),
+             config_.maxRestarts);
+      break;
+    case AttemptDecision::Note::WriteFailed:
+      // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
+      // since the last snapshot and meet the same disk.
+      l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
+              "free space and run the same command again, it resumes from the last snapshot written",
+              info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
+      break;
+    case AttemptDecision::Note::RetryNever:
+      l.error("rank {} failed with an error a restart cannot fix (its error file says so: a command line, a "
+              "configuration or a snapshot that does not fit); not restarting",
+              info.globalRank(outcome.failures[0].localRank));
+      break;
+    case AttemptDecision::Note::NoRestartsLeft:
+      l.error("worker group failed ({}); no restarts left ({} used)", d.why, config_.maxRestarts);
+      break;
+    case AttemptDecision::Note::NoRestartsAllowed:
+      l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", d.why);
+      break;
+  }
+}
+
+// Does what the decision says; the exit code when the agent leaves.
+std::optional<int> ElasticAgent::act(const AttemptDecision& d, const GroupOutcome& outcome,
+                                     const RendezvousInfo& info) {
+  if (outcome.kind == GroupOutcome::Kind::Interrupted)
+    log("agent").warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
+                      outcome.stopped.size() + outcome.failures.size());
+  // "No restarts left" follows the summary it refers to; every other note comes first.
+  const bool afterSummary =
+      d.note == AttemptDecision::Note::NoRestartsLeft || d.note == AttemptDecision::Note::NoRestartsAllowed;
+  if (!afterSummary) explain(d, outcome, info);
+  if (d.next != AttemptDecision::Next::Exit) {
+    if (d.reportFailure) rendezvous_.reportFailure(d.why);
+    return std::nullopt;
+  }
+  if (d.summary) {
+    report_ = makeReport(outcome, info, policy_.restartCount(), files_);
+    options_.printSummary(formatFailureSummary(*report_));
+    logs_.keep();
+  }
+  if (afterSummary) explain(d, outcome, info);
+  if (d.reportFailure) rendezvous_.reportFailure(d.why);
+  rendezvous_.shutdown(d.leave);
+  return d.exitCode;
+}
+
+// The agent's run, top to bottom: a round, a group, the policy's decision, again.
+int ElasticAgent::run() {
+  for (;;) {
     RendezvousInfo info;
-    try {
-      info = rendezvous_.next(req);
-    } catch (const RendezvousInterrupted&) {
-      if (!stopSignal) stopSignal = pendingStopSignal();
-      if (stopSignal) l.warn("received {} while waiting for the rendezvous: stopping", signalName(*stopSignal));
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return stopSignal ? contract::exitCodeForSignal(*stopSignal) : contract::kExitRendezvousFailed;
-    } catch (const RendezvousGracefulExit& e) {
-      l.info("{}: exiting", e.what());
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return contract::kExitSuccess;
-    } catch (...) {
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      throw;
-    }
+    if (auto leave = joinRound(info)) return *leave;
     // A backend that shares the count across nodes (c10d) decides it: every node's workers must
     // see the same TORCHELASTIC_RESTART_COUNT.
-    if (info.restartCount) restartCount = *info.restartCount;
-    l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round,
-           info.nodeRank, info.numNodes, info.worldSize, info.storeHost, info.storePort);
-
-    std::vector<WorkerLogs::WorkerFiles> files;
-    auto launches = buildLaunches(info, restartCount, files);
-    Attempt attempt;
-    attempt.restartCount = restartCount;
-    attempt.rendezvous = info;
-    attempts_.push_back(attempt);
-    const int replacements = config_.inPlaceRecovery && !inPlaceOff_
-                                 ? std::max(0, config_.maxRestarts - restartCount - replacementsUsed_)
-                                 : 0;
-    reformBase_ = -1;
-    monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, replacements);
-    stopNoted_ = false;
-    launches_ = launches;
-    files_ = files;
-    processes_.start(launches);
-    spares_.clear();
-    workerStore_.reset();
-    workerStoreBackoff_ = std::chrono::milliseconds(0);
-    workerStoreRetryAt_ = {};
-    for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
-    if (evictTimerFd_ >= 0) {
-      itimerspec every{};
-      every.it_interval.tv_nsec = every.it_value.tv_nsec = kEvictPoll.count() * 1000000;
-      if (::timerfd_settime(evictTimerFd_, 0, &every, nullptr) != 0) throwErrno("timerfd_settime");
-    }
-    attempts_.back().pids = processes_.pids();
-    l.info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(),
-           config_.program, restartCount + 1, restartCount, config_.maxRestarts);
-
-    GroupOutcome outcome = monitor();
-    attempts_.back().pids = processes_.pids();
+    policy_.adoptRestartCount(info.restartCount);
+    GroupOutcome outcome = runGroup(info);
+    if (outcome.kind == GroupOutcome::Kind::Succeeded) passExitBarrier(outcome);
+    if (auto fallback = policy_.fallBack(outcome, monitor_->replaced())) explainFallback(*fallback, info);
     attempts_.back().outcome = outcome;
-    logs_.endAttempt();
-
-    if (outcome.kind == GroupOutcome::Kind::Succeeded) {
-      l.info("all {} worker(s) finished successfully", launches.size());
-      auto event = rendezvous_.exitBarrier(options_.exitBarrierTimeout);
-      if (!event || event->kind != RendezvousEventKind::RemoteFailure) {
-        rendezvous_.shutdown(AgentOutcome::Succeeded);
-        return contract::kExitSuccess;
-      }
-      // Another node's workers failed in this round: the whole group runs again.
-      l.warn("rendezvous: {}", event->reason);
-      outcome.kind = GroupOutcome::Kind::Failed;
-      outcome.reason = event->reason;
-      attempts_.back().outcome = outcome;
-    }
-
-    switch (outcome.kind) {
-      case GroupOutcome::Kind::Succeeded:
-        break;  // handled above
-
-      case GroupOutcome::Kind::Interrupted: {
-        l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
-               outcome.stopped.size() + outcome.failures.size());
-        // Preemption (Slurm's --signal, scancel -s USR1): workers that saved a snapshot and exited
-        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue. A
-        // worker that got the signal first (Slurm signals the whole step) and exited 75 before this
-        // agent read its own copy was counted as a failure: it was preempted all the same.
-        auto savedState = [](const WorkerExit& e) { return e.status.asExitCode() == contract::kExitPreempted; };
-        bool preempted = !(outcome.stopped.empty() && outcome.failures.empty()) &&
-                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), savedState) &&
-                         std::all_of(outcome.failures.begin(), outcome.failures.end(), savedState);
-        if (preempted) {
-          l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job "
-                 "can be requeued",
-                 contract::kExitPreempted, contract::kExitPreempted);
-          rendezvous_.shutdown(AgentOutcome::Interrupted);
-          return contract::kExitPreempted;
-        }
-        if (!outcome.failures.empty()) {
-          report_ = makeReport(outcome, info, restartCount, files);
-          options_.printSummary(formatFailureSummary(*report_));
-          logs_.keep();
-        }
-        rendezvous_.shutdown(AgentOutcome::Interrupted);
-        return contract::exitCodeForSignal(outcome.signal);
-      }
-
-      case GroupOutcome::Kind::Rerendezvous:
-        l.warn("membership changed ({}): restarting the workers without counting a failure",
-               outcome.reason);
-        continue;
-
-      case GroupOutcome::Kind::RendezvousFailed:
-        l.error("rendezvous failed: {}", outcome.reason);
-        rendezvous_.shutdown(AgentOutcome::Interrupted);
-        return contract::kExitRendezvousFailed;
-
-      case GroupOutcome::Kind::Failed: {
-        if (outcome.inPlaceFellBack && monitor_ && !monitor_->replaced().empty()) {
-          // The replacement's restart becomes the group's: one fault, one restart.
-          const WorkerExit& first = monitor_->replaced().back();
-          --replacementsUsed_;
-          if (!inPlaceOff_) {
-            const std::string survivor =
-                outcome.failures.empty()
-                    ? "another node's worker failed"
-                    : "rank " + std::to_string(info.globalRank(outcome.failures.front().localRank)) + " " +
-                          outcome.failures.front().status.describe();
-            l.warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
-                   "program does not recover in place (a loop must catch the failed step and call "
-                   "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
-                   "instead, as --recovery restart does, now and after any later failure of this run",
-                   survivor, info.globalRank(first.localRank));
-            inPlaceOff_ = true;
-          }
-          if (!outcome.failures.empty()) {
-            outcome.failures.insert(outcome.failures.begin(), first);  // the root cause
-            attempts_.back().outcome = outcome;
-          }
-        }
-        const bool local = !outcome.failures.empty();
-        std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
-                                      " " + outcome.failures[0].status.describe()
-                                : outcome.reason;
-        const bool writeFailed = local && outcome.failures.front().status.asExitCode() == contract::kExitWriteFailed;
-        // A deterministic error (the worker's error file says a restart cannot help: a bad command
-        // line, a configuration, an incompatible snapshot) fails the same way every time.
-        bool deterministic = false;
-        if (local && static_cast<std::size_t>(outcome.failures[0].localRank) < files.size()) {
-          const auto recorded = readErrorFile(files[static_cast<std::size_t>(outcome.failures[0].localRank)].errorFile);
-          deterministic = recorded && recorded->retryNever;
-        }
-        // Either fails the same way at every restart: no restart is spent on it.
-        const bool noRestart = writeFailed || deterministic;
-        if (writeFailed) {
-          // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
-          // since the last snapshot and meet the same disk.
-          l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
-                  "free space and run the same command again, it resumes from the last snapshot written",
-                  info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
-        } else if (deterministic && restartCount + replacementsUsed_ < config_.maxRestarts) {
-          l.error("rank {} failed with an error a restart cannot fix (its error file says so: a command line, a "
-                  "configuration or a snapshot that does not fit); not restarting",
-                  info.globalRank(outcome.failures[0].localRank));
-        }
-        if (!noRestart && restartCount + replacementsUsed_ < config_.maxRestarts) {
-          ++restartCount;
-          l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
-                 config_.maxRestarts);
-          if (local) rendezvous_.reportFailure(why);
-          continue;
-        }
-        if (local) {
-          report_ = makeReport(outcome, info, restartCount, files);
-          options_.printSummary(formatFailureSummary(*report_));
-          logs_.keep();
-        }
-        if (!noRestart && config_.maxRestarts > 0)
-          l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
-        else if (!local)
-          l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", why);
-        if (local) rendezvous_.reportFailure(why);
-        rendezvous_.shutdown(AgentOutcome::Failed);
-        if (!local) return contract::kExitFailure;
-        int code = outcome.failures.front().status.asExitCode();
-        return code == 0 ? contract::kExitFailure : code;
-      }
-    }
+    const AttemptDecision decision = policy_.decide(outcome, info, rootCauseRetryNever(outcome));
+    if (auto code = act(decision, outcome, info)) return *code;
   }
 }
 

@@ -58,6 +58,13 @@ class ElasticAgent {
   const std::optional<FailureReport>& failureReport() const { return report_; }
 
  private:
+  std::optional<int> joinRound(RendezvousInfo& info);
+  GroupOutcome runGroup(const RendezvousInfo& info);
+  void passExitBarrier(GroupOutcome& outcome);
+  bool rootCauseRetryNever(const GroupOutcome& outcome) const;
+  void explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info);
+  void explain(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);
+  std::optional<int> act(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);
   std::vector<WorkerLaunch> buildLaunches(const RendezvousInfo& info, int restartCount,
                                           std::vector<WorkerLogs::WorkerFiles>& files);
   GroupOutcome monitor();
@@ -89,6 +96,7 @@ class ElasticAgent {
   WorkerLogs& logs_;
   SignalSource& signals_;
   AgentOptions options_;
+  RestartPolicy policy_;
   int timerFd_ = -1;
   int epollFd_ = -1;
   bool warnedOmp_ = false;
@@ -96,13 +104,9 @@ class ElasticAgent {
   std::optional<GroupMonitor> monitor_;
   std::vector<WorkerLaunch> launches_;  // the running group's, for replacements
   std::vector<WorkerLogs::WorkerFiles> files_;
-  int replacementsUsed_ = 0;            // --recovery in-place, over the whole run
   // The group generation when the pending replacement was started (-1: unknown): a survivor that
   // joins the re-form says it is alive in it (contract::inplace::aliveKey).
   std::int64_t reformBase_ = -1;
-  // The program was seen not to recover in place (a survivor ended instead of joining a re-form):
-  // every later failure of this run restarts the group, as --recovery restart.
-  bool inPlaceOff_ = false;
   int evictTimerFd_ = -1;
   // The workers' store: eviction requests in, spare assignments out.
   std::unique_ptr<store::TcpStoreClient> workerStore_;
