@@ -7,6 +7,7 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 #include "ctorch/launcher/logging.hpp"
 #include "ctorch/launcher/worker_env.hpp"
+#include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
@@ -98,6 +99,13 @@ class FakeProcessContext : public ProcessContext {
   std::function<void(int)> onSignalAll;  // called when the agent signals the workers
   std::vector<WorkerLaunch> added;        // replacements started by add()
   std::function<void(const WorkerLaunch&)> onAdd;
+  // --spare-workers: a spare (negative local rank) takes a failed worker's rank over.
+  void relabel(int fromLocalRank, int toLocalRank) override {
+    relabels.emplace_back(fromLocalRank, toLocalRank);
+    if (onRelabel) onRelabel(fromLocalRank, toLocalRank);
+  }
+  std::vector<std::pair<int, int>> relabels;
+  std::function<void(int, int)> onRelabel;
   void exitWorker(int rank, ExitStatus s) {
     live_.erase(rank);
     queue(rank, s);
@@ -639,6 +647,41 @@ TEST_CASE("agent: --recovery in-place restarts the group when the workers' store
   CHECK(g.run(pc2) == 0);
   CHECK(pc2.added.size() == 1);
   CHECK(pc2.launches.size() == 1);
+}
+
+TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed rank over and a new spare starts") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place", "--spare-workers", "1"});
+  f.rendezvous.serveWorkerStore();
+  FakeProcessContext pc([](int attempt, int) {
+    REQUIRE(attempt == 0);
+    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+  });
+  pc.onAdd = [](const WorkerLaunch& w) { REQUIRE(w.localRank < 0); };  // only spares: they wait
+  pc.onRelabel = [&pc](int, int to) {
+    pc.exitWorker(to, ExitStatus::exited(0));  // the spare, now rank 1, and the survivor finish
+    pc.exitWorker(0, ExitStatus::exited(0));
+  };
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.launches.size() == 1);
+  CHECK(pc.signals.empty());
+  CHECK(pc.relabels == std::vector<std::pair<int, int>>{{-1, 1}});
+  REQUIRE(pc.added.size() == 2);  // the first spare, and the one started after the hand-over
+  const WorkerLaunch& spare = pc.added[0];
+  CHECK(spare.localRank == -1);
+  CHECK(envValue(spare, "CTORCH_SPARE") == "0-0-1");
+  CHECK(envValue(spare, "RANK") == "<unset>");
+  CHECK(envValue(spare, "LOCAL_RANK") == "<unset>");
+  CHECK(envValue(spare, "TORCHELASTIC_ERROR_FILE") == "<unset>");
+  CHECK(envValue(pc.added[1], "CTORCH_SPARE") == "0-0-2");
+  // Its assignment, signed with the job's key, in the key it waits on.
+  ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(f.rendezvous.storePort));
+  const std::string key = ctorch::contract::inplace::spareKey("0-0-1");
+  const auto lines = ctorch::contract::auth::verifyCommand(
+      f.config.controlKey, key, ctorch::store::toString(store.get(key)));
+  REQUIRE(lines);
+  CHECK(lines->find("RANK=1\n") != std::string::npos);
+  CHECK(lines->find("LOCAL_RANK=1\n") != std::string::npos);
+  CHECK(lines->find("CTORCH_REPLACEMENT=1\n") != std::string::npos);
 }
 
 TEST_CASE("agent: without --recovery in-place the workers get no CTORCH_RECOVERY") {

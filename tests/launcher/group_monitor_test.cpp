@@ -275,3 +275,191 @@ TEST_CASE("group monitor: without replacements (--recovery restart) nothing is r
   CHECK_FALSE(a.replaceWorker);
   CHECK(a.signalWorkers);
 }
+
+// ---- the run's restart policy: what an attempt's outcome leads to -------------------------------
+
+namespace {
+
+RendezvousInfo twoNodes(int nodeRank) {
+  RendezvousInfo info;
+  info.numNodes = 2;
+  info.nodeRank = nodeRank;
+  info.nprocPerNode = {2, 2};
+  info.computeRanks();
+  return info;
+}
+
+GroupOutcome failedWith(std::vector<WorkerExit> failures, std::string reason = {}) {
+  GroupOutcome o;
+  o.kind = GroupOutcome::Kind::Failed;
+  o.failures = std::move(failures);
+  o.reason = std::move(reason);
+  return o;
+}
+
+using Next = AttemptDecision::Next;
+using Note = AttemptDecision::Note;
+
+} // namespace
+
+TEST_CASE("restart policy: a failure restarts while --max-restarts allows, then exits with the root cause's code") {
+  RestartPolicy p(2, false);
+  const RendezvousInfo info = twoNodes(1);
+  for (int restart = 1; restart <= 2; ++restart) {
+    auto d = p.decide(failedWith({exitOf(1, ExitStatus::exited(3))}), info, false);
+    CHECK(d.next == Next::Restart);
+    CHECK(d.note == Note::Restart);
+    CHECK(d.reportFailure);
+    CHECK(d.why == "rank 3 exit 3");  // global rank: node 1's local rank 1
+    CHECK(p.restartCount() == restart);
+  }
+  auto d = p.decide(failedWith({exitOf(1, ExitStatus::exited(3))}), info, false);
+  CHECK(d.next == Next::Exit);
+  CHECK(d.note == Note::NoRestartsLeft);
+  CHECK(d.exitCode == 3);
+  CHECK(d.leave == AgentOutcome::Failed);
+  CHECK(d.summary);
+  CHECK(d.reportFailure);
+  CHECK(p.restartCount() == 2);
+  // A root cause that exited 0 (it vanished) still fails the job with 1; a signal gives 128+N.
+  RestartPolicy none(0, false);
+  CHECK(none.decide(failedWith({exitOf(0, ExitStatus::exited(0))}), info, false).exitCode == 1);
+  auto killed = none.decide(failedWith({exitOf(0, ExitStatus::killed(SIGSEGV))}), info, false);
+  CHECK(killed.exitCode == 128 + SIGSEGV);
+  CHECK(killed.note == Note::None);  // --max-restarts 0: the summary says it all
+}
+
+TEST_CASE("restart policy: another node's failure is counted but not reported back, and exits 1 when none are left") {
+  RestartPolicy p(1, false);
+  auto d = p.decide(failedWith({}, "node 0 failed"), twoNodes(1), false);
+  CHECK(d.next == Next::Restart);
+  CHECK_FALSE(d.reportFailure);
+  CHECK(d.why == "node 0 failed");
+  auto e = p.decide(failedWith({}, "node 0 failed"), twoNodes(1), false);
+  CHECK(e.next == Next::Exit);
+  CHECK(e.note == Note::NoRestartsLeft);
+  CHECK(e.exitCode == 1);
+  CHECK_FALSE(e.summary);
+  CHECK_FALSE(e.reportFailure);
+  RestartPolicy none(0, false);
+  CHECK(none.decide(failedWith({}, "node 0 failed"), twoNodes(1), false).note == Note::NoRestartsAllowed);
+}
+
+TEST_CASE("restart policy: exit 74 and an error that says 'never retry' spend no restart") {
+  RestartPolicy p(3, false);
+  auto write = p.decide(failedWith({exitOf(0, ExitStatus::exited(74))}), twoNodes(0), false);
+  CHECK(write.next == Next::Exit);
+  CHECK(write.note == Note::WriteFailed);
+  CHECK(write.exitCode == 74);
+  CHECK(write.summary);
+  auto never = p.decide(failedWith({exitOf(0, ExitStatus::exited(2))}), twoNodes(0), true);
+  CHECK(never.next == Next::Exit);
+  CHECK(never.note == Note::RetryNever);
+  CHECK(never.exitCode == 2);
+  CHECK(p.restartCount() == 0);
+  // With no restart left anyway, nothing more is said about it.
+  RestartPolicy none(0, false);
+  CHECK(none.decide(failedWith({exitOf(0, ExitStatus::exited(2))}), twoNodes(0), true).note == Note::None);
+}
+
+TEST_CASE("restart policy: preemption - every worker exited 75 after a stop signal - exits 75") {
+  GroupOutcome o;
+  o.kind = GroupOutcome::Kind::Interrupted;
+  o.signal = SIGUSR1;
+  o.stopped = {exitOf(0, ExitStatus::exited(75))};
+  o.failures = {exitOf(1, ExitStatus::exited(75))};  // exited before the agent read its copy of the signal
+  CHECK(preempted(o));
+  RestartPolicy p(3, false);
+  auto d = p.decide(o, twoNodes(0), false);
+  CHECK(d.next == Next::Exit);
+  CHECK(d.note == Note::Preempted);
+  CHECK(d.exitCode == 75);
+  CHECK(d.leave == AgentOutcome::Interrupted);
+  CHECK_FALSE(d.summary);
+  // A worker that really failed keeps the signal's code, with a summary; so does a group that
+  // ended with nothing to show.
+  o.failures = {exitOf(1, ExitStatus::exited(1))};
+  CHECK_FALSE(preempted(o));
+  auto e = p.decide(o, twoNodes(0), false);
+  CHECK(e.exitCode == 128 + SIGUSR1);
+  CHECK(e.summary);
+  GroupOutcome empty;
+  empty.kind = GroupOutcome::Kind::Interrupted;
+  empty.signal = SIGTERM;
+  CHECK_FALSE(preempted(empty));
+  CHECK(p.decide(empty, twoNodes(0), false).exitCode == 128 + SIGTERM);
+  CHECK(p.restartCount() == 0);  // never a restart after a stop signal
+}
+
+TEST_CASE("restart policy: success, membership changes and a failed rendezvous") {
+  RestartPolicy p(1, false);
+  GroupOutcome ok;
+  auto s = p.decide(ok, twoNodes(0), false);
+  CHECK(s.next == Next::Exit);
+  CHECK(s.exitCode == 0);
+  CHECK(s.leave == AgentOutcome::Succeeded);
+  GroupOutcome moved;
+  moved.kind = GroupOutcome::Kind::Rerendezvous;
+  CHECK(p.decide(moved, twoNodes(0), false).next == Next::Rerendezvous);
+  CHECK(p.restartCount() == 0);  // not counted
+  GroupOutcome gaveUp;
+  gaveUp.kind = GroupOutcome::Kind::RendezvousFailed;
+  auto g = p.decide(gaveUp, twoNodes(0), false);
+  CHECK(g.exitCode == 3);
+  CHECK(g.leave == AgentOutcome::Interrupted);
+  CHECK(g.note == Note::RendezvousFailed);
+}
+
+TEST_CASE("restart policy: in-place replacements count against --max-restarts, and a shared count wins") {
+  RestartPolicy p(3, true);
+  CHECK(p.replacementsAllowed() == 3);
+  p.noteReplacement();
+  CHECK(p.restartsUsed() == 1);
+  CHECK(p.replacementsAllowed() == 2);
+  p.adoptRestartCount(2);  // the c10d backend's count
+  CHECK(p.restartCount() == 2);
+  CHECK(p.replacementsAllowed() == 0);
+  p.adoptRestartCount(std::nullopt);  // a backend without one: the local count stays
+  CHECK(p.restartCount() == 2);
+  // The budget is used up: the next failure exits.
+  CHECK(p.decide(failedWith({exitOf(0, ExitStatus::exited(1))}), twoNodes(0), false).next == Next::Exit);
+  RestartPolicy off(3, false);
+  CHECK(off.replacementsAllowed() == 0);  // --recovery restart
+}
+
+TEST_CASE("restart policy: an in-place fallback makes the replaced worker the root cause and turns in-place off") {
+  RestartPolicy p(3, true);
+  p.noteReplacement();
+  GroupOutcome o = failedWith({exitOf(0, ExitStatus::exited(1))});
+  o.inPlaceFellBack = true;
+  const std::vector<WorkerExit> replaced = {exitOf(1, ExitStatus::killed(SIGKILL))};
+  auto f = p.fallBack(o, replaced);
+  REQUIRE(f);
+  CHECK(f->firstTime);
+  CHECK(f->replaced.localRank == 1);
+  REQUIRE(f->survivor);
+  CHECK(f->survivor->localRank == 0);
+  REQUIRE(o.failures.size() == 2);
+  CHECK(o.failures[0].localRank == 1);  // the root cause
+  CHECK(p.replacementsUsed() == 0);     // its restart is the group's: one fault, one restart
+  CHECK(p.replacementsAllowed() == 0);  // every later failure restarts the group
+  auto d = p.decide(o, twoNodes(0), false);
+  CHECK(d.next == Next::Restart);
+  CHECK(d.why == "rank 1 signal 9 (SIGKILL)");
+  // Later fallbacks say nothing new; another node's failure has no local survivor.
+  GroupOutcome remote = failedWith({}, "node 1 failed");
+  remote.inPlaceFellBack = true;
+  auto g = p.fallBack(remote, replaced);
+  REQUIRE(g);
+  CHECK_FALSE(g->firstTime);
+  CHECK_FALSE(g->survivor);
+  CHECK(remote.failures.empty());
+  // No fallback without a replacement, or for an outcome that is not a failure.
+  GroupOutcome plain = failedWith({exitOf(0, ExitStatus::exited(1))});
+  CHECK_FALSE(p.fallBack(plain, replaced));
+  o.inPlaceFellBack = true;
+  o.kind = GroupOutcome::Kind::Interrupted;
+  CHECK_FALSE(p.fallBack(o, replaced));
+  o.kind = GroupOutcome::Kind::Failed;
+  CHECK_FALSE(p.fallBack(o, {}));
+}

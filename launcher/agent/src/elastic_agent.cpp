@@ -1,11 +1,10 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 
-#include "ctorch/contract/control_auth.hpp"
-
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/worker_env.hpp"
 #include "log.hpp"
+#include "replacements.hpp"
 
 #include <sys/epoll.h>
 #include <sys/timerfd.h>
@@ -13,7 +12,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <sstream>
 #include <cerrno>
 #include <csignal>
 #include <system_error>
@@ -28,9 +26,6 @@ constexpr std::uint64_t kTimerTag = 3;
 constexpr std::uint64_t kRendezvousTag = 4;
 constexpr std::uint64_t kConsoleTag = 5;
 constexpr std::uint64_t kEvictTag = 6;
-// How often the agent looks for eviction requests (--recovery in-place): a hung worker is found by
-// its peers' collective timeout first, so this only adds a fraction of a second.
-constexpr std::chrono::milliseconds kEvictPoll{200};
 
 } // namespace
 
@@ -42,7 +37,9 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
       processes_(processes),
       logs_(logs),
       signals_(signals),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      policy_(config.maxRestarts, config.inPlaceRecovery),
+      replacements_(std::make_unique<Replacements>(config, processes, logs)) {
   if (!options_.baseEnvironment) options_.baseEnvironment = currentEnvironment();
   if (!options_.printSummary) options_.printSummary = writeConsoleErr;  // never blocks on an unread console
   timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -60,15 +57,10 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
   add(signals_.fd(), kSignalsTag);
   add(timerFd_, kTimerTag);
   add(rendezvous_.eventFd(), kRendezvousTag);
-  if (config_.inPlaceRecovery) {
-    evictTimerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (evictTimerFd_ < 0) throwErrno("timerfd_create");
-    add(evictTimerFd_, kEvictTag);
-  }
+  add(replacements_->timerFd(), kEvictTag);
 }
 
 ElasticAgent::~ElasticAgent() {
-  if (evictTimerFd_ >= 0) ::close(evictTimerFd_);
   ::close(epollFd_);
   ::close(timerFd_);
 }
@@ -104,7 +96,7 @@ std::vector<WorkerLaunch> ElasticAgent::buildLaunches(const RendezvousInfo& info
 
 void ElasticAgent::apply(const MonitorActions& a) {
   if (a.signalWorkers) {
-    killSpares();  // they hold no state: nothing to stop gracefully
+    replacements_->killSpares();  // they hold no state: nothing to stop gracefully
     log("agent").debug("sending {} to every worker", signalName(*a.signalWorkers));
     if (monitor_ && !stopNoted_) {
       monitor_->noteStopSent(std::chrono::system_clock::now());
@@ -116,7 +108,10 @@ void ElasticAgent::apply(const MonitorActions& a) {
     log("agent").warn("grace period over: killing the remaining workers (SIGKILL)");
     processes_.killAll();
   }
-  if (a.replaceWorker) replaceWorker(*a.replaceWorker);
+  if (a.replaceWorker) {
+    replacements_->replace(*a.replaceWorker, *monitor_, policy_);
+    attempts_.back().pids = processes_.pids();
+  }
   if (a.armGrace) {
     itimerspec spec{};
     auto ms = std::max<long long>(a.armGrace->count(), 1);
@@ -124,215 +119,6 @@ void ElasticAgent::apply(const MonitorActions& a) {
     spec.it_value.tv_nsec = (ms % 1000) * 1000000;
     if (::timerfd_settime(timerFd_, 0, &spec, nullptr) != 0) throwErrno("timerfd_settime");
   }
-}
-
-void ElasticAgent::replaceWorker(int localRank) {
-  auto it = std::find_if(launches_.begin(), launches_.end(), [&](const WorkerLaunch& w) { return w.localRank == localRank; });
-  if (it == launches_.end()) return;
-  ++replacementsUsed_;
-  WorkerLaunch w = *it;
-  const std::string mark = std::string(contract::env::kReplacement) + "=";
-  w.env.erase(std::remove_if(w.env.begin(), w.env.end(), [&](const std::string& e) { return e.rfind(mark, 0) == 0; }),
-              w.env.end());
-  w.env.push_back(mark + std::to_string(replacementsUsed_));
-  // The failed worker's recorded error is logged now; the file is the replacement's from here on.
-  if (static_cast<std::size_t>(localRank) < files_.size()) {
-    const auto& errorFile = files_[static_cast<std::size_t>(localRank)].errorFile;
-    if (auto error = readErrorFile(errorFile)) log("agent").warn("worker rank {} had recorded: {}", w.globalRank, error->message.substr(0, error->message.find('\n')));
-    std::error_code ec;
-    std::filesystem::remove(errorFile, ec);
-  }
-  if (!monitor_ || !monitor_->reformPending() || reformBase_ < 0) {
-    try {
-      reformBase_ = workerStore().add(contract::inplace::kGenerationKey, 0);
-    } catch (const std::exception&) {
-      workerStore_.reset();
-      reformBase_ = -1;
-    }
-  }
-  log("agent").warn("replacing worker rank {} (local {}) in place; the other workers keep running "
-                    "(replacement {}, {} of {} restarts used)",
-                    w.globalRank, localRank, replacementsUsed_, attempts_.back().restartCount + replacementsUsed_,
-                    config_.maxRestarts);
-  if (!handToSpare(w)) processes_.add(w);
-  attempts_.back().pids = processes_.pids();
-}
-
-bool ElasticAgent::workerStoreAnswers() {
-  try {
-    workerStore().check({contract::inplace::kGenerationKey});
-    return true;
-  } catch (const std::exception& e) {
-    workerStore_.reset();
-    log("agent").warn("the workers' store does not answer ({}): restarting the group instead of replacing the "
-                      "worker in place", e.what());
-    return false;
-  }
-}
-
-bool ElasticAgent::joinedReform(int rank) {
-  if (reformBase_ < 0) return true;
-  try {
-    store::TcpStoreClient& store = workerStore();
-    if (store.check({contract::inplace::aliveKey(reformBase_, rank)})) return true;
-    const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
-    for (std::int64_t g = reformBase_ + 1; g <= newest; ++g)
-      if (store.check({contract::inplace::memberKey(g, rank)})) return true;
-    return false;
-  } catch (const std::exception&) {
-    workerStore_.reset();
-    return true;  // cannot tell: the store's loss is handled as such (replaceable)
-  }
-}
-
-void ElasticAgent::checkReformed(store::TcpStoreClient& store) {
-  if (!monitor_ || !monitor_->reformPending() || reformBase_ < 0) return;
-  const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
-  if (newest > reformBase_ &&
-      store.add(contract::inplace::arrivedKey(newest), 0) >= attempts_.back().rendezvous.worldSize) {
-    monitor_->noteReformed();
-    reformBase_ = -1;
-    log("agent").debug("the group re-formed at generation {}", newest);
-  }
-}
-
-store::TcpStoreClient& ElasticAgent::workerStore() {
-  if (!workerStore_) {
-    const RendezvousInfo& info = attempts_.back().rendezvous;
-    store::TcpStoreClientOptions o;
-    o.timeout = std::chrono::milliseconds(500);
-    o.operationTimeout = std::chrono::seconds(1);
-    o.retryConnect = false;
-    workerStore_ = std::make_unique<store::TcpStoreClient>(info.storeHost, static_cast<std::uint16_t>(info.storePort), o);
-  }
-  return *workerStore_;
-}
-
-// A spare is a worker of this node without a rank yet: the contract's variables of local rank 0
-// less the rank ones (contract::inplace::kSpareAssigned), and CTORCH_SPARE naming it.
-void ElasticAgent::startSpare() {
-  if (launches_.empty()) return;
-  Spare spare;
-  ++sparesStarted_;
-  spare.id = std::to_string(attempts_.back().rendezvous.nodeRank) + "-" + std::to_string(attempts_.back().restartCount) +
-             "-" + std::to_string(sparesStarted_);
-  spare.tag = -sparesStarted_;
-  WorkerLaunch w = launches_.front();
-  w.localRank = spare.tag;
-  w.globalRank = -1;
-  auto assigned = [](const std::string& entry) {
-    if (entry.rfind(std::string(contract::env::kErrorFile) + "=", 0) == 0) return true;  // local rank 0's
-    for (const char* name : contract::inplace::kSpareAssigned)
-      if (entry.rfind(std::string(name) + "=", 0) == 0) return true;
-    return false;
-  };
-  w.env.erase(std::remove_if(w.env.begin(), w.env.end(), assigned), w.env.end());
-  w.env.push_back(std::string(contract::env::kSpare) + "=" + spare.id);
-  // Its error file once it holds local rank L: <attempt dir>/L/error.json, as every worker's.
-  if (!files_.empty())
-    w.env.push_back(std::string(contract::env::kSpareLogDir) + "=" + files_.front().rankDir.parent_path().string());
-  // Through the agent: once it holds a rank its lines go where that rank's go (adoptSpare).
-  w.out = OutputSpec{};
-  w.err = OutputSpec{};
-  processes_.add(w);
-  spares_.push_back(spare);
-  log("agent").debug("started spare worker {}", spare.id);
-}
-
-bool ElasticAgent::handToSpare(const WorkerLaunch& replacement) {
-  if (spares_.empty()) return false;
-  const Spare spare = spares_.front();
-  std::string lines;
-  for (const auto& entry : replacement.env)
-    for (const char* name : contract::inplace::kSpareAssigned)
-      if (entry.rfind(std::string(name) + "=", 0) == 0) lines += entry + "\n";
-  const std::string key = contract::inplace::spareKey(spare.id);
-  try {
-    workerStore().set(key, store::toBytes(contract::auth::signCommand(config_.controlKey, key, lines)));
-  } catch (const std::exception& e) {
-    log("agent").warn("could not hand rank {} to spare {} ({}): starting a new process instead",
-                      replacement.globalRank, spare.id, e.what());
-    workerStore_.reset();
-    return false;
-  }
-  spares_.erase(spares_.begin());
-  processes_.relabel(spare.tag, replacement.localRank);
-  if (static_cast<std::size_t>(replacement.localRank) < files_.size())
-    logs_.adoptSpare(replacement.localRank, files_[static_cast<std::size_t>(replacement.localRank)]);
-  log("agent").warn("spare worker {} takes over rank {} (local {})", spare.id, replacement.globalRank,
-                    replacement.localRank);
-  startSpare();  // ready for the next failure
-  return true;
-}
-
-void ElasticAgent::killSpares() {
-  for (const auto& spare : spares_) processes_.killRank(spare.tag);
-  spares_.clear();
-}
-
-void ElasticAgent::serveEvictions() {
-  std::uint64_t expirations = 0;
-  [[maybe_unused]] auto n = ::read(evictTimerFd_, &expirations, sizeof expirations);
-  if (attempts_.empty() || !monitor_ || monitor_->stopping()) return;
-  const RendezvousInfo& info = attempts_.back().rendezvous;
-  if (std::chrono::steady_clock::now() < workerStoreRetryAt_) return;
-  try {
-    store::TcpStoreClient& store = workerStore();
-    const auto pids = processes_.pids();
-    for (const auto& [localRank, pid] : pids) {
-      if (pid <= 0 || evicted_.count(pid)) continue;
-      const int rank = info.globalRank(localRank);
-      const std::string key = contract::inplace::evictKey(rank);
-      if (localRank < 0 || !store.check({key})) continue;  // spares hold no rank yet
-      const std::string value = store::toString(store.get(key));
-      if (!acceptEviction(store, key, value, rank, pid)) continue;
-      evicted_.insert(pid);
-      log("agent").warn("worker rank {} (local {}, pid {}) stopped answering its peers: killing it to replace it "
-                        "in place",
-                        rank, localRank, pid);
-      processes_.kill(pid);
-    }
-    checkReformed(store);
-    workerStoreBackoff_ = std::chrono::milliseconds(0);
-  } catch (const std::exception& e) {
-    // The store is node 0's and may be unreachable for a moment (or lost with its host): try again
-    // after a pause that doubles, so that the event loop is not held up at every tick.
-    log("agent").debug("eviction requests: {}", e.what());
-    workerStore_.reset();
-    workerStoreBackoff_ = std::clamp(workerStoreBackoff_ * 2, std::chrono::milliseconds(250), std::chrono::milliseconds(4000));
-    workerStoreRetryAt_ = std::chrono::steady_clock::now() + workerStoreBackoff_;
-  }
-}
-
-// A signed request (control_auth.hpp) naming this rank's current worker, in a generation this
-// rank has not said it is alive in, that is the newest or the one being formed. Anything else is
-// ignored; a forged, malformed or stale value is logged once, naming the key.
-bool ElasticAgent::acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value,
-                                  int rank, int pid) {
-  auto refuse = [&](const std::string& why) {
-    if (refusedEvictions_.insert(key + '\0' + value).second)
-      log("agent").warn("ignoring {} in the workers' store: {}", key, why);
-    return false;
-  };
-  const auto payload = contract::auth::verifyCommand(config_.controlKey, key, value);
-  if (!payload) return refuse("it is not signed with this job's key (forged, or written by another job)");
-  long named = -1;
-  std::int64_t generation = -1;
-  std::istringstream in(*payload);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("pid=", 0) == 0) named = std::strtol(line.c_str() + 4, nullptr, 10);
-    else if (line.rfind("generation=", 0) == 0) generation = std::strtoll(line.c_str() + 11, nullptr, 10);
-  }
-  if (named <= 0 || generation < 0) return refuse("its signed content is not an eviction request");
-  if (named != pid) return false;  // an earlier process of this rank, already gone: nothing to say
-  const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
-  if (generation + 1 < newest)
-    return refuse("it names generation " + std::to_string(generation) + ", and the group is at " +
-                  std::to_string(newest) + " (a stale request)");
-  if (store.check({contract::inplace::aliveKey(generation, rank)}))
-    return refuse("rank " + std::to_string(rank) + " said it is alive in generation " + std::to_string(generation));
-  return true;
 }
 
 void ElasticAgent::reapOrphans() {
@@ -376,6 +162,53 @@ void ElasticAgent::watchConsoles() {
   watchedConsoles_ = std::move(wanted);
 }
 
+void ElasticAgent::onWorkerExits(GroupMonitor& mon) {
+  auto& l = log("agent");
+  const RendezvousInfo& info = attempts_.back().rendezvous;
+  for (const auto& e : processes_.process()) {
+    if (e.localRank < 0) {
+      // A spare that held no rank: not a worker of the group.
+      replacements_->spareEnded(e);
+      continue;
+    }
+    if (e.status.success())
+      l.info("worker rank {} (local {}, pid {}) finished", info.globalRank(e.localRank), e.localRank, e.pid);
+    else if (mon.stopping())
+      l.info("worker rank {} (local {}, pid {}) stopped: {}", info.globalRank(e.localRank), e.localRank, e.pid,
+             e.status.describe());
+    else
+      l.error("worker rank {} (local {}, pid {}) failed: {}", info.globalRank(e.localRank), e.localRank, e.pid,
+              e.status.describe());
+    // In place only while the workers' store answers: a replacement, and the survivors'
+    // re-forming, need it (lost with node rank 0's host, the group restarts instead).
+    const bool replaceable = !mon.wouldReplace() || e.status.success() || replacements_->storeAnswers();
+    const bool joined = e.status.success() || !mon.reformPending() ||
+                        replacements_->joinedReform(info.globalRank(e.localRank));
+    apply(mon.onWorkerExit(e, replaceable, joined));
+  }
+  if (mon.stopping() || mon.allExited()) replacements_->killSpares();
+}
+
+void ElasticAgent::onSignals(GroupMonitor& mon) {
+  while (auto s = signals_.take()) {
+    if (*s == SIGCHLD) {
+      if (options_.reapOrphans) reapOrphans();
+      continue;
+    }
+    MonitorActions a = mon.onSignal(*s, std::chrono::steady_clock::now());
+    if (a.duplicateSignal) {
+      log("agent").info("received {} again within {} ms: a copy of the same stop, not forwarded", signalName(*s),
+                        kDuplicateStopWindow.count());
+      continue;
+    }
+    if (a.killWorkers)
+      log("agent").warn("received {} again while stopping: killing the workers now", signalName(*s));
+    else
+      log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
+    apply(a);
+  }
+}
+
 GroupOutcome ElasticAgent::monitor() {
   GroupMonitor& mon = *monitor_;
   epoll_event events[16];
@@ -390,50 +223,10 @@ GroupOutcome ElasticAgent::monitor() {
     for (int i = 0; i < n; ++i) {
       switch (events[i].data.u64) {
         case kProcessesTag:
-          for (const auto& e : processes_.process()) {
-            auto& l = log("agent");
-            if (e.localRank < 0) {
-              // A spare that held no rank: not a worker of the group.
-              auto it = std::find_if(spares_.begin(), spares_.end(), [&](const Spare& s) { return s.tag == e.localRank; });
-              if (it != spares_.end()) {
-                l.warn("spare worker {} (pid {}) ended before it was needed: {}", it->id, e.pid, e.status.describe());
-                spares_.erase(it);
-              }
-              continue;
-            }
-            if (e.status.success())
-              l.info("worker rank {} (local {}, pid {}) finished", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid);
-            else if (mon.stopping())
-              l.info("worker rank {} (local {}, pid {}) stopped: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
-            else
-              l.error("worker rank {} (local {}, pid {}) failed: {}", attempts_.back().rendezvous.globalRank(e.localRank), e.localRank, e.pid, e.status.describe());
-            // In place only while the workers' store answers: a replacement, and the survivors'
-            // re-forming, need it (lost with node rank 0's host, the group restarts instead).
-            const bool replaceable = !mon.wouldReplace() || e.status.success() || workerStoreAnswers();
-            const bool joined = e.status.success() || !mon.reformPending() ||
-                                joinedReform(attempts_.back().rendezvous.globalRank(e.localRank));
-            apply(mon.onWorkerExit(e, replaceable, joined));
-          }
-          if (mon.stopping() || mon.allExited()) killSpares();
+          onWorkerExits(mon);
           break;
         case kSignalsTag:
-          while (auto s = signals_.take()) {
-            if (*s == SIGCHLD) {
-              if (options_.reapOrphans) reapOrphans();
-              continue;
-            }
-            MonitorActions a = mon.onSignal(*s, std::chrono::steady_clock::now());
-            if (a.duplicateSignal) {
-              log("agent").info("received {} again within {} ms: a copy of the same stop, not forwarded",
-                                signalName(*s), kDuplicateStopWindow.count());
-              continue;
-            }
-            if (a.killWorkers)
-              log("agent").warn("received {} again while stopping: killing the workers now", signalName(*s));
-            else
-              log("agent").warn("received {}: forwarding it to the workers", signalName(*s));
-            apply(a);
-          }
+          onSignals(mon);
           break;
         case kTimerTag: {
           std::uint64_t expirations = 0;
@@ -444,7 +237,7 @@ GroupOutcome ElasticAgent::monitor() {
           logs_.flushConsoles();
           break;
         case kEvictTag:
-          serveEvictions();
+          replacements_->serveEvictions(mon);
           break;
         case kRendezvousTag:
           while (auto ev = rendezvous_.takeEvent()) {
@@ -459,8 +252,7 @@ GroupOutcome ElasticAgent::monitor() {
   }
   itimerspec off{};
   ::timerfd_settime(timerFd_, 0, &off, nullptr);
-  if (evictTimerFd_ >= 0) ::timerfd_settime(evictTimerFd_, 0, &off, nullptr);
-  workerStore_.reset();
+  replacements_->endGroup();
   for (int fd : watchedConsoles_) ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
   watchedConsoles_.clear();
   return mon.outcome();
@@ -497,207 +289,181 @@ FailureReport ElasticAgent::makeReport(const GroupOutcome& outcome, const Rendez
   return r;
 }
 
-int ElasticAgent::run() {
-  int restartCount = 0;
+// Waits for the next round; the exit code instead when the agent must leave (a stop signal, a
+// rendezvous that was interrupted or closed).
+std::optional<int> ElasticAgent::joinRound(RendezvousInfo& info) {
   auto& l = log("agent");
-  for (;;) {
-    if (auto s = pendingStopSignal()) {
-      l.warn("received {} between attempts: not restarting", signalName(*s));
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return contract::exitCodeForSignal(*s);
-    }
+  if (auto s = pendingStopSignal()) {
+    l.warn("received {} between attempts: not restarting", signalName(*s));
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return contract::exitCodeForSignal(*s);
+  }
+  RendezvousRequest req;
+  req.localNproc = config_.nprocPerNode;
+  req.timeout = options_.rendezvousTimeout;
+  req.cancelFd = signals_.fd();
+  std::optional<int> stopSignal;
+  req.stopRequested = [&] {
+    if (!stopSignal) stopSignal = pendingStopSignal();
+    return stopSignal.has_value();
+  };
+  try {
+    info = rendezvous_.next(req);
+  } catch (const RendezvousInterrupted&) {
+    if (!stopSignal) stopSignal = pendingStopSignal();
+    if (stopSignal) l.warn("received {} while waiting for the rendezvous: stopping", signalName(*stopSignal));
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return stopSignal ? contract::exitCodeForSignal(*stopSignal) : contract::kExitRendezvousFailed;
+  } catch (const RendezvousGracefulExit& e) {
+    l.info("{}: exiting", e.what());
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    return contract::kExitSuccess;
+  } catch (...) {
+    rendezvous_.shutdown(AgentOutcome::Interrupted);
+    throw;
+  }
+  l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round, info.nodeRank,
+         info.numNodes, info.worldSize, info.storeHost, info.storePort);
+  return std::nullopt;
+}
 
-    RendezvousRequest req;
-    req.localNproc = config_.nprocPerNode;
-    req.timeout = options_.rendezvousTimeout;
-    req.cancelFd = signals_.fd();
-    std::optional<int> stopSignal;
-    req.stopRequested = [&] {
-      if (!stopSignal) stopSignal = pendingStopSignal();
-      return stopSignal.has_value();
-    };
+// One attempt: starts the local workers of the round and waits until they are all gone.
+GroupOutcome ElasticAgent::runGroup(const RendezvousInfo& info) {
+  const int restartCount = policy_.restartCount();
+  std::vector<WorkerLogs::WorkerFiles> files;
+  auto launches = buildLaunches(info, restartCount, files);
+  Attempt attempt;
+  attempt.restartCount = restartCount;
+  attempt.rendezvous = info;
+  attempts_.push_back(attempt);
+  monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, policy_.replacementsAllowed());
+  stopNoted_ = false;
+  files_ = files;
+  processes_.start(launches);
+  replacements_->beginGroup(info, restartCount, launches, files);
+  attempts_.back().pids = processes_.pids();
+  log("agent").info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(), config_.program,
+                    restartCount + 1, restartCount, config_.maxRestarts);
+
+  GroupOutcome outcome = monitor();
+  attempts_.back().pids = processes_.pids();
+  attempts_.back().outcome = outcome;
+  logs_.endAttempt();
+  return outcome;
+}
+
+// After this node's workers succeeded: the other nodes' workers may have failed meanwhile, and
+// then the whole group runs again.
+void ElasticAgent::passExitBarrier(GroupOutcome& outcome) {
+  auto& l = log("agent");
+  l.info("all {} worker(s) finished successfully", files_.size());
+  auto event = rendezvous_.exitBarrier(options_.exitBarrierTimeout);
+  if (!event || event->kind != RendezvousEventKind::RemoteFailure) return;
+  l.warn("rendezvous: {}", event->reason);
+  outcome.kind = GroupOutcome::Kind::Failed;
+  outcome.reason = event->reason;
+}
+
+// A deterministic error: the root cause's error file says a restart cannot help.
+bool ElasticAgent::rootCauseRetryNever(const GroupOutcome& outcome) const {
+  if (outcome.kind != GroupOutcome::Kind::Failed || outcome.failures.empty()) return false;
+  const auto localRank = static_cast<std::size_t>(outcome.failures[0].localRank);
+  if (localRank >= files_.size()) return false;
+  const auto recorded = readErrorFile(files_[localRank].errorFile);
+  return recorded && recorded->retryNever;
+}
+
+void ElasticAgent::explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info) {
+  if (!fallback.firstTime) return;
+  const std::string survivor = !fallback.survivor ? "another node's worker failed"
+                                                  : "rank " + std::to_string(info.globalRank(fallback.survivor->localRank)) +
+                                                        " " + fallback.survivor->status.describe();
+  log("agent").warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
+                    "program does not recover in place (a loop must catch the failed step and call "
+                    "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
+                    "instead, as --recovery restart does, now and after any later failure of this run",
+                    survivor, info.globalRank(fallback.replaced.localRank));
+}
+
+void ElasticAgent::explain(const AttemptDecision& d, const GroupOutcome& outcome, const RendezvousInfo& info) {
+  auto& l = log("agent");
+  switch (d.note) {
+    case AttemptDecision::Note::None:
+      break;
+    case AttemptDecision::Note::Preempted:
+      l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job can be requeued",
+             contract::kExitPreempted, contract::kExitPreempted);
+      break;
+    case AttemptDecision::Note::Membership:
+      l.warn("membership changed ({}): restarting the workers without counting a failure", outcome.reason);
+      break;
+    case AttemptDecision::Note::RendezvousFailed:
+      l.error("rendezvous failed: {}", outcome.reason);
+      break;
+    case AttemptDecision::Note::Restart:
+      l.warn("worker group failed ({}); restarting, restart {} of {}", d.why, policy_.restartCount(),
+             config_.maxRestarts);
+      break;
+    case AttemptDecision::Note::WriteFailed:
+      // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
+      // since the last snapshot and meet the same disk.
+      l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
+              "free space and run the same command again, it resumes from the last snapshot written",
+              info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
+      break;
+    case AttemptDecision::Note::RetryNever:
+      l.error("rank {} failed with an error a restart cannot fix (its error file says so: a command line, a "
+              "configuration or a snapshot that does not fit); not restarting",
+              info.globalRank(outcome.failures[0].localRank));
+      break;
+    case AttemptDecision::Note::NoRestartsLeft:
+      l.error("worker group failed ({}); no restarts left ({} used)", d.why, config_.maxRestarts);
+      break;
+    case AttemptDecision::Note::NoRestartsAllowed:
+      l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", d.why);
+      break;
+  }
+}
+
+// Does what the decision says; the exit code when the agent leaves.
+std::optional<int> ElasticAgent::act(const AttemptDecision& d, const GroupOutcome& outcome,
+                                     const RendezvousInfo& info) {
+  if (outcome.kind == GroupOutcome::Kind::Interrupted)
+    log("agent").warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
+                      outcome.stopped.size() + outcome.failures.size());
+  // "No restarts left" follows the summary it refers to; every other note comes first.
+  const bool afterSummary =
+      d.note == AttemptDecision::Note::NoRestartsLeft || d.note == AttemptDecision::Note::NoRestartsAllowed;
+  if (!afterSummary) explain(d, outcome, info);
+  if (d.next != AttemptDecision::Next::Exit) {
+    if (d.reportFailure) rendezvous_.reportFailure(d.why);
+    return std::nullopt;
+  }
+  if (d.summary) {
+    report_ = makeReport(outcome, info, policy_.restartCount(), files_);
+    options_.printSummary(formatFailureSummary(*report_));
+    logs_.keep();
+  }
+  if (afterSummary) explain(d, outcome, info);
+  if (d.reportFailure) rendezvous_.reportFailure(d.why);
+  rendezvous_.shutdown(d.leave);
+  return d.exitCode;
+}
+
+// The agent's run, top to bottom: a round, a group, the policy's decision, again.
+int ElasticAgent::run() {
+  for (;;) {
     RendezvousInfo info;
-    try {
-      info = rendezvous_.next(req);
-    } catch (const RendezvousInterrupted&) {
-      if (!stopSignal) stopSignal = pendingStopSignal();
-      if (stopSignal) l.warn("received {} while waiting for the rendezvous: stopping", signalName(*stopSignal));
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return stopSignal ? contract::exitCodeForSignal(*stopSignal) : contract::kExitRendezvousFailed;
-    } catch (const RendezvousGracefulExit& e) {
-      l.info("{}: exiting", e.what());
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      return contract::kExitSuccess;
-    } catch (...) {
-      rendezvous_.shutdown(AgentOutcome::Interrupted);
-      throw;
-    }
+    if (auto leave = joinRound(info)) return *leave;
     // A backend that shares the count across nodes (c10d) decides it: every node's workers must
     // see the same TORCHELASTIC_RESTART_COUNT.
-    if (info.restartCount) restartCount = *info.restartCount;
-    l.info("rendezvous round {} complete: node {} of {}, world size {}, store {}:{}", info.round,
-           info.nodeRank, info.numNodes, info.worldSize, info.storeHost, info.storePort);
-
-    std::vector<WorkerLogs::WorkerFiles> files;
-    auto launches = buildLaunches(info, restartCount, files);
-    Attempt attempt;
-    attempt.restartCount = restartCount;
-    attempt.rendezvous = info;
-    attempts_.push_back(attempt);
-    const int replacements = config_.inPlaceRecovery && !inPlaceOff_
-                                 ? std::max(0, config_.maxRestarts - restartCount - replacementsUsed_)
-                                 : 0;
-    reformBase_ = -1;
-    monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, replacements);
-    stopNoted_ = false;
-    launches_ = launches;
-    files_ = files;
-    processes_.start(launches);
-    spares_.clear();
-    workerStore_.reset();
-    workerStoreBackoff_ = std::chrono::milliseconds(0);
-    workerStoreRetryAt_ = {};
-    for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
-    if (evictTimerFd_ >= 0) {
-      itimerspec every{};
-      every.it_interval.tv_nsec = every.it_value.tv_nsec = kEvictPoll.count() * 1000000;
-      if (::timerfd_settime(evictTimerFd_, 0, &every, nullptr) != 0) throwErrno("timerfd_settime");
-    }
-    attempts_.back().pids = processes_.pids();
-    l.info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(),
-           config_.program, restartCount + 1, restartCount, config_.maxRestarts);
-
-    GroupOutcome outcome = monitor();
-    attempts_.back().pids = processes_.pids();
+    policy_.adoptRestartCount(info.restartCount);
+    GroupOutcome outcome = runGroup(info);
+    if (outcome.kind == GroupOutcome::Kind::Succeeded) passExitBarrier(outcome);
+    if (auto fallback = policy_.fallBack(outcome, monitor_->replaced())) explainFallback(*fallback, info);
     attempts_.back().outcome = outcome;
-    logs_.endAttempt();
-
-    if (outcome.kind == GroupOutcome::Kind::Succeeded) {
-      l.info("all {} worker(s) finished successfully", launches.size());
-      auto event = rendezvous_.exitBarrier(options_.exitBarrierTimeout);
-      if (!event || event->kind != RendezvousEventKind::RemoteFailure) {
-        rendezvous_.shutdown(AgentOutcome::Succeeded);
-        return contract::kExitSuccess;
-      }
-      // Another node's workers failed in this round: the whole group runs again.
-      l.warn("rendezvous: {}", event->reason);
-      outcome.kind = GroupOutcome::Kind::Failed;
-      outcome.reason = event->reason;
-      attempts_.back().outcome = outcome;
-    }
-
-    switch (outcome.kind) {
-      case GroupOutcome::Kind::Succeeded:
-        break;  // handled above
-
-      case GroupOutcome::Kind::Interrupted: {
-        l.warn("stopped by {}: {} worker(s) ended", signalName(outcome.signal),
-               outcome.stopped.size() + outcome.failures.size());
-        // Preemption (Slurm's --signal, scancel -s USR1): workers that saved a snapshot and exited
-        // kExitPreempted make ctorchrun exit with it too, so that a batch script can requeue. A
-        // worker that got the signal first (Slurm signals the whole step) and exited 75 before this
-        // agent read its own copy was counted as a failure: it was preempted all the same.
-        auto savedState = [](const WorkerExit& e) { return e.status.asExitCode() == contract::kExitPreempted; };
-        bool preempted = !(outcome.stopped.empty() && outcome.failures.empty()) &&
-                         std::all_of(outcome.stopped.begin(), outcome.stopped.end(), savedState) &&
-                         std::all_of(outcome.failures.begin(), outcome.failures.end(), savedState);
-        if (preempted) {
-          l.warn("every worker exited {} (preempted after saving its state): exiting {} so that the job "
-                 "can be requeued",
-                 contract::kExitPreempted, contract::kExitPreempted);
-          rendezvous_.shutdown(AgentOutcome::Interrupted);
-          return contract::kExitPreempted;
-        }
-        if (!outcome.failures.empty()) {
-          report_ = makeReport(outcome, info, restartCount, files);
-          options_.printSummary(formatFailureSummary(*report_));
-          logs_.keep();
-        }
-        rendezvous_.shutdown(AgentOutcome::Interrupted);
-        return contract::exitCodeForSignal(outcome.signal);
-      }
-
-      case GroupOutcome::Kind::Rerendezvous:
-        l.warn("membership changed ({}): restarting the workers without counting a failure",
-               outcome.reason);
-        continue;
-
-      case GroupOutcome::Kind::RendezvousFailed:
-        l.error("rendezvous failed: {}", outcome.reason);
-        rendezvous_.shutdown(AgentOutcome::Interrupted);
-        return contract::kExitRendezvousFailed;
-
-      case GroupOutcome::Kind::Failed: {
-        if (outcome.inPlaceFellBack && monitor_ && !monitor_->replaced().empty()) {
-          // The replacement's restart becomes the group's: one fault, one restart.
-          const WorkerExit& first = monitor_->replaced().back();
-          --replacementsUsed_;
-          if (!inPlaceOff_) {
-            const std::string survivor =
-                outcome.failures.empty()
-                    ? "another node's worker failed"
-                    : "rank " + std::to_string(info.globalRank(outcome.failures.front().localRank)) + " " +
-                          outcome.failures.front().status.describe();
-            l.warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
-                   "program does not recover in place (a loop must catch the failed step and call "
-                   "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
-                   "instead, as --recovery restart does, now and after any later failure of this run",
-                   survivor, info.globalRank(first.localRank));
-            inPlaceOff_ = true;
-          }
-          if (!outcome.failures.empty()) {
-            outcome.failures.insert(outcome.failures.begin(), first);  // the root cause
-            attempts_.back().outcome = outcome;
-          }
-        }
-        const bool local = !outcome.failures.empty();
-        std::string why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) +
-                                      " " + outcome.failures[0].status.describe()
-                                : outcome.reason;
-        const bool writeFailed = local && outcome.failures.front().status.asExitCode() == contract::kExitWriteFailed;
-        // A deterministic error (the worker's error file says a restart cannot help: a bad command
-        // line, a configuration, an incompatible snapshot) fails the same way every time.
-        bool deterministic = false;
-        if (local && static_cast<std::size_t>(outcome.failures[0].localRank) < files.size()) {
-          const auto recorded = readErrorFile(files[static_cast<std::size_t>(outcome.failures[0].localRank)].errorFile);
-          deterministic = recorded && recorded->retryNever;
-        }
-        // Either fails the same way at every restart: no restart is spent on it.
-        const bool noRestart = writeFailed || deterministic;
-        if (writeFailed) {
-          // Every rank agreed to stop: the disk is full or failing. A restart would redo the steps
-          // since the last snapshot and meet the same disk.
-          l.error("rank {} could not write a file the run needs (exit {}: disk full or failing); not restarting: "
-                  "free space and run the same command again, it resumes from the last snapshot written",
-                  info.globalRank(outcome.failures[0].localRank), contract::kExitWriteFailed);
-        } else if (deterministic && restartCount + replacementsUsed_ < config_.maxRestarts) {
-          l.error("rank {} failed with an error a restart cannot fix (its error file says so: a command line, a "
-                  "configuration or a snapshot that does not fit); not restarting",
-                  info.globalRank(outcome.failures[0].localRank));
-        }
-        if (!noRestart && restartCount + replacementsUsed_ < config_.maxRestarts) {
-          ++restartCount;
-          l.warn("worker group failed ({}); restarting, restart {} of {}", why, restartCount,
-                 config_.maxRestarts);
-          if (local) rendezvous_.reportFailure(why);
-          continue;
-        }
-        if (local) {
-          report_ = makeReport(outcome, info, restartCount, files);
-          options_.printSummary(formatFailureSummary(*report_));
-          logs_.keep();
-        }
-        if (!noRestart && config_.maxRestarts > 0)
-          l.error("worker group failed ({}); no restarts left ({} used)", why, config_.maxRestarts);
-        else if (!local)
-          l.error("worker group failed ({}); no restarts allowed (--max-restarts 0)", why);
-        if (local) rendezvous_.reportFailure(why);
-        rendezvous_.shutdown(AgentOutcome::Failed);
-        if (!local) return contract::kExitFailure;
-        int code = outcome.failures.front().status.asExitCode();
-        return code == 0 ? contract::kExitFailure : code;
-      }
-    }
+    const AttemptDecision decision = policy_.decide(outcome, info, rootCauseRetryNever(outcome));
+    if (auto code = act(decision, outcome, info)) return *code;
   }
 }
 

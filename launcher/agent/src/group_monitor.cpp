@@ -156,4 +156,103 @@ GroupOutcome GroupMonitor::outcome() const {
   return o;
 }
 
+bool preempted(const GroupOutcome& o) {
+  auto savedState = [](const WorkerExit& e) { return e.status.asExitCode() == kExitPreempted; };
+  return !(o.stopped.empty() && o.failures.empty()) && std::all_of(o.stopped.begin(), o.stopped.end(), savedState) &&
+         std::all_of(o.failures.begin(), o.failures.end(), savedState);
+}
+
+RestartPolicy::RestartPolicy(int maxRestarts, bool inPlaceRecovery)
+    : maxRestarts_(maxRestarts), inPlaceRecovery_(inPlaceRecovery) {}
+
+int RestartPolicy::replacementsAllowed() const {
+  return inPlaceRecovery_ && !inPlaceOff_ ? std::max(0, maxRestarts_ - restartCount_ - replacementsUsed_) : 0;
+}
+
+std::optional<InPlaceFallback> RestartPolicy::fallBack(GroupOutcome& outcome, const std::vector<WorkerExit>& replaced) {
+  if (outcome.kind != GroupOutcome::Kind::Failed || !outcome.inPlaceFellBack || replaced.empty()) return std::nullopt;
+  InPlaceFallback f;
+  f.replaced = replaced.back();
+  --replacementsUsed_;
+  f.firstTime = !inPlaceOff_;
+  inPlaceOff_ = true;
+  if (!outcome.failures.empty()) {
+    f.survivor = outcome.failures.front();
+    outcome.failures.insert(outcome.failures.begin(), f.replaced);  // the root cause
+  }
+  return f;
+}
+
+AttemptDecision RestartPolicy::decide(const GroupOutcome& outcome, const RendezvousInfo& info,
+                                      bool rootCauseRetryNever) {
+  AttemptDecision d;
+  switch (outcome.kind) {
+    case GroupOutcome::Kind::Succeeded:
+      d.leave = AgentOutcome::Succeeded;
+      d.exitCode = contract::kExitSuccess;
+      break;
+    case GroupOutcome::Kind::Interrupted:
+      if (preempted(outcome)) {
+        d.note = AttemptDecision::Note::Preempted;
+        d.exitCode = kExitPreempted;
+      } else {
+        d.summary = !outcome.failures.empty();
+        d.exitCode = contract::exitCodeForSignal(outcome.signal);
+      }
+      break;
+    case GroupOutcome::Kind::Rerendezvous:
+      d.next = AttemptDecision::Next::Rerendezvous;
+      d.note = AttemptDecision::Note::Membership;
+      break;
+    case GroupOutcome::Kind::RendezvousFailed:
+      d.note = AttemptDecision::Note::RendezvousFailed;
+      d.exitCode = contract::kExitRendezvousFailed;
+      break;
+    case GroupOutcome::Kind::Failed:
+      d = decideFailed(outcome, info, rootCauseRetryNever);
+      break;
+  }
+  return d;
+}
+
+AttemptDecision RestartPolicy::decideFailed(const GroupOutcome& outcome, const RendezvousInfo& info,
+                                            bool rootCauseRetryNever) {
+  using Note = AttemptDecision::Note;
+  AttemptDecision d;
+  const bool local = !outcome.failures.empty();
+  d.why = local ? "rank " + std::to_string(info.globalRank(outcome.failures[0].localRank)) + " " +
+                      outcome.failures[0].status.describe()
+                : outcome.reason;
+  d.reportFailure = local;
+  // Every rank agreed to stop on exit 74: the disk is full or failing, and a restart would meet
+  // the same disk. A deterministic error (a bad command line, a configuration, an incompatible
+  // snapshot) fails the same way every time. No restart is spent on either.
+  const bool writeFailed = local && outcome.failures.front().status.asExitCode() == contract::kExitWriteFailed;
+  const bool deterministic = local && rootCauseRetryNever;
+  const bool budgetLeft = restartsUsed() < maxRestarts_;
+  if (writeFailed)
+    d.note = Note::WriteFailed;
+  else if (deterministic && budgetLeft)
+    d.note = Note::RetryNever;
+  if (!writeFailed && !deterministic && budgetLeft) {
+    ++restartCount_;
+    d.next = AttemptDecision::Next::Restart;
+    d.note = Note::Restart;
+    return d;
+  }
+  d.summary = local;
+  if (!writeFailed && !deterministic && maxRestarts_ > 0)
+    d.note = Note::NoRestartsLeft;
+  else if (!local)
+    d.note = Note::NoRestartsAllowed;
+  d.leave = AgentOutcome::Failed;
+  if (!local) {
+    d.exitCode = contract::kExitFailure;
+  } else {
+    const int code = outcome.failures.front().status.asExitCode();
+    d.exitCode = code == 0 ? contract::kExitFailure : code;
+  }
+  return d;
+}
+
 } // namespace ctorch::launcher

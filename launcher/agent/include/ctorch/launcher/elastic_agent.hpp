@@ -1,8 +1,9 @@
-// ElasticAgent: the restart policy and the event loop. For every attempt it asks the rendezvous
-// for a round, starts the local workers through the ProcessContext, and then only waits — on the
-// context's fd, the signal fd, a timerfd for the grace period and the rendezvous' event fd (epoll,
-// no sleeping or polling) — feeding what happens to a GroupMonitor and doing what it says. It ends
-// with 0, the root-cause worker's own exit code, or 128+N after signal N.
+// ElasticAgent: the event loop that carries out the agent's policy. For every attempt it asks the
+// rendezvous for a round, starts the local workers through the ProcessContext, and then only
+// waits — on the context's fd, the signal fd, a timerfd for the grace period and the rendezvous'
+// event fd (epoll, no sleeping or polling) — feeding what happens to a GroupMonitor and doing what
+// it says; RestartPolicy (group_monitor.hpp) then decides between restart and exit. It ends with
+// 0, the root-cause worker's own exit code, or 128+N after signal N.
 #pragma once
 
 #include "ctorch/launcher/failure_summary.hpp"
@@ -12,17 +13,18 @@
 #include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/launcher/signals.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
-#include "ctorch/store/tcp_store_client.hpp"
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
 namespace ctorch::launcher {
+
+class Replacements;  // --recovery in-place (launcher/agent/src/replacements.hpp)
 
 struct AgentOptions {
   // The environment workers inherit (before the contract variables); default: the agent's own.
@@ -58,25 +60,19 @@ class ElasticAgent {
   const std::optional<FailureReport>& failureReport() const { return report_; }
 
  private:
+  std::optional<int> joinRound(RendezvousInfo& info);
+  GroupOutcome runGroup(const RendezvousInfo& info);
+  void passExitBarrier(GroupOutcome& outcome);
+  bool rootCauseRetryNever(const GroupOutcome& outcome) const;
+  void explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info);
+  void explain(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);
+  std::optional<int> act(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);
   std::vector<WorkerLaunch> buildLaunches(const RendezvousInfo& info, int restartCount,
                                           std::vector<WorkerLogs::WorkerFiles>& files);
   GroupOutcome monitor();
+  void onWorkerExits(GroupMonitor& monitor);
+  void onSignals(GroupMonitor& monitor);
   void apply(const MonitorActions& actions);
-  void replaceWorker(int localRank);
-  bool workerStoreAnswers();
-  // While a re-form is pending: whether global rank `rank` said it takes part (alive in the failed
-  // generation, or arrived at a newer one). True when the store cannot tell.
-  bool joinedReform(int rank);
-  // While a re-form is pending: tells the monitor once every rank arrived at the new generation.
-  void checkReformed(store::TcpStoreClient& store);
-  // --recovery in-place: kills the workers the survivors asked to evict (they stopped answering).
-  void serveEvictions();
-  bool acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value, int rank,
-                      int pid);
-  store::TcpStoreClient& workerStore();
-  void startSpare();
-  bool handToSpare(const WorkerLaunch& replacement);
-  void killSpares();
   void reapOrphans();
   void watchConsoles();
   FailureReport makeReport(const GroupOutcome& outcome, const RendezvousInfo& info, int restartCount,
@@ -89,35 +85,15 @@ class ElasticAgent {
   WorkerLogs& logs_;
   SignalSource& signals_;
   AgentOptions options_;
+  RestartPolicy policy_;
   int timerFd_ = -1;
   int epollFd_ = -1;
   bool warnedOmp_ = false;
   bool stopNoted_ = false;
   std::optional<GroupMonitor> monitor_;
-  std::vector<WorkerLaunch> launches_;  // the running group's, for replacements
-  std::vector<WorkerLogs::WorkerFiles> files_;
-  int replacementsUsed_ = 0;            // --recovery in-place, over the whole run
-  // The group generation when the pending replacement was started (-1: unknown): a survivor that
-  // joins the re-form says it is alive in it (contract::inplace::aliveKey).
-  std::int64_t reformBase_ = -1;
-  // The program was seen not to recover in place (a survivor ended instead of joining a re-form):
-  // every later failure of this run restarts the group, as --recovery restart.
-  bool inPlaceOff_ = false;
-  int evictTimerFd_ = -1;
-  // The workers' store: eviction requests in, spare assignments out.
-  std::unique_ptr<store::TcpStoreClient> workerStore_;
-  // After the workers' store failed to answer, eviction requests are not read again before this
-  // (doubling pauses up to 4 s): a lost store host must not hold the event loop up every tick.
-  std::chrono::steady_clock::time_point workerStoreRetryAt_{};
-  std::chrono::milliseconds workerStoreBackoff_{0};
-  struct Spare {
-    std::string id;
-    int tag = 0;  // the negative local rank it runs under until it takes one over
-  };
-  std::vector<Spare> spares_;
-  int sparesStarted_ = 0;
-  std::set<pid_t> evicted_;
-  std::set<std::string> refusedEvictions_;  // key + value, logged once each
+  std::vector<WorkerLogs::WorkerFiles> files_;  // the running group's: error files, the summary
+  // --recovery in-place: replacements, spares, eviction requests (src/replacements.hpp).
+  std::unique_ptr<Replacements> replacements_;
   std::vector<Attempt> attempts_;
   std::vector<int> watchedConsoles_;
   std::optional<FailureReport> report_;

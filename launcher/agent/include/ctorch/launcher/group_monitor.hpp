@@ -1,7 +1,8 @@
-// The agent's policy for one running worker group, as a pure state machine: events in (a worker
-// exited, a signal arrived, the grace period ended, the rendezvous reported something), actions
-// out (signal the workers, kill them, arm the grace timer), and at the end the outcome that
-// decides between success, restart, re-rendezvous and exit. No processes, clocks or I/O here.
+// The agent's policy, as pure decisions. GroupMonitor: one running worker group as a state
+// machine: events in (a worker exited, a signal arrived, the grace period ended, the rendezvous
+// reported something), actions out (signal the workers, kill them, arm the grace timer, replace
+// one), and at the end the group's outcome. RestartPolicy: the run's restart budget, and what an
+// outcome leads to (restart, re-rendezvous, or which exit code). No processes, clocks or I/O here.
 #pragma once
 
 #include "ctorch/contract/worker_contract.hpp"
@@ -106,6 +107,86 @@ class GroupMonitor {
   std::optional<std::chrono::system_clock::time_point> stopSentAt_;
   std::vector<WorkerExit> failures_;
   std::vector<WorkerExit> stopped_;
+};
+
+// Preemption (Slurm's --signal, scancel -s USR1): every worker that ended saved its state and
+// exited kExitPreempted. A worker that got the signal first (Slurm signals the whole step) and
+// exited 75 before the agent read its own copy counts as a failure in the outcome: it was
+// preempted all the same.
+bool preempted(const GroupOutcome& outcome);
+
+// What the agent does once a group has ended.
+struct AttemptDecision {
+  enum class Next { Restart, Rerendezvous, Exit };
+  // Which explanation the agent logs (the texts live in the agent).
+  enum class Note {
+    None,
+    Preempted,          // every worker exited 75: exit 75 so that the job can be requeued
+    Membership,         // membership changed: a new round, no restart counted
+    RendezvousFailed,   // the rendezvous gave up: exit 3
+    Restart,            // the group failed, a restart is left: restartCount() of maxRestarts()
+    WriteFailed,        // exit 74 (a file could not be written): not restarted
+    RetryNever,         // the error file says a restart cannot help (and restarts were left)
+    NoRestartsLeft,     // --max-restarts used up
+    NoRestartsAllowed,  // another node's failure with --max-restarts 0
+  };
+  Next next = Next::Exit;
+  Note note = Note::None;
+  int exitCode = 0;                                // Exit: ctorchrun's exit code
+  AgentOutcome leave = AgentOutcome::Interrupted;  // Exit: what the rendezvous is told
+  bool summary = false;        // print the failure summary (this node's failures) and keep the logs
+  bool reportFailure = false;  // tell the other nodes this node's workers failed, with `why`
+  std::string why;             // Failed: the root cause ("rank 1 exited with 3") or the remote reason
+};
+
+// --recovery in-place fell back to a group restart (GroupOutcome::inPlaceFellBack): what happened.
+struct InPlaceFallback {
+  bool firstTime = false;  // in-place recovery is off for the rest of the run from now on
+  WorkerExit replaced;     // the worker whose replacement the group was re-forming around
+  std::optional<WorkerExit> survivor;  // the local worker that ended instead of joining (none: another node)
+};
+
+// The run's restart budget: group restarts and in-place replacements together against
+// --max-restarts, and the decision after each attempt. Lives as long as the agent's run.
+class RestartPolicy {
+ public:
+  RestartPolicy(int maxRestarts, bool inPlaceRecovery);
+
+  // The attempt's TORCHELASTIC_RESTART_COUNT; a backend that shares it across nodes (c10d)
+  // decides it, so that every node's workers see the same.
+  int restartCount() const { return restartCount_; }
+  void adoptRestartCount(std::optional<int> shared) {
+    if (shared) restartCount_ = *shared;
+  }
+  int maxRestarts() const { return maxRestarts_; }
+  // --recovery in-place, over the whole run.
+  int replacementsUsed() const { return replacementsUsed_; }
+  int restartsUsed() const { return restartCount_ + replacementsUsed_; }
+  void noteReplacement() { ++replacementsUsed_; }
+  // For the next group's GroupMonitor: how many failed workers may be replaced alone (0 without
+  // --recovery in-place, or once the program was seen not to recover in place).
+  int replacementsAllowed() const;
+
+  // A Failed outcome with inPlaceFellBack and a replacement this attempt (`replaced`, the
+  // monitor's): the replacement's restart becomes the group's (one fault, one restart), the
+  // replaced worker becomes the root cause, and every later failure of the run restarts the
+  // group. Nothing otherwise.
+  std::optional<InPlaceFallback> fallBack(GroupOutcome& outcome, const std::vector<WorkerExit>& replaced);
+
+  // `rootCauseRetryNever`: the root-cause worker's error file says a restart cannot help.
+  // Counts the restart it decides.
+  AttemptDecision decide(const GroupOutcome& outcome, const RendezvousInfo& info, bool rootCauseRetryNever);
+
+ private:
+  AttemptDecision decideFailed(const GroupOutcome& outcome, const RendezvousInfo& info, bool rootCauseRetryNever);
+
+  int maxRestarts_;
+  bool inPlaceRecovery_;
+  int restartCount_ = 0;
+  int replacementsUsed_ = 0;
+  // The program was seen not to recover in place (a survivor ended instead of joining a re-form):
+  // every later failure of this run restarts the group, as --recovery restart.
+  bool inPlaceOff_ = false;
 };
 
 } // namespace ctorch::launcher
