@@ -40,3 +40,16 @@ TEST_CASE("contract: Slurm port rule") {
     CHECK(p < 32000);
   }
 }
+
+TEST_CASE("contract: an eviction request reads back exactly what evictionPayload wrote, and nothing else") {
+  using namespace ctorch::contract::inplace;
+  const auto request = parseEvictionPayload(evictionPayload(4242, 7));
+  REQUIRE(request);
+  CHECK(request->pid == 4242);
+  CHECK(request->generation == 7);
+  CHECK(parseEvictionPayload(evictionPayload(1, 0)));
+  for (const char* bad : {"", "pid=", "pid=12", "pid=12\ngeneration=", "pid=0\ngeneration=3", "pid=-5\ngeneration=3",
+                          "pid=12\ngeneration=-1", "pid=12 \ngeneration=3", "pid=12\ngeneration=3\n",
+                          "generation=3\npid=12", "pid=12\ngeneration=3x", "pid=99999999999999999999\ngeneration=1"})
+    CHECK_FALSE(parseEvictionPayload(bad));
+}

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <sstream>
 #include <system_error>
 
 namespace ctorch::launcher {
@@ -257,15 +256,10 @@ bool Replacements::acceptEviction(store::TcpStoreClient& store, const std::strin
   };
   const auto payload = contract::auth::verifyCommand(config_.controlKey, key, value);
   if (!payload) return refuse("it is not signed with this job's key (forged, or written by another job)");
-  long named = -1;
-  std::int64_t generation = -1;
-  std::istringstream in(*payload);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("pid=", 0) == 0) named = std::strtol(line.c_str() + 4, nullptr, 10);
-    else if (line.rfind("generation=", 0) == 0) generation = std::strtoll(line.c_str() + 11, nullptr, 10);
-  }
-  if (named <= 0 || generation < 0) return refuse("its signed content is not an eviction request");
+  const auto request = contract::inplace::parseEvictionPayload(*payload);
+  if (!request) return refuse("its signed content is not an eviction request");
+  const long named = request->pid;
+  const std::int64_t generation = request->generation;
   if (named != pid) return false;  // an earlier process of this rank, already gone: nothing to say
   const std::int64_t newest = store.add(contract::inplace::kGenerationKey, 0);
   if (generation + 1 < newest)

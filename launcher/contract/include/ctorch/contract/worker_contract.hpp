@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -146,6 +147,31 @@ inline std::string aliveKey(std::int64_t generation, int rank) {
 inline std::string evictKey(int rank) { return "ctorch/inplace/evict/rank" + std::to_string(rank); }
 inline std::string evictionPayload(long pid, std::int64_t generation) {
   return "pid=" + std::to_string(pid) + "\ngeneration=" + std::to_string(generation);
+}
+struct EvictionRequest {
+  long pid = 0;
+  std::int64_t generation = 0;
+};
+// evictionPayload's reader: exactly its two lines, a pid > 0 and a generation >= 0 in decimal
+// digits; nothing for any other text.
+inline std::optional<EvictionRequest> parseEvictionPayload(std::string_view text) {
+  auto number = [](std::string_view digits, std::int64_t& out) {
+    if (digits.empty() || digits.size() > 18) return false;
+    out = 0;
+    for (char c : digits) {
+      if (c < '0' || c > '9') return false;
+      out = out * 10 + (c - '0');
+    }
+    return true;
+  };
+  constexpr std::string_view kPid = "pid=", kGeneration = "\ngeneration=";
+  const auto split = text.find(kGeneration);
+  if (text.substr(0, kPid.size()) != kPid || split == std::string_view::npos) return std::nullopt;
+  std::int64_t pid = 0, generation = 0;
+  if (!number(text.substr(kPid.size(), split - kPid.size()), pid) ||
+      !number(text.substr(split + kGeneration.size()), generation) || pid <= 0)
+    return std::nullopt;
+  return EvictionRequest{static_cast<long>(pid), generation};
 }
 // The variables a spare does not have until it takes a rank over (the agent's assignment sets them;
 // the error file follows from kSpareLogDir and LOCAL_RANK, the world from its own environment).
