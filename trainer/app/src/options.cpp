@@ -467,171 +467,281 @@ std::string TrainOptions::describe() const {
   return os.str();
 }
 
+namespace {
+
+// The flags whose text becomes a TrainOptions field only after a check or a conversion (after
+// parsing); the others are parsed straight into TrainOptions.
+struct FlagTexts {
+  explicit FlagTexts(const TrainOptions& o)
+      : optimizer(toString(o.optimizer)),
+        lrDecay(toString(o.lrDecay)),
+        device(toString(o.device)),
+        backend(toString(o.backend)),
+        progress(toString(o.progress)),
+        augment(toString(o.augment)),
+        commHook(toString(o.commHook)),
+        snapshotPath(o.snapshotPath.string()),
+        timeoutS(o.timeout.count()) {}
+
+  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, resume = "auto", metrics;
+  std::string dataDir, snapshotPath, modelDir, syntheticShape;
+  std::int64_t timeoutS, stepDelayMs = 0;
+  bool noBucketView = false;
+  std::string profileSteps, profileFile;
+};
+
+// CLI11's app as options are added to it, remembering what kind of value each flag takes (for
+// checkArguments, which runs before CLI11 parses).
+class FlagTable {
+ public:
+  explicit FlagTable(CLI::App& app) : app_(app) {}
+
+  template <class T>
+  CLI::Option* option(const std::string& name, T& target, const std::string& help) {
+    if constexpr (std::is_integral_v<T>)
+      kinds_[name] = sizeof(T) > sizeof(int) ? ValueKind::kInt64 : ValueKind::kInt32;
+    else if constexpr (std::is_floating_point_v<T>)
+      kinds_[name] = ValueKind::kNumber;
+    else
+      kinds_[name] = ValueKind::kText;
+    return app_.add_option(name, target, help);
+  }
+  CLI::Option* flag(const std::string& name, bool& target, const std::string& help) {
+    kinds_[name] = ValueKind::kFlag;
+    return app_.add_flag(name, target, help);
+  }
+  const FlagKinds& kinds() const { return kinds_; }
+
+ private:
+  CLI::App& app_;
+  FlagKinds kinds_{{"--help", ValueKind::kFlag}, {"-h", ValueKind::kFlag}, {"--version", ValueKind::kFlag}};
+};
+
+void addDataFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kData = "Data and model";
+  f.option("--model", o.model, "model: " + joined(kModels))->group(kData)->capture_default_str();
+  f.option("--dataset", o.dataset, "dataset: " + joined(kDatasets))->group(kData)->capture_default_str();
+  f.option("--data-dir", t.dataDir, "directory of the dataset's files (default: fashion-mnist's Debian package)")
+      ->group(kData);
+  f.option("--train-limit", o.trainLimit, "use the first N training samples (0: all)")->group(kData)->capture_default_str();
+  f.option("--test-limit", o.testLimit, "use the first N test samples (0: all)")->group(kData)->capture_default_str();
+  f.option("--synthetic-size", o.syntheticSize, "synthetic datasets: training samples (0: 2048)")->group(kData)->capture_default_str();
+  f.option("--synthetic-shape", t.syntheticShape,
+           "synthetic-images: sample shape C,H,W (default 1,28,28; 3,32,32 is CIFAR-shaped)")
+      ->group(kData);
+  f.option("--augment", t.augment, "random crop + flip: auto (when the dataset recommends it), on, off")
+      ->group(kData)->capture_default_str();
+  f.option("--prefetch", o.prefetch, "batches prepared ahead on a background thread (0-2)")->group(kData)->capture_default_str();
+}
+
+void addOptimisationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kOpt = "Optimisation";
+  f.option("--epochs", o.epochs, "epochs to train")->group(kOpt)->capture_default_str();
+  f.option("--batch-size", o.batchSize, "samples per rank per (micro-)step")->group(kOpt)->capture_default_str();
+  f.option("--grad-accum-steps", o.gradAccumSteps,
+           "micro-steps per optimizer step; gradients are all-reduced on the last only")
+      ->group(kOpt)->capture_default_str();
+  f.option("--optimizer", t.optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
+      ->group(kOpt)->capture_default_str();
+  f.option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
+  f.option("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
+  f.option("--weight-decay", o.weightDecay, "L2 weight decay (adamw: decoupled, 0.01 unless given, as Python's)")->group(kOpt)->capture_default_str();
+  f.option("--clip-grad-norm", o.clipGradNorm,
+           "clip the gradients to this global L2 norm before each update (0: off; after DDP's average, before the "
+           "optimizer; with --amp float16, of the unscaled gradients)")
+      ->group(kOpt)->capture_default_str();
+  f.option("--warmup-epochs", o.warmupEpochs,
+           "linear warmup from lr x warmup-start-factor to lr over this many (fractional) epochs")
+      ->group(kOpt)->capture_default_str();
+  f.option("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
+      ->group(kOpt)->capture_default_str();
+  f.option("--lr-decay", t.lrDecay,
+           "after warmup: none, cosine or linear (to --min-lr at the last epoch), step; or onecycle: a cosine rise from "
+           "lr x warmup-start-factor to lr over --warmup-epochs (30% of the run when 0), then a cosine fall to --min-lr")
+      ->group(kOpt)->capture_default_str();
+  f.option("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
+  f.option("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
+  f.option("--min-lr", o.minLr, "cosine, linear and onecycle decay: final learning rate")->group(kOpt)->capture_default_str();
+  f.option("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
+  f.option("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
+      ->group(kOpt)->capture_default_str();
+}
+
+void addEvaluationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kEval = "Evaluation and output";
+  f.option("--eval-every", o.evalEvery, "epochs between test-set evaluations (0: after the last epoch only)")
+      ->group(kEval)->capture_default_str();
+  f.option("--eval-batch-size", o.evalBatchSize, "samples per evaluation batch")->group(kEval)->capture_default_str();
+  f.option("--log-interval", o.logInterval, "steps between progress lines and metrics records")
+      ->group(kEval)->capture_default_str();
+  f.option("--progress", t.progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
+      ->group(kEval)->capture_default_str();
+  f.option("--metrics-file", t.metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
+      ->group(kEval);
+}
+
+void addSnapshotFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kSnap = "Snapshots and weights";
+  f.option("--snapshot-path", t.snapshotPath, "the snapshot slot (previous ones kept as PATH.1, PATH.2, ...)")
+      ->group(kSnap)->capture_default_str();
+  f.option("--save-every", o.saveEvery, "epochs between snapshots (0: none at epoch ends)")->group(kSnap)->capture_default_str();
+  f.option("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
+      ->group(kSnap)->capture_default_str();
+  f.option("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
+  f.option("--resume", t.resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
+      ->group(kSnap)->capture_default_str();
+  f.flag("--allow-config-change", o.allowConfigChange,
+         "resume even if the snapshot's configuration differs (the model must be the same)")
+      ->group(kSnap);
+  f.option("--model-dir", t.modelDir,
+           "directory of the final weights, checkpoints and metrics (default: the --snapshot-path's directory)")
+      ->group(kSnap);
+  f.option("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")
+      ->group(kSnap)->capture_default_str();
+  f.option("--checkpoint-every", o.checkpointEvery, "epochs between checkpoint_epoch_N.pt files (0: none)")
+      ->group(kSnap)->capture_default_str();
+  f.option("--keep-checkpoints", o.keepCheckpoints, "checkpoint files kept (the newest)")->group(kSnap)->capture_default_str();
+}
+
+// Devices, communication, DDP, the profiler, and the testing aid.
+void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kSys = "Devices, communication, DDP";
+  f.option("--device", t.device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
+  f.option("--backend", t.backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
+  f.flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
+  f.option("--amp-dtype", o.ampDtype, "float16 (CUDA) or bfloat16 (CUDA or CPU)")->group(kSys)->capture_default_str();
+  f.option("--timeout", t.timeoutS, "seconds any collective may wait for a peer before the run fails")
+      ->group(kSys)->capture_default_str();
+  f.option("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
+      ->group(kSys)->capture_default_str();
+  f.option("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
+  f.option("--comm-hook", t.commHook,
+           "how DDP averages gradients: shared-memory (through one shared segment when every rank is on this "
+           "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
+      ->group(kSys)->capture_default_str();
+  f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
+      ->group(kSys);
+  f.flag("--no-gradient-as-bucket-view", t.noBucketView,
+         "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
+         "which saves a copy)")
+      ->group(kSys);
+
+  f.option("--profile-steps", t.profileSteps,
+           "A:B (or A): a Chrome trace of global steps A to B by LibTorch's profiler, one file per rank "
+           "(open it in chrome://tracing or ui.perfetto.dev)")
+      ->group(kSys);
+  f.option("--profile-file", t.profileFile, "where --profile-steps writes (default: <model-dir>/trace-rank<R>.json; "
+                                            "{rank} is replaced by the rank)")
+      ->group(kSys);
+
+  f.option("--step-delay-ms", t.stepDelayMs, "testing aid: sleep after every step")->group("Testing");
+}
+
+// The app with every flag of ctorch-train, in --help's order; the kinds of their values.
+FlagKinds addFlags(CLI::App& app, TrainOptions& o, FlagTexts& t) {
+  app.set_version_flag("--version", versionString());
+  app.footer(epilog());
+  app.get_formatter()->column_width(34);
+  // A repeated flag takes its last value, as Python's argparse does (scripts that append overrides).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  FlagTable table(app);
+  addDataFlags(table, o, t);
+  addOptimisationFlags(table, o, t);
+  addEvaluationFlags(table, o, t);
+  addSnapshotFlags(table, o, t);
+  addSystemFlags(table, o, t);
+  return table.kinds();
+}
+
+// --profile-steps A:B or A into o.profileFirst and o.profileLast.
+void parseProfileSteps(const std::string& text, TrainOptions& o) {
+  const auto colon = text.find(':');
+  auto step = [&](const std::string& part) {
+    std::size_t used = 0;
+    std::int64_t v = 0;
+    try {
+      v = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || v < 1)
+      bad("--profile-steps", text, "must be A:B or A, global steps counted from 1 (e.g. 10:12)");
+    return v;
+  };
+  o.profileFirst = step(text.substr(0, colon));
+  o.profileLast = colon == std::string::npos ? o.profileFirst : step(text.substr(colon + 1));
+  if (o.profileLast < o.profileFirst) bad("--profile-steps", text, "ends before it starts (A:B needs B >= A)");
+}
+
+// After parsing: the flags' texts into TrainOptions (choices looked up, paths, durations, shapes).
+// Throws UsageError for a value that is not one the flag takes.
+void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
+  o.optimizer = pick("--optimizer", t.optimizer, kOptimizers);
+  // Python's AdamW decays by 0.01 unless told otherwise; the flag's 0 is for the others.
+  if (o.optimizer == OptimizerKind::kAdamW && app.count("--weight-decay") == 0) o.weightDecay = 0.01;
+  o.lrDecay = pick("--lr-decay", t.lrDecay, kDecays);
+  o.device = pick("--device", t.device, kDevices);
+  o.backend = pick("--backend", t.backend, kBackends);
+  o.progress = pick("--progress", t.progress, kProgress);
+  o.augment = pick("--augment", t.augment, kAugment);
+  o.commHook = pick("--comm-hook", t.commHook, kCommHooks);
+  o.resume = ResumeChoice::parse(t.resume);
+  o.dataDir = t.dataDir;
+  o.snapshotPath = t.snapshotPath;
+  o.modelDir = t.modelDir;
+  if (app.count("--synthetic-shape")) o.syntheticShape = parseShape(t.syntheticShape);
+  if (app.count("--metrics-file"))
+    o.metricsFile = t.metrics == "none" ? std::filesystem::path() : std::filesystem::path(t.metrics);
+  o.timeout = std::chrono::seconds(t.timeoutS);
+  o.stepDelay = std::chrono::milliseconds(t.stepDelayMs);
+  if (app.count("--profile-steps")) parseProfileSteps(t.profileSteps, o);
+  o.profileFile = t.profileFile;
+  o.gradientAsBucketView = !t.noBucketView;
+  try {  // bf16, BFloat16, fp16, half: the canonical name, which the binding configuration records
+    o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));
+  } catch (const std::invalid_argument&) {
+    bad("--amp-dtype", o.ampDtype, "must be float16 or bfloat16");
+  }
+  if (t.timeoutS < 1) bad("--timeout", std::to_string(t.timeoutS), "must be in [1, 604800] seconds");
+}
+
+// `message`: the line after "ctorch-train: error: ", with its newline.
+ParsedCommandLine usageError(const std::string& message) {
+  ParsedCommandLine result;
+  result.exitCode = contract::kExitUsage;
+  result.message = "ctorch-train: error: " + message;
+  result.toStderr = true;
+  return result;
+}
+
+}  // namespace
+
 ParsedCommandLine parseCommandLine(int argc, const char* const* argv) {
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return parseCommandLine(args);
 }
 
+// The shape of the command line first (checkArguments: its messages name the flag and say what to
+// type), then CLI11, then the values into TrainOptions and their one validation.
 ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
   TrainOptions o;
+  FlagTexts texts(o);
   CLI::App app{"ctorch-train: data-parallel training of the seeds' models (LibTorch, DDP on c10d), resumable "
                "from crash-safe snapshots.\nDefaults train the MNIST CNN on Fashion-MNIST from " +
                    std::string("/usr/share/datasets/fashion-mnist."),
                "ctorch-train"};
-  app.set_version_flag("--version", versionString());
-  app.footer(epilog());
-  app.get_formatter()->column_width(34);
-  // A repeated flag takes its last value, as Python's argparse does (scripts that append overrides).
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-
-  // Every option goes through these two, which remember what kind of value it takes (checkArguments).
-  FlagKinds known{{"--help", ValueKind::kFlag}, {"-h", ValueKind::kFlag}, {"--version", ValueKind::kFlag}};
-  auto opt = [&app, &known](const std::string& name, auto& target, const std::string& help) {
-    using T = std::decay_t<decltype(target)>;
-    if constexpr (std::is_integral_v<T>)
-      known[name] = sizeof(T) > sizeof(int) ? ValueKind::kInt64 : ValueKind::kInt32;
-    else if constexpr (std::is_floating_point_v<T>)
-      known[name] = ValueKind::kNumber;
-    else
-      known[name] = ValueKind::kText;
-    return app.add_option(name, target, help);
-  };
-  auto flag = [&app, &known](const std::string& name, bool& target, const std::string& help) {
-    known[name] = ValueKind::kFlag;
-    return app.add_flag(name, target, help);
-  };
-
-  std::string optimizer = toString(o.optimizer), lrDecay = toString(o.lrDecay), device = toString(o.device),
-              backend = toString(o.backend), progress = toString(o.progress), augment = toString(o.augment),
-              commHook = toString(o.commHook), resume = "auto", metrics;
-  std::string dataDir, snapshotPath = o.snapshotPath.string(), modelDir, syntheticShape;
-  std::int64_t timeoutS = o.timeout.count(), stepDelayMs = 0;
-
-  const char* kData = "Data and model";
-  opt("--model", o.model, "model: " + joined(kModels))->group(kData)->capture_default_str();
-  opt("--dataset", o.dataset, "dataset: " + joined(kDatasets))->group(kData)->capture_default_str();
-  opt("--data-dir", dataDir, "directory of the dataset's files (default: fashion-mnist's Debian package)")
-      ->group(kData);
-  opt("--train-limit", o.trainLimit, "use the first N training samples (0: all)")->group(kData)->capture_default_str();
-  opt("--test-limit", o.testLimit, "use the first N test samples (0: all)")->group(kData)->capture_default_str();
-  opt("--synthetic-size", o.syntheticSize, "synthetic datasets: training samples (0: 2048)")->group(kData)->capture_default_str();
-  opt("--synthetic-shape", syntheticShape,
-      "synthetic-images: sample shape C,H,W (default 1,28,28; 3,32,32 is CIFAR-shaped)")
-      ->group(kData);
-  opt("--augment", augment, "random crop + flip: auto (when the dataset recommends it), on, off")
-      ->group(kData)->capture_default_str();
-  opt("--prefetch", o.prefetch, "batches prepared ahead on a background thread (0-2)")->group(kData)->capture_default_str();
-
-  const char* kOpt = "Optimisation";
-  opt("--epochs", o.epochs, "epochs to train")->group(kOpt)->capture_default_str();
-  opt("--batch-size", o.batchSize, "samples per rank per (micro-)step")->group(kOpt)->capture_default_str();
-  opt("--grad-accum-steps", o.gradAccumSteps,
-                 "micro-steps per optimizer step; gradients are all-reduced on the last only")
-      ->group(kOpt)->capture_default_str();
-  opt("--optimizer", optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
-      ->group(kOpt)->capture_default_str();
-  opt("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
-  opt("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
-  opt("--weight-decay", o.weightDecay, "L2 weight decay (adamw: decoupled, 0.01 unless given, as Python's)")->group(kOpt)->capture_default_str();
-  opt("--clip-grad-norm", o.clipGradNorm,
-      "clip the gradients to this global L2 norm before each update (0: off; after DDP's average, before the "
-      "optimizer; with --amp float16, of the unscaled gradients)")
-      ->group(kOpt)->capture_default_str();
-  opt("--warmup-epochs", o.warmupEpochs,
-                 "linear warmup from lr x warmup-start-factor to lr over this many (fractional) epochs")
-      ->group(kOpt)->capture_default_str();
-  opt("--warmup-start-factor", o.warmupStartFactor, "first warmup learning rate, as a fraction of lr")
-      ->group(kOpt)->capture_default_str();
-  opt("--lr-decay", lrDecay,
-      "after warmup: none, cosine or linear (to --min-lr at the last epoch), step; or onecycle: a cosine rise from "
-      "lr x warmup-start-factor to lr over --warmup-epochs (30% of the run when 0), then a cosine fall to --min-lr")
-      ->group(kOpt)->capture_default_str();
-  opt("--lr-step-epochs", o.lrStepEpochs, "step decay: epochs between decays")->group(kOpt)->capture_default_str();
-  opt("--lr-gamma", o.lrGamma, "step decay: factor per decay")->group(kOpt)->capture_default_str();
-  opt("--min-lr", o.minLr, "cosine, linear and onecycle decay: final learning rate")->group(kOpt)->capture_default_str();
-  opt("--seed", o.seed, "seed of weights, data order, dropout and augmentation")->group(kOpt)->capture_default_str();
-  opt("--max-steps", o.maxSteps, "stop after this many optimizer steps in all (0: no limit); writes a snapshot")
-      ->group(kOpt)->capture_default_str();
-
-  const char* kEval = "Evaluation and output";
-  opt("--eval-every", o.evalEvery, "epochs between test-set evaluations (0: after the last epoch only)")
-      ->group(kEval)->capture_default_str();
-  opt("--eval-batch-size", o.evalBatchSize, "samples per evaluation batch")->group(kEval)->capture_default_str();
-  opt("--log-interval", o.logInterval, "steps between progress lines and metrics records")
-      ->group(kEval)->capture_default_str();
-  opt("--progress", progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
-      ->group(kEval)->capture_default_str();
-  opt("--metrics-file", metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
-      ->group(kEval);
-
-  const char* kSnap = "Snapshots and weights";
-  opt("--snapshot-path", snapshotPath, "the snapshot slot (previous ones kept as PATH.1, PATH.2, ...)")
-      ->group(kSnap)->capture_default_str();
-  opt("--save-every", o.saveEvery, "epochs between snapshots (0: none at epoch ends)")->group(kSnap)->capture_default_str();
-  opt("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
-      ->group(kSnap)->capture_default_str();
-  opt("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
-  opt("--resume", resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
-      ->group(kSnap)->capture_default_str();
-  flag("--allow-config-change", o.allowConfigChange,
-       "resume even if the snapshot's configuration differs (the model must be the same)")
-      ->group(kSnap);
-  opt("--model-dir", modelDir,
-      "directory of the final weights, checkpoints and metrics (default: the --snapshot-path's directory)")
-      ->group(kSnap);
-  opt("--model-filename", o.modelFilename, "final weights (a state dict torch.load opens)")
-      ->group(kSnap)->capture_default_str();
-  opt("--checkpoint-every", o.checkpointEvery, "epochs between checkpoint_epoch_N.pt files (0: none)")
-      ->group(kSnap)->capture_default_str();
-  opt("--keep-checkpoints", o.keepCheckpoints, "checkpoint files kept (the newest)")->group(kSnap)->capture_default_str();
-
-  const char* kSys = "Devices, communication, DDP";
-  opt("--device", device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
-  opt("--backend", backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
-  flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
-  opt("--amp-dtype", o.ampDtype, "float16 (CUDA) or bfloat16 (CUDA or CPU)")->group(kSys)->capture_default_str();
-  opt("--timeout", timeoutS, "seconds any collective may wait for a peer before the run fails")
-      ->group(kSys)->capture_default_str();
-  opt("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
-      ->group(kSys)->capture_default_str();
-  opt("--bucket-cap-mb", o.bucketCapMb, "DDP gradient bucket size")->group(kSys)->capture_default_str();
-  opt("--comm-hook", commHook,
-      "how DDP averages gradients: shared-memory (through one shared segment when every rank is on this "
-      "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
-      ->group(kSys)->capture_default_str();
-  flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
-      ->group(kSys);
-  bool noBucketView = false;
-  flag("--no-gradient-as-bucket-view", noBucketView,
-               "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
-               "which saves a copy)")
-      ->group(kSys);
-
-  std::string profileSteps, profileFile;
-  opt("--profile-steps", profileSteps,
-      "A:B (or A): a Chrome trace of global steps A to B by LibTorch's profiler, one file per rank "
-      "(open it in chrome://tracing or ui.perfetto.dev)")
-      ->group(kSys);
-  opt("--profile-file", profileFile, "where --profile-steps writes (default: <model-dir>/trace-rank<R>.json; "
-                                     "{rank} is replaced by the rank)")
-      ->group(kSys);
-
-  opt("--step-delay-ms", stepDelayMs, "testing aid: sleep after every step")->group("Testing");
+  const FlagKinds kinds = addFlags(app, o, texts);
 
   std::vector<std::string> args;
   for (const auto& a : rawArgs) args.push_back(kebab(a));
-
-  ParsedCommandLine result;
   try {
-    checkArguments(rawArgs, args, known);
+    checkArguments(rawArgs, args, kinds);
   } catch (const UsageError& e) {
-    result.exitCode = contract::kExitUsage;
-    result.message = std::string("ctorch-train: error: ") + e.what() + "\n";
-    result.toStderr = true;
-    return result;
+    return usageError(std::string(e.what()) + "\n");
   }
   std::reverse(args.begin(), args.end());  // CLI11 consumes a reversed vector
+  ParsedCommandLine result;
   try {
     app.parse(args);
   } catch (const CLI::CallForHelp&) {
@@ -641,63 +751,13 @@ ParsedCommandLine parseCommandLine(const std::vector<std::string>& rawArgs) {
     result.message = versionString() + "\n";
     return result;
   } catch (const CLI::ParseError& e) {
-    result.exitCode = contract::kExitUsage;
-    result.message = std::string("ctorch-train: error: ") + e.what() + " (see ctorch-train --help)\n";
-    result.toStderr = true;
-    return result;
+    return usageError(std::string(e.what()) + " (see ctorch-train --help)\n");
   }
-
   try {
-    o.optimizer = pick("--optimizer", optimizer, kOptimizers);
-    // Python's AdamW decays by 0.01 unless told otherwise; the flag's 0 is for the others.
-    if (o.optimizer == OptimizerKind::kAdamW && app.count("--weight-decay") == 0) o.weightDecay = 0.01;
-    o.lrDecay = pick("--lr-decay", lrDecay, kDecays);
-    o.device = pick("--device", device, kDevices);
-    o.backend = pick("--backend", backend, kBackends);
-    o.progress = pick("--progress", progress, kProgress);
-    o.augment = pick("--augment", augment, kAugment);
-    o.commHook = pick("--comm-hook", commHook, kCommHooks);
-    o.resume = ResumeChoice::parse(resume);
-    o.dataDir = dataDir;
-    o.snapshotPath = snapshotPath;
-    o.modelDir = modelDir;
-    if (app.count("--synthetic-shape")) o.syntheticShape = parseShape(syntheticShape);
-    if (app.count("--metrics-file")) o.metricsFile = metrics == "none" ? std::filesystem::path() : std::filesystem::path(metrics);
-    o.timeout = std::chrono::seconds(timeoutS);
-    o.stepDelay = std::chrono::milliseconds(stepDelayMs);
-    if (app.count("--profile-steps")) {
-      const auto colon = profileSteps.find(':');
-      auto step = [&](const std::string& text) {
-        std::size_t used = 0;
-        std::int64_t v = 0;
-        try {
-          v = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || v < 1)
-          bad("--profile-steps", profileSteps, "must be A:B or A, global steps counted from 1 (e.g. 10:12)");
-        return v;
-      };
-      o.profileFirst = step(profileSteps.substr(0, colon));
-      o.profileLast = colon == std::string::npos ? o.profileFirst : step(profileSteps.substr(colon + 1));
-      if (o.profileLast < o.profileFirst)
-        bad("--profile-steps", profileSteps, "ends before it starts (A:B needs B >= A)");
-    }
-    o.profileFile = profileFile;
-    o.gradientAsBucketView = !noBucketView;
-    try {  // bf16, BFloat16, fp16, half: the canonical name, which the binding configuration records
-      o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));
-    } catch (const std::invalid_argument&) {
-      bad("--amp-dtype", o.ampDtype, "must be float16 or bfloat16");
-    }
-    if (timeoutS < 1) bad("--timeout", std::to_string(timeoutS), "must be in [1, 604800] seconds");
+    applyFlagTexts(app, texts, o);
     o.validate();
   } catch (const UsageError& e) {
-    result.exitCode = contract::kExitUsage;
-    result.message = std::string("ctorch-train: error: ") + e.what() + "\n";
-    result.toStderr = true;
-    return result;
+    return usageError(std::string(e.what()) + "\n");
   }
   result.options = std::move(o);
   return result;

@@ -467,6 +467,35 @@ struct EpochTally {
   }
 };
 
+// What one pass over an epoch's steps measures: from the epoch's start, or from where a resume or
+// an in-place recovery put it (a recovery starts a new pass from the agreed point).
+struct EpochPass {
+  std::int64_t epoch = 0;
+  std::int64_t firstStep = 0;  // the step in the epoch the pass started at
+  Clock::time_point start, intervalStart;
+  double cpuStart = 0;
+  std::int64_t intervalSamples = 0, samples = 0;  // over every rank
+  StepPhases phases;
+};
+
+enum class PassEnd { kEpochDone, kStopped, kRecovered };
+
+// One step as trained and agreed on by the ranks.
+struct AgreedStep {
+  StepOutcome outcome;
+  std::vector<double> sums;  // the interval's losses summed over the ranks, at the steps that log or save
+  bool periodic = false;     // logs: every --log-interval steps and the epoch's last
+  bool stop = false;         // every rank stops after this step
+};
+
+// The current log interval's loss as reported: over every rank at the steps that log; between
+// them (the progress bar) this rank's own losses since the last sum.
+struct IntervalLoss {
+  double sum = 0.0;
+  std::int64_t steps = 0;
+  double mean() const { return sum / static_cast<double>(std::max<std::int64_t>(steps, 1)); }
+};
+
 // One training run: set-up in the constructor, then run() (loop and finish). Resilience (stop
 // signals, snapshots, resume) is the library's ctorch::ResilientTraining; this class adds the
 // trainer's own data, metrics, evaluation, console and final weights.
@@ -497,6 +526,7 @@ class Trainer {
     dataSeconds_ = dataSeconds;
     buildDataAndModel();
     buildTraining();
+    buildResilience();
   }
 
   RunResult run();
@@ -504,13 +534,24 @@ class Trainer {
  private:
   void buildDataAndModel();
   void buildTraining();
+  void buildResilience();
   void resume();
   bool runEpoch(RunResult& result);  // true: the run stops (signal or step limit)
+  PassEnd runEpochPass(RunResult& result);
+  void startEpochTally(std::int64_t firstStep);
+  std::optional<AgreedStep> trainAndAgree(data::BatchLoader& loader);
+  IntervalLoss countLoss(const AgreedStep& step);
+  void reportStep(EpochPass& pass, const AgreedStep& step, const IntervalLoss& loss, double lr);
+  bool reachedStepLimit(std::int64_t epoch) const;
+  void reportEpoch(const EpochPass& pass);
   bool endEpoch(RunResult& result);  // true: stopped at the epoch boundary
   bool endEpochOnce(RunResult& result, std::int64_t completed, bool lastEpoch);
+  void recoverFromFailedStep(const std::exception& e);
   void recoverInPlace();
   EvalTotals evaluate(std::int64_t completed);
   RunResult stopped(RunResult result, bool stepLimit);
+  RunResult finish(RunResult result);
+  void writeFinalWeights();
   double trainSeconds() const { return trainSecondsBefore_ + secondsSince(runStart_); }
   std::string point() const;
 
@@ -595,9 +636,11 @@ void Trainer::buildTraining() {
                 std::to_string(worldSize_) + (worldSize_ == 1 ? " rank), " : " ranks), ") +
                 std::to_string(stepsPerEpoch_) + " steps per epoch" +
                 (worldSize_ > 1 ? "; gradients averaged by " + gradientPath(ddp_->commHookInUse()) : std::string()));
+}
 
-  // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
-  // function of progress, recorded for readers), loss scaling, the trainer's own totals.
+// What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
+// function of progress, recorded for readers), loss scaling, the trainer's own totals.
+void Trainer::buildResilience() {
   ResilienceOptions r;
   r.snapshotPath(o_.snapshotPath)
       .saveEverySteps(o_.saveEverySteps)
@@ -680,7 +723,12 @@ RunResult Trainer::run() {
     if (runEpoch(result)) return result;
     if (endEpoch(result)) return result;
   }
-  // Done: the final weights (a resumed finished run evaluates and writes them again).
+  return finish(result);
+}
+
+// Done: the final evaluation and snapshot, the final weights, the closing line (a resumed finished
+// run evaluates and writes them again).
+RunResult Trainer::finish(RunResult result) {
   for (bool done = false; !done;) {
     try {
       if (!result.lastEval) result.lastEval = evaluate(training_->epoch());
@@ -694,15 +742,7 @@ RunResult Trainer::run() {
   }
   // After finish(): the final snapshot is durable and the other ranks are done, so a disk that
   // cannot take model.pt fails rank 0 alone (74), with the snapshot holding the same weights.
-  if (ctorch::isMainProcess()) {
-    try {
-      ctorch::saveStateDict(*model_, o_.finalModelPath());
-    } catch (const std::system_error& e) {
-      throw WriteFailed("cannot write the final weights: " + std::string(e.what()) + "; " +
-                        o_.finalModelPath().string() + " keeps what it held before" +
-                        (o_.saveEvery > 0 || o_.saveEverySteps > 0 ? ", and " + o_.snapshotPath.string() + " holds the final state" : std::string()));
-    }
-  }
+  if (ctorch::isMainProcess()) writeFinalWeights();
   result.epochsRun = training_->epoch();
   result.globalStep = training_->globalStep();
   console_.line("done: " + std::to_string(o_.epochs) + " epochs, " + std::to_string(result.globalStep) + " steps, " +
@@ -711,25 +751,73 @@ RunResult Trainer::run() {
   return result;
 }
 
-// The steps of the current epoch (from where a resume left it).
+void Trainer::writeFinalWeights() {
+  try {
+    ctorch::saveStateDict(*model_, o_.finalModelPath());
+  } catch (const std::system_error& e) {
+    throw WriteFailed("cannot write the final weights: " + std::string(e.what()) + "; " +
+                      o_.finalModelPath().string() + " keeps what it held before" +
+                      (o_.saveEvery > 0 || o_.saveEverySteps > 0 ? ", and " + o_.snapshotPath.string() + " holds the final state" : std::string()));
+  }
+}
+
+// The steps of the current epoch (from where a resume left it). A step that fails and is recovered
+// in place ends the pass: the next one goes on from the agreed point, with a loader that starts there.
 bool Trainer::runEpoch(RunResult& result) {
+  PassEnd end = PassEnd::kRecovered;
+  while (end == PassEnd::kRecovered) end = runEpochPass(result);
+  return end == PassEnd::kStopped;
+}
+
+PassEnd Trainer::runEpochPass(RunResult& result) {
   ResilientTraining& t = *training_;
-  const std::int64_t epoch = t.epoch();
-  sampler_->setEpoch(epoch);  // right after a mid-epoch resume: keeps the restored position
+  EpochPass pass;
+  pass.epoch = t.epoch();
+  sampler_->setEpoch(pass.epoch);  // right after a mid-epoch resume: keeps the restored position
   data::LoaderOptions loaderOptions;
   loaderOptions.batchSize = o_.batchSize;
-  loaderOptions.epoch = epoch;
+  loaderOptions.epoch = pass.epoch;
   loaderOptions.skipBatches = ceilDiv(sampler_->position(), o_.batchSize);
   loaderOptions.prefetch = o_.prefetch;
   data::BatchLoader loader(data_.trainPipeline, sampler_->indices(), loaderOptions);
 
-  const auto epochStart = Clock::now();
-  const double epochCpuStart = processCpuSeconds();
-  auto intervalStart = epochStart;
-  const std::int64_t firstStep = t.stepInEpoch();
-  // Losses: this rank's own since the last sum; summed over the ranks (in that step's agreement)
-  // only at the steps that log or save on schedule, so that the others need no meeting of the
-  // ranks after the step. The totals (tally_) come with a mid-epoch resume.
+  pass.start = Clock::now();
+  pass.cpuStart = processCpuSeconds();
+  pass.intervalStart = pass.start;
+  pass.firstStep = t.stepInEpoch();
+  startEpochTally(pass.firstStep);
+  while (!sampler_->exhausted()) {
+    const double lr = schedule_->at(epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_));
+    setLearningRate(*optimizer_, lr);
+    if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
+    profileBefore(t.globalStep() + 1);
+    const std::optional<AgreedStep> step = trainAndAgree(loader);
+    if (!step) return PassEnd::kRecovered;
+    pass.phases += step->outcome.phases;
+    pass.intervalSamples += step->outcome.samples * worldSize_;
+    pass.samples += step->outcome.samples * worldSize_;
+    const IntervalLoss loss = countLoss(*step);
+    reportStep(pass, *step, loss, lr);
+    if (hooks_.afterStep) hooks_.afterStep(t.globalStep());
+    profileAfter(t.globalStep(), step->stop);
+    if (step->stop) {
+      result = stopped(result, false);
+      return PassEnd::kStopped;
+    }
+    if (reachedStepLimit(pass.epoch)) {
+      result = stopped(result, true);
+      return PassEnd::kStopped;
+    }
+    if (o_.stepDelay.count() > 0) std::this_thread::sleep_for(o_.stepDelay);
+  }
+  reportEpoch(pass);
+  return PassEnd::kEpochDone;
+}
+
+// Losses: this rank's own since the last sum; summed over the ranks (in that step's agreement)
+// only at the steps that log or save on schedule, so that the others need no meeting of the
+// ranks after the step. The totals (tally_) come with a mid-epoch resume.
+void Trainer::startEpochTally(std::int64_t firstStep) {
   if (firstStep == 0) {
     tally_ = EpochTally{};
     intervalLocalLoss_ = 0.0;
@@ -738,120 +826,115 @@ bool Trainer::runEpoch(RunResult& result) {
     tally_.lostSteps = firstStep;
     intervalLocalLoss_ = 0.0;
   }
-  std::int64_t intervalSamples = 0, epochSamples = 0;
-  StepPhases phases;
-  while (!sampler_->exhausted()) {
-    const double lr = schedule_->at(epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_));
-    setLearningRate(*optimizer_, lr);
-    if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
-    profileBefore(t.globalStep() + 1);
-    StepOutcome step;
-    std::vector<double> sums;
-    bool stop = false;
-    bool periodic = false;
-    // The tally as before this step: what this rank would send if the step fails and is recovered.
-    auto undoStep = [this, before = tally_, localBefore = intervalLocalLoss_] {
-      summing_ = nullptr;
-      tally_ = before;
-      intervalLocalLoss_ = localBefore;
-    };
-    try {
-      step = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
-      // Whether any rank must stop: agreed in the background (read at the next step) except at the
-      // steps that log or save on schedule, where the same small allreduce also sums the losses.
-      periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
-      const bool saves = o_.saveEverySteps > 0 && (t.globalStep() + 1) % o_.saveEverySteps == 0;
-      ++tally_.intervalSteps;
-      ++tally_.unsummed;
-      intervalLocalLoss_ += step.loss;
-      const auto agreeStart = Clock::now();
-      if (periodic || saves) {
-        sums = {intervalLocalLoss_};
-        summing_ = &sums;
-        summingLogs_ = periodic;
-        stop = t.stepDone(sums);
-        summing_ = nullptr;
-      } else {
-        stop = t.stepDone();
-      }
-      step.phases.agreement = secondsSince(agreeStart);
-    } catch (const DistributedError& e) {
-      undoStep();
-      if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
-      recoverInPlace();
-      return runEpoch(result);  // from the agreed point, with a loader that starts there
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      undoStep();
-      if (!t.canRecoverInPlace()) stepFailed(e, rank_, t.globalStep(), o_.timeout);
-      recoverInPlace();  // a failure that is not a lost peer is rethrown as the step's failure
-      return runEpoch(result);
-    }
-    phases += step.phases;
-    intervalSamples += step.samples * worldSize_;
-    epochSamples += step.samples * worldSize_;
-    // The interval's mean loss over every rank at the steps that log; the bar between them shows
-    // this rank's own (its losses since the last sum, over the interval's steps).
-    double intervalLoss = 0.0;
-    const std::int64_t intervalSteps = tally_.intervalSteps;
-    if (!sums.empty()) {
-      const EpochTally folded = tally_.summed(sums[0], worldSize_, false);
-      intervalLoss = folded.intervalLoss;
-      tally_ = tally_.summed(sums[0], worldSize_, periodic);
-      intervalLocalLoss_ = 0.0;
-    } else {
-      intervalLoss = tally_.intervalLoss + intervalLocalLoss_;
-    }
-    if (periodic || console_.barMode()) {
-      StepReport r;
-      r.epoch = epoch;
-      r.epochs = o_.epochs;
-      r.stepInEpoch = t.stepInEpoch();
-      r.stepsPerEpoch = stepsPerEpoch_;
-      r.globalStep = t.globalStep();
-      r.lr = lr;
-      const double elapsed = secondsSince(intervalStart);
-      r.loss = intervalLoss / static_cast<double>(std::max<std::int64_t>(intervalSteps, 1));
-      r.samplesPerSecond = elapsed > 0 ? static_cast<double>(intervalSamples) / elapsed : 0.0;
-      const double perStep = secondsSince(epochStart) / static_cast<double>(t.stepInEpoch() - firstStep);
-      r.epochEtaSeconds = perStep * static_cast<double>(stepsPerEpoch_ - t.stepInEpoch());
-      r.totalEtaSeconds = r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch_ * (o_.epochs - epoch - 1));
-      console_.progress(r, periodic);
-      if (periodic) {
-        if (metrics_) {
-          TrainRecord m;
-          m.step = t.globalStep();
-          m.epoch = epochProgress(epoch, t.stepInEpoch(), stepsPerEpoch_);
-          m.loss = r.loss;
-          m.lr = lr;
-          m.samplesPerSecond = r.samplesPerSecond;
-          m.time = trainSeconds();
-          m.lossKind = lossKindName(model_->output());
-          metrics_->write(m);
-        }
-        intervalSamples = 0;
-        intervalStart = Clock::now();
-      }
-    }
-    if (hooks_.afterStep) hooks_.afterStep(t.globalStep());
-    profileAfter(t.globalStep(), stop);
-    if (stop) {
-      result = stopped(result, false);
-      return true;
-    }
-    const bool limit = o_.maxSteps > 0 && t.globalStep() >= o_.maxSteps &&
-                       !(epoch + 1 == o_.epochs && sampler_->exhausted());
-    if (limit) {
-      result = stopped(result, true);
-      return true;
-    }
-    if (o_.stepDelay.count() > 0) std::this_thread::sleep_for(o_.stepDelay);
-  }
+}
 
-  const double epochSeconds = secondsSince(epochStart);
+// One optimizer step, then the ranks' agreement on it (ResilientTraining::stepDone); its loss is in
+// the tally as not summed yet. Nothing when the step failed and the run recovered in place.
+std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
+  ResilientTraining& t = *training_;
+  AgreedStep step;
+  // The tally as before this step: what this rank would send if the step fails and is recovered.
+  auto undoStep = [this, before = tally_, localBefore = intervalLocalLoss_] {
+    summing_ = nullptr;
+    tally_ = before;
+    intervalLocalLoss_ = localBefore;
+  };
+  try {
+    step.outcome = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
+    // Whether any rank must stop: agreed in the background (read at the next step) except at the
+    // steps that log or save on schedule, where the same small allreduce also sums the losses.
+    step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
+    const bool saves = o_.saveEverySteps > 0 && (t.globalStep() + 1) % o_.saveEverySteps == 0;
+    ++tally_.intervalSteps;
+    ++tally_.unsummed;
+    intervalLocalLoss_ += step.outcome.loss;
+    const auto agreeStart = Clock::now();
+    if (step.periodic || saves) {
+      step.sums = {intervalLocalLoss_};
+      summing_ = &step.sums;
+      summingLogs_ = step.periodic;
+      step.stop = t.stepDone(step.sums);
+      summing_ = nullptr;
+    } else {
+      step.stop = t.stepDone();
+    }
+    step.outcome.phases.agreement = secondsSince(agreeStart);
+  } catch (const DistributedError& e) {
+    undoStep();
+    recoverFromFailedStep(e);
+    return std::nullopt;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    undoStep();
+    recoverFromFailedStep(e);  // a failure that is not a lost peer is rethrown as the step's failure
+    return std::nullopt;
+  }
+  return step;
+}
+
+// Folds the step's summed losses (if it has them) into the tally; the interval's loss to report.
+IntervalLoss Trainer::countLoss(const AgreedStep& step) {
+  IntervalLoss loss;
+  loss.steps = tally_.intervalSteps;
+  if (!step.sums.empty()) {
+    loss.sum = tally_.summed(step.sums[0], worldSize_, false).intervalLoss;
+    tally_ = tally_.summed(step.sums[0], worldSize_, step.periodic);
+    intervalLocalLoss_ = 0.0;
+  } else {
+    loss.sum = tally_.intervalLoss + intervalLocalLoss_;
+  }
+  return loss;
+}
+
+// The progress bar after every step, a progress line and a metrics record at the steps that log.
+void Trainer::reportStep(EpochPass& pass, const AgreedStep& step, const IntervalLoss& loss, double lr) {
+  if (!step.periodic && !console_.barMode()) return;
+  const ResilientTraining& t = *training_;
+  StepReport r;
+  r.epoch = pass.epoch;
+  r.epochs = o_.epochs;
+  r.stepInEpoch = t.stepInEpoch();
+  r.stepsPerEpoch = stepsPerEpoch_;
+  r.globalStep = t.globalStep();
+  r.lr = lr;
+  const double elapsed = secondsSince(pass.intervalStart);
+  r.loss = loss.mean();
+  r.samplesPerSecond = elapsed > 0 ? static_cast<double>(pass.intervalSamples) / elapsed : 0.0;
+  const double perStep = secondsSince(pass.start) / static_cast<double>(t.stepInEpoch() - pass.firstStep);
+  r.epochEtaSeconds = perStep * static_cast<double>(stepsPerEpoch_ - t.stepInEpoch());
+  r.totalEtaSeconds = r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch_ * (o_.epochs - pass.epoch - 1));
+  console_.progress(r, step.periodic);
+  if (!step.periodic) return;
+  if (metrics_) {
+    TrainRecord m;
+    m.step = t.globalStep();
+    m.epoch = epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_);
+    m.loss = r.loss;
+    m.lr = lr;
+    m.samplesPerSecond = r.samplesPerSecond;
+    m.time = trainSeconds();
+    m.lossKind = lossKindName(model_->output());
+    metrics_->write(m);
+  }
+  pass.intervalSamples = 0;
+  pass.intervalStart = Clock::now();
+}
+
+// --max-steps reached, unless this step ends the run anyway (the last epoch's last step).
+bool Trainer::reachedStepLimit(std::int64_t epoch) const {
+  return o_.maxSteps > 0 && training_->globalStep() >= o_.maxSteps &&
+         !(epoch + 1 == o_.epochs && sampler_->exhausted());
+}
+
+// The epoch's summary line and metrics record (of this pass: a recovery in place starts counting again).
+void Trainer::reportEpoch(const EpochPass& pass) {
+  const ResilientTraining& t = *training_;
+  const std::int64_t epoch = pass.epoch, firstStep = pass.firstStep;
+  const StepPhases& phases = pass.phases;
+  const double epochSeconds = secondsSince(pass.start);
   const std::int64_t stepsRun = t.stepInEpoch() - firstStep;
-  const double epochRate = static_cast<double>(epochSamples) / std::max(epochSeconds, 1e-9);
+  const double epochRate = static_cast<double>(pass.samples) / std::max(epochSeconds, 1e-9);
   const double meanLoss =
       tally_.epochLossSteps > 0 ? tally_.epochLoss / static_cast<double>(tally_.epochLossSteps) : 0.0;
   const auto share = [epochSeconds](double seconds) {
@@ -865,26 +948,24 @@ bool Trainer::runEpoch(RunResult& result) {
                 " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
                 share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
                 share(phases.agreement) + ")");
-  if (metrics_) {
-    EpochRecord r;
-    r.step = t.globalStep();
-    r.epoch = epoch + 1;
-    r.steps = t.stepInEpoch();
-    r.stepsRun = stepsRun;
-    r.resumedAt = firstStep;
-    r.lossSteps = tally_.epochLossSteps;
-    r.seconds = epochSeconds;
-    r.cpuSeconds = processCpuSeconds() - epochCpuStart;
-    r.samplesPerSecond = epochRate;
-    r.loss = meanLoss;
-    r.time = trainSeconds();
-    r.dataSeconds = phases.data;
-    r.forwardBackwardSeconds = phases.forwardBackward;
-    r.optimizerSeconds = phases.optimizer;
-    r.agreementSeconds = phases.agreement;
-    metrics_->write(r);
-  }
-  return false;
+  if (!metrics_) return;
+  EpochRecord r;
+  r.step = t.globalStep();
+  r.epoch = epoch + 1;
+  r.steps = t.stepInEpoch();
+  r.stepsRun = stepsRun;
+  r.resumedAt = firstStep;
+  r.lossSteps = tally_.epochLossSteps;
+  r.seconds = epochSeconds;
+  r.cpuSeconds = processCpuSeconds() - pass.cpuStart;
+  r.samplesPerSecond = epochRate;
+  r.loss = meanLoss;
+  r.time = trainSeconds();
+  r.dataSeconds = phases.data;
+  r.forwardBackwardSeconds = phases.forwardBackward;
+  r.optimizerSeconds = phases.optimizer;
+  r.agreementSeconds = phases.agreement;
+  metrics_->write(r);
 }
 
 // Evaluation, then the epoch-boundary snapshot (and checkpoint file) with its result in it.
@@ -900,8 +981,6 @@ bool Trainer::endEpoch(RunResult& result) {
   }
 }
 
-// Called from a handler of a failed collective: re-forms the group with the launcher's replacement
-// and restores the agreed point (ResilientTraining::recover), or fails the step as without it.
 void Trainer::profileBefore(std::int64_t nextStep) {
   if (profiler_ || o_.profileFirst == 0 || nextStep < o_.profileFirst || nextStep > o_.profileLast) return;
   const auto path = o_.profilePath(rank_);
@@ -919,6 +998,15 @@ void Trainer::profileAfter(std::int64_t doneStep, bool ending) {
                 std::to_string(doneStep) + "; open it in chrome://tracing or ui.perfetto.dev)");
 }
 
+// Called from the handler of a failed step: recovers in place where the run can, else the step's
+// failure in one line (stepFailed).
+void Trainer::recoverFromFailedStep(const std::exception& e) {
+  if (!training_->canRecoverInPlace()) stepFailed(e, rank_, training_->globalStep(), o_.timeout);
+  recoverInPlace();
+}
+
+// Called from a handler of a failed collective: re-forms the group with the launcher's replacement
+// and restores the agreed point (ResilientTraining::recover), or fails the step as without it.
 void Trainer::recoverInPlace() {
   try {
     const ResumePoint p = training_->recover();
