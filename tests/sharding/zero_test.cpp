@@ -14,7 +14,10 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <string>
 
 using namespace ctorch::test;
@@ -94,6 +97,117 @@ CTORCH_TEST_WORKER(zero_vs_ddp) {
   return 0;
 }
 
+void writeValue(const std::filesystem::path& file, const c10::IValue& value) {
+  const auto bytes = torch::pickle_save(value);
+  std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+c10::IValue readValue(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return torch::pickle_load(bytes);
+}
+
+ctorch::ItemDict itemDict(const c10::IValue& value) {
+  return c10::impl::toTypedDict<std::string, c10::IValue>(value.toGenericDict());
+}
+
+// Two phases of one run (args: optimizer=<sgd|adam> phase=<save|resume> dir=<folder>): `save` trains
+// 2 steps on this world size and leaves every rank's ZeRO shard, the parameters and the whole
+// optimizer's state in dir; `resume` (on another world size) restores both runs from them — the
+// ZeRO run resharded from the saved shards — and trains 2 more steps, printing "identical after
+// resumed step k" while the two stay bit-identical.
+CTORCH_TEST_WORKER(zero_reshard) {
+  const std::string kind = arg(args, "optimizer", "sgd");
+  const bool resume = arg(args, "phase") == "resume";
+  const std::filesystem::path dir = arg(args, "dir");
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
+  torch::manual_seed(11);
+  Net whole, sharded;
+  {
+    torch::NoGradGuard noGrad;
+    for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
+  }
+  ctorch::DistributedDataParallel ddpWhole(whole), ddpSharded(sharded);
+  auto reference = makeOptimizer(kind, ddpWhole.parameters());
+  ctorch::ZeroRedundancyOptimizer zero(ddpSharded.parameters(),
+                                       [&](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); });
+  if (resume) {
+    torch::NoGradGuard noGrad;
+    const auto saved = readValue(dir / "params.pt").toTensorList();
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      whole->parameters()[i].copy_(saved.get(i));
+      sharded->parameters()[i].copy_(saved.get(i));
+    }
+    const auto errors = ctorch::restoreOptimizerState(*reference, readValue(dir / "type.pt").toStringRef(),
+                                                      itemDict(readValue(dir / "whole.pt")));
+    if (!errors.empty()) throw std::runtime_error(errors.front());
+    std::vector<ctorch::ItemDict> shards;
+    for (const auto& entry : std::filesystem::directory_iterator(dir))
+      if (entry.path().filename().string().rfind("shard", 0) == 0) shards.push_back(itemDict(readValue(entry.path())));
+    zero.loadShardStateDicts(shards);
+  }
+  for (int step = resume ? 2 : 0; step < (resume ? 4 : 2); ++step) {
+    torch::manual_seed(1000 + 17 * step + rank);
+    const auto x = torch::randn({8, 12});
+    const auto y = torch::randn({8, 3});
+    reference->zero_grad();
+    torch::mse_loss(ddpWhole(x), y).backward();
+    reference->step();
+    zero.zeroGrad();
+    torch::mse_loss(ddpSharded(x), y).backward();
+    zero.step();
+    if (!bitIdentical(whole->parameters(), sharded->parameters())) {
+      std::cout << "differs at step " << step << "\n";
+      break;
+    }
+    if (resume) std::cout << "identical after resumed step " << step << "\n";
+  }
+  if (!resume) {
+    writeValue(dir / ("shard" + std::to_string(rank) + ".pt"), c10::IValue(zero.shardStateDict()));
+    if (rank == 0) {
+      writeValue(dir / "params.pt", c10::List<at::Tensor>(whole->parameters()));
+      std::string type;
+      writeValue(dir / "whole.pt", c10::IValue(ctorch::captureOptimizerState(*reference, &type)));
+      writeValue(dir / "type.pt", type);
+    }
+  }
+  std::cout << "world " << world << " done\n";
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
+// The refusals, printed: Adam shards into SGD; only the other rank's shard (this rank's parameters
+// are held by none).
+CTORCH_TEST_WORKER(zero_refusals) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  ctorch::DistributedDataParallel ddp(net);
+  ctorch::ZeroRedundancyOptimizer adam(ddp.parameters(), [](std::vector<at::Tensor> share) { return makeOptimizer("adam", share); });
+  ctorch::ZeroRedundancyOptimizer sgd(ddp.parameters(), [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); });
+  torch::mse_loss(ddp(torch::randn({4, 12})), torch::randn({4, 3})).backward();
+  adam.step();
+  sgd.step();
+  try {
+    sgd.loadShardStateDicts({adam.shardStateDict()});
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << e.what() << "\n";
+  }
+  auto other = sgd.shardStateDict();
+  other.insert_or_assign("param_groups", c10::impl::GenericList(c10::AnyType::get()));
+  try {
+    sgd.loadShardStateDicts({other});
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << e.what() << "\n";
+  }
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
 std::size_t number(const std::string& text, const std::string& after) {
   const auto at = text.find(after);
   if (at == std::string::npos) return 0;
@@ -132,4 +246,33 @@ TEST_CASE("zero: the control - the local step without the broadcast fails the ch
   auto results = runWorkerGroup({.worker = "zero_vs_ddp", .worldSize = 2, .args = {"control=1"}});
   requireAllOk(results);
   for (const auto& r : results) CHECK_THAT(r.output, Catch::Contains("differs at step 0"));
+}
+
+TEST_CASE("zero: shards saved on 2 ranks resume on 3, and on 4 resume on 2, bit-identical to the whole optimizer", "[sharding][zero]") {
+  for (const auto& [from, to] : {std::pair{2, 3}, std::pair{4, 2}})
+    for (const char* optimizer : {"sgd", "adam"}) {
+      const auto dir = std::filesystem::temp_directory_path() /
+                       ("ctorch-zero-reshard-" + std::to_string(::getpid()) + "-" + std::to_string(from) + optimizer);
+      std::filesystem::remove_all(dir);
+      std::filesystem::create_directories(dir);
+      const std::string common[] = {std::string("optimizer=") + optimizer, "dir=" + dir.string()};
+      requireAllOk(runWorkerGroup({.worker = "zero_reshard", .worldSize = from, .args = {common[0], common[1], "phase=save"}}));
+      auto results = runWorkerGroup({.worker = "zero_reshard", .worldSize = to, .args = {common[0], common[1], "phase=resume"}});
+      requireAllOk(results);
+      for (const auto& r : results) {
+        INFO(from << " -> " << to << " ranks, " << optimizer << ": " << r.output);
+        CHECK_THAT(r.output, Catch::Contains("identical after resumed step 3"));
+      }
+      std::filesystem::remove_all(dir);
+    }
+}
+
+TEST_CASE("zero: a shard of another optimizer, or shards that miss a parameter, are refused by name", "[sharding][zero]") {
+  auto results = runWorkerGroup({.worker = "zero_refusals", .worldSize = 2});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    CHECK_THAT(r.output, Catch::Contains("the shards hold Adam state, the optimizer is SGD"));
+    CHECK_THAT(r.output, Catch::Contains("no shard holds parameter"));
+  }
 }

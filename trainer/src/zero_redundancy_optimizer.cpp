@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 namespace ctorch {
@@ -114,6 +115,92 @@ std::size_t ZeroRedundancyOptimizer::localStateBytes() const {
   const ItemDict state = captureOptimizerState(*local_);
   if (state.contains("state")) add(state.at("state"));
   return bytes;
+}
+
+std::vector<std::int64_t> ZeroRedundancyOptimizer::localToGlobal() const {
+  std::vector<std::int64_t> globals;
+  for (const auto& group : local_->param_groups())
+    for (const auto& p : group.params()) {
+      const auto it = std::find_if(parameters_.begin(), parameters_.end(),
+                                   [&](const at::Tensor& q) { return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(); });
+      if (it == parameters_.end())
+        throw ConfigError("ZeroRedundancyOptimizer: the local optimizer holds a tensor that is not one of the parameters");
+      globals.push_back(it - parameters_.begin());
+    }
+  return globals;
+}
+
+ItemDict ZeroRedundancyOptimizer::shardStateDict() const {
+  ItemDict out = newItemDict();
+  c10::impl::GenericDict states(c10::IntType::get(), c10::AnyType::get());
+  c10::impl::GenericList groups(c10::AnyType::get());
+  std::string type;
+  if (local_) {
+    const ItemDict local = captureOptimizerState(*local_, &type);
+    const auto globals = localToGlobal();
+    for (const auto& e : local.at("state").toGenericDict()) states.insert(globals.at(static_cast<std::size_t>(e.key().toInt())), e.value());
+    for (const auto& g : local.at("param_groups").toListRef()) {
+      auto group = g.toGenericDict().copy();
+      c10::impl::GenericList ids(c10::AnyType::get());
+      for (const auto& id : group.at("params").toListRef()) ids.push_back(globals.at(static_cast<std::size_t>(id.toInt())));
+      group.insert_or_assign("params", ids);
+      groups.push_back(group);
+    }
+  }
+  out.insert("state", states);
+  out.insert("param_groups", groups);
+  out.insert("optimizer_type", type);
+  out.insert("world_size", static_cast<std::int64_t>(shares_.size()));
+  out.insert("rank", static_cast<std::int64_t>(rank_));
+  return out;
+}
+
+void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& shards) {
+  if (!local_) return;  // owns nothing: nothing to restore
+  auto refuse = [](const std::string& why) { throw ConfigError("ZeroRedundancyOptimizer: cannot restore: " + why); };
+  std::string type;
+  (void)captureOptimizerState(*local_, &type);  // its type name, as the shards spell it
+  // Every global index's state and the options of the group that held it, from whichever shard has it.
+  std::map<std::int64_t, c10::IValue> stateOf;
+  std::map<std::int64_t, c10::impl::GenericDict> groupOf;
+  for (const auto& shard : shards) {
+    for (const char* key : {"state", "param_groups", "optimizer_type"})
+      if (!shard.contains(key)) refuse(std::string("a shard has no '") + key + "'");
+    const auto& shardType = shard.at("optimizer_type");
+    if (!shardType.isString()) refuse("a shard's optimizer_type is not a string");
+    const std::string saved = shardType.toStringRef();
+    if (!saved.empty() && saved != type) refuse("the shards hold " + saved + " state, the optimizer is " + type);
+    for (const auto& e : shard.at("state").toGenericDict()) stateOf.insert_or_assign(e.key().toInt(), e.value());
+    for (const auto& g : shard.at("param_groups").toListRef()) {
+      const auto group = g.toGenericDict();
+      for (const auto& id : group.at("params").toListRef()) groupOf.insert_or_assign(id.toInt(), group);
+    }
+  }
+  // This rank's optimizer state as captureOptimizerState would give it, in the local order.
+  const auto globals = localToGlobal();
+  c10::impl::GenericDict states(c10::IntType::get(), c10::AnyType::get());
+  c10::impl::GenericList groups(c10::AnyType::get());
+  std::int64_t local = 0;
+  for (const auto& group : local_->param_groups()) {
+    std::optional<c10::impl::GenericDict> options;
+    c10::impl::GenericList ids(c10::AnyType::get());
+    for (std::size_t i = 0; i < group.params().size(); ++i, ++local) {
+      const std::int64_t global = globals.at(static_cast<std::size_t>(local));
+      const auto held = groupOf.find(global);
+      if (held == groupOf.end()) refuse("no shard holds parameter " + std::to_string(global));
+      if (!options) options = held->second.copy();
+      if (const auto st = stateOf.find(global); st != stateOf.end()) states.insert(local, st->second);
+      ids.push_back(local);
+    }
+    if (!options) continue;
+    options->insert_or_assign("params", ids);
+    groups.push_back(*options);
+  }
+  ItemDict dict = newItemDict();
+  dict.insert("state", states);
+  dict.insert("param_groups", groups);
+  const auto errors = restoreOptimizerState(*local_, type, dict);
+  if (!errors.empty()) refuse(errors.front());
 }
 
 } // namespace ctorch

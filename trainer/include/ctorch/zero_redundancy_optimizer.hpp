@@ -14,6 +14,7 @@
 #pragma once
 
 #include "ctorch/errors.hpp"
+#include "ctorch/snapshot.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -62,9 +63,23 @@ class ZeroRedundancyOptimizer {
   // The bytes of optimizer state held on this rank (its share's momentum, Adam's moments, ...).
   std::size_t localStateBytes() const;
 
+  // This rank's shard of the optimizer state, in Python's state_dict layout with the parameters'
+  // GLOBAL indices (their places in parameters()): {"state": {index: {...}}, "param_groups": [{...,
+  // "params": [index, ...]}], "optimizer_type": "Adam", "world_size": N, "rank": r}. What a sharded
+  // snapshot keeps per rank.
+  ItemDict shardStateDict() const;
+  // Restores this rank's share from shards saved at any world size (each rank passes every shard it
+  // has, at least those holding its parameters): the states of the parameters it owns now are taken
+  // from whichever shard holds them, so a run resumes on another number of ranks. Throws ConfigError
+  // naming what does not fit (another optimizer, a parameter no shard holds, a shape).
+  void loadShardStateDicts(const std::vector<ItemDict>& shards);
+
  private:
   std::vector<at::Tensor> parameters_;
   std::vector<int> owners_;
+  // Global index of each of the local optimizer's parameters, in its param_groups' order.
+  std::vector<std::int64_t> localToGlobal() const;
+
   std::vector<std::vector<std::size_t>> shares_;  // per rank: indices of the parameters it owns
   std::unique_ptr<torch::optim::Optimizer> local_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
