@@ -6,6 +6,7 @@
 #include "ctorch/rdzv/c10d/store_host.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
+#include "ctorch/text/text.hpp"
 #include "log.hpp"
 
 #include <netinet/in.h>
@@ -72,12 +73,8 @@ namespace {
 // learns at once when an agent's connection drops.
 constexpr const char* kAliveKeyPrefix = "ctorchrun.alive/";
 
-std::string secs(milliseconds ms) {
-  std::ostringstream os;
-  os.precision(3);
-  os << static_cast<double>(ms.count()) / 1000.0 << " s";
-  return os.str();
-}
+// Three significant digits: these are measured times ("1.23 s").
+std::string secs(milliseconds ms) { return text::secondsText(ms, 3); }
 
 milliseconds since(Clock::time_point t) {
   return std::chrono::duration_cast<milliseconds>(Clock::now() - t);

@@ -10,6 +10,7 @@
 #include "ctorch/slurm/derive.hpp"
 #include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <fcntl.h>
 #include <sys/random.h>
@@ -29,33 +30,16 @@
 namespace ctorch::launcher {
 
 namespace fs = std::filesystem;
+using text::split;
+using text::trim;
 
 namespace {
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-std::string trim(const std::string& s) {
-  std::size_t a = s.find_first_not_of(" \t");
-  if (a == std::string::npos) return "";
-  std::size_t b = s.find_last_not_of(" \t");
-  return s.substr(a, b - a + 1);
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::size_t start = 0;
-  for (;;) {
-    std::size_t p = s.find(sep, start);
-    out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
-    if (p == std::string::npos) break;
-    start = p + 1;
-  }
-  return out;
-}
-
 // Strict decimal integer in [lo, hi]; nullopt otherwise.
 std::optional<long long> toInt(const std::string& text, long long lo, long long hi) {
-  std::string s = trim(text);
+  std::string s(trim(text));
   if (s.empty() || s.size() > 18) return std::nullopt;
   std::size_t i = (s[0] == '-' || s[0] == '+') ? 1 : 0;
   if (i == s.size()) return std::nullopt;
@@ -128,7 +112,7 @@ namespace {
 RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig& c) {
   slurm::UserChoices u;
   try {
-    u.mode = slurm::parseSlurmMode(trim(raw.slurm));
+    u.mode = slurm::parseSlurmMode(std::string(trim(raw.slurm)));
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string(e.what()) + " (--slurm auto derives the settings under srun)");
   }
@@ -168,7 +152,7 @@ RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig&
 // says what was tried and how to choose.
 void choosePython(LaunchConfig& c, const EnvLookup& env, const MachineProbe& probe) {
   auto hasTorch = [&](const std::string& path) { return !probe.pythonHasTorch || probe.pythonHasTorch(path); };
-  const std::string exec = trim(env("PYTHON_EXEC").value_or(""));
+  const std::string exec(trim(env("PYTHON_EXEC").value_or("")));
   if (!exec.empty()) {
     auto interp = findExecutable(exec, env);
     if (!interp)
@@ -250,7 +234,7 @@ StdSpec StdSpec::parse(const std::string& value, const std::string& flag) {
                       "1 = stdout, 2 = stderr, 3 = both)");
   };
   StdSpec spec;
-  std::string v = trim(value);
+  std::string v(trim(value));
   if (v.find(':') == std::string::npos) {
     auto n = toInt(v, 0, 3);
     if (!n) throw bad("not a value between 0 and 3");
@@ -275,7 +259,7 @@ std::pair<int, int> parseNnodes(const std::string& value) {
   auto bad = [&](const std::string& why) {
     return UsageError("--nnodes " + quote(value) + ": " + why + " (expected N or MIN:MAX)");
   };
-  std::string v = trim(value);
+  std::string v(trim(value));
   auto colon = v.find(':');
   if (colon == std::string::npos) {
     auto n = toInt(v, 1, 1000000);
@@ -291,10 +275,8 @@ std::pair<int, int> parseNnodes(const std::string& value) {
 }
 
 int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source) {
-  std::string v = trim(value);
-  std::string lower = v;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
+  std::string v(trim(value));
+  std::string lower = text::toLower(v);
   if (lower == "gpu" || lower == "auto") {
     int n = probe.visibleGpus ? probe.visibleGpus() : 0;
     if (n > 0) {
@@ -333,7 +315,7 @@ int parsePort(const std::string& value, const std::string& flag) {
 }
 
 std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& value) {
-  std::string v = trim(value);
+  std::string v(trim(value));
   if (v.empty()) return {"", std::nullopt};
   std::string host;
   std::string rest;
@@ -370,8 +352,8 @@ std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string
   if (trim(value).empty()) return out;
   for (const auto& item : split(value, ',')) {
     auto eq = item.find('=');
-    std::string key = eq == std::string::npos ? "" : trim(item.substr(0, eq));
-    std::string val = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
+    std::string key(eq == std::string::npos ? "" : trim(item.substr(0, eq)));
+    std::string val(eq == std::string::npos ? "" : trim(item.substr(eq + 1)));
     if (eq == std::string::npos || key.empty() || val.empty())
       throw UsageError("--rdzv-conf " + quote(value) + ": " + quote(item) +
                        " is not key=value (expected key1=value1,key2=value2,...)");
@@ -401,7 +383,7 @@ std::vector<int> parseSignals(const std::string& value) {
     if (trim(item).empty()) continue;
     int s = parseSignal(item);
     if (s < 0)
-      throw UsageError("--signals-to-handle " + quote(value) + ": " + quote(trim(item)) +
+      throw UsageError("--signals-to-handle " + quote(value) + ": " + quote(std::string(trim(item))) +
                        " is not a signal name or number");
     if (s == SIGKILL || s == SIGSTOP || s == SIGCHLD)
       throw UsageError("--signals-to-handle " + quote(value) + ": " + signalName(s) +
@@ -412,7 +394,7 @@ std::vector<int> parseSignals(const std::string& value) {
 }
 
 std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag) {
-  std::string v = trim(value);
+  std::string v(trim(value));
   char* end = nullptr;
   errno = 0;
   double s = std::strtod(v.c_str(), &end);
@@ -580,7 +562,7 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   // --- restarts and signals
   c.maxRestarts = parseNonNegative(raw.maxRestarts, "--max-restarts");
   {
-    std::string r = trim(raw.recovery);
+    std::string r(trim(raw.recovery));
     std::replace(r.begin(), r.end(), '_', '-');
     if (r == "in-place" || r == "inplace") c.inPlaceRecovery = true;
     else if (r != "restart")
@@ -615,8 +597,7 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   }
 
   // Empty: SPDLOG_LEVEL (spdlog's own syntax, applied by main) or info.
-  std::string level = trim(raw.logLevel);
-  std::transform(level.begin(), level.end(), level.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  std::string level = text::toLower(trim(raw.logLevel));
   if (!level.empty() &&
       std::find(std::begin(kLogLevels), std::end(kLogLevels), level) == std::end(kLogLevels))
     throw UsageError("--log-level " + quote(raw.logLevel) +

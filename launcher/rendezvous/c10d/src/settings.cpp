@@ -1,28 +1,19 @@
 #include "ctorch/rdzv/c10d/settings.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <set>
-#include <sstream>
 
 namespace ctorch::rdzv::c10d {
 
 namespace {
 
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return s;
-}
-
-std::string seconds(milliseconds ms) {
-  std::ostringstream os;
-  os << static_cast<double>(ms.count()) / 1000.0 << " s";
-  return os.str();
-}
+// --rdzv-conf and --rdzv-endpoint text: every white-space character around a piece goes.
+std::string_view trim(std::string_view s) { return text::trim(s, text::kWhiteSpace); }
 
 [[noreturn]] void bad(const std::string& what) { throw RendezvousConfigError(what); }
 
@@ -59,8 +50,7 @@ int parseCount(const std::string& key, const std::string& value) {
 
 // torch's RendezvousParameters.get_as_bool spellings.
 bool parseBool(const std::string& key, const std::string& value) {
-  std::string v;
-  for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  const std::string v = text::toLower(value);
   if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y") return true;
   if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n") return false;
   bad("--rdzv-conf " + key + "='" + value + "' is not a boolean (use true or false)");
@@ -82,7 +72,7 @@ void Settings::validate() const {
       {"close_timeout", closeTimeout},         {"heartbeat_timeout", heartbeatTimeout},
       {"read_timeout", readTimeout},           {"keep_alive_interval", keepAliveInterval}};
   for (const auto& [name, value] : times)
-    if (value.count() <= 0) bad(std::string(name) + " (" + seconds(value) + ") must be positive");
+    if (value.count() <= 0) bad(std::string(name) + " (" + text::secondsText(value) + ") must be positive");
   if (keepAliveMaxAttempt < 1)
     bad("keep_alive_max_attempt (" + std::to_string(keepAliveMaxAttempt) + ") must be at least 1");
 }
@@ -132,9 +122,7 @@ RdzvConf parseRdzvConf(std::string_view text) {
     else if (key == "keep_alive_max_attempt") conf.keepAliveMaxAttempt = parseCount(key, value);
     else if (key == "is_host") conf.isHost = parseBool(key, value);
     else if (key == "store_type") {
-      std::string v;
-      for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
-      if (v != "tcp") bad("--rdzv-conf store_type='" + value + "' is not supported (only tcp)");
+      if (text::toLower(value) != "tcp") bad("--rdzv-conf store_type='" + value + "' is not supported (only tcp)");
     }
   }
   return conf;
