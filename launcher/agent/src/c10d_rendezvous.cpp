@@ -296,23 +296,14 @@ class AgentClock final : public rc::Clock {
   std::function<void()> check_;
 };
 
-std::string confText(const std::vector<std::pair<std::string, std::string>>& pairs) {
-  std::string out;
-  for (const auto& [k, v] : pairs) out += (out.empty() ? "" : ",") + k + "=" + v;
-  return out;
-}
-
 } // namespace
 
 C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& c) {
   C10dRendezvousOptions o;
   try {
-    rc::RdzvConf conf = rc::parseRdzvConf(confText(c.rdzvConf));
-    if (!conf.keepAliveInterval) conf.keepAliveInterval = kDefaultKeepAliveInterval;
-    if (!conf.keepAliveMaxAttempt) conf.keepAliveMaxAttempt = kDefaultKeepAliveMaxAttempt;
     if (c.rdzvId.empty()) throw rc::RendezvousConfigError("--rdzv-id must not be empty");
-    o.settings = rc::makeSettings(c.rdzvId, c.minNodes, c.maxNodes, conf);
-    o.isHost = conf.isHost;
+    o.settings = rc::ctorchrunSettings(c.rdzvId, c.minNodes, c.maxNodes, c.rdzvConf);
+    o.isHost = c.rdzvConf.isHost;
   } catch (const rc::RendezvousConfigError& e) {
     throw UsageError(e.what());
   }

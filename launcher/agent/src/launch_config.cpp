@@ -7,6 +7,7 @@
 #include "ctorch/launcher/machine.hpp"
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
+#include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/slurm/derive.hpp"
 #include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
@@ -347,24 +348,6 @@ std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& valu
   return {host, parsePort(rest.substr(1), "--rdzv-endpoint port")};
 }
 
-std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string& value) {
-  std::vector<std::pair<std::string, std::string>> out;
-  if (trim(value).empty()) return out;
-  for (const auto& item : split(value, ',')) {
-    auto eq = item.find('=');
-    std::string key(eq == std::string::npos ? "" : trim(item.substr(0, eq)));
-    std::string val(eq == std::string::npos ? "" : trim(item.substr(eq + 1)));
-    if (eq == std::string::npos || key.empty() || val.empty())
-      throw UsageError("--rdzv-conf " + quote(value) + ": " + quote(item) +
-                       " is not key=value (expected key1=value1,key2=value2,...)");
-    for (const auto& kv : out)
-      if (kv.first == key)
-        throw UsageError("--rdzv-conf " + quote(value) + ": key " + quote(key) + " is given twice");
-    out.emplace_back(key, val);
-  }
-  return out;
-}
-
 std::set<int> parseRanksFilter(const std::string& value) {
   std::set<int> ranks;
   for (const auto& item : split(value, ',')) {
@@ -431,12 +414,10 @@ std::optional<fs::path> findExecutable(const std::string& name, const EnvLookup&
   return nonExecutable;  // execvp reports EACCES for these: so do we
 }
 
-LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, const MachineProbe& probe) {
-  LaunchConfig c;
-  c.hostname = probe.hostname ? probe.hostname() : hostName();
-  const RawOptions raw = applySlurm(given, env, c);
+namespace {
 
-  // --- the program (checked first: without it nothing else matters)
+// The program and the argv of every worker (checked first: without it nothing else matters).
+void resolveProgram(LaunchConfig& c, const RawOptions& raw, const EnvLookup& env, const MachineProbe& probe) {
   std::vector<std::string> command = raw.command;
   if (!command.empty() && command.front() == "--") command.erase(command.begin());
   if (command.empty())
@@ -487,18 +468,21 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
     c.workerArgv = {c.program};
   }
   c.workerArgv.insert(c.workerArgv.end(), c.programArgs.begin(), c.programArgs.end());
+}
 
-  // --- nodes and workers
-  std::tie(c.minNodes, c.maxNodes) = parseNnodes(raw.nnodes);
-  c.nprocPerNode = parseNproc(raw.nprocPerNode, probe, &c.nprocSource);
-  c.standalone = raw.standalone;
-  if (raw.nodeRank) {
-    int r = parseNonNegative(*raw.nodeRank, "--node-rank");
-    c.nodeRank = r;
+// --rdzv-conf, parsed once: the c10d rendezvous' keys typed and checked; another backend's
+// (which reads none, as torchrun's static one) only for their key=value syntax.
+rdzv::c10d::RdzvConf parseRdzvConf(const std::string& text, const std::string& backend) {
+  try {
+    return rdzv::c10d::parseRdzvConf(text, backend == "c10d" ? rdzv::c10d::RdzvConfKeys::kC10d
+                                                             : rdzv::c10d::RdzvConfKeys::kAny);
+  } catch (const rdzv::c10d::RendezvousConfigError& e) {
+    throw UsageError(e.what());
   }
+}
 
-  // --- rendezvous
-  c.rdzvConf = parseRdzvConf(raw.rdzvConf);
+// The backend, its endpoint, the run id and --rdzv-conf.
+void resolveRendezvous(LaunchConfig& c, const RawOptions& raw) {
   c.localAddr = trim(raw.localAddr);
   if (c.standalone) {
     if (c.maxNodes != 1)
@@ -558,8 +542,11 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
         throw UsageError("--rdzv-endpoint port 0: the nodes must agree on a fixed port");
     }
   }
+  c.rdzvConf = parseRdzvConf(raw.rdzvConf, c.rdzvBackend);
+}
 
-  // --- restarts and signals
+// Restarts, recovery, store failover, the monitor interval, the shutdown grace and the signals.
+void resolveRestarts(LaunchConfig& c, const RawOptions& raw) {
   c.maxRestarts = parseNonNegative(raw.maxRestarts, "--max-restarts");
   {
     std::string r(trim(raw.recovery));
@@ -578,8 +565,10 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
   c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
   c.signalsToHandle = parseSignals(raw.signalsToHandle);
+}
 
-  // --- workers and logs
+// The role, where the logs go and what is shown, and the log level.
+void resolveLogs(LaunchConfig& c, const RawOptions& raw) {
   c.role = trim(raw.role);
   if (c.role.empty()) throw UsageError("--role '': the role name must not be empty");
   if (!trim(raw.logDir).empty()) c.logDir = fs::path(trim(raw.logDir));
@@ -604,16 +593,11 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
                      ": expected trace, debug, info, warn, error, critical or off");
   if (level == "warning") level = "warn";
   c.logLevel = level;
+}
 
-  // The dynamic backend's own settings (--rdzv-conf keys, run id): checked now, not at the
-  // first rendezvous.
-  if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
-  if (c.storeFailover && c.rdzvBackend != "c10d")
-    throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
-                     " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
-  // --- in-place recovery's control key (ctorch/contract/control_auth.hpp)
-  for (const char* name : contract::kLauncherOwnedVariables)
-    if (env(name)) c.inheritedLauncherVariables.push_back(name);
+// --recovery in-place: the key that signs its commands (ctorch/contract/control_auth.hpp); across
+// nodes without CTORCH_JOB_SECRET, in-place recovery is turned off with a warning.
+void resolveControlKey(LaunchConfig& c, const EnvLookup& env) {
   if (c.inPlaceRecovery) {
     namespace auth = contract::auth;
     const auto secret = env(auth::kJobSecretEnv);
@@ -636,7 +620,34 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
       c.spareWorkers = 0;
     }
   }
+}
 
+} // namespace
+
+LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, const MachineProbe& probe) {
+  LaunchConfig c;
+  c.hostname = probe.hostname ? probe.hostname() : hostName();
+  const RawOptions raw = applySlurm(given, env, c);
+  resolveProgram(c, raw, env, probe);
+
+  // --- nodes and workers
+  std::tie(c.minNodes, c.maxNodes) = parseNnodes(raw.nnodes);
+  c.nprocPerNode = parseNproc(raw.nprocPerNode, probe, &c.nprocSource);
+  c.standalone = raw.standalone;
+  if (raw.nodeRank) c.nodeRank = parseNonNegative(*raw.nodeRank, "--node-rank");
+  resolveRendezvous(c, raw);
+  resolveRestarts(c, raw);
+  resolveLogs(c, raw);
+
+  // The c10d rendezvous' settings (run id, node counts, --rdzv-conf times): checked now, not at
+  // the first rendezvous.
+  if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
+  if (c.storeFailover && c.rdzvBackend != "c10d")
+    throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
+                     " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
+  for (const char* name : contract::kLauncherOwnedVariables)
+    if (env(name)) c.inheritedLauncherVariables.push_back(name);
+  resolveControlKey(c, env);
   // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
   // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
   if (c.inPlaceRecovery && c.usesPython)
