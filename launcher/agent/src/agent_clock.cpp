@@ -1,0 +1,35 @@
+#include "agent_clock.hpp"
+
+#include "ctorch/launcher/errors.hpp"
+
+#include <poll.h>
+
+#include <cerrno>
+#include <thread>
+
+namespace ctorch::launcher {
+
+using std::chrono::milliseconds;
+
+rdzv::c10d::Timestamp AgentClock::now() {
+  return std::chrono::time_point_cast<milliseconds>(std::chrono::system_clock::now());
+}
+
+void AgentClock::sleepFor(milliseconds d) {
+  if (check_) check_();
+  if (!request_ || request_->cancelFd < 0) {
+    std::this_thread::sleep_for(d);
+    return;
+  }
+  auto until = std::chrono::steady_clock::now() + d;
+  for (;;) {
+    auto left = std::chrono::duration_cast<milliseconds>(until - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return;
+    pollfd p{request_->cancelFd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (r > 0 && request_->stopNow()) throw RendezvousInterrupted("interrupted while waiting for the rendezvous");
+    if (r < 0 && errno != EINTR) throwErrno("poll");
+  }
+}
+
+} // namespace ctorch::launcher
