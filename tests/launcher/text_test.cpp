@@ -1,4 +1,4 @@
-// Unit tests of the launcher's shared text helpers (launcher/text): trim, split, lower case and
+// Unit tests of the launcher's shared text helpers (launcher/text): trim, split, join, lower case and
 // the "1.5 s" duration text that the command line, the rendezvous and their logs all use.
 #include "ctorch_catch.hpp"
 
@@ -20,6 +20,12 @@ TEST_CASE("text: split keeps empty pieces") {
   CHECK(split("a,,b,", ',') == std::vector<std::string>{"a", "", "b", ""});
   CHECK(split("", ',') == std::vector<std::string>{""});
   CHECK(split("/usr/bin:/bin", ':') == std::vector<std::string>{"/usr/bin", "/bin"});
+}
+
+TEST_CASE("text: join puts the separator between the pieces") {
+  CHECK(join({"a", "b", "c"}, ", ") == "a, b, c");
+  CHECK(join({"a"}, ", ") == "a");
+  CHECK(join({}, ", ").empty());
 }
 
 TEST_CASE("text: lower case and seconds") {

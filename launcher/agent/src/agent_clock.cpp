@@ -1,6 +1,7 @@
 #include "agent_clock.hpp"
 
 #include "ctorch/launcher/errors.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <poll.h>
 
@@ -10,6 +11,12 @@
 namespace ctorch::launcher {
 
 using std::chrono::milliseconds;
+
+milliseconds since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t);
+}
+
+std::string measuredSeconds(milliseconds ms) { return text::secondsText(ms, 3); }
 
 rdzv::c10d::Timestamp AgentClock::now() {
   return std::chrono::time_point_cast<milliseconds>(std::chrono::system_clock::now());

@@ -1,5 +1,5 @@
-// The c10d rendezvous executor's clock in the agent: real time, and sleeps that wake up for a stop
-// request of the agent (and run a check first, which may end the wait by throwing).
+// Time in the agent's c10d rendezvous: the executor's clock (real time, and sleeps that wake up
+// for a stop request of the agent), the time since a moment, and a measured time for the log.
 #pragma once
 
 #include "ctorch/launcher/rendezvous.hpp"
@@ -7,9 +7,12 @@
 
 #include <chrono>
 #include <functional>
+#include <string>
 
 namespace ctorch::launcher {
 
+// The executor's clock; a check set by the handler runs before every wait (it may end the wait by
+// throwing).
 class AgentClock final : public rdzv::c10d::Clock {
  public:
   rdzv::c10d::Timestamp now() override;
@@ -23,5 +26,10 @@ class AgentClock final : public rdzv::c10d::Clock {
   const RendezvousRequest* request_ = nullptr;
   std::function<void()> check_;
 };
+
+// Milliseconds on the steady clock since `t`.
+std::chrono::milliseconds since(std::chrono::steady_clock::time_point t);
+// A measured time for the log, to three significant digits ("1.23 s").
+std::string measuredSeconds(std::chrono::milliseconds ms);
 
 } // namespace ctorch::launcher

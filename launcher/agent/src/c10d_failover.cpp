@@ -14,14 +14,6 @@ namespace ctorch::launcher {
 
 using std::chrono::milliseconds;
 
-namespace {
-
-milliseconds since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t);
-}
-
-} // namespace
-
 bool C10dRendezvous::Impl::failOver(const std::string& why) {
   if (!o_.storeFailover || !round_ || !executor_ || !executor_->lastState()) return false;
   auto& l = log("rendezvous");

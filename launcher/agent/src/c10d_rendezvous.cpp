@@ -6,7 +6,6 @@
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/store_host.hpp"
-#include "ctorch/text/text.hpp"
 #include "log.hpp"
 
 #include <netinet/in.h>
@@ -58,8 +57,6 @@ bool portAnswers(int port) {
 }
 
 } // namespace
-
-std::string measuredSeconds(milliseconds ms) { return text::secondsText(ms, 3); }
 
 C10dRendezvous::Impl::Impl(C10dRendezvousOptions options) : o_(std::move(options)) {
   timerFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);

@@ -105,7 +105,4 @@ class C10dRendezvous::Impl {
 // learns at once when an agent's connection drops.
 inline constexpr const char* kAliveKeyPrefix = "ctorchrun.alive/";
 
-// Three significant digits: these are measured times in the log ("1.23 s").
-std::string measuredSeconds(std::chrono::milliseconds ms);
-
 } // namespace ctorch::launcher

@@ -510,8 +510,7 @@ void resolveRendezvous(LaunchConfig& c, const RawOptions& raw) {
     bool known = std::find(torchrunBackends.begin(), torchrunBackends.end(), c.rdzvBackend) !=
                  torchrunBackends.end();
     if (!rendezvousBackendAvailable(c.rdzvBackend)) {
-      std::string available;
-      for (const auto& b : availableRendezvousBackends()) available += (available.empty() ? "" : ", ") + b;
+      const std::string available = text::join(availableRendezvousBackends(), ", ");
       if (known)
         throw UsageError("--rdzv-backend " + quote(c.rdzvBackend) +
                          " is not available in this ctorchrun (available: " + available +

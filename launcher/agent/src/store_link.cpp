@@ -1,8 +1,9 @@
 #include "store_link.hpp"
 
+#include "agent_clock.hpp"
+
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/rdzv/c10d/errors.hpp"
-#include "ctorch/text/text.hpp"
 
 #include <poll.h>
 
@@ -10,20 +11,6 @@
 #include <thread>
 
 namespace ctorch::launcher {
-
-namespace {
-
-using std::chrono::milliseconds;
-using Clock = std::chrono::steady_clock;
-
-milliseconds since(Clock::time_point t) {
-  return std::chrono::duration_cast<milliseconds>(Clock::now() - t);
-}
-
-// Three significant digits: these are measured times ("1.23 s").
-std::string secs(milliseconds ms) { return text::secondsText(ms, 3); }
-
-} // namespace
 
 StoreLink::StoreLink(std::string host, int port, milliseconds opTimeout, milliseconds unreachableLimit,
                      std::string aliveKey)
@@ -65,11 +52,11 @@ auto StoreLink::call(F&& f) -> decltype(f()) {
         refusedSince_ = Clock::now();
       if (refusedLimit_ && refusedSince_ && since(*refusedSince_) >= *refusedLimit_)
         throw StoreUnreachable("the rendezvous store at " + where() + " has refused connections for " +
-                               secs(since(*refusedSince_)) + ": its ctorchrun is gone (" + lastError_ + ")",
+                               measuredSeconds(since(*refusedSince_)) + ": its ctorchrun is gone (" + lastError_ + ")",
                                true);
       if (silentFor() > limit_ || since(started) > limit_)
         throw StoreUnreachable("no answer from the rendezvous store at " + where() + " for " +
-                               secs(std::max(silentFor(), since(started))) + " (" + lastError_ + ")",
+                               measuredSeconds(std::max(silentFor(), since(started))) + " (" + lastError_ + ")",
                                false);
       if (!patient_) throw;
     }
@@ -116,7 +103,7 @@ void StoreLink::retarget(std::string host, int port) {
   refusedSince_.reset();
 }
 
-milliseconds StoreLink::silentFor() const { return since(lastSuccess_); }
+StoreLink::milliseconds StoreLink::silentFor() const { return since(lastSuccess_); }
 
 std::string StoreLink::localAddress() {
   return call([&] { return client_->localAddress(); });

@@ -24,6 +24,15 @@ std::vector<std::string> split(std::string_view s, char sep) {
   return out;
 }
 
+std::string join(const std::vector<std::string>& pieces, std::string_view sep) {
+  std::string out;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    if (i) out += sep;
+    out += pieces[i];
+  }
+  return out;
+}
+
 std::string toLower(std::string_view s) {
   std::string out;
   out.reserve(s.size());

@@ -120,9 +120,7 @@ RdzvConf parseRdzvConf(std::string_view text, RdzvConfKeys keys) {
     if (key.empty()) bad("--rdzv-conf entry '" + std::string(item) + "' has no key");
     const auto& known = rdzvConfKeys();
     if (keys == RdzvConfKeys::kC10d && std::find(known.begin(), known.end(), key) == known.end()) {
-      std::string names;
-      for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
-      bad("--rdzv-conf key '" + key + "' is unknown (known: " + names + ")");
+      bad("--rdzv-conf key '" + key + "' is unknown (known: " + ctorch::text::join(known, ", ") + ")");
     }
     if (value.empty()) bad("--rdzv-conf " + key + " has no value");
     // The c10d keys by meaning (heartbeat is keep_alive_interval); other backends' as given.

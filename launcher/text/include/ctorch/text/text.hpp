@@ -1,5 +1,5 @@
-// The launcher's small text helpers, written once: trimming, splitting, lower case and a
-// duration as "1.5 s". Used by the command line, the rendezvous backends and their logs.
+// The launcher's small text helpers, written once: trimming, splitting, joining, lower case and
+// a duration as "1.5 s". Used by the command line, the rendezvous backends and their logs.
 #pragma once
 
 #include <chrono>
@@ -19,6 +19,9 @@ std::string_view trim(std::string_view s, std::string_view chars = kBlanks);
 
 // The pieces of `s` between each `sep`, empty ones included ("a,,b" → a, "", b; "" → one "").
 std::vector<std::string> split(std::string_view s, char sep);
+
+// The pieces with `sep` between them ("a, b, c" for join(v, ", ")).
+std::string join(const std::vector<std::string>& pieces, std::string_view sep);
 
 // ASCII lower case.
 std::string toLower(std::string_view s);
