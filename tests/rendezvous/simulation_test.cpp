@@ -812,31 +812,38 @@ FailoverRun runFailover(const std::set<std::pair<std::string, std::string>>& cut
     nodes[i].standbyPort = 4000 + i;
     run.standbys[nodes[i].host] = std::make_unique<MemStore>();
   }
-  for (const auto& n : nodes) run.logs[n.host], run.stopped[n.host];
+  for (const auto& n : nodes) {  // created here: the agents' threads only look them up
+    run.logs[n.host];
+    run.stopped[n.host];
+  }
   auto reaches = [&](const std::string& x, const std::string& y) {
     return x == y || (!cut.count({x, y}) && !cut.count({y, x}));
   };
 
   // A survivor's failover (false: it stopped, and why is in `stopped`).
   auto failOver = [&](const NodeInfo& self, Executor& ex, SwitchStore& link, std::string& stopped) {
+    auto stop = [&stopped](std::string why) {
+      stopped = std::move(why);
+      return false;
+    };
     const RoundResult& round = *ex.lastRound();
     const FailoverPlan plan = planFailover(round);
-    if (!plan.successor) return stopped = "no successor", false;
+    if (!plan.successor) return stop("no successor");
     const NodeSlot& next = *plan.successor;
     if (next.id == self.id) {
       int reachable = 1;
       for (const auto& n : majorityProbes(round, self.id)) reachable += reaches(self.host, n.host) ? 1 : 0;
-      if (auto refused = refuseTakeOver(round, reachable)) return stopped = *refused, false;
+      if (auto refused = refuseTakeOver(round, reachable)) return stop(*refused);
       link.point(run.standbys.at(self.host).get());
       if (!ex.seedStore(plan.lost, "its agent served the rendezvous store, which was lost"))
-        return stopped = "could not seed", false;
+        return stop("could not seed");
       ex.setStoreHost(true);
       return true;
     }
     MemStore& standby = *run.standbys.at(next.host);
     const auto deadline = clock.elapsed() + successorWait(s);
     while (!reaches(self.host, next.host) || !standby.check(stateKey("job"))) {
-      if (clock.elapsed() >= deadline) return stopped = "the successor's standby held no rendezvous state", false;
+      if (clock.elapsed() >= deadline) return stop("the successor's standby held no rendezvous state");
       clock.sleepFor(50ms);
     }
     link.point(&standby);
@@ -845,8 +852,8 @@ FailoverRun runFailover(const std::set<std::pair<std::string, std::string>>& cut
   };
 
   auto agent = [&](const NodeInfo& self) {
-    AgentLog& log = run.logs[self.host];
-    std::string& stopped = run.stopped[self.host];
+    AgentLog& log = run.logs.at(self.host);
+    std::string& stopped = run.stopped.at(self.host);
     try {
       SwitchStore link(&primary);
       Executor ex(link, s, self, clock);
@@ -867,12 +874,18 @@ FailoverRun runFailover(const std::set<std::pair<std::string, std::string>>& cut
         const RoundAssessment as = ex.keepAlive();
         if (as.status == RoundStatus::Healthy) continue;
         log.events.push_back({clock.elapsed(), as});
-        if (auto why = minorityReason(*ex.lastRound(), *ex.lastState())) return void(stopped = *why);
+        if (auto why = minorityReason(*ex.lastRound(), *ex.lastState())) {
+          stopped = *why;
+          return;
+        }
         if (log.rounds.size() == 2) return;
         const RoundResult previous = *ex.lastRound();
         log.rounds.push_back(ex.nextRound());
         log.roundTimes.push_back(clock.elapsed());
-        if (auto why = minorityRoundReason(previous, log.rounds.back())) return void(stopped = *why);
+        if (auto why = minorityRoundReason(previous, log.rounds.back())) {
+          stopped = *why;
+          return;
+        }
       }
     } catch (const std::exception& e) {
       log.error = e.what();
