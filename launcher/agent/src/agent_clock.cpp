@@ -1,3 +1,5 @@
+// Time in the agent's c10d rendezvous (agent_clock.hpp): the executor's clock whose sleeps wake
+// for a stop request, the time since a moment, and a measured time for the log.
 #include "agent_clock.hpp"
 
 #include "ctorch/launcher/errors.hpp"

@@ -1,3 +1,5 @@
+// The c10d rendezvous' store link (store_link.hpp): bounded requests over one TcpStoreClient,
+// reconnects, and StoreUnreachable once the store is silent or refuses for too long.
 #include "store_link.hpp"
 
 #include "agent_clock.hpp"

@@ -1,3 +1,5 @@
+// The launcher's shared text helpers (text.hpp): trimming, splitting, joining, lower case and
+// the "1.5 s" duration text, written once for every launcher library.
 #include "ctorch/text/text.hpp"
 
 #include <cctype>

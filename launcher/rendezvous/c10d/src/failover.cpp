@@ -1,3 +1,5 @@
+// Store failover's pure decisions (failover.hpp): the successor, the majority a take-over needs,
+// and the minority rules. No store, no clock.
 #include "ctorch/rdzv/c10d/failover.hpp"
 
 #include <string>
