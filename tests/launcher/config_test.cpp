@@ -159,7 +159,18 @@ TEST_CASE("config: --redirects/--tee values / --local-ranks-filter / --rdzv-conf
   CHECK(c.redirects.forRank(5) == StdStreams::None);
   CHECK(c.tee.forRank(3) == StdStreams::Err);
   CHECK(*c.localRanksFilter == std::set<int>{0, 2});
-  CHECK(c.rdzvConf == std::vector<std::pair<std::string, std::string>>{{"join_timeout", "5"}, {"is_host", "1"}});
+  CHECK(c.rdzvConf.entries == std::vector<std::pair<std::string, std::string>>{{"join_timeout", "5"}, {"is_host", "1"}});
+}
+
+TEST_CASE("config: --rdzv-conf is parsed once, typed for the c10d backend") {
+  auto c = configFor({"--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-conf",
+                      "join_timeout=5, is_host=1,heartbeat=0.5", "/bin/true"});
+  CHECK(c.rdzvConf.joinTimeout == std::chrono::seconds(5));
+  CHECK(c.rdzvConf.isHost == true);
+  CHECK(c10dOptionsFrom(c).settings.keepAliveInterval == std::chrono::milliseconds(500));
+  CHECK(c10dOptionsFrom(c).settings.keepAliveMaxAttempt == 3);  // ctorchrun's default
+  // The static backend reads no key: any key=value is accepted (as torchrun).
+  CHECK(configFor({"--rdzv-conf", "timeout=3", "/bin/true"}).rdzvConf.entries.size() == 1);
 }
 
 TEST_CASE("config: static multi-node ranks and endpoint") {

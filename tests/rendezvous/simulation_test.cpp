@@ -8,6 +8,7 @@
 
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"
+#include "ctorch/rdzv/c10d/failover.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -779,6 +780,172 @@ TEST_CASE("rendezvous simulation: store failover: the next node re-creates the s
   CHECK(bIsHost);
   // The old store saw nothing after the loss: everything since went to the standby.
   CHECK(standby.check(stateKey("job")));
+}
+
+// Store failover driven by its pure decisions (failover.hpp) as the agent's handler runs them
+// (launcher/agent/src/c10d_failover.cpp): at 20 s the store's host (node rank 0) dies or is cut
+// off; each survivor notices a heartbeat expiry later, plans the same successor, which probes the
+// others' standbys (the partition decides who answers) and takes the store over only with a
+// majority; the others wait for its standby (successorWait) and adopt it. A node left with a
+// minority of its round stops.
+namespace {
+
+struct FailoverRun {
+  std::map<std::string, AgentLog> logs;
+  std::map<std::string, std::string> stopped;  // why a node stopped by the failover rules
+  std::map<std::string, std::unique_ptr<MemStore>> standbys;
+};
+
+// `cut`: pairs of hosts that cannot reach each other after the loss. `storeHostLives`: the store's
+// host is only cut off (it runs on with its store), else it dies at 20 s.
+FailoverRun runFailover(const std::set<std::pair<std::string, std::string>>& cut, bool storeHostLives) {
+  constexpr auto kLoss = 20s;
+  FailoverRun run;
+  MemStore primary;
+  VirtualClock clock;
+  auto s = simSettings("job", 2, 3);
+  s.lastCallTimeout = 5s;
+  s.keepAliveInterval = 1s;  // ctorchrun's heartbeat: the loss is noticed 3 s after it
+  std::vector<NodeInfo> nodes = {simNode("a", 1, 0), simNode("b", 1, 1), simNode("c", 1, 2)};
+  nodes[0].storeHost = true;
+  for (int i = 1; i < 3; ++i) {
+    nodes[i].standbyPort = 4000 + i;
+    run.standbys[nodes[i].host] = std::make_unique<MemStore>();
+  }
+  for (const auto& n : nodes) {  // created here: the agents' threads only look them up
+    run.logs[n.host];
+    run.stopped[n.host];
+  }
+  auto reaches = [&](const std::string& x, const std::string& y) {
+    return x == y || (!cut.count({x, y}) && !cut.count({y, x}));
+  };
+
+  // A survivor's failover (false: it stopped, and why is in `stopped`).
+  auto failOver = [&](const NodeInfo& self, Executor& ex, SwitchStore& link, std::string& stopped) {
+    auto stop = [&stopped](std::string why) {
+      stopped = std::move(why);
+      return false;
+    };
+    const RoundResult& round = *ex.lastRound();
+    const FailoverPlan plan = planFailover(round);
+    if (!plan.successor) return stop("no successor");
+    const NodeSlot& next = *plan.successor;
+    if (next.id == self.id) {
+      int reachable = 1;
+      for (const auto& n : majorityProbes(round, self.id)) reachable += reaches(self.host, n.host) ? 1 : 0;
+      if (auto refused = refuseTakeOver(round, reachable)) return stop(*refused);
+      link.point(run.standbys.at(self.host).get());
+      if (!ex.seedStore(plan.lost, "its agent served the rendezvous store, which was lost"))
+        return stop("could not seed");
+      ex.setStoreHost(true);
+      return true;
+    }
+    MemStore& standby = *run.standbys.at(next.host);
+    const auto deadline = clock.elapsed() + successorWait(s);
+    while (!reaches(self.host, next.host) || !standby.check(stateKey("job"))) {
+      if (clock.elapsed() >= deadline) return stop("the successor's standby held no rendezvous state");
+      clock.sleepFor(50ms);
+    }
+    link.point(&standby);
+    ex.adoptStore();
+    return true;
+  };
+
+  auto agent = [&](const NodeInfo& self) {
+    AgentLog& log = run.logs.at(self.host);
+    std::string& stopped = run.stopped.at(self.host);
+    try {
+      SwitchStore link(&primary);
+      Executor ex(link, s, self, clock);
+      log.rounds.push_back(ex.nextRound());
+      log.roundTimes.push_back(clock.elapsed());
+      bool movedOver = false;
+      for (;;) {
+        clock.sleepFor(1s);
+        if (clock.elapsed() >= 60s) return;
+        if (self.storeHost && !storeHostLives && clock.elapsed() >= kLoss) return;  // dies with its store
+        if (!self.storeHost && !movedOver && clock.elapsed() >= kLoss + s.heartbeatExpiry()) {
+          if (!failOver(self, ex, link, stopped)) return;
+          movedOver = true;
+          continue;
+        }
+        // Until it is noticed, the survivors' heartbeats go nowhere (the lost store is silent).
+        if (!self.storeHost && clock.elapsed() >= kLoss && !movedOver) continue;
+        const RoundAssessment as = ex.keepAlive();
+        if (as.status == RoundStatus::Healthy) continue;
+        log.events.push_back({clock.elapsed(), as});
+        if (auto why = minorityReason(*ex.lastRound(), *ex.lastState())) {
+          stopped = *why;
+          return;
+        }
+        if (log.rounds.size() == 2) return;
+        const RoundResult previous = *ex.lastRound();
+        log.rounds.push_back(ex.nextRound());
+        log.roundTimes.push_back(clock.elapsed());
+        if (auto why = minorityRoundReason(previous, log.rounds.back())) {
+          stopped = *why;
+          return;
+        }
+      }
+    } catch (const std::exception& e) {
+      log.error = e.what();
+    }
+  };
+  std::vector<std::thread> threads;
+  clock.enter();
+  for (const auto& node : nodes) {
+    clock.enter();
+    const int order = static_cast<int>(threads.size());
+    threads.emplace_back([&, node, order] {
+      VirtualClock::setThreadOrder(order);
+      clock.sleepFor(0ms);  // start in order, one at a time
+      agent(node);
+      clock.leave();
+    });
+  }
+  clock.leave();
+  for (auto& t : threads) t.join();
+  return run;
+}
+
+} // namespace
+
+TEST_CASE("rendezvous simulation: store failover decisions: the store host cut off, the majority elects the successor and re-forms, the store host stops", "[rendezvous]") {
+  auto run = runFailover({{"a", "b"}, {"a", "c"}}, /*storeHostLives=*/true);
+  for (const char* n : {"a", "b", "c"}) {
+    INFO(n << ": " << run.logs[n].error);
+    REQUIRE(run.logs[n].error.empty());
+  }
+  for (const char* n : {"b", "c"}) {
+    INFO(n << ": " << run.stopped[n]);
+    CHECK(run.stopped[n].empty());
+    const auto& log = run.logs[n];
+    REQUIRE(log.rounds.size() == 2);
+    CHECK(log.rounds[1].round == 1);
+    CHECK(log.rounds[1].nodeCount == 2);
+    CHECK(log.roundTimes[1] <= 20s + 3s + 8s);  // the loss noticed, the wait for the successor
+  }
+  // b (node rank 1) was elected by every survivor alike and serves the store now.
+  CHECK(run.standbys.at("b")->check(stateKey("job")));
+  CHECK_FALSE(run.standbys.at("c")->check(stateKey("job")));
+  bool bServes = false;
+  for (const auto& n : run.logs["c"].rounds[1].nodes) bServes = bServes || (n.host == "b" && n.storeHost);
+  CHECK(bServes);
+  // The cut-off store host saw its round keep only itself: it stops instead of training alone.
+  CHECK_THAT(run.stopped["a"], Catch::StartsWith("only 1 of round 0's 3 nodes are left here, not a majority"));
+  CHECK(run.logs["a"].rounds.size() == 1);
+}
+
+TEST_CASE("rendezvous simulation: store failover decisions: a successor cut off from the others does not take the store over", "[rendezvous]") {
+  auto run = runFailover({{"b", "c"}}, /*storeHostLives=*/false);
+  for (const char* n : {"a", "b", "c"}) {
+    INFO(n << ": " << run.logs[n].error);
+    REQUIRE(run.logs[n].error.empty());
+    CHECK(run.logs[n].rounds.size() == 1);  // no side forms a round of its own
+  }
+  CHECK_THAT(run.stopped["b"], Catch::StartsWith("only 1 of round 0's 3 nodes answer from here"));
+  CHECK(run.stopped["c"] == "the successor's standby held no rendezvous state");
+  CHECK_FALSE(run.standbys.at("b")->check(stateKey("job")));
 }
 
 // Issue 33: the same scenario twice, the second time with every core busy beside it, gives the

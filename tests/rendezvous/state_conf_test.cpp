@@ -249,6 +249,24 @@ TEST_CASE("rdzv-conf: bad entries fail with one line naming the key and value", 
   for (const char* bad : {"join_timeout=1e99", "read_timeout=0.0001"}) CHECK_THROWS_AS(parseRdzvConf(bad), RendezvousConfigError);
 }
 
+TEST_CASE("rdzv-conf: parsed once: the entries as given, and any key for a backend that reads none", "[rendezvous]") {
+  const auto c = parseRdzvConf(" join-timeout = 5 ,heartbeat=2");
+  CHECK(c.entries == std::vector<std::pair<std::string, std::string>>{{"join-timeout", "5"}, {"heartbeat", "2"}});
+  CHECK(c.joinTimeout == 5s);
+  // torchrun's static backend reads no key: only the key=value syntax is checked.
+  const auto any = parseRdzvConf("timeout=3,join_timeout=abc", RdzvConfKeys::kAny);
+  CHECK(any.entries.size() == 2);
+  CHECK_FALSE(any.joinTimeout.has_value());
+  CHECK_THROWS_WITH(parseRdzvConf("a=1,=2", RdzvConfKeys::kAny), Catch::Contains("'=2'"));
+  CHECK_THROWS_WITH(parseRdzvConf("timeout", RdzvConfKeys::kAny), "--rdzv-conf entry 'timeout' is not key=value");
+  CHECK_THROWS_WITH(parseRdzvConf("a=1,a=2", RdzvConfKeys::kAny), Catch::Contains("given twice"));
+  // ctorchrun's heartbeat (1 s x 3) where the conf sets none; the conf's where it does.
+  const Settings d = ctorchrunSettings("job", 1, 1, parseRdzvConf(""));
+  CHECK(d.keepAliveInterval == kCtorchrunKeepAliveInterval);
+  CHECK(d.keepAliveMaxAttempt == kCtorchrunKeepAliveMaxAttempt);
+  CHECK(ctorchrunSettings("job", 1, 1, parseRdzvConf("heartbeat=2")).keepAliveInterval == 2s);
+}
+
 TEST_CASE("rdzv settings: invalid node counts and run ids are refused", "[rendezvous]") {
   CHECK_THROWS_WITH(makeSettings("", 1, 1, {}), Catch::Contains("--rdzv-id"));
   CHECK_THROWS_WITH(makeSettings("j", 0, 1, {}), Catch::Contains("minimum number of nodes (0)"));

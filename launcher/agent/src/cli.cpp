@@ -318,7 +318,7 @@ std::string describeConfig(const LaunchConfig& c) {
   if (c.rdzvBackend != "standalone")
     os << " " << c.rdzvEndpointHost << ":" << c.rdzvEndpointPort;
   os << " id " << c.rdzvId;
-  for (const auto& kv : c.rdzvConf) os << " " << kv.first << "=" << kv.second;
+  for (const auto& kv : c.rdzvConf.entries) os << " " << kv.first << "=" << kv.second;
   os << " | role " << c.role << " | max restarts " << c.maxRestarts
      << (c.inPlaceRecovery ? " | recovery in-place" : "")
      << (c.spareWorkers > 0 ? " | spare workers " + std::to_string(c.spareWorkers) : "")

@@ -1,6 +1,7 @@
 #include "ctorch/launcher/exit_status.hpp"
 
 #include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <sys/wait.h>
 
@@ -56,9 +57,7 @@ std::string signalName(int signo) {
 }
 
 int parseSignal(const std::string& text) {
-  std::string s = text;
-  s.erase(0, s.find_first_not_of(" \t"));
-  s.erase(s.find_last_not_of(" \t") + 1);
+  std::string s(ctorch::text::trim(text));
   if (s.empty()) return -1;
   if (std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); })) {
     if (s.size() > 3) return -1;

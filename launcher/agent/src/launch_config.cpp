@@ -7,9 +7,11 @@
 #include "ctorch/launcher/machine.hpp"
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
+#include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/slurm/derive.hpp"
 #include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <fcntl.h>
 #include <sys/random.h>
@@ -29,33 +31,16 @@
 namespace ctorch::launcher {
 
 namespace fs = std::filesystem;
+using text::split;
+using text::trim;
 
 namespace {
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-std::string trim(const std::string& s) {
-  std::size_t a = s.find_first_not_of(" \t");
-  if (a == std::string::npos) return "";
-  std::size_t b = s.find_last_not_of(" \t");
-  return s.substr(a, b - a + 1);
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::size_t start = 0;
-  for (;;) {
-    std::size_t p = s.find(sep, start);
-    out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
-    if (p == std::string::npos) break;
-    start = p + 1;
-  }
-  return out;
-}
-
 // Strict decimal integer in [lo, hi]; nullopt otherwise.
 std::optional<long long> toInt(const std::string& text, long long lo, long long hi) {
-  std::string s = trim(text);
+  std::string s(trim(text));
   if (s.empty() || s.size() > 18) return std::nullopt;
   std::size_t i = (s[0] == '-' || s[0] == '+') ? 1 : 0;
   if (i == s.size()) return std::nullopt;
@@ -128,7 +113,7 @@ namespace {
 RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig& c) {
   slurm::UserChoices u;
   try {
-    u.mode = slurm::parseSlurmMode(trim(raw.slurm));
+    u.mode = slurm::parseSlurmMode(std::string(trim(raw.slurm)));
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string(e.what()) + " (--slurm auto derives the settings under srun)");
   }
@@ -168,7 +153,7 @@ RawOptions applySlurm(const RawOptions& raw, const EnvLookup& env, LaunchConfig&
 // says what was tried and how to choose.
 void choosePython(LaunchConfig& c, const EnvLookup& env, const MachineProbe& probe) {
   auto hasTorch = [&](const std::string& path) { return !probe.pythonHasTorch || probe.pythonHasTorch(path); };
-  const std::string exec = trim(env("PYTHON_EXEC").value_or(""));
+  const std::string exec(trim(env("PYTHON_EXEC").value_or("")));
   if (!exec.empty()) {
     auto interp = findExecutable(exec, env);
     if (!interp)
@@ -250,7 +235,7 @@ StdSpec StdSpec::parse(const std::string& value, const std::string& flag) {
                       "1 = stdout, 2 = stderr, 3 = both)");
   };
   StdSpec spec;
-  std::string v = trim(value);
+  std::string v(trim(value));
   if (v.find(':') == std::string::npos) {
     auto n = toInt(v, 0, 3);
     if (!n) throw bad("not a value between 0 and 3");
@@ -275,7 +260,7 @@ std::pair<int, int> parseNnodes(const std::string& value) {
   auto bad = [&](const std::string& why) {
     return UsageError("--nnodes " + quote(value) + ": " + why + " (expected N or MIN:MAX)");
   };
-  std::string v = trim(value);
+  std::string v(trim(value));
   auto colon = v.find(':');
   if (colon == std::string::npos) {
     auto n = toInt(v, 1, 1000000);
@@ -291,10 +276,8 @@ std::pair<int, int> parseNnodes(const std::string& value) {
 }
 
 int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source) {
-  std::string v = trim(value);
-  std::string lower = v;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
+  std::string v(trim(value));
+  std::string lower = text::toLower(v);
   if (lower == "gpu" || lower == "auto") {
     int n = probe.visibleGpus ? probe.visibleGpus() : 0;
     if (n > 0) {
@@ -333,7 +316,7 @@ int parsePort(const std::string& value, const std::string& flag) {
 }
 
 std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& value) {
-  std::string v = trim(value);
+  std::string v(trim(value));
   if (v.empty()) return {"", std::nullopt};
   std::string host;
   std::string rest;
@@ -365,24 +348,6 @@ std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& valu
   return {host, parsePort(rest.substr(1), "--rdzv-endpoint port")};
 }
 
-std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string& value) {
-  std::vector<std::pair<std::string, std::string>> out;
-  if (trim(value).empty()) return out;
-  for (const auto& item : split(value, ',')) {
-    auto eq = item.find('=');
-    std::string key = eq == std::string::npos ? "" : trim(item.substr(0, eq));
-    std::string val = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
-    if (eq == std::string::npos || key.empty() || val.empty())
-      throw UsageError("--rdzv-conf " + quote(value) + ": " + quote(item) +
-                       " is not key=value (expected key1=value1,key2=value2,...)");
-    for (const auto& kv : out)
-      if (kv.first == key)
-        throw UsageError("--rdzv-conf " + quote(value) + ": key " + quote(key) + " is given twice");
-    out.emplace_back(key, val);
-  }
-  return out;
-}
-
 std::set<int> parseRanksFilter(const std::string& value) {
   std::set<int> ranks;
   for (const auto& item : split(value, ',')) {
@@ -401,7 +366,7 @@ std::vector<int> parseSignals(const std::string& value) {
     if (trim(item).empty()) continue;
     int s = parseSignal(item);
     if (s < 0)
-      throw UsageError("--signals-to-handle " + quote(value) + ": " + quote(trim(item)) +
+      throw UsageError("--signals-to-handle " + quote(value) + ": " + quote(std::string(trim(item))) +
                        " is not a signal name or number");
     if (s == SIGKILL || s == SIGSTOP || s == SIGCHLD)
       throw UsageError("--signals-to-handle " + quote(value) + ": " + signalName(s) +
@@ -412,7 +377,7 @@ std::vector<int> parseSignals(const std::string& value) {
 }
 
 std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag) {
-  std::string v = trim(value);
+  std::string v(trim(value));
   char* end = nullptr;
   errno = 0;
   double s = std::strtod(v.c_str(), &end);
@@ -449,12 +414,10 @@ std::optional<fs::path> findExecutable(const std::string& name, const EnvLookup&
   return nonExecutable;  // execvp reports EACCES for these: so do we
 }
 
-LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, const MachineProbe& probe) {
-  LaunchConfig c;
-  c.hostname = probe.hostname ? probe.hostname() : hostName();
-  const RawOptions raw = applySlurm(given, env, c);
+namespace {
 
-  // --- the program (checked first: without it nothing else matters)
+// The program and the argv of every worker (checked first: without it nothing else matters).
+void resolveProgram(LaunchConfig& c, const RawOptions& raw, const EnvLookup& env, const MachineProbe& probe) {
   std::vector<std::string> command = raw.command;
   if (!command.empty() && command.front() == "--") command.erase(command.begin());
   if (command.empty())
@@ -505,18 +468,21 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
     c.workerArgv = {c.program};
   }
   c.workerArgv.insert(c.workerArgv.end(), c.programArgs.begin(), c.programArgs.end());
+}
 
-  // --- nodes and workers
-  std::tie(c.minNodes, c.maxNodes) = parseNnodes(raw.nnodes);
-  c.nprocPerNode = parseNproc(raw.nprocPerNode, probe, &c.nprocSource);
-  c.standalone = raw.standalone;
-  if (raw.nodeRank) {
-    int r = parseNonNegative(*raw.nodeRank, "--node-rank");
-    c.nodeRank = r;
+// --rdzv-conf, parsed once: the c10d rendezvous' keys typed and checked; another backend's
+// (which reads none, as torchrun's static one) only for their key=value syntax.
+rdzv::c10d::RdzvConf parseRdzvConf(const std::string& text, const std::string& backend) {
+  try {
+    return rdzv::c10d::parseRdzvConf(text, backend == "c10d" ? rdzv::c10d::RdzvConfKeys::kC10d
+                                                             : rdzv::c10d::RdzvConfKeys::kAny);
+  } catch (const rdzv::c10d::RendezvousConfigError& e) {
+    throw UsageError(e.what());
   }
+}
 
-  // --- rendezvous
-  c.rdzvConf = parseRdzvConf(raw.rdzvConf);
+// The backend, its endpoint, the run id and --rdzv-conf.
+void resolveRendezvous(LaunchConfig& c, const RawOptions& raw) {
   c.localAddr = trim(raw.localAddr);
   if (c.standalone) {
     if (c.maxNodes != 1)
@@ -544,8 +510,7 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
     bool known = std::find(torchrunBackends.begin(), torchrunBackends.end(), c.rdzvBackend) !=
                  torchrunBackends.end();
     if (!rendezvousBackendAvailable(c.rdzvBackend)) {
-      std::string available;
-      for (const auto& b : availableRendezvousBackends()) available += (available.empty() ? "" : ", ") + b;
+      const std::string available = text::join(availableRendezvousBackends(), ", ");
       if (known)
         throw UsageError("--rdzv-backend " + quote(c.rdzvBackend) +
                          " is not available in this ctorchrun (available: " + available +
@@ -576,11 +541,14 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
         throw UsageError("--rdzv-endpoint port 0: the nodes must agree on a fixed port");
     }
   }
+  c.rdzvConf = parseRdzvConf(raw.rdzvConf, c.rdzvBackend);
+}
 
-  // --- restarts and signals
+// Restarts, recovery, store failover, the monitor interval, the shutdown grace and the signals.
+void resolveRestarts(LaunchConfig& c, const RawOptions& raw) {
   c.maxRestarts = parseNonNegative(raw.maxRestarts, "--max-restarts");
   {
-    std::string r = trim(raw.recovery);
+    std::string r(trim(raw.recovery));
     std::replace(r.begin(), r.end(), '_', '-');
     if (r == "in-place" || r == "inplace") c.inPlaceRecovery = true;
     else if (r != "restart")
@@ -596,8 +564,10 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
   c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
   c.signalsToHandle = parseSignals(raw.signalsToHandle);
+}
 
-  // --- workers and logs
+// The role, where the logs go and what is shown, and the log level.
+void resolveLogs(LaunchConfig& c, const RawOptions& raw) {
   c.role = trim(raw.role);
   if (c.role.empty()) throw UsageError("--role '': the role name must not be empty");
   if (!trim(raw.logDir).empty()) c.logDir = fs::path(trim(raw.logDir));
@@ -615,24 +585,18 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   }
 
   // Empty: SPDLOG_LEVEL (spdlog's own syntax, applied by main) or info.
-  std::string level = trim(raw.logLevel);
-  std::transform(level.begin(), level.end(), level.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  std::string level = text::toLower(trim(raw.logLevel));
   if (!level.empty() &&
       std::find(std::begin(kLogLevels), std::end(kLogLevels), level) == std::end(kLogLevels))
     throw UsageError("--log-level " + quote(raw.logLevel) +
                      ": expected trace, debug, info, warn, error, critical or off");
   if (level == "warning") level = "warn";
   c.logLevel = level;
+}
 
-  // The dynamic backend's own settings (--rdzv-conf keys, run id): checked now, not at the
-  // first rendezvous.
-  if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
-  if (c.storeFailover && c.rdzvBackend != "c10d")
-    throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
-                     " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
-  // --- in-place recovery's control key (ctorch/contract/control_auth.hpp)
-  for (const char* name : contract::kLauncherOwnedVariables)
-    if (env(name)) c.inheritedLauncherVariables.push_back(name);
+// --recovery in-place: the key that signs its commands (ctorch/contract/control_auth.hpp); across
+// nodes without CTORCH_JOB_SECRET, in-place recovery is turned off with a warning.
+void resolveControlKey(LaunchConfig& c, const EnvLookup& env) {
   if (c.inPlaceRecovery) {
     namespace auth = contract::auth;
     const auto secret = env(auth::kJobSecretEnv);
@@ -655,7 +619,34 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
       c.spareWorkers = 0;
     }
   }
+}
 
+} // namespace
+
+LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, const MachineProbe& probe) {
+  LaunchConfig c;
+  c.hostname = probe.hostname ? probe.hostname() : hostName();
+  const RawOptions raw = applySlurm(given, env, c);
+  resolveProgram(c, raw, env, probe);
+
+  // --- nodes and workers
+  std::tie(c.minNodes, c.maxNodes) = parseNnodes(raw.nnodes);
+  c.nprocPerNode = parseNproc(raw.nprocPerNode, probe, &c.nprocSource);
+  c.standalone = raw.standalone;
+  if (raw.nodeRank) c.nodeRank = parseNonNegative(*raw.nodeRank, "--node-rank");
+  resolveRendezvous(c, raw);
+  resolveRestarts(c, raw);
+  resolveLogs(c, raw);
+
+  // The c10d rendezvous' settings (run id, node counts, --rdzv-conf times): checked now, not at
+  // the first rendezvous.
+  if (c.rdzvBackend == "c10d") (void)c10dOptionsFrom(c);
+  if (c.storeFailover && c.rdzvBackend != "c10d")
+    throw UsageError("--store-failover needs --rdzv-backend c10d (the " + c.rdzvBackend +
+                     " rendezvous has no store to fail over: node rank 0 serves the workers' store)");
+  for (const char* name : contract::kLauncherOwnedVariables)
+    if (env(name)) c.inheritedLauncherVariables.push_back(name);
+  resolveControlKey(c, env);
   // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
   // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
   if (c.inPlaceRecovery && c.usesPython)

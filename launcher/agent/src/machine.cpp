@@ -1,5 +1,7 @@
 #include "ctorch/launcher/machine.hpp"
 
+#include "ctorch/text/text.hpp"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -42,13 +44,8 @@ int visibleGpuCount(int physical, const std::optional<std::string>& cvd) {
   if (!cvd) return physical;
   if (physical <= 0) return 0;
   int n = 0;
-  std::size_t start = 0;
-  const std::string& s = *cvd;
-  while (start <= s.size()) {
-    std::size_t comma = s.find(',', start);
-    std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front()))) item.erase(0, 1);
-    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back()))) item.pop_back();
+  for (const auto& piece : text::split(*cvd, ',')) {
+    const std::string item(text::trim(piece, text::kWhiteSpace));
     if (item.rfind("GPU-", 0) == 0 || item.rfind("MIG-", 0) == 0) {
       ++n;
     } else {
@@ -60,8 +57,6 @@ int visibleGpuCount(int physical, const std::optional<std::string>& cvd) {
       if (idx >= physical) break;
       ++n;
     }
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
   return n;
 }

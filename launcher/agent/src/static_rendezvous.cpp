@@ -3,6 +3,7 @@
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
+#include "ctorch/text/text.hpp"
 #include "log.hpp"
 
 #include <poll.h>
@@ -110,8 +111,9 @@ namespace {
 // A wait that says so every few seconds: a node that never comes is visible, not a silent hang.
 constexpr std::chrono::seconds kWaitingLogEvery{5};
 
+// Whole seconds: the wait is logged every few seconds.
 std::string secondsText(std::chrono::steady_clock::duration d) {
-  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count()) + " s";
+  return text::secondsText(std::chrono::duration_cast<std::chrono::seconds>(d));
 }
 } // namespace
 

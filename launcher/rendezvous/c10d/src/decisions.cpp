@@ -1,10 +1,10 @@
 #include "ctorch/rdzv/c10d/decisions.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <algorithm>
 #include <numeric>
-#include <sstream>
 
 namespace ctorch::rdzv::c10d {
 
@@ -46,12 +46,6 @@ const char* toString(RoundStatus s) {
 }
 
 namespace {
-
-std::string secs(std::chrono::milliseconds ms) {
-  std::ostringstream os;
-  os << static_cast<double>(ms.count()) / 1000.0 << " s";
-  return os.str();
-}
 
 std::string list(const std::vector<std::string>& ids) {
   std::string out;
@@ -152,7 +146,7 @@ Decision keepAliveOrWait(const State& s, const NodeView& v, std::string why) {
 
 std::string timeoutReason(const State& s, const NodeView& v) {
   const auto& set = v.settings;
-  std::string head = "rendezvous '" + set.runId + "' timed out after " + secs(set.joinTimeout) + ": ";
+  std::string head = "rendezvous '" + set.runId + "' timed out after " + text::secondsText(set.joinTimeout) + ": ";
   if (!s.complete) {
     int n = s.participantCount() - (s.isParticipant(v.self.id) ? 1 : 0) + 1;
     return head + std::to_string(n) + " node(s) joined " + roundText(s) + ", at least " +
@@ -226,7 +220,7 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
 
   if (auto dead = expiredNodes(s, v.now, set.heartbeatExpiry()); !dead.empty())
     return write(Action::RemoveDead, removeNodes(s, dead, set.minNodes),
-                 "removing " + list(dead) + ": no heartbeat for more than " + secs(set.heartbeatExpiry()));
+                 "removing " + list(dead) + ": no heartbeat for more than " + text::secondsText(set.heartbeatExpiry()));
 
   if (s.closed) {
     if (s.inRedundancyList(me))
@@ -310,7 +304,7 @@ Decision decideJoin(const std::optional<State>& current, const NodeView& v) {
         next.lastCallDeadline = v.now + set.lastCallTimeout;
         return write(Action::OpenLastCall, std::move(next),
                      std::to_string(n) + " of min " + std::to_string(set.minNodes) +
-                         " nodes joined " + roundText(s) + ": last call for " + secs(set.lastCallTimeout));
+                         " nodes joined " + roundText(s) + ": last call for " + text::secondsText(set.lastCallTimeout));
       }
       if (*s.lastCallDeadline < v.now)
         return write(Action::CloseRound, closeRound(s),
@@ -372,7 +366,7 @@ Decision admitAnnounced(const std::optional<State>& current, const NodeView& v,
                  head + "; closing it: every node of the previous round and every waiting node is back");
   if (n >= set.minNodes && !next.lastCallDeadline) {
     next.lastCallDeadline = v.now + set.lastCallTimeout;
-    return write(Action::OpenLastCall, std::move(next), head + "; last call for " + secs(set.lastCallTimeout));
+    return write(Action::OpenLastCall, std::move(next), head + "; last call for " + text::secondsText(set.lastCallTimeout));
   }
   return write(Action::Join, std::move(next), head);
 }
@@ -448,11 +442,11 @@ Decision decideKeepAlive(const std::optional<State>& current, const NodeView& v)
   if (auto dead = expiredNodes(s, v.now, v.settings.heartbeatExpiry()); !dead.empty())
     return write(Action::RemoveDead, removeNodes(s, dead, v.settings.minNodes),
                  "removing " + list(dead) + ": no heartbeat for more than " +
-                     secs(v.settings.heartbeatExpiry()));
+                     text::secondsText(v.settings.heartbeatExpiry()));
   if (!heartbeatDue(s, v)) return noWrite(Action::Finish, "heartbeat is fresh");
   if (v.remaining.count() < 0)
     return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "': the heartbeat did not reach "
-                                        "the store within " + secs(v.settings.heartbeatTimeout));
+                                        "the store within " + text::secondsText(v.settings.heartbeatTimeout));
   State next = s;
   next.heartbeats[v.self.id] = v.now;
   return write(Action::KeepAlive, std::move(next), "heartbeat");
@@ -464,7 +458,7 @@ Decision decideClose(const std::optional<State>& current, const NodeView& v) {
   if (s.closed) return noWrite(Action::Finish, "rendezvous is closed");
   if (v.remaining.count() < 0)
     return noWrite(Action::FailTimeout, "rendezvous '" + v.settings.runId + "' could not be closed within " +
-                                            secs(v.settings.closeTimeout));
+                                            text::secondsText(v.settings.closeTimeout));
   s.closed = true;
   return write(Action::MarkClosed, std::move(s), "closing rendezvous '" + v.settings.runId + "'");
 }

@@ -1,28 +1,19 @@
 #include "ctorch/rdzv/c10d/settings.hpp"
 
 #include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <set>
-#include <sstream>
 
 namespace ctorch::rdzv::c10d {
 
 namespace {
 
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return s;
-}
-
-std::string seconds(milliseconds ms) {
-  std::ostringstream os;
-  os << static_cast<double>(ms.count()) / 1000.0 << " s";
-  return os.str();
-}
+// --rdzv-conf and --rdzv-endpoint text: every white-space character around a piece goes.
+std::string_view trim(std::string_view s) { return text::trim(s, text::kWhiteSpace); }
 
 [[noreturn]] void bad(const std::string& what) { throw RendezvousConfigError(what); }
 
@@ -59,8 +50,7 @@ int parseCount(const std::string& key, const std::string& value) {
 
 // torch's RendezvousParameters.get_as_bool spellings.
 bool parseBool(const std::string& key, const std::string& value) {
-  std::string v;
-  for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  const std::string v = text::toLower(value);
   if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y") return true;
   if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n") return false;
   bad("--rdzv-conf " + key + "='" + value + "' is not a boolean (use true or false)");
@@ -82,7 +72,7 @@ void Settings::validate() const {
       {"close_timeout", closeTimeout},         {"heartbeat_timeout", heartbeatTimeout},
       {"read_timeout", readTimeout},           {"keep_alive_interval", keepAliveInterval}};
   for (const auto& [name, value] : times)
-    if (value.count() <= 0) bad(std::string(name) + " (" + seconds(value) + ") must be positive");
+    if (value.count() <= 0) bad(std::string(name) + " (" + text::secondsText(value) + ") must be positive");
   if (keepAliveMaxAttempt < 1)
     bad("keep_alive_max_attempt (" + std::to_string(keepAliveMaxAttempt) + ") must be at least 1");
 }
@@ -95,47 +85,51 @@ const std::vector<std::string>& rdzvConfKeys() {
   return keys;
 }
 
-RdzvConf parseRdzvConf(std::string_view text) {
+namespace {
+
+// One key=value of a --rdzv-conf for the c10d rendezvous, into `conf`.
+void applyC10dKey(RdzvConf& conf, const std::string& key, const std::string& value) {
+  if (key == "join_timeout") conf.joinTimeout = parseSeconds(key, value);
+  else if (key == "last_call_timeout") conf.lastCallTimeout = parseSeconds(key, value);
+  else if (key == "close_timeout") conf.closeTimeout = parseSeconds(key, value);
+  else if (key == "heartbeat_timeout") conf.heartbeatTimeout = parseSeconds(key, value);
+  else if (key == "read_timeout") conf.readTimeout = parseSeconds(key, value);
+  else if (key == "keep_alive_interval" || key == "heartbeat") conf.keepAliveInterval = parseSeconds(key, value);
+  else if (key == "keep_alive_max_attempt") conf.keepAliveMaxAttempt = parseCount(key, value);
+  else if (key == "is_host") conf.isHost = parseBool(key, value);
+  else if (key == "store_type" && text::toLower(value) != "tcp")
+    bad("--rdzv-conf store_type='" + value + "' is not supported (only tcp)");
+}
+
+} // namespace
+
+RdzvConf parseRdzvConf(std::string_view text, RdzvConfKeys keys) {
   RdzvConf conf;
   text = trim(text);
   if (text.empty()) return conf;
   std::set<std::string> seen;
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    std::size_t comma = text.find(',', start);
-    std::string_view item = trim(text.substr(start, comma == std::string_view::npos ? std::string_view::npos
-                                                                                     : comma - start));
-    start = comma == std::string_view::npos ? text.size() + 1 : comma + 1;
+  for (const auto& piece : ctorch::text::split(text, ',')) {
+    const std::string_view item = trim(piece);
     std::size_t eq = item.find('=');
     if (eq == std::string_view::npos)
       bad("--rdzv-conf entry '" + std::string(item) + "' is not key=value");
-    std::string key(trim(item.substr(0, eq)));
+    const std::string given(trim(item.substr(0, eq)));
+    std::string key = given;
     std::string value(trim(item.substr(eq + 1)));
     std::replace(key.begin(), key.end(), '-', '_');
     if (key.empty()) bad("--rdzv-conf entry '" + std::string(item) + "' has no key");
-    const auto& keys = rdzvConfKeys();
-    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-      std::string known;
-      for (const auto& k : keys) known += (known.empty() ? "" : ", ") + k;
-      bad("--rdzv-conf key '" + key + "' is unknown (known: " + known + ")");
+    const auto& known = rdzvConfKeys();
+    if (keys == RdzvConfKeys::kC10d && std::find(known.begin(), known.end(), key) == known.end()) {
+      bad("--rdzv-conf key '" + key + "' is unknown (known: " + ctorch::text::join(known, ", ") + ")");
     }
     if (value.empty()) bad("--rdzv-conf " + key + " has no value");
-    std::string canonical = key == "heartbeat" ? "keep_alive_interval" : key;
+    // The c10d keys by meaning (heartbeat is keep_alive_interval); other backends' as given.
+    const std::string canonical = keys == RdzvConfKeys::kAny ? given
+                                  : key == "heartbeat"     ? "keep_alive_interval"
+                                                           : key;
     if (!seen.insert(canonical).second) bad("--rdzv-conf " + key + " is given twice");
-
-    if (key == "join_timeout") conf.joinTimeout = parseSeconds(key, value);
-    else if (key == "last_call_timeout") conf.lastCallTimeout = parseSeconds(key, value);
-    else if (key == "close_timeout") conf.closeTimeout = parseSeconds(key, value);
-    else if (key == "heartbeat_timeout") conf.heartbeatTimeout = parseSeconds(key, value);
-    else if (key == "read_timeout") conf.readTimeout = parseSeconds(key, value);
-    else if (key == "keep_alive_interval" || key == "heartbeat") conf.keepAliveInterval = parseSeconds(key, value);
-    else if (key == "keep_alive_max_attempt") conf.keepAliveMaxAttempt = parseCount(key, value);
-    else if (key == "is_host") conf.isHost = parseBool(key, value);
-    else if (key == "store_type") {
-      std::string v;
-      for (char c : value) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
-      if (v != "tcp") bad("--rdzv-conf store_type='" + value + "' is not supported (only tcp)");
-    }
+    if (keys == RdzvConfKeys::kC10d) applyC10dKey(conf, key, value);
+    conf.entries.emplace_back(given, value);
   }
   return conf;
 }
@@ -154,6 +148,13 @@ Settings makeSettings(std::string runId, int minNodes, int maxNodes, const RdzvC
   if (conf.keepAliveMaxAttempt) s.keepAliveMaxAttempt = *conf.keepAliveMaxAttempt;
   s.validate();
   return s;
+}
+
+Settings ctorchrunSettings(std::string runId, int minNodes, int maxNodes, const RdzvConf& conf) {
+  RdzvConf withDefaults = conf;
+  if (!withDefaults.keepAliveInterval) withDefaults.keepAliveInterval = kCtorchrunKeepAliveInterval;
+  if (!withDefaults.keepAliveMaxAttempt) withDefaults.keepAliveMaxAttempt = kCtorchrunKeepAliveMaxAttempt;
+  return makeSettings(std::move(runId), minNodes, maxNodes, withDefaults);
 }
 
 Endpoint parseEndpoint(std::string_view text, int defaultPort) {

@@ -1,5 +1,7 @@
 #include "ctorch/rdzv/c10d/store_host.hpp"
 
+#include "ctorch/text/text.hpp"
+
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netdb.h>
@@ -14,12 +16,6 @@
 namespace ctorch::rdzv::c10d {
 
 namespace {
-
-std::string lower(std::string_view s) {
-  std::string out;
-  for (char c : s) out.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
-  return out;
-}
 
 // Numeric form of an IPv4/IPv6 literal, or nullopt if `s` is not one.
 std::optional<std::string> canonicalIp(std::string_view s) {
@@ -62,7 +58,7 @@ StoreHostDecision decideStoreHost(std::string_view endpointHost, std::optional<b
     d.reason = std::string("is_host=") + (*isHostConf ? "true" : "false") + " in --rdzv-conf";
     return d;
   }
-  const std::string host = lower(endpointHost);
+  const std::string host = text::toLower(endpointHost);
   if (host == "localhost") {
     d.isHost = true;
     d.reason = "the endpoint is localhost";
@@ -83,12 +79,12 @@ StoreHostDecision decideStoreHost(std::string_view endpointHost, std::optional<b
     d.reason = "the endpoint " + *ip + " is not an address of this machine";
     return d;
   }
-  if (!local.hostname.empty() && host == lower(local.hostname)) {
+  if (!local.hostname.empty() && host == text::toLower(local.hostname)) {
     d.isHost = true;
     d.reason = "the endpoint '" + std::string(endpointHost) + "' is this machine's host name";
     return d;
   }
-  if (!local.fqdn.empty() && host == lower(local.fqdn)) {
+  if (!local.fqdn.empty() && host == text::toLower(local.fqdn)) {
     d.isHost = true;
     d.reason = "the endpoint '" + std::string(endpointHost) + "' is this machine's FQDN";
     return d;

@@ -16,10 +16,6 @@
 
 namespace ctorch::launcher {
 
-// ctorchrun's heartbeat defaults where torchrun's (5 s x 3) would leave a dead node unnoticed for
-// up to 17.5 s: a node is dead after 3 missed heartbeats of 1 s.
-inline constexpr std::chrono::milliseconds kDefaultKeepAliveInterval{1000};
-inline constexpr int kDefaultKeepAliveMaxAttempt = 3;
 // Grace period (capped by --shutdown-timeout) for workers stopped because a peer was lost: their
 // collectives are broken, so waiting long for a clean snapshot is pointless.
 inline constexpr std::chrono::milliseconds kLostPeerGrace{5000};
@@ -43,7 +39,8 @@ struct C10dRendezvousOptions {
   bool storeFailover = false;
 };
 
-// From the validated command line (c10d backend); throws UsageError naming a bad --rdzv-conf.
+// From the validated command line (c10d backend): its typed --rdzv-conf with ctorchrun's
+// heartbeat defaults (rdzv::c10d::ctorchrunSettings); throws UsageError naming a bad setting.
 C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& config);
 
 class C10dRendezvous : public RendezvousHandler {

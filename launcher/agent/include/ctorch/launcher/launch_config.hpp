@@ -4,6 +4,8 @@
 // value. Everything downstream (rendezvous, agent, logs) trusts it.
 #pragma once
 
+#include "ctorch/rdzv/c10d/settings.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -47,7 +49,9 @@ struct LaunchConfig {
   std::string rdzvEndpointHost;        // static: the master address
   int rdzvEndpointPort = 29500;        // static: the master port
   std::string rdzvId = "none";
-  std::vector<std::pair<std::string, std::string>> rdzvConf;
+  // --rdzv-conf, parsed once: with --rdzv-backend c10d its keys are checked and typed here (the
+  // c10d rendezvous reads them from this value); another backend's only for their syntax.
+  rdzv::c10d::RdzvConf rdzvConf;
   std::string localAddr;
 
   // --- Restarts and signals
@@ -160,7 +164,6 @@ std::pair<int, int> parseNnodes(const std::string& value);
 int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source = nullptr);
 int parsePort(const std::string& value, const std::string& flag);
 std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& value);
-std::vector<std::pair<std::string, std::string>> parseRdzvConf(const std::string& value);
 std::set<int> parseRanksFilter(const std::string& value);
 std::vector<int> parseSignals(const std::string& value);
 std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag);
