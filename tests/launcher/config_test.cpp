@@ -189,6 +189,25 @@ TEST_CASE("config: static multi-node ranks and endpoint") {
   CHECK(bare.rdzvEndpointPort == 29400);
 }
 
+// The one endpoint parser (the rendezvous library's unused copy is gone, its cases moved here).
+TEST_CASE("config: --rdzv-endpoint is host, host:port or [IPv6]:port, as torchrun parses it") {
+  using ctorch::launcher::parseEndpoint;
+  CHECK(parseEndpoint("head:29500") == std::pair<std::string, std::optional<int>>{"head", 29500});
+  CHECK(parseEndpoint("head") == std::pair<std::string, std::optional<int>>{"head", std::nullopt});
+  CHECK(parseEndpoint("10.1.2.3:0").second == 0);
+  CHECK(parseEndpoint(" node-01.cluster ").first == "node-01.cluster");
+  CHECK(parseEndpoint("[fe80::1]:1234") == std::pair<std::string, std::optional<int>>{"fe80::1", 1234});
+  CHECK(parseEndpoint("[::1]") == std::pair<std::string, std::optional<int>>{"::1", std::nullopt});
+  CHECK(parseEndpoint("").first.empty());
+  CHECK_THROWS_WITH(parseEndpoint("head:http"), Catch::Contains("'http': not a port number"));
+  CHECK_THROWS_WITH(parseEndpoint("head:70000"), Catch::Contains("port out of range"));
+  CHECK_THROWS_WITH(parseEndpoint("head:"), Catch::Contains("not a port number"));
+  CHECK_THROWS_WITH(parseEndpoint("he ad:1"), Catch::Contains("host 'he ad' is not a host name or an IP address"));
+  CHECK_THROWS_WITH(parseEndpoint("[::1"), Catch::Contains("unbalanced '['"));
+  CHECK_THROWS_WITH(parseEndpoint("[::1]x"), Catch::Contains("expected HOST[:PORT]"));
+  CHECK_THROWS_WITH(parseEndpoint(":29400"), Catch::Contains("missing host"));
+}
+
 // ---- Bad input: one line naming the bad value --------------------------------------------------
 
 TEST_CASE("config bad input: each gives an error that quotes the bad value") {

@@ -274,28 +274,6 @@ TEST_CASE("rdzv settings: invalid node counts and run ids are refused", "[rendez
   CHECK_NOTHROW(makeSettings("j", 2, 2, {}));
 }
 
-// ---- --rdzv-endpoint ------------------------------------------------------------------------------------
-TEST_CASE("rdzv endpoint: host and port as torchrun parses them", "[rendezvous]") {
-  auto e = parseEndpoint("head:29500");
-  CHECK(e.host == "head");
-  CHECK(e.port == 29500);
-  CHECK(parseEndpoint("head").port == 29400);
-  CHECK(parseEndpoint("10.1.2.3:0").port == 0);
-  CHECK(parseEndpoint("").host == "localhost");
-  CHECK(parseEndpoint(" node-01.cluster ").host == "node-01.cluster");
-  auto v6 = parseEndpoint("[fe80::1]:1234");
-  CHECK(v6.host == "fe80::1");
-  CHECK(v6.port == 1234);
-  CHECK(parseEndpoint("[::1]").port == 29400);
-  CHECK_THROWS_WITH(parseEndpoint("head:http"), Catch::Contains("port 'http'"));
-  CHECK_THROWS_WITH(parseEndpoint("head:70000"), Catch::Contains("between 0 and 65535"));
-  CHECK_THROWS_WITH(parseEndpoint("head:"), Catch::Contains("empty port"));
-  CHECK_THROWS_WITH(parseEndpoint("he ad:1"), Catch::Contains("'he ad'"));
-  CHECK_THROWS_WITH(parseEndpoint("fe80::1"), Catch::Contains("[addr]:port"));
-  CHECK_THROWS_AS(parseEndpoint("[::1"), RendezvousConfigError);
-  CHECK_THROWS_AS(parseEndpoint(":29400"), RendezvousConfigError);
-}
-
 // ---- store host ------------------------------------------------------------------------------------------
 TEST_CASE("store host: own address or name hosts and is_host overrides", "[rendezvous]") {
   LocalIdentity me{"n1", "n1.cluster", {"127.0.0.1", "10.9.0.1", "fe80::1"}};

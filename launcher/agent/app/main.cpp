@@ -9,6 +9,7 @@
 #include "ctorch/launcher/signals.hpp"
 #include "ctorch/launcher/supervised_process_context.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
+#include "ctorch/text/text.hpp"
 #include "../src/log.hpp"
 
 #include <sys/prctl.h>
@@ -45,8 +46,7 @@ int launch(int argc, char** argv) {
   if (!config.pythonChoice.empty()) log("ctorchrun").info("Python interpreter: {}", config.pythonChoice);
   if (!config.pythonWarning.empty()) log("ctorchrun").warn("{}", config.pythonWarning);
   if (!config.inheritedLauncherVariables.empty()) {
-    std::string names;
-    for (const auto& n : config.inheritedLauncherVariables) names += (names.empty() ? "" : ", ") + n;
+    const std::string names = ctorch::text::join(config.inheritedLauncherVariables, ", ");
     log("ctorchrun").warn("ignoring {} from the environment: ctorchrun sets these for its workers itself (left in "
                           "a shell or a batch script they would make workers wait as spares or use a stale key)",
                           names);

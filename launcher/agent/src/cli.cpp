@@ -3,6 +3,7 @@
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/exit_status.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
+#include "ctorch/text/text.hpp"
 
 #include <CLI/CLI.hpp>
 
@@ -222,9 +223,9 @@ std::vector<std::string> expandPrefixes(const CLI::App& app, const std::vector<s
         if (!spelled.empty() && spelled == name) break;
       }
       if (matches.size() > 1) {
-        std::string names;
-        for (const auto* m : matches) names += (names.empty() ? "" : ", ") + std::string("--") + m->get_lnames().front();
-        throw CLI::ParseError("ambiguous option '" + a + "' could match " + names, CLI::ExitCodes::ExtrasError);
+        std::vector<std::string> names;
+        for (const auto* m : matches) names.push_back("--" + m->get_lnames().front());
+        throw CLI::ParseError("ambiguous option '" + a + "' could match " + text::join(names, ", "), CLI::ExitCodes::ExtrasError);
       }
       if (matches.size() == 1) {
         found = matches.front();

@@ -344,6 +344,11 @@ std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& valu
     }
   }
   if (host.empty()) throw UsageError("--rdzv-endpoint " + quote(value) + ": missing host");
+  // torchrun's rule (a name, an IPv4 or an IPv6 address), and an IPv6 zone ("%eth0").
+  for (char c : host)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == ':' || c == '%'))
+      throw UsageError("--rdzv-endpoint " + quote(value) + ": host " + quote(host) +
+                       " is not a host name or an IP address");
   if (rest.empty()) return {host, std::nullopt};
   return {host, parsePort(rest.substr(1), "--rdzv-endpoint port")};
 }

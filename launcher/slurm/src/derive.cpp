@@ -2,6 +2,7 @@
 
 #include <ctorch/contract/hostlist.hpp>
 #include <ctorch/contract/worker_contract.hpp>
+#include <ctorch/text/text.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -30,8 +31,7 @@ EnvLookup mapEnv(std::map<std::string, std::string> vars) {
 }
 
 SlurmMode parseSlurmMode(const std::string& text) {
-  std::string v;
-  for (char c : text) v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  const std::string v = text::toLower(text);
   if (v == "auto") return SlurmMode::Auto;
   if (v == "on" || v == "true" || v == "1" || v == "yes") return SlurmMode::On;
   if (v == "off" || v == "false" || v == "0" || v == "no") return SlurmMode::Off;
@@ -140,8 +140,7 @@ bool insideStep(const UserChoices& user, const EnvLookup& env, Derivation& d) {
   for (const char* name : {env::kSlurmJobId, env::kSlurmNodeId, env::kSlurmNNodes, env::kSlurmStepNodeList})
     if (!nonEmpty(env, name)) missing.push_back(name);
   if (missing.empty()) return true;
-  std::string names;
-  for (const auto& m : missing) names += (names.empty() ? "" : ", ") + m;
+  const std::string names = text::join(missing, ", ");
   d.inactiveReason = "not inside an srun step (" + names + " not set)";
   if (user.mode == SlurmMode::On)
     throw std::invalid_argument("--slurm on, but this is not an srun step (" + names +

@@ -2,6 +2,8 @@
 
 #include "socket_util.hpp"
 
+#include "ctorch/text/text.hpp"
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,12 +16,6 @@ using protocol::Op;
 using protocol::Request;
 
 namespace {
-
-std::string joinKeys(const std::vector<std::string>& keys) {
-  std::string s;
-  for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
-  return s;
-}
 
 } // namespace
 
@@ -148,7 +144,7 @@ void TcpStoreClient::doWait(const std::vector<std::string>& keys, std::chrono::m
     return;
   }
   std::string what = "timed out after " + std::to_string(timeout.count()) +
-                     " ms waiting for store key(s) " + joinKeys(keys);
+                     " ms waiting for store key(s) " + text::join(keys, ", ");
   if (options_.generation == Generation::Legacy) {
     // 1.13 has no CANCEL_WAIT: the late STOP_WAITING would desynchronise the connection.
     broken_ = true;

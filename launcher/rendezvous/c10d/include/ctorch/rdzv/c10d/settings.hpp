@@ -76,12 +76,4 @@ Settings ctorchrunSettings(std::string runId, int minNodes, int maxNodes, const 
 // The names parseRdzvConf accepts (for --help and error messages).
 const std::vector<std::string>& rdzvConfKeys();
 
-struct Endpoint {
-  std::string host;
-  int port = kDefaultRendezvousPort;
-};
-
-// "host", "host:port", "[v6]:port" (torch's parse_rendezvous_endpoint; empty → localhost).
-Endpoint parseEndpoint(std::string_view text, int defaultPort = kDefaultRendezvousPort);
-
 } // namespace ctorch::rdzv::c10d
