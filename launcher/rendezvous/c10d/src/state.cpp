@@ -75,9 +75,10 @@ json encodeNode(const Participant& p) {
   throw RendezvousStateError("the rendezvous state in the store is unusable: " + why);
 }
 
-const json& field(const json& obj, const char* name, const std::string& where) {
+// `where` by value: a reference to its temporary would look, to GCC 13+, as if the result could dangle.
+const json& field(const json& obj, const char* name, std::string_view where) {
   auto it = obj.find(name);
-  if (it == obj.end()) corrupt(where + " has no '" + name + "'");
+  if (it == obj.end()) corrupt(std::string(where) + " has no '" + name + "'");
   return *it;
 }
 
