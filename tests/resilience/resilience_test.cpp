@@ -9,6 +9,7 @@
 #include <ctorch/distributed.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/snapshot.hpp>
+#include <ctorch/zero_redundancy_optimizer.hpp>
 
 #include <torch/torch.h>
 
@@ -44,7 +45,8 @@ std::string hexDouble(double v) {
 //   --dir D --epochs N --stop-at S (rank 1 asks to stop before global step S) --crash-after S (every
 //   rank exits 3 after step S once its snapshot is durable) --seeded 0|1 (stepSeed or gathered
 //   generator states) --view 0|1 (gradientAsBucketView) --save-every K --lr X --overlap 0|1
-//   (overlapAgreement, default on as in the library)
+//   (overlapAgreement, default on as in the library) --zero 0|1 (the optimizer sharded over the ranks:
+//   ctorch::ZeroRedundancyOptimizer, which must end bit-identical to the whole optimizer)
 CTORCH_TEST_WORKER(user_loop) {
   const fs::path dir = arg(args, "dir", ".");
   const std::int64_t epochs = intArg(args, "epochs", 3);
@@ -64,9 +66,14 @@ CTORCH_TEST_WORKER(user_loop) {
                                      torch::nn::Linear(hidden, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
   ctorch::DistributedDataParallel ddp(
       model, ctorch::DDPOptions().gradientAsBucketView(intArg(args, "view", 0) != 0).bucketCapMb(0.002).firstBucketCapMb(0.001));
-  torch::optim::SGD optimizer(ddp.parameters(),
-                              torch::optim::SGDOptions(std::stod(arg(args, "lr", "0.05"))).momentum(0.9));
-  torch::optim::StepLR scheduler(optimizer, /*step_size=*/1, /*gamma=*/0.7);
+  const auto sgd = torch::optim::SGDOptions(std::stod(arg(args, "lr", "0.05"))).momentum(0.9);
+  torch::optim::SGD optimizer(ddp.parameters(), sgd);
+  std::unique_ptr<ctorch::ZeroRedundancyOptimizer> zero;
+  if (intArg(args, "zero", 0) != 0)
+    zero = std::make_unique<ctorch::ZeroRedundancyOptimizer>(
+        ddp.parameters(), [&](std::vector<at::Tensor> share) { return std::make_unique<torch::optim::SGD>(share, sgd); });
+  torch::optim::Optimizer& stepping = zero ? *zero->localOptimizer() : optimizer;  // what the scheduler drives
+  torch::optim::StepLR scheduler(stepping, /*step_size=*/1, /*gamma=*/0.7);
   ctorch::DistributedSamplerOptions so;
   so.datasetSize = 96;
   so.worldSize = world;
@@ -86,7 +93,9 @@ CTORCH_TEST_WORKER(user_loop) {
                      .log([](const std::string& line) { std::cout << "log: " << line << std::endl; });
   if (seeded) options.stepSeed(11);
   ctorch::ResilientTraining training(options);
-  training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("loss_sum", lossSum).track("ema", ema);
+  training.track(ddp).track(sampler).track(scheduler).track("loss_sum", lossSum).track("ema", ema);
+  if (zero) training.track(*zero);
+  else training.track(optimizer);
   if (intArg(args, "stop-at-start", 0) != 0 && rank == 1) ctorch::setStopSignal(SIGTERM);
   const ctorch::ResumePoint start = training.resume();
   std::cout << "start: epoch " << start.epoch << " step " << start.stepInEpoch << " global " << start.globalStep
@@ -101,7 +110,8 @@ CTORCH_TEST_WORKER(user_loop) {
       ddp.zeroGrad();
       auto loss = torch::mse_loss(ddp(inputs.index_select(0, indices)), targets.index_select(0, indices));
       loss.backward();
-      optimizer.step();
+      if (zero) zero->step();
+      else optimizer.step();
       {
         torch::NoGradGuard noGrad;
         ema.mul_(0.9).add_(loss.detach() * 0.1);
@@ -124,7 +134,7 @@ CTORCH_TEST_WORKER(user_loop) {
     for (const auto& p : model->parameters()) state.push_back(p.detach().clone());
     state.push_back(ema.clone());
     torch::save(state, (dir / "final.pt").string());
-    std::cout << "final: loss_sum " << hexDouble(lossSum) << " lr " << hexDouble(optimizer.param_groups()[0].options().get_lr())
+    std::cout << "final: loss_sum " << hexDouble(lossSum) << " lr " << hexDouble(stepping.param_groups()[0].options().get_lr())
               << std::endl;
   }
   return code;
@@ -480,4 +490,71 @@ TEST_CASE("errors: one predicate says what is a lost peer, one helper gives a me
   CHECK(ctorch::errorMessage(gloo).size() <= std::string(gloo.what()).size());  // never more than what()
   CHECK(ctorch::errorMessage(gloo).find("Exception raised from f") == std::string::npos);
   CHECK(ctorch::errorMessage(std::runtime_error("plain")) == "plain");
+}
+
+// ---- a sharded optimizer (ZeRO-1): each rank writes its own shard --------------------------------
+
+TEST_CASE("resilience: ZeRO-1 stopped twice and resumed ends bit-identical to the whole optimizer, each rank wrote "
+          "only its own shard",
+          "[resilience][sharding]") {
+  Runs runs;
+  runs.common = {"--save-every", "3"};
+  const auto reference = runs.run("reference", {});
+  ctorch::test::requireAllOk(reference);
+  requireExit(runs.run("zero", {"--zero", "1", "--stop-at", "5"}), 75);
+  // Every rank's shard beside the slot, and the snapshot itself holds no optimizer state.
+  for (int r = 0; r < 2; ++r) CHECK(fs::exists(runs.dir / "zero" / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  CHECK(ctorch::loadSnapshot(runs.dir / "zero" / "snapshot.pt").optimizerType.empty());
+  CHECK(ctorch::loadSnapshot(runs.dir / "zero" / "snapshot.pt.optim-rank1").optimizerType == "SGD");
+  requireExit(runs.run("zero", {"--zero", "1", "--stop-at", "12"}), 75);
+  const auto last = runs.run("zero", {"--zero", "1"});
+  ctorch::test::requireAllOk(last);
+  CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "zero")) == "");
+  CHECK(finalLine(last[0]) == finalLine(reference[0]));  // the scheduler's lr on the local optimizer
+  CHECK_FALSE(finalLine(reference[0]).empty());
+
+  // Control: the same stop resumed with an unsharded optimizer (its state cannot be read from the
+  // shards) is refused with the way forward, before anything is restored.
+  requireExit(runs.run("control", {"--zero", "1", "--stop-at", "5"}), 75);
+  const auto refused = runs.run("control", {});
+  CHECK(refused[0].exitCode != 0);
+  CHECK(refused[0].output.find("sharded over 2 ranks (saved with a ZeroRedundancyOptimizer): track one to resume it") !=
+        std::string::npos);
+}
+
+TEST_CASE("resilience: a ZeRO snapshot missing a rank's shard is named, set aside, and the one before resumes "
+          "bit-identically",
+          "[resilience][sharding]") {
+  Runs runs;
+  runs.common = {"--save-every", "3", "--zero", "1"};
+  const auto reference = runs.run("reference", {});
+  ctorch::test::requireAllOk(reference);
+  requireExit(runs.run("lost", {"--stop-at", "8"}), 75);  // snapshots at steps 3, 6 and the stop at 8
+  fs::remove(runs.dir / "lost" / "snapshot.pt.optim-rank1");  // as if rank 1 died before its shard was durable
+  const auto resumed = runs.run("lost", {});
+  ctorch::test::requireAllOk(resumed);
+  const std::string newest = (runs.dir / "lost" / "snapshot.pt").string();
+  CHECK(resumed[0].output.find("skipped " + newest) != std::string::npos);
+  CHECK(resumed[0].output.find("lacks rank 1's optimizer shard") != std::string::npos);
+  CHECK(resumed[0].output.find("start: epoch 1 step 0 global 6 resumed") != std::string::npos);
+  CHECK(fs::exists(newest + ".unusable"));
+  CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "lost")) == "");
+}
+
+TEST_CASE("resilience: ZeRO-1 shards saved on 2 ranks reshard onto 3 at the epoch boundary, as the whole optimizer does",
+          "[resilience][sharding]") {
+  // A stop mid-epoch 2 on 2 ranks, resumed on 3: both runs go back to the end of epoch 1 (another
+  // world size resumes at an epoch boundary) and train on with 3 ranks; the sharded one, resharded
+  // from 2 shards to 3, must end where the whole optimizer's run ends.
+  Runs runs;
+  runs.common = {"--save-every", "3", "--seeded", "1"};
+  for (const std::string zero : {"0", "1"}) {
+    runs.world = 2;
+    requireExit(runs.run("z" + zero, {"--zero", zero, "--stop-at", "9"}), 75);
+    runs.world = 3;
+    const auto resumed = runs.run("z" + zero, {"--zero", zero});
+    ctorch::test::requireAllOk(resumed);
+    CHECK(resumed[0].output.find("start: epoch 1 step 0 global 6 resumed") != std::string::npos);
+  }
+  CHECK(difference(finalState(runs.dir / "z0"), finalState(runs.dir / "z1")) == "");
 }

@@ -13,6 +13,7 @@
 #include "rank_agreement.hpp"
 #include "snapshot_saver.hpp"
 #include "tracked_state.hpp"
+#include "zero_shards.hpp"
 
 #include <ctorch/contract/worker_contract.hpp>
 
@@ -22,6 +23,7 @@
 
 #include <cstring>
 #include <iostream>
+#include <map>
 
 namespace ctorch {
 
@@ -146,6 +148,9 @@ struct ResilientTraining::Impl {
   void save(Kind kind, const SaveExtras& extras, Targets targets) {
     std::vector<RngState> rankRng;
     if (!o.stepSeed()) rankRng = ranks->gatherRng();
+    if (state.zero())  // every rank writes its own optimizer shard (no gather to rank 0)
+      saver->writeShard(detail::captureShard(*state.zero(), identity(), progress()), kind == Kind::kEpochBoundary,
+                        extras, targets, label(kind));
     if (rank == 0) {
       if (!state.model())
         throw ConfigError("ResilientTraining: no model registered (track(ddp) or track(model) before resume())");
@@ -250,9 +255,21 @@ struct ResilientTraining::Impl {
     LoadNewestOptions load;
     load.expect.modelName = o.runName();  // another model's state never fits: always refused
     if (!o.allowConfigChange()) load.expect.config = o.config();
+    // A sharded optimizer's snapshot is usable only with every rank's shard of its step: one whose
+    // shards are not all there (a crash between the ranks' writes) is skipped like a damaged one.
+    if (state.zero())
+      load.accept = [this, expect = load.expect](const Snapshot& candidate) {
+        if (candidate.userState.contains(detail::kZeroShardsKey))
+          resumeShards[candidate.source] =
+              detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
+      };
     Found newest;
-    if (o.resumeFrom()) newest.snapshot = loadSnapshot(*o.resumeFrom(), load.expect);
-    else newest = loadSlot(saver->slot(), load, /*allowNothingValid=*/false);
+    if (o.resumeFrom()) {
+      newest.snapshot = loadSnapshot(*o.resumeFrom(), load.expect);
+      if (load.accept) load.accept(*newest.snapshot);
+    } else {
+      newest = loadSlot(saver->slot(), load, /*allowNothingValid=*/false);
+    }
     unusable = newest.skipped;
 
     std::optional<SnapshotPoint> newestPoint, boundaryPoint;
@@ -276,11 +293,16 @@ struct ResilientTraining::Impl {
 
   // `rng`: the generator states too (from a file; a state sent in place carries the sender's only,
   // and each rank keeps its own).
+  // The shards found for each candidate snapshot while choosing (a ZeroRedundancyOptimizer's run).
+  std::map<std::filesystem::path, std::vector<ItemDict>> resumeShards;
+
   void restore(const Snapshot& snap, bool rng = true) {
     RestoreOptions options;
     options.rng = rng && !o.stepSeed();
     options.rank = rank;
-    const SnapshotPoint p = state.restore(snap, options);
+    const auto shards = resumeShards.find(snap.source);
+    const SnapshotPoint p =
+        state.restore(snap, options, shards == resumeShards.end() ? std::vector<ItemDict>{} : shards->second);
     epoch = p.epochsRun;
     stepInEpoch = p.stepInEpoch;
     globalStep = p.globalStep;
@@ -319,6 +341,11 @@ ResilientTraining& ResilientTraining::trackModule(torch::nn::Module& module, det
 }
 
 ResilientTraining& ResilientTraining::track(torch::optim::Optimizer& optimizer) {
+  impl_->state.setOptimizer(optimizer);
+  return *this;
+}
+
+ResilientTraining& ResilientTraining::track(ZeroRedundancyOptimizer& optimizer) {
   impl_->state.setOptimizer(optimizer);
   return *this;
 }
@@ -552,7 +579,7 @@ ResumePoint ResilientTraining::recover() {
   Impl& s = *impl_;
   const std::exception_ptr failure = std::current_exception();
   if (!failure) throw ConfigError("ResilientTraining::recover() must be called while handling the exception of a failed step");
-  if (!s.recovery->enabled() || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
+  if (!s.recovery->enabled() || s.state.zero() || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
   std::string cause;
   bool communication = false;
   try {
@@ -581,7 +608,9 @@ ResumePoint ResilientTraining::recover() {
   return s.pointFromMemory("recovered in place at ");
 }
 
-bool ResilientTraining::canRecoverInPlace() const { return impl_->recovery->enabled(); }
+// A sharded optimizer's state is spread over the ranks: a lost rank's shard comes back from the
+// snapshot files with a group restart (docs/sharding.md).
+bool ResilientTraining::canRecoverInPlace() const { return impl_->recovery->enabled() && !impl_->state.zero(); }
 
 void ResilientTraining::save(const SaveExtras& extras) {
   Impl& s = *impl_;

@@ -222,7 +222,9 @@ SnapshotSearch loadNewestValid(const fs::path& slot, const LoadNewestOptions& op
   SnapshotSearch result;
   for (const auto& file : listSnapshotFiles(slot)) {
     try {
-      result.snapshot = loadSnapshot(file, options.expect);
+      Snapshot candidate = loadSnapshot(file, options.expect);
+      if (options.accept) options.accept(candidate);
+      result.snapshot = std::move(candidate);
       return result;
     } catch (const SnapshotIncompatible& e) {
       if (!options.skipIncompatible) throw;

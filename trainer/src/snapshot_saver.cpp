@@ -2,6 +2,8 @@
 // lock, the write job for the slot, the boundary slot and extra copies, the agreed WriteFailed.
 #include "snapshot_saver.hpp"
 
+#include "zero_shards.hpp"
+
 #include <ctorch/contract/worker_contract.hpp>
 
 #include <cstdlib>
@@ -38,7 +40,7 @@ void SnapshotSaver::refuseBusySlot(const std::string& holder) const {
 }
 
 void SnapshotSaver::collectWriteError() {
-  if (o_.rank != 0 || writeError_) return;
+  if (writeError_) return;
   try {
     writer_.wait();
   } catch (const WriteFailed&) {
@@ -48,51 +50,82 @@ void SnapshotSaver::collectWriteError() {
 
 void SnapshotSaver::throwWriteFailed(std::int64_t globalStep) {
   const std::string at = "global step " + std::to_string(globalStep);
-  if (o_.rank != 0)
-    throw WriteFailed("rank " + std::to_string(o_.rank) + ": stopped at " + at +
-                      " with every rank: rank 0 could not write the snapshot (its error names the file)");
   collectWriteError();
+  if (!writeError_) {
+    if (o_.rank != 0 || sharded_)
+      throw WriteFailed("rank " + std::to_string(o_.rank) + ": stopped at " + at + " with every rank: " +
+                        (sharded_ ? std::string("a rank could not write its part of the snapshot (its error names the file)")
+                                  : std::string("rank 0 could not write the snapshot (its error names the file)")));
+    throw WriteFailed("a snapshot write failed; every rank stopped at " + at);
+  }
   try {
-    if (writeError_) std::rethrow_exception(writeError_);
+    std::rethrow_exception(writeError_);
   } catch (const WriteFailed& e) {
     const std::int64_t durable = durableAt_.load();
-    throw WriteFailed(std::string(e.what()) + "; " + o_.slot.string() +
-                      (durable >= 0 ? " holds the last snapshot written (global step " + std::to_string(durable) + ")"
-                                    : " keeps what it held before") +
-                      "; every rank stopped at " + at + " (exit code " + std::to_string(contract::kExitWriteFailed) +
-                      "): free space and run the same command again to resume");
+    const std::string holds = o_.rank == 0 ? o_.slot.string() + (durable >= 0 ? " holds the last snapshot written (global step " +
+                                                                                   std::to_string(durable) + ")"
+                                                                             : " keeps what it held before") +
+                                                 "; "
+                                           : std::string();
+    throw WriteFailed(std::string(e.what()) + "; " + holds + "every rank stopped at " + at + " (exit code " +
+                      std::to_string(contract::kExitWriteFailed) + "): free space and run the same command again to resume");
   }
-  throw WriteFailed("a snapshot write failed; every rank stopped at " + at);
+}
+
+std::vector<SnapshotSlotOptions> SnapshotSaver::files(bool boundary, const SaveExtras& extras, Targets targets,
+                                                     int slotKeep, int boundaryKeep,
+                                                     const std::function<std::filesystem::path(const std::filesystem::path&)>& name) const {
+  std::vector<SnapshotSlotOptions> out;
+  auto add = [&](const std::filesystem::path& path, int keep) {
+    SnapshotSlotOptions slotOptions;
+    slotOptions.path = name(path);
+    slotOptions.keepPrevious = keep;
+    out.push_back(slotOptions);
+  };
+  if (targets == Targets::kSlotAndExtras) {
+    add(o_.slot, slotKeep);
+    if (boundary) add(boundarySlot_, boundaryKeep);
+  }
+  for (const auto& extra : extras.alsoWriteTo) add(extra, 0);
+  return out;
 }
 
 void SnapshotSaver::write(Snapshot snapshot, bool boundary, const SaveExtras& extras, Targets targets,
                           std::string label, std::int64_t globalStep) {
-  const bool onlyExtras = targets == Targets::kExtrasOnly;
   SnapshotJob job;
   job.snapshot = std::move(snapshot);
-  auto add = [&job](const std::filesystem::path& path, int keep) {
-    SnapshotSlotOptions slotOptions;
-    slotOptions.path = path;
-    slotOptions.keepPrevious = keep;
-    job.slots.push_back(slotOptions);
-  };
-  if (!onlyExtras) {
-    add(o_.slot, o_.keepPrevious);
-    if (boundary) add(boundarySlot_, 1);
-  }
-  for (const auto& extra : extras.alsoWriteTo) add(extra, 0);
+  job.slots = files(boundary, extras, targets, o_.keepPrevious, 1, [](const std::filesystem::path& p) { return p; });
+  submit(std::move(job), extras.afterWrite, std::move(label),
+         targets == Targets::kExtrasOnly ? std::nullopt : std::optional<std::int64_t>(globalStep), /*report=*/true);
+}
+
+void SnapshotSaver::writeShard(Snapshot shard, bool boundary, const SaveExtras& extras, Targets targets,
+                               std::string label) {
+  sharded_ = true;
+  SnapshotJob job;
+  job.snapshot = std::move(shard);
+  job.slots = files(boundary, extras, targets, o_.keepPrevious + 1, 2,
+                    [this](const std::filesystem::path& p) { return shardSlotFor(p, o_.rank); });
+  // Rank 0's progress line is the snapshot's; a shard's write says nothing unless it fails.
+  submit(std::move(job), nullptr, "rank " + std::to_string(o_.rank) + "'s optimizer shard, " + label, std::nullopt,
+         /*report=*/false);
+}
+
+void SnapshotSaver::submit(SnapshotJob job, std::function<void()> afterWrite, std::string label,
+                           std::optional<std::int64_t> durableStep, bool report) {
   if (job.slots.empty()) return;
-  job.afterWrite = extras.afterWrite;
-  job.report = [this](const std::string& line) { o_.say(line); };
+  job.afterWrite = std::move(afterWrite);
+  if (report) job.report = [this](const std::string& line) { o_.say(line); };
   job.reportError = [this](const std::string& line) { std::cerr << o_.programName << ": " << line << std::endl; };
   job.label = std::move(label);
-  if (!onlyExtras) {
+  if (durableStep) {
     auto after = std::move(job.afterWrite);
-    job.afterWrite = [this, after = std::move(after), globalStep] {
+    job.afterWrite = [this, after = std::move(after), step = *durableStep] {
       if (after) after();
-      durableAt_ = globalStep;
+      durableAt_ = step;
     };
   }
+  // After a failed write nothing more is written: the agreed stop comes at the next agreement.
   if (writeError_ || writer_.failed()) return;
   try {
     writer_.submit(std::move(job));

@@ -13,7 +13,9 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace ctorch::detail {
 
@@ -41,11 +43,11 @@ class SnapshotSaver {
   // 1.0 when a snapshot write failed here (rank 0): voted with the stop flag, so that every rank
   // stops at the same step with WriteFailed.
   double writeFlag() const { return writeError_ || writer_.failed() ? 1.0 : 0.0; }
-  // Rank 0: waits for the write in flight and keeps its WriteFailed (the writer hands it out once);
+  // Waits for this rank's write in flight and keeps its WriteFailed (the writer hands it out once);
   // the library's other errors (an item that cannot be encoded) propagate as they are.
   void collectWriteError();
-  // Every rank, once the vote said a write failed: rank 0 rethrows its error with where the run
-  // stands; the others say that rank 0 could not write.
+  // Every rank, once the vote said a write failed: a rank whose write failed rethrows its error with
+  // where the run stands; the others say which rank's error names the file.
   [[noreturn]] void throwWriteFailed(std::int64_t globalStep);
 
   // Rank 0: hands `snapshot` to the writer, for the slot (and the boundary slot when `boundary`)
@@ -54,6 +56,10 @@ class SnapshotSaver {
   enum class Targets { kSlotAndExtras, kExtrasOnly };
   void write(Snapshot snapshot, bool boundary, const SaveExtras& extras, Targets targets, std::string label,
              std::int64_t globalStep);
+  // Every rank of a sharded run (a ZeroRedundancyOptimizer): this rank's shard, beside each file
+  // write() writes (zero_shards.hpp), rotated one place more than the slot so that every kept
+  // snapshot still finds its shards while the newest ones are in flight.
+  void writeShard(Snapshot shard, bool boundary, const SaveExtras& extras, Targets targets, std::string label);
   // Rank 0's capture buffers, kept from save to save (null when `reuse` is off).
   CapturePool* pool(bool reuse) { return reuse ? &capturePool_ : nullptr; }
   // Waits for the write in flight; rethrows its failure.
@@ -70,6 +76,15 @@ class SnapshotSaver {
   }
 
  private:
+  // The files of one save: the slot (kept `slotKeep`), the boundary slot at an epoch boundary, each
+  // extra copy (kept 0); `name` maps each to the file this rank writes.
+  std::vector<SnapshotSlotOptions> files(bool boundary, const SaveExtras& extras, Targets targets, int slotKeep,
+                                         int boundaryKeep,
+                                         const std::function<std::filesystem::path(const std::filesystem::path&)>& name) const;
+  // Hands a job to the writer; `durableStep`: the global step it makes durable in the slot.
+  void submit(SnapshotJob job, std::function<void()> afterWrite, std::string label,
+              std::optional<std::int64_t> durableStep, bool report);
+
   Options o_;
   std::filesystem::path boundarySlot_;
   SlotLock slotLock_;  // rank 0: "<slot>.lock", held for the run's life
@@ -80,6 +95,7 @@ class SnapshotSaver {
   CapturePool capturePool_;  // rank 0's copies, reused from save to save
   std::int64_t savedAt_ = -1;  // global step of the newest snapshot submitted (-1: none this process)
   bool savedBoundary_ = false; // ... and whether it was the epoch-boundary one
+  bool sharded_ = false;       // this run writes per-rank shards (any rank's write may fail)
   // Last: destroyed first, it finishes the write in flight while what the job reaches is alive.
   SnapshotWriter writer_;
 };

@@ -2,6 +2,8 @@
 // snapshot and a state sent in place between ranks are assembled and read back the same way.
 #include "tracked_state.hpp"
 
+#include "zero_shards.hpp"
+
 #include "ctorch/errors.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -58,8 +60,13 @@ void TrackedState::setModel(torch::nn::Module& module, DDPCore* ddp) {
 }
 
 void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
-  if (optimizer_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
+  if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
   optimizer_ = &optimizer;
+}
+
+void TrackedState::setOptimizer(ZeroRedundancyOptimizer& optimizer) {
+  if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
+  zero_ = &optimizer;
 }
 
 void TrackedState::setSampler(DistributedSampler& sampler) {
@@ -82,7 +89,7 @@ void TrackedState::addItems(std::function<void(ItemDict&)> save, std::function<v
 void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
                             std::function<void(const c10::IValue&)> load) {
   if (name.empty()) throw ConfigError("ResilientTraining::track: the name of a value is empty");
-  if (name == kEpochCompleteKey || name == kDdpBucketsKey)
+  if (name == kEpochCompleteKey || name == kDdpBucketsKey || name == kZeroShardsKey)
     throw ConfigError("ResilientTraining::track: '" + name + "' is a name the library keeps for itself");
   for (const auto& n : names_)
     if (n == name) throw ConfigError("ResilientTraining::track: '" + name + "' is registered twice");
@@ -104,10 +111,23 @@ Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingP
   for (const auto& item : items_) item.save(s.userState);
   s.userState.insert(kEpochCompleteKey, epochComplete);
   if (buckets) s.userState.insert(kDdpBucketsKey, bucketsValue(*buckets));
+  if (zero_) s.userState.insert(kZeroShardsKey, static_cast<std::int64_t>(identity.worldSize));
   return s;
 }
 
-SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options) const {
+SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options,
+                                    const std::vector<ItemDict>& shards) const {
+  if (zero_ && options.optimizer) {
+    // Before anything changes: shards that do not fit are refused with nothing restored.
+    if (!snap.userState.contains(kZeroShardsKey) && snap.optimizerType.empty())
+      throw SnapshotIncompatible(snap.source, {"it holds no optimizer state for the ZeroRedundancyOptimizer"});
+    zero_->loadShardStateDicts(snap.userState.contains(kZeroShardsKey) ? shards
+                                                                        : std::vector<ItemDict>{wholeOptimizerAsShard(snap)});
+  } else if (optimizer_ && options.optimizer && snap.userState.contains(kZeroShardsKey)) {
+    throw SnapshotIncompatible(snap.source, {"its optimizer state is sharded over " +
+                                             std::to_string(snap.userState.at(kZeroShardsKey).toInt()) +
+                                             " ranks (saved with a ZeroRedundancyOptimizer): track one to resume it"});
+  }
   restoreSnapshot(snap, TrainingObjects{model_, optimizer_, sampler_}, options);
   if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
   for (const auto& item : items_) item.load(snap.userState);

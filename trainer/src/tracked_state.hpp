@@ -8,6 +8,7 @@
 #include "ctorch/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
+#include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <cstddef>
 #include <functional>
@@ -17,7 +18,7 @@
 
 namespace ctorch::detail {
 
-// User-state keys of the library's own (names a loop cannot register).
+// User-state keys of the library's own (names a loop cannot register; zero_shards.hpp has one more).
 inline constexpr const char* kEpochCompleteKey = "epoch_complete";
 inline constexpr const char* kDdpBucketsKey = "ddp_buckets";
 
@@ -35,6 +36,8 @@ class TrackedState {
   // Registration: each throws ConfigError naming what is registered twice or missing.
   void setModel(torch::nn::Module& module, DDPCore* ddp);
   void setOptimizer(torch::optim::Optimizer& optimizer);
+  // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
+  void setOptimizer(ZeroRedundancyOptimizer& optimizer);
   void setSampler(DistributedSampler& sampler);
   void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
   void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
@@ -45,13 +48,16 @@ class TrackedState {
   torch::nn::Module* model() const { return model_; }
   DDPCore* ddp() const { return ddp_; }
   DistributedSampler* sampler() const { return sampler_; }
+  ZeroRedundancyOptimizer* zero() const { return zero_; }
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
   // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
   Snapshot capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,
                    const std::optional<BucketLayout>& buckets, CapturePool* pool) const;
-  // Every registered object as `snapshot` holds it; returns where it stands.
-  SnapshotPoint restore(const Snapshot& snapshot, const RestoreOptions& options) const;
+  // Every registered object as `snapshot` holds it (a ZeroRedundancyOptimizer's share from `shards`,
+  // zero_shards.hpp's findShards); returns where it stands.
+  SnapshotPoint restore(const Snapshot& snapshot, const RestoreOptions& options,
+                        const std::vector<ItemDict>& shards = {}) const;
 
  private:
   struct Items {
@@ -62,6 +68,7 @@ class TrackedState {
   torch::nn::Module* model_ = nullptr;
   DDPCore* ddp_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
+  ZeroRedundancyOptimizer* zero_ = nullptr;
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;

@@ -34,6 +34,7 @@
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
 #include "ctorch/stop_signal.hpp"
+#include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <torch/arg.h>
 
@@ -170,6 +171,11 @@ class ResilientTraining {
   ResilientTraining& track(torch::nn::Module& module) { return trackModule(module, nullptr); }
   // SGD, Adam, AdamW, RMSprop, Adagrad: state and hyper-parameters (the learning rate included).
   ResilientTraining& track(torch::optim::Optimizer& optimizer);
+  // A sharded optimizer (ZeRO-1): every rank writes its own shard beside each snapshot file
+  // ("<file>.optim-rank<r>"); a resume finds the shards of the chosen snapshot (one whose shards are
+  // not all there is skipped) and reshards them when the world size changed. recover() is off for
+  // it: a lost rank's shard comes back from the files with a group restart. docs/sharding.md.
+  ResilientTraining& track(ZeroRedundancyOptimizer& optimizer);
   ResilientTraining& track(DistributedSampler& sampler);
   // LibTorch's schedulers (StepLR, ...): their step count, in LR_SCHEDULER_STATE.
   ResilientTraining& track(torch::optim::LRScheduler& scheduler);

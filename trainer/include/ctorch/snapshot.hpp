@@ -259,6 +259,9 @@ struct LoadNewestOptions {
   // older snapshot of a different run, or starting fresh, must be the user's decision. When set,
   // incompatible files are skipped like corrupt ones.
   bool skipIncompatible = false;
+  // Called on each valid candidate; a SnapshotError it throws skips that file like a damaged one
+  // (e.g. a snapshot whose per-rank optimizer shards are not all there).
+  std::function<void(const Snapshot&)> accept;
 };
 
 // Walks listSnapshotFiles(slot) newest first and returns the first valid one, reporting each file

@@ -1,0 +1,80 @@
+// The files of a ZeRO snapshot's optimizer shards: one per rank beside the slot, each a small
+// self-checking snapshot file, found again by the global step of the snapshot that needs them.
+#include "zero_shards.hpp"
+
+#include "generic_dict.hpp"
+
+#include <torch/nn/module.h>
+
+#include <set>
+
+namespace ctorch::detail {
+
+std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank) {
+  return std::filesystem::path(slot.string() + ".optim-rank" + std::to_string(rank));
+}
+
+Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+                      const TrainingProgress& progress) {
+  // A shard holds no parameters (held by a shared_ptr: LibTorch walks modules through shared_from_this).
+  static const auto noModel = std::make_shared<torch::nn::Module>();
+  Snapshot s = captureSnapshot(TrainingObjects{noModel.get(), nullptr, nullptr}, identity, progress);
+  const ItemDict shard = optimizer.shardStateDict();
+  s.optimizerType = shard.at("optimizer_type").toStringRef();
+  s.optimizerState = newItemDict();
+  s.optimizerState.insert("state", shard.at("state"));
+  s.optimizerState.insert("param_groups", shard.at("param_groups"));
+  s.userState.insert("zero_rank", shard.at("rank"));
+  return s;
+}
+
+namespace {
+
+ItemDict asShard(const Snapshot& file) {
+  ItemDict shard = newItemDict();
+  shard.insert("state", file.optimizerState.contains("state") ? file.optimizerState.at("state")
+                                                              : c10::IValue(c10::impl::GenericDict(c10::IntType::get(), c10::AnyType::get())));
+  shard.insert("param_groups", file.optimizerState.contains("param_groups")
+                                   ? file.optimizerState.at("param_groups")
+                                   : c10::IValue(c10::impl::GenericList(c10::AnyType::get())));
+  shard.insert("optimizer_type", file.optimizerType);
+  return shard;
+}
+
+}  // namespace
+
+std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std::filesystem::path>& slots,
+                                 const SnapshotExpectation& expect) {
+  const auto& saved = snapshot.userState.at(kZeroShardsKey);
+  if (!saved.isInt() || saved.toInt() < 1 || saved.toInt() > (1 << 20))
+    throw SnapshotCorrupt(snapshot.source, SnapshotCorrupt::Kind::BadContent, "zero_shards is not a world size");
+  const int world = static_cast<int>(saved.toInt());
+  std::vector<ItemDict> shards;
+  for (int rank = 0; rank < world; ++rank) {
+    std::optional<ItemDict> found;
+    std::string why = "no shard file";
+    std::set<std::filesystem::path> seen;
+    for (const auto& slot : slots)
+      for (const auto& file : listSnapshotFiles(shardSlotFor(slot, rank))) {
+        if (found || !seen.insert(file).second) continue;
+        try {
+          const Snapshot s = loadSnapshot(file, expect);
+          if (s.globalStep != snapshot.globalStep || s.header.worldSize != world) continue;
+          found = asShard(s);
+        } catch (const SnapshotError& e) {
+          why = e.what();
+        }
+      }
+    if (!found)
+      throw SnapshotError(snapshot.source, "snapshot " + snapshot.source.string() + " (global step " +
+                                               std::to_string(snapshot.globalStep) + ") lacks rank " + std::to_string(rank) +
+                                               "'s optimizer shard (" + shardSlotFor(slots.front(), rank).string() +
+                                               "...: " + why + ")");
+    shards.push_back(std::move(*found));
+  }
+  return shards;
+}
+
+ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot); }
+
+} // namespace ctorch::detail

@@ -1,0 +1,36 @@
+// ZeRO's part of a snapshot: every rank writes its optimizer shard to its own file beside the slot
+// ("<slot>.optim-rank<r>", rotated like the slot), and a chosen snapshot finds the shards it was saved with.
+#pragma once
+
+#include "ctorch/snapshot.hpp"
+#include "ctorch/zero_redundancy_optimizer.hpp"
+
+#include <filesystem>
+#include <vector>
+
+namespace ctorch::detail {
+
+// USER_STATE of a snapshot saved with a ZeroRedundancyOptimizer: the world size its shards were
+// saved at (one shard file per rank; the snapshot itself holds no optimizer state).
+inline constexpr const char* kZeroShardsKey = "zero_shards";
+
+// Rank `rank`'s shard file for the snapshot slot (or any snapshot file) `slot`.
+std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
+
+// This rank's shard as a snapshot file's content: no model, the optimizer state of its share (with
+// the parameters' global indices), and the run's point, so that a shard checks itself (magic, digest,
+// run, configuration) and says which step it belongs to.
+Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+                      const TrainingProgress& progress);
+
+// The shards of `snapshot` (which records kZeroShardsKey): every rank's, at the snapshot's global
+// step, from the shard files of `slots` (the snapshot's own file and the slots it may have been
+// rotated from), newest first. Throws SnapshotError naming the first rank whose shard is missing or damaged.
+std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std::filesystem::path>& slots,
+                                 const SnapshotExpectation& expect);
+
+// A snapshot saved without sharding holds the whole optimizer's state: as one shard (its parameters
+// are the model's in order, the global indices ZeRO uses), so that a run can switch to ZeRO.
+ItemDict wholeOptimizerAsShard(const Snapshot& snapshot);
+
+} // namespace ctorch::detail
