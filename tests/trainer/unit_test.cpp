@@ -167,6 +167,20 @@ TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch au
   CHECK(parse({}).options->bindingConfig().at("amp") == "off");
 }
 
+TEST_CASE("trainer options: --sharding none or optimizer, not bound to the snapshot, and not with float16 loss scaling",
+          "[trainer][options][sharding]") {
+  CHECK(parse({}).options->sharding == ctorch::train::ShardingChoice::kNone);
+  const auto zero = parse({"--sharding", "optimizer"});
+  REQUIRE(zero.options);
+  CHECK(zero.options->sharding == ctorch::train::ShardingChoice::kOptimizer);
+  CHECK(zero.options->bindingConfig() == parse({}).options->bindingConfig());  // resumes either way
+  CHECK_THAT(parse({"--sharding", "full"}).message, Catch::Contains("--sharding") && Catch::Contains("'full'"));
+  const auto scaled = parse({"--sharding", "optimizer", "--amp", "--device", "cuda"});
+  REQUIRE_FALSE(scaled.options);
+  CHECK_THAT(scaled.message, Catch::Contains("--sharding optimizer with --amp float16 (loss scaling) is not supported"));
+  CHECK(parse({"--sharding", "optimizer", "--amp", "--amp-dtype", "bfloat16", "--device", "cpu"}).options);
+}
+
 TEST_CASE("trainer options: a mistyped flag or value says what to type instead", "[trainer][options]") {
   struct Bad {
     std::vector<std::string> args;

@@ -56,6 +56,10 @@ ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
 void ZeroRedundancyOptimizer::step() {
   if (local_) local_->step();
+  broadcastShares();
+}
+
+void ZeroRedundancyOptimizer::broadcastShares() {
   torch::NoGradGuard noGrad;
   for (std::size_t owner = 0; owner < shares_.size(); ++owner) {
     const auto& share = shares_[owner];

@@ -219,6 +219,8 @@ const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
     {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
 const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
     {"auto", BackendChoice::kAuto}, {"gloo", BackendChoice::kGloo}, {"nccl", BackendChoice::kNccl}};
+const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{"none", ShardingChoice::kNone},
+                                                                       {"optimizer", ShardingChoice::kOptimizer}};
 const std::vector<std::pair<std::string, CommHookChoice>> kCommHooks = {
     {"shared-memory", CommHookChoice::kSharedMemory},
     {"none", CommHookChoice::kNone},
@@ -259,6 +261,7 @@ const char* toString(BackendChoice v) { return nameOf(v, kBackends); }
 const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
 const char* toString(CommHookChoice v) { return nameOf(v, kCommHooks); }
+const char* toString(ShardingChoice v) { return nameOf(v, kShardings); }
 
 ResumeChoice ResumeChoice::parse(const std::string& text) {
   ResumeChoice r;
@@ -339,6 +342,11 @@ void TrainOptions::validate() const {
   if (ampDtype != "float16" && ampDtype != "bfloat16") bad("--amp-dtype", ampDtype, "must be float16 or bfloat16");
   if (device == DeviceChoice::kCpu && amp && ampDtype == "float16" && !amp::autocastSupported(torch::kCPU, torch::kHalf))
     throw UsageError("--amp with float16 needs CUDA, but --device is 'cpu' (use --amp-dtype bfloat16 on the CPU, or --device cuda)");
+  // GradScaler checks the gradients of the optimizer it steps: a rank's share only, so the ranks could
+  // disagree on skipping a step.
+  if (sharding == ShardingChoice::kOptimizer && amp && ampDtype == "float16")
+    throw UsageError("--sharding optimizer with --amp float16 (loss scaling) is not supported: use --amp-dtype "
+                     "bfloat16 or --sharding none");
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -463,6 +471,7 @@ std::string TrainOptions::describe() const {
   if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";
   if (clipGradNorm > 0) os << ", gradients clipped to norm " << number(clipGradNorm);
+  if (sharding == ShardingChoice::kOptimizer) os << ", optimizer state sharded over the ranks (ZeRO-1)";
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();
   return os.str();
 }
@@ -480,10 +489,11 @@ struct FlagTexts {
         progress(toString(o.progress)),
         augment(toString(o.augment)),
         commHook(toString(o.commHook)),
+        sharding(toString(o.sharding)),
         snapshotPath(o.snapshotPath.string()),
         timeoutS(o.timeout.count()) {}
 
-  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, resume = "auto", metrics;
+  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, sharding, resume = "auto", metrics;
   std::string dataDir, snapshotPath, modelDir, syntheticShape;
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
@@ -619,6 +629,10 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "how DDP averages gradients: shared-memory (through one shared segment when every rank is on this "
            "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
       ->group(kSys)->capture_default_str();
+  f.option("--sharding", t.sharding,
+           "none (DDP: every rank holds the whole optimizer state) or optimizer (ZeRO-1: each rank holds and "
+           "steps its share of it, then broadcasts its parameters; bit-identical to none)")
+      ->group(kSys)->capture_default_str();
   f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);
   f.flag("--no-gradient-as-bucket-view", t.noBucketView,
@@ -685,6 +699,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.progress = pick("--progress", t.progress, kProgress);
   o.augment = pick("--augment", t.augment, kAugment);
   o.commHook = pick("--comm-hook", t.commHook, kCommHooks);
+  o.sharding = pick("--sharding", t.sharding, kShardings);
   o.resume = ResumeChoice::parse(t.resume);
   o.dataDir = t.dataDir;
   o.snapshotPath = t.snapshotPath;

@@ -29,6 +29,7 @@
 #include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
+#include <ctorch/zero_redundancy_optimizer.hpp>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -325,6 +326,16 @@ std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& 
 }
 
 
+// A checkpoint file and, with --sharding optimizer, every rank's optimizer shard beside it
+// ("<file>.optim-rank<r>", each rank's copy of that epoch's shard).
+void removeCheckpoint(const std::filesystem::path& file) {
+  std::filesystem::remove(file);
+  std::error_code ec;
+  const std::string shardPrefix = file.filename().string() + ".optim-rank";
+  for (const auto& entry : std::filesystem::directory_iterator(file.parent_path(), ec))
+    if (entry.path().filename().string().rfind(shardPrefix, 0) == 0) std::filesystem::remove(entry.path(), ec);
+}
+
 // ---- one optimizer step --------------------------------------------------------------------------------
 
 // Where a step's wall time goes (seconds, this rank): waiting for batches, forward and backward
@@ -348,9 +359,11 @@ struct StepOutcome {
   StepPhases phases;
 };
 
-StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer, amp::GradScaler& scaler,
-                      data::BatchLoader& loader, DistributedSampler& sampler, const TrainOptions& o,
-                      const torch::Device& device) {
+// `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
+// `zero`: then broadcasts every share after the step.
+StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
+                      amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
+                      const TrainOptions& o, const torch::Device& device) {
   ddp.zeroGrad();
   // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
@@ -385,14 +398,13 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer& optimizer
   }
   if (o.clipGradNorm > 0) {
     // DDP's gradients are averaged already, the same on every rank: their norm is the global one
-    // and every rank clips alike. The scaler's factor comes off first (Python's unscale_ + clip).
-    scaler.unscale(optimizer);
-    std::vector<torch::Tensor> params;
-    for (const auto& group : optimizer.param_groups())
-      for (const auto& p : group.params()) params.push_back(p);
-    torch::nn::utils::clip_grad_norm_(params, o.clipGradNorm);
+    // and every rank clips alike (every parameter's, also those another rank's ZeRO share steps).
+    // The scaler's factor comes off first (Python's unscale_ + clip).
+    if (optimizer) scaler.unscale(*optimizer);
+    torch::nn::utils::clip_grad_norm_(ddp.parameters(), o.clipGradNorm);
   }
-  scaler.step(optimizer);
+  if (optimizer) scaler.step(*optimizer);
+  if (zero) zero->broadcastShares();
   scaler.update();
   out.loss = lossSum.item<double>() / static_cast<double>(micro);
   out.phases.optimizer += lap();
@@ -568,7 +580,10 @@ class Trainer {
   std::shared_ptr<Model> model_;
   std::int64_t activationBytes_ = 0;
   std::unique_ptr<DDP> ddp_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;   // the whole optimizer (--sharding none)
+  std::unique_ptr<ZeroRedundancyOptimizer> zero_;        // --sharding optimizer (ZeRO-1)
+  // The optimizer this rank steps: the whole one, or its share's (none when it owns no parameter).
+  torch::optim::Optimizer* stepping() const { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::unique_ptr<LrSchedule> schedule_;
@@ -606,7 +621,11 @@ void Trainer::buildTraining() {
                                            .commHook(commHookOf(o_.commHook))
                                            .findUnusedParameters(o_.findUnusedParameters)
                                            .gradientAsBucketView(o_.gradientAsBucketView));
-  optimizer_ = makeOptimizer(o_, ddp_->parameters());
+  if (o_.sharding == ShardingChoice::kOptimizer)
+    zero_ = std::make_unique<ZeroRedundancyOptimizer>(
+        ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
+  else
+    optimizer_ = makeOptimizer(o_, ddp_->parameters());
   // Loss scaling for float16 only: bfloat16 has float32's exponent range.
   scaler_ = std::make_unique<amp::GradScaler>(
       device_, amp::GradScalerOptions().enabled(o_.amp && amp::parseDtype(o_.ampDtype) == torch::kHalf));
@@ -656,7 +675,12 @@ void Trainer::buildResilience() {
   if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
   training_ = std::make_unique<ResilientTraining>(r);
   ResilientTraining& t = *training_;
-  t.track(*ddp_).track(*optimizer_).track(*sampler_);
+  t.track(*ddp_).track(*sampler_);
+  if (zero_) t.track(*zero_);
+  else t.track(*optimizer_);
+  if (zero_ && inPlaceRecoveryEnabled())
+    console_.line("in-place recovery is off with --sharding optimizer: a lost rank's optimizer shard comes back "
+                  "from the snapshot files with a group restart");
   t.trackScheduler(
       [this] {
         ItemDict d = newItemDict();
@@ -788,7 +812,7 @@ PassEnd Trainer::runEpochPass(RunResult& result) {
   startEpochTally(pass.firstStep);
   while (!sampler_->exhausted()) {
     const double lr = schedule_->at(epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_));
-    setLearningRate(*optimizer_, lr);
+    if (torch::optim::Optimizer* optimizer = stepping()) setLearningRate(*optimizer, lr);
     if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
     profileBefore(t.globalStep() + 1);
     const std::optional<AgreedStep> step = trainAndAgree(loader);
@@ -840,7 +864,7 @@ std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
     intervalLocalLoss_ = localBefore;
   };
   try {
-    step.outcome = trainStep(*ddp_, *model_, *optimizer_, *scaler_, loader, *sampler_, o_, device_);
+    step.outcome = trainStep(*ddp_, *model_, stepping(), zero_.get(), *scaler_, loader, *sampler_, o_, device_);
     // Whether any rank must stop: agreed in the background (read at the next step) except at the
     // steps that log or save on schedule, where the same small allreduce also sums the losses.
     step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
@@ -1033,7 +1057,7 @@ bool Trainer::endEpochOnce(RunResult& result, std::int64_t completed, bool lastE
     extras.alsoWriteTo.push_back(o_.outputDir() / ("checkpoint_epoch_" + std::to_string(completed) + ".pt"));
     extras.afterWrite = [dir = o_.outputDir(), keep = static_cast<size_t>(o_.keepCheckpoints)] {
       const auto files = checkpointFiles(dir);
-      for (size_t i = 0; i + keep < files.size(); ++i) std::filesystem::remove(files[i]);
+      for (size_t i = 0; i + keep < files.size(); ++i) removeCheckpoint(files[i]);
     };
   }
   if (!training_->epochDone(extras)) return false;

@@ -53,6 +53,9 @@ class ZeroRedundancyOptimizer {
   // The local optimizer's step on this rank's share, then every share broadcast from its owner.
   // A collective: every rank calls it at the same point. A failed broadcast throws DistributedError.
   void step();
+  // The second half of step() alone, for a loop that steps localOptimizer() itself (e.g. through
+  // amp::GradScaler::step): every share broadcast from its owner.
+  void broadcastShares();
   // Every parameter's gradient set to none (or zeroed, `setToNone` false), owned or not.
   void zeroGrad(bool setToNone = true);
 

@@ -28,6 +28,9 @@ enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
 enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
+// What is sharded over the ranks: nothing (DDP), or the optimizer's state (ZeRO-1; Python's
+// ZeroRedundancyOptimizer).
+enum class ShardingChoice { kNone, kOptimizer };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
@@ -36,6 +39,7 @@ const char* toString(BackendChoice v);
 const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
 const char* toString(CommHookChoice v);
+const char* toString(ShardingChoice v);
 
 // Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
 struct ResumeChoice {
@@ -107,6 +111,7 @@ struct TrainOptions {
   // How DDP moves gradients: through shared memory where every rank shares it (one host, CPU),
   // else the Reducer's allreduce.
   CommHookChoice commHook = CommHookChoice::kSharedMemory;
+  ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
 
