@@ -75,6 +75,37 @@ TEST_CASE("disk full: rank 0's failed snapshot write stops every rank at one ste
   CHECK(fs::exists(dir / "model.pt"));
 }
 
+TEST_CASE("disk full: with --sharding optimizer, rank 1's failed shard write stops every rank at one step with exit "
+          "74, its error naming its shard file, and the same command resumes", "[trainer][process][diskfull][sharding]") {
+  TempDir dir("diskfull-shard");
+  std::vector<std::string> args = kDiskToy;
+  args.insert(args.end(), {"--sharding", "optimizer"});
+  auto o = trainUnderLauncher(dir.path(), 2, args, {"--max-restarts", "3"});
+  o.setEnv["CTORCH_TEST_IO_FAULT"] = "write:3:ENOSPC:snapshot.pt.optim-rank1";  // only rank 1 writes these
+  const auto r = ctorch::test::run(o);
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitWriteFailed);
+  CHECK_THAT(r.output, Catch::Contains("write ./snapshot.pt.optim-rank1.tmp-"));
+  CHECK_THAT(r.output, Catch::Contains("No space left on device"));
+  CHECK_THAT(r.output, Catch::Contains("rank 0: stopped at global step"));  // rank 0's own write was fine
+  CHECK_THAT(r.output, Catch::Contains("a rank could not write its part of the snapshot"));
+  CHECK_THAT(r.output, Catch::Contains("not restarting"));
+  CHECK(r.output.find("terminate called") == std::string::npos);
+  CHECK(temporaries(dir.path()).empty());
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex(R"(every rank stopped at global step (\d+))")));
+  CHECK_THAT(r.output, Catch::Contains("rank 0: stopped at global step " + std::string(m[1])));
+
+  auto again = trainUnderLauncher(dir.path(), 2, args, {"--max-restarts", "3"});
+  const auto r2 = ctorch::test::run(again);
+  INFO(show(r2));
+  REQUIRE(r2.ok());
+  // The snapshot rank 0 wrote at the failed step has no shard of rank 1: skipped, the one before resumes.
+  CHECK_THAT(r2.output, Catch::Contains("lacks rank 1's optimizer shard"));
+  CHECK_THAT(r2.output, Catch::Contains("exactly where it stopped"));
+  CHECK(fs::exists(dir / "model.pt"));
+}
+
 TEST_CASE("disk full: the MNIST CNN filling a 24 MB tmpfs ends with exit 74 and one line, no crash, no temporary "
           "file, a loadable slot", "[trainer][process][diskfull]") {
   if (::geteuid() != 0) CTORCH_SKIP("mounting a tmpfs needs root");
