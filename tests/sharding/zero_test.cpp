@@ -208,8 +208,12 @@ CTORCH_TEST_WORKER(zero_refusals) {
   return 0;
 }
 
+// The number after `after` on the worker's "state bytes H of W world N" line (Gloo's own log lines
+// may say " of " too).
 std::size_t number(const std::string& text, const std::string& after) {
-  const auto at = text.find(after);
+  const auto line = text.find("state bytes ");
+  if (line == std::string::npos) return 0;
+  const auto at = text.find(after, line);
   if (at == std::string::npos) return 0;
   return std::stoull(text.substr(at + after.size()));
 }
