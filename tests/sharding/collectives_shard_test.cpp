@@ -19,6 +19,7 @@
 #include <iostream>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace ctorch::test;
@@ -112,15 +113,20 @@ CTORCH_TEST_WORKER(flat_collectives) {
   return 0;
 }
 
-// args: collective=<reduceScatter|allGather>. The last rank leaves after the group is up; the others
-// run the collective with a 10 s timeout and print what they got and after how long.
+// args: collective=<reduceScatter|allGather> peer=<exits|silent> timeout_s=<n>. The last rank leaves
+// after the group is up (or stays silent for 3 timeouts, then leaves); the others run the collective
+// and print what they got and after how long.
 CTORCH_TEST_WORKER(flat_collectives_lost_peer) {
   const std::string collective = arg(args, "collective", "reduceScatter");
-  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(10)));
+  const std::chrono::seconds timeout(ddptest::argInt(args, "timeout_s", 10));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(timeout));
   const auto group = ctorch::getDefaultGroup();
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   ctorch::barrier();
-  if (rank == world - 1) std::_Exit(0);  // leaves without a word
+  if (rank == world - 1) {  // leaves without a word, at once or after a silence
+    if (arg(args, "peer", "exits") == "silent") std::this_thread::sleep_for(3 * timeout);
+    std::_Exit(0);
+  }
   const std::int64_t m = 1 << 18;
   at::Tensor big = at::ones({world * m}), small = at::ones({m});
   const auto start = std::chrono::steady_clock::now();
@@ -130,8 +136,12 @@ CTORCH_TEST_WORKER(flat_collectives_lost_peer) {
     std::cout << "no error" << std::endl;
   } catch (const ctorch::DistributedError& e) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    std::cout << "lost peer after " << ms.count() << " ms: " << e.what() << std::endl;
+    const bool timedOut = dynamic_cast<const ctorch::DistributedTimeout*>(&e) != nullptr;
+    std::cout << (timedOut ? "timed out" : "lost peer") << " after " << ms.count() << " ms: " << e.what() << std::endl;
   }
+  // With a silent peer, stay until every survivor's own wait has run out (leaving would end theirs
+  // early with a closed connection).
+  if (arg(args, "peer", "exits") == "silent") std::this_thread::sleep_for(timeout + std::chrono::seconds(1));
   std::_Exit(0);  // the group is broken: no orderly teardown
 }
 
@@ -201,5 +211,24 @@ TEST_CASE("flat collectives: a lost peer is a DistributedError naming the rank a
       const auto at = out.find("lost peer after ");
       if (at != std::string::npos) CHECK(std::stol(out.substr(at + 16)) < 10'000 + 3'000);  // the timeout + slack
     }
+  }
+}
+
+TEST_CASE("flat collectives: a silent peer is a DistributedTimeout after the group's timeout, not a hang",
+          "[sharding][flat_collectives]") {
+  // 3 ranks, rank 2 silent: rank 0 waits to receive from it, rank 1 to send to it.
+  auto results = runWorkerGroup({.worker = "flat_collectives_lost_peer", .worldSize = 3,
+                                 .args = {"collective=reduceScatter", "peer=silent", "timeout_s=2"},
+                                 .timeout = std::chrono::seconds(60)});
+  requireAllOk(results);
+  for (int r = 0; r < 2; ++r) {
+    const std::string& out = results[static_cast<std::size_t>(r)].output;
+    INFO("rank " << r << ": " << out);
+    CHECK_THAT(out, Catch::Contains("rank " + std::to_string(r) + ": reduceScatter failed"));
+    const auto at = out.find("timed out after ");
+    REQUIRE(at != std::string::npos);
+    const long ms = std::stol(out.substr(at + 16));
+    CHECK(ms >= 2'000 - 100);
+    CHECK(ms < 2'000 + 3'000);
   }
 }
