@@ -2,7 +2,7 @@
 // rank): ctorch's ring reduceScatter against an allreduce of the whole buffer then taking this rank's
 // chunk, and ctorch's ring allGather against c10d's list allgather, per buffer size.
 //
-// Usage (torchrun environment set): shard_collectives_bench <MB,MB,...> <reps>
+// Usage (torchrun environment set): shard_collectives_bench <MB,MB,...> <reps> [segment bytes]
 // Prints, on rank 0, one line per size and method: "size_mb=16 method=ring_reduce_scatter median_ms=...".
 #include "ctorch/compat.hpp"
 #include "ctorch/distributed.hpp"
@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
     for (std::string item; std::getline(list, item, ',');) sizesMb.push_back(std::stoi(item));
   }
   const int reps = argc > 2 ? std::stoi(argv[2]) : 5;
+  ctorch::FlatCollectiveOptions ring;
+  if (argc > 3) ring.segmentBytes(std::stoll(argv[3]));
   const auto group = ctorch::initProcessGroup();
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   auto report = [&](int mb, const char* method, double ms) {
@@ -58,7 +60,7 @@ int main(int argc, char** argv) {
     const std::int64_t numel = ctorch::shardNumel(std::int64_t{mb} << 18, world) * world;  // float32
     const std::int64_t chunk = numel / world;
     at::Tensor flat = torch::randn({numel}), shard = torch::empty({chunk});
-    report(mb, "ring_reduce_scatter", timeIt(reps, [&] { ctorch::reduceScatter(group, flat, shard); }));
+    report(mb, "ring_reduce_scatter", timeIt(reps, [&] { ctorch::reduceScatter(group, flat, shard, ring); }));
     report(mb, "allreduce_then_chunk", timeIt(reps, [&] {
              std::vector<at::Tensor> whole{flat.clone()};
              group->allreduce(whole)->wait();
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
     } catch (const std::exception&) {
       report(mb, "c10d_reduce_scatter_base_unsupported", 0);
     }
-    report(mb, "ring_all_gather", timeIt(reps, [&] { ctorch::allGather(group, shard, flat); }));
+    report(mb, "ring_all_gather", timeIt(reps, [&] { ctorch::allGather(group, shard, flat, ring); }));
     report(mb, "c10d_list_allgather", timeIt(reps, [&] {
              std::vector<std::vector<at::Tensor>> out(1);
              for (int r = 0; r < world; ++r) out[0].push_back(torch::empty({chunk}));
