@@ -324,6 +324,30 @@ inline std::optional<std::chrono::milliseconds> glooTimeout(const c10::intrusive
   return std::nullopt;
 }
 
+// ---- flat reduce-scatter and all-gather (NCCL's) --------------------------------------------------------
+// 1.13 and earlier 2.x: ProcessGroup::_reduce_scatter_base / _allgather_base. Later 2.x (2.14) names
+// them reduce_scatter_single / all_gather_single and deprecates the old names. Detected.
+namespace detail {
+template <class PG, class = void>
+struct HasSingleCollectives : std::false_type {};
+template <class PG>
+struct HasSingleCollectives<PG, std::void_t<decltype(std::declval<PG&>().reduce_scatter_single(
+                                    std::declval<at::Tensor&>(), std::declval<at::Tensor&>()))>>
+    : std::true_type {};
+} // namespace detail
+
+template <class PG = c10d::ProcessGroup>
+auto reduceScatterFlat(PG& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (detail::HasSingleCollectives<PG>::value) return group.reduce_scatter_single(output, input);
+  else return group._reduce_scatter_base(output, input);
+}
+
+template <class PG = c10d::ProcessGroup>
+auto allGatherFlat(PG& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (detail::HasSingleCollectives<PG>::value) return group.all_gather_single(output, input);
+  else return group._allgather_base(output, input);
+}
+
 // ---- zero_grad ---------------------------------------------------------------------------------------
 // 1.13's Optimizer::zero_grad() zeroes, 2.x's zero_grad(set_to_none = true) resets by default, and both
 // call detach_() on every gradient, which throws "Can't detach views in-place" when gradients are
