@@ -50,6 +50,46 @@ bool bitIdentical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
   return true;
 }
 
+// Two replicas of one model on this rank, each behind DDP: `whole` steps the whole optimizer, `sharded`
+// a ZeroRedundancyOptimizer over the same kind; the same batches go to both.
+struct Twins {
+  explicit Twins(const std::string& optimizer) : kind(optimizer) {
+    torch::manual_seed(11);
+    whole = Net();
+    sharded = Net();
+    {
+      torch::NoGradGuard noGrad;
+      for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
+    }
+    ddpWhole = std::make_unique<ctorch::DistributedDataParallel<Net>>(whole);
+    ddpSharded = std::make_unique<ctorch::DistributedDataParallel<Net>>(sharded);
+    reference = makeOptimizer(kind, ddpWhole->parameters());
+    zero = std::make_unique<ctorch::ZeroRedundancyOptimizer>(
+        ddpSharded->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); });
+  }
+  // Global step `step` on this rank's own batch; `broadcast` false: the local step alone (a control).
+  // True while the replicas are bit-identical.
+  bool step(int step, int rank, bool broadcast = true) {
+    torch::manual_seed(1000 + 17 * step + rank);  // each rank its own batch
+    const auto x = torch::randn({8, 12});
+    const auto y = torch::randn({8, 3});
+    reference->zero_grad();
+    torch::mse_loss((*ddpWhole)(x), y).backward();
+    reference->step();
+    zero->zeroGrad();
+    torch::mse_loss((*ddpSharded)(x), y).backward();
+    if (broadcast) zero->step();
+    else zero->localOptimizer()->step();
+    return bitIdentical(whole->parameters(), sharded->parameters());
+  }
+
+  std::string kind;
+  Net whole{nullptr}, sharded{nullptr};
+  std::unique_ptr<ctorch::DistributedDataParallel<Net>> ddpWhole, ddpSharded;
+  std::unique_ptr<torch::optim::Optimizer> reference;
+  std::unique_ptr<ctorch::ZeroRedundancyOptimizer> zero;
+};
+
 // args: optimizer=<sgd|adam> control=<0|1>. Prints "identical after step k" for each step, or
 // "differs at step k"; exit 0 either way unless something failed.
 CTORCH_TEST_WORKER(zero_vs_ddp) {
@@ -57,28 +97,9 @@ CTORCH_TEST_WORKER(zero_vs_ddp) {
   const bool control = arg(args, "control", "0") == "1";
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
-  torch::manual_seed(11);
-  Net whole, sharded;
-  {
-    torch::NoGradGuard noGrad;
-    for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
-  }
-  ctorch::DistributedDataParallel ddpWhole(whole), ddpSharded(sharded);
-  auto reference = makeOptimizer(kind, ddpWhole.parameters());
-  ctorch::ZeroRedundancyOptimizer zero(ddpSharded.parameters(),
-                                       [&](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); });
+  Twins t(kind);
   for (int step = 0; step < 4; ++step) {
-    torch::manual_seed(1000 + 17 * step + rank);  // each rank its own batch
-    const auto x = torch::randn({8, 12});
-    const auto y = torch::randn({8, 3});
-    reference->zero_grad();
-    torch::mse_loss(ddpWhole(x), y).backward();
-    reference->step();
-    zero.zeroGrad();
-    torch::mse_loss(ddpSharded(x), y).backward();
-    if (control) zero.localOptimizer()->step();
-    else zero.step();
-    if (!bitIdentical(whole->parameters(), sharded->parameters())) {
+    if (!t.step(step, rank, !control)) {
       std::cout << "differs at step " << step << "\n";
       ctorch::destroyProcessGroup();
       return 0;
@@ -87,9 +108,9 @@ CTORCH_TEST_WORKER(zero_vs_ddp) {
   }
   // Optimizer state: each rank holds its share's only (SGD: one momentum buffer per parameter;
   // Adam: two moments). The whole optimizer's state is the sum over the ranks.
-  std::cout << "state bytes " << zero.localStateBytes() << " of " << [&] {
+  std::cout << "state bytes " << t.zero->localStateBytes() << " of " << [&] {
     std::size_t bytes = 0;
-    for (const auto& p : whole->parameters()) bytes += p.nbytes();
+    for (const auto& p : t.whole->parameters()) bytes += p.nbytes();
     return bytes * (kind == "adam" ? 2 : 1);
   }() << " world " << world << "\n";
   ctorch::barrier();
@@ -123,53 +144,35 @@ CTORCH_TEST_WORKER(zero_reshard) {
   const std::filesystem::path dir = arg(args, "dir");
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
-  torch::manual_seed(11);
-  Net whole, sharded;
-  {
-    torch::NoGradGuard noGrad;
-    for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
-  }
-  ctorch::DistributedDataParallel ddpWhole(whole), ddpSharded(sharded);
-  auto reference = makeOptimizer(kind, ddpWhole.parameters());
-  ctorch::ZeroRedundancyOptimizer zero(ddpSharded.parameters(),
-                                       [&](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); });
+  Twins t(kind);
   if (resume) {
     torch::NoGradGuard noGrad;
     const auto saved = readValue(dir / "params.pt").toTensorList();
     for (std::size_t i = 0; i < saved.size(); ++i) {
-      whole->parameters()[i].copy_(saved.get(i));
-      sharded->parameters()[i].copy_(saved.get(i));
+      t.whole->parameters()[i].copy_(saved.get(i));
+      t.sharded->parameters()[i].copy_(saved.get(i));
     }
-    const auto errors = ctorch::restoreOptimizerState(*reference, readValue(dir / "type.pt").toStringRef(),
+    const auto errors = ctorch::restoreOptimizerState(*t.reference, readValue(dir / "type.pt").toStringRef(),
                                                       itemDict(readValue(dir / "whole.pt")));
     if (!errors.empty()) throw std::runtime_error(errors.front());
     std::vector<ctorch::ItemDict> shards;
     for (const auto& entry : std::filesystem::directory_iterator(dir))
       if (entry.path().filename().string().rfind("shard", 0) == 0) shards.push_back(itemDict(readValue(entry.path())));
-    zero.loadShardStateDicts(shards);
+    t.zero->loadShardStateDicts(shards);
   }
   for (int step = resume ? 2 : 0; step < (resume ? 4 : 2); ++step) {
-    torch::manual_seed(1000 + 17 * step + rank);
-    const auto x = torch::randn({8, 12});
-    const auto y = torch::randn({8, 3});
-    reference->zero_grad();
-    torch::mse_loss(ddpWhole(x), y).backward();
-    reference->step();
-    zero.zeroGrad();
-    torch::mse_loss(ddpSharded(x), y).backward();
-    zero.step();
-    if (!bitIdentical(whole->parameters(), sharded->parameters())) {
+    if (!t.step(step, rank)) {
       std::cout << "differs at step " << step << "\n";
       break;
     }
     if (resume) std::cout << "identical after resumed step " << step << "\n";
   }
   if (!resume) {
-    writeValue(dir / ("shard" + std::to_string(rank) + ".pt"), c10::IValue(zero.shardStateDict()));
+    writeValue(dir / ("shard" + std::to_string(rank) + ".pt"), c10::IValue(t.zero->shardStateDict()));
     if (rank == 0) {
-      writeValue(dir / "params.pt", c10::List<at::Tensor>(whole->parameters()));
+      writeValue(dir / "params.pt", c10::List<at::Tensor>(t.whole->parameters()));
       std::string type;
-      writeValue(dir / "whole.pt", c10::IValue(ctorch::captureOptimizerState(*reference, &type)));
+      writeValue(dir / "whole.pt", c10::IValue(ctorch::captureOptimizerState(*t.reference, &type)));
       writeValue(dir / "type.pt", type);
     }
   }
