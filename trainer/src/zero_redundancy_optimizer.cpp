@@ -38,6 +38,12 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> paramet
   std::vector<std::int64_t> numels;
   for (const auto& p : parameters_) {
     if (!p.defined()) throw ConfigError("ZeroRedundancyOptimizer: an undefined parameter");
+    // A share travels as one flat buffer of one dtype on one device.
+    if (p.scalar_type() != parameters_.front().scalar_type() || p.device() != parameters_.front().device())
+      throw ConfigError("ZeroRedundancyOptimizer: the parameters must share one dtype and device (found " +
+                        std::string(c10::toString(parameters_.front().scalar_type())) + " on " +
+                        parameters_.front().device().str() + " and " + c10::toString(p.scalar_type()) + " on " +
+                        p.device().str() + ")");
     numels.push_back(p.numel());
   }
   rank_ = group_->getRank();
@@ -60,12 +66,19 @@ void ZeroRedundancyOptimizer::step() {
 }
 
 void ZeroRedundancyOptimizer::broadcastShares() {
+  if (shares_.size() == 1) return;  // one rank: its parameters are the only copy
   torch::NoGradGuard noGrad;
   for (std::size_t owner = 0; owner < shares_.size(); ++owner) {
     const auto& share = shares_[owner];
     if (share.empty()) continue;
-    // One flat buffer per share: a broadcast per rank, not per parameter.
+    // One flat buffer per share (a broadcast per rank, not per parameter): the owner packs its
+    // parameters into it, the others receive into an empty one.
     std::vector<at::Tensor> flat{[&] {
+      if (static_cast<int>(owner) != rank_) {
+        std::int64_t numel = 0;
+        for (std::size_t i : share) numel += parameters_[i].numel();
+        return at::empty({numel}, parameters_[share.front()].options());
+      }
       std::vector<at::Tensor> views;
       for (std::size_t i : share) views.push_back(parameters_[i].detach().reshape({-1}));
       return torch::cat(views);

@@ -44,6 +44,7 @@ class ZeroRedundancyOptimizer {
   // Builds this rank's optimizer over its share (an empty share builds none).
   using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> share)>;
 
+  // The parameters share one dtype and device (ConfigError otherwise).
   ZeroRedundancyOptimizer(std::vector<at::Tensor> parameters, OptimizerFactory makeOptimizer,
                           ZeroOptions options = {});
   ~ZeroRedundancyOptimizer();
