@@ -199,6 +199,12 @@ CTORCH_TEST_WORKER(zero_refusals) {
   } catch (const ctorch::ConfigError& e) {
     std::cout << e.what() << "\n";
   }
+  try {  // one float and one double parameter: a share would not fit one flat buffer
+    ctorch::ZeroRedundancyOptimizer mixed({torch::zeros({3}), torch::zeros({3}, torch::kFloat64)},
+                                          [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); });
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << e.what() << "\n";
+  }
   auto other = sgd.shardStateDict();
   other.insert_or_assign("param_groups", c10::impl::GenericList(c10::AnyType::get()));
   try {
@@ -274,12 +280,13 @@ TEST_CASE("zero: shards saved on 2 ranks resume on 3, and on 4 resume on 2, bit-
     }
 }
 
-TEST_CASE("zero: a shard of another optimizer, or shards that miss a parameter, are refused by name", "[sharding][zero]") {
+TEST_CASE("zero: a shard of another optimizer, shards that miss a parameter, or parameters of two dtypes are refused by name", "[sharding][zero]") {
   auto results = runWorkerGroup({.worker = "zero_refusals", .worldSize = 2});
   requireAllOk(results);
   for (const auto& r : results) {
     INFO(r.output);
     CHECK_THAT(r.output, Catch::Contains("the shards hold Adam state, the optimizer is SGD"));
     CHECK_THAT(r.output, Catch::Contains("no shard holds parameter"));
+    CHECK_THAT(r.output, Catch::Contains("the parameters must share one dtype and device (found Float on cpu and Double on cpu)"));
   }
 }
