@@ -3,6 +3,8 @@
 // the stop flag, and distributed evaluation against a single-process evaluation.
 #include "trainer_test_util.hpp"
 
+#include <ctorch/resilience.hpp>
+
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/data/registry.hpp>
 #include <ctorch/ddp.hpp>
@@ -214,10 +216,15 @@ TEST_CASE("loop: --sharding optimizer (ZeRO-1) on 2 ranks ends bit-identical to 
   };
   TempDir ddp("train-shard-none"), zero("train-shard-zero"), stopped("train-shard-stopped"), switched("train-shard-switch");
   run(ddp.path(), {"sharding=none"});
-  const std::string out = run(zero.path(), {"sharding=optimizer"});
+  const std::string out = run(zero.path(), {"sharding=optimizer", "checkpoint-every=1", "keep-checkpoints=1"});
   CHECK(out.find("optimizer state sharded over the ranks (ZeRO-1)") != std::string::npos);
   CHECK(same(ddp.path(), zero.path()));
   for (int r = 0; r < 2; ++r) CHECK(fs::exists(zero.path() / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  // A pruned checkpoint takes its shards along; the kept one has every rank's.
+  CHECK(ctorch::optimizerShardFiles(zero.path() / "checkpoint_epoch_2.pt") ==
+        std::vector<fs::path>{zero.path() / "checkpoint_epoch_2.pt.optim-rank0", zero.path() / "checkpoint_epoch_2.pt.optim-rank1"});
+  CHECK_FALSE(fs::exists(zero.path() / "checkpoint_epoch_1.pt"));
+  CHECK(ctorch::optimizerShardFiles(zero.path() / "checkpoint_epoch_1.pt").empty());
 
   run(stopped.path(), {"sharding=optimizer", "max-steps=10"});  // mid-epoch 1 (16 steps per epoch)
   CHECK(run(stopped.path(), {"sharding=optimizer"}).find("exactly where it stopped") != std::string::npos);

@@ -2,16 +2,24 @@
 // self-checking snapshot file, found again by the global step of the snapshot that needs them.
 #include "zero_shards.hpp"
 
+#include "ctorch/resilience.hpp"
+
 #include "generic_dict.hpp"
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <cctype>
 #include <set>
 
 namespace ctorch::detail {
 
+namespace {
+constexpr const char* kShardSuffix = ".optim-rank";  // <file>.optim-rank<r>
+}  // namespace
+
 std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank) {
-  return std::filesystem::path(slot.string() + ".optim-rank" + std::to_string(rank));
+  return std::filesystem::path(slot.string() + kShardSuffix + std::to_string(rank));
 }
 
 Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
@@ -78,3 +86,23 @@ std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot); }
 
 } // namespace ctorch::detail
+
+namespace ctorch {
+
+std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile) {
+  const std::string prefix = snapshotFile.filename().string() + detail::kShardSuffix;
+  const std::filesystem::path dir = snapshotFile.has_parent_path() ? snapshotFile.parent_path() : ".";
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const std::string rank = name.substr(std::min(name.size(), prefix.size()));
+    if (name.rfind(prefix, 0) == 0 && !rank.empty() &&
+        std::all_of(rank.begin(), rank.end(), [](unsigned char c) { return std::isdigit(c) != 0; }))
+      files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+} // namespace ctorch

@@ -331,9 +331,7 @@ std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& 
 void removeCheckpoint(const std::filesystem::path& file) {
   std::filesystem::remove(file);
   std::error_code ec;
-  const std::string shardPrefix = file.filename().string() + ".optim-rank";
-  for (const auto& entry : std::filesystem::directory_iterator(file.parent_path(), ec))
-    if (entry.path().filename().string().rfind(shardPrefix, 0) == 0) std::filesystem::remove(entry.path(), ec);
+  for (const auto& shard : optimizerShardFiles(file)) std::filesystem::remove(shard, ec);
 }
 
 // ---- one optimizer step --------------------------------------------------------------------------------

@@ -148,6 +148,10 @@ enum class TrainingStatus {
   kFinished,  // finish() returned
 };
 
+// The optimizer shards a sharded run (track(ZeroRedundancyOptimizer&)) wrote beside `snapshotFile`
+// ("<file>.optim-rank<r>"), every rank's that exists: for a loop that removes its own extra copies.
+std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile);
+
 // Rank 0 writes, every rank restores. Not copyable; one per training run.
 class ResilientTraining {
  public:
