@@ -1,0 +1,356 @@
+// FullyShardedDataParallel (ZeRO-3 and, with reshardAfterForward(false), SHARD_GRAD_OP) against
+// ctorch's DDP with the whole optimizer, with real processes, TCPStore and Gloo on 127.0.0.1: the
+// gathered parameters and the BatchNorm buffers after every step, on a model with units of their own,
+// a unit mixing trainable and frozen parameters, a frozen unit, weights tied across two units and
+// parameters left in the root.
+#include "ctorch_catch.hpp"
+
+#include "multiproc.hpp"
+#include "../ddp/ddp_test_util.hpp"
+
+#include "ctorch/ddp.hpp"
+#include "ctorch/distributed.hpp"
+#include "ctorch/fully_sharded_data_parallel.hpp"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+
+using namespace ctorch::test;
+using ddptest::arg;
+
+namespace fsdp_test {
+
+// A Linear whose weight is another module's (tied weights).
+struct SharedLinearImpl : torch::nn::Module {
+  explicit SharedLinearImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(torch::Tensor x) { return torch::nn::functional::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(SharedLinear);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int in, int out) {
+    fc = register_module("fc", torch::nn::Linear(in, out));
+    norm = register_module("norm", torch::nn::BatchNorm1d(out));
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::tanh(norm(fc(x))); }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    a = register_module("a", Block(12, 40));
+    b = register_module("b", Block(40, 16));
+    tiedA = register_module("tiedA", torch::nn::Linear(16, 16));
+    tiedB = register_module("tiedB", SharedLinear(tiedA->weight));
+    frozen = register_module("frozen", torch::nn::Linear(16, 16));
+    head = register_module("head", torch::nn::Linear(16, 3));
+    frozen->weight.requires_grad_(false);
+    frozen->bias.requires_grad_(false);
+    a->fc->bias.requires_grad_(false);  // unit a: trainable and frozen parameters
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = ctorch::unitForward(a, x);
+    x = ctorch::unitForward(b, x);
+    x = torch::relu(ctorch::unitForward(tiedA, x));
+    x = ctorch::unitForward(tiedB, x);
+    x = ctorch::unitForward(frozen, x);
+    return head(x);  // head stays in the root unit
+  }
+  Block a{nullptr}, b{nullptr};
+  torch::nn::Linear tiedA{nullptr}, frozen{nullptr}, head{nullptr};
+  SharedLinear tiedB{nullptr};
+};
+TORCH_MODULE(Net);
+
+ctorch::WrapPolicy netPolicy() {
+  return [](const std::string& name, const torch::nn::Module&) {
+    return name == "a" || name == "b" || name == "tiedA" || name == "tiedB" || name == "frozen";
+  };
+}
+
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind, std::vector<at::Tensor> params) {
+  if (kind == "adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+}
+
+// The largest absolute difference between the FSDP replica's full state and the reference's (every
+// parameter and buffer by name); infinity when a name or shape is missing.
+double maxDifference(const torch::OrderedDict<std::string, at::Tensor>& sharded, Net& whole) {
+  double most = 0;
+  auto compare = [&](const std::string& name, const at::Tensor& expected) {
+    const auto* got = sharded.find(name);
+    if (got == nullptr || !got->sizes().equals(expected.sizes())) {
+      most = std::numeric_limits<double>::infinity();
+      return;
+    }
+    if (!torch::equal(*got, expected))
+      most = std::max(most, (*got - expected).abs().max().to(at::kDouble).item<double>() + 1e-300);
+  };
+  for (const auto& p : whole->named_parameters()) compare(p.key(), p.value().detach());
+  for (const auto& b : whole->named_buffers()) compare(b.key(), b.value());
+  return most;
+}
+
+// args: optimizer=<sgd|adam> reshard=<1|0> accumulate=<0|1> clip=<0|1> control=<0|1>. Prints
+// "step k max difference D" after each step (0 = bit-identical) and the local bytes.
+CTORCH_TEST_WORKER(fsdp_vs_ddp) {
+  const std::string kind = arg(args, "optimizer", "sgd");
+  const bool reshard = arg(args, "reshard", "1") == "1", accumulate = arg(args, "accumulate", "0") == "1",
+             clip = arg(args, "clip", "0") == "1", control = arg(args, "control", "0") == "1";
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
+  torch::manual_seed(11);
+  Net whole, sharded;
+  {
+    torch::NoGradGuard noGrad;
+    for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
+  }
+  ctorch::DistributedDataParallel ddp(whole);
+  std::vector<at::Tensor> unique;  // tiedA.weight is tiedB.weight: one entry for the optimizer
+  for (const auto& p : ddp.parameters())
+    if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& u) { return u.is_same(p); })) unique.push_back(p);
+  auto reference = makeOptimizer(kind, unique);
+  ctorch::FullyShardedDataParallel fsdp(sharded, ctorch::FSDPOptions().autoWrapPolicy(netPolicy()).reshardAfterForward(reshard));
+  auto optimizer = makeOptimizer(kind, fsdp.parameters());
+  std::size_t wholeBytes = 0;
+  for (const auto& p : unique) wholeBytes += p.nbytes();
+  std::cout << "units";
+  for (const auto& name : fsdp.unitNames()) std::cout << " [" << name << "]";
+  std::cout << "\n";
+  for (int step = 0; step < 4; ++step) {
+    const int micro = accumulate ? 2 : 1;
+    reference->zero_grad();
+    optimizer->zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      torch::manual_seed(1000 + 17 * step + 5 * m + rank);  // each rank its own batch
+      const auto x = torch::randn({8, 12});
+      const auto y = torch::randn({8, 3});
+      const bool last = m == micro - 1;
+      {
+        auto guard = last ? std::optional<ctorch::NoSyncGuard>() : std::optional<ctorch::NoSyncGuard>(ddp.noSync());
+        torch::mse_loss(ddp(x), y).backward();
+      }
+      fsdp.setRequiresGradientSync(last && !control);
+      torch::mse_loss(fsdp(x), y).backward();
+    }
+    if (clip) {
+      torch::nn::utils::clip_grad_norm_(unique, 0.05);
+      fsdp.clipGradNorm(0.05);
+    }
+    reference->step();
+    optimizer->step();
+    std::cout << "step " << step << " max difference " << maxDifference(fsdp.fullStateDict(), whole) << "\n";
+  }
+  std::cout << "bytes " << fsdp.localParameterBytes() << " whole " << wholeBytes << " largest unit "
+            << fsdp.largestUnitBytes() << " world " << world << "\n";
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
+struct NoHookImpl : torch::nn::Module {  // calls its Linear directly: not a unit that can be sharded
+  NoHookImpl() { fc = register_module("fc", torch::nn::Linear(4, 4)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(NoHook);
+
+// The refusals, printed: a unit never called through unitForward; a unit of two dtypes.
+CTORCH_TEST_WORKER(fsdp_refusals) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  NoHook net;
+  ctorch::FullyShardedDataParallel fsdp(net, ctorch::FSDPOptions().autoWrapPolicy(
+                                                 ctorch::moduleTypeWrapPolicy<torch::nn::LinearImpl>()));
+  try {
+    fsdp(torch::randn({2, 4})).sum().backward();
+    std::cout << "no refusal\n";
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << e.what() << "\n";
+  }
+  try {
+    auto mixed = torch::nn::Linear(4, 4);
+    mixed->bias.set_data(mixed->bias.to(torch::kFloat64));
+    ctorch::FullyShardedDataParallel bad(mixed);
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << e.what() << "\n";
+  }
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
+void writeValue(const std::filesystem::path& file, const c10::IValue& value) {
+  const auto bytes = torch::pickle_save(value);
+  std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+c10::IValue readValue(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return torch::pickle_load(bytes);
+}
+
+// Two phases (args: phase=<save|resume> dir=<folder>): `save` trains 2 steps and leaves each rank's
+// shard and rank 0's full state dict; `resume` (on another world size) loads the shards and prints
+// "resharded state identical" when its gathered state is the saved full state, bit for bit.
+CTORCH_TEST_WORKER(fsdp_reshard) {
+  const bool resume = arg(args, "phase") == "resume";
+  const std::filesystem::path dir = arg(args, "dir");
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  const int rank = ctorch::getRank();
+  torch::manual_seed(11);
+  Net net;
+  ctorch::FullyShardedDataParallel fsdp(net, ctorch::FSDPOptions().autoWrapPolicy(netPolicy()));
+  if (!resume) {
+    auto optimizer = makeOptimizer("adam", fsdp.parameters());
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(100 + step + rank);
+      optimizer->zero_grad();
+      torch::mse_loss(fsdp(torch::randn({8, 12})), torch::randn({8, 3})).backward();
+      optimizer->step();
+    }
+    writeValue(dir / ("shard" + std::to_string(rank) + ".pt"), c10::IValue(fsdp.shardStateDict()));
+    const auto full = fsdp.fullStateDict();
+    if (rank == 0) {
+      c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+      for (const auto& item : full) dict.insert(item.key(), item.value());
+      writeValue(dir / "full.pt", dict);
+    }
+  } else {
+    std::vector<ctorch::ItemDict> shards;
+    for (const auto& entry : std::filesystem::directory_iterator(dir))
+      if (entry.path().filename().string().rfind("shard", 0) == 0)
+        shards.push_back(c10::impl::toTypedDict<std::string, c10::IValue>(readValue(entry.path()).toGenericDict()));
+    fsdp.loadShardStateDicts(shards);
+    const auto saved = readValue(dir / "full.pt").toGenericDict();
+    bool same = true;
+    const auto now = fsdp.fullStateDict();
+    for (const auto& item : now) same = same && saved.contains(item.key()) && torch::equal(saved.at(item.key()).toTensor(), item.value());
+    std::cout << (same && saved.size() == now.size() ? "resharded state identical" : "resharded state differs") << "\n";
+  }
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
+std::vector<double> differences(const std::string& output) {
+  std::vector<double> out;
+  for (std::size_t at = output.find("max difference "); at != std::string::npos; at = output.find("max difference ", at + 1))
+    out.push_back(std::stod(output.substr(at + 15)));
+  return out;
+}
+
+std::size_t bytesNumber(const std::string& text, const std::string& after) {
+  const auto line = text.find("bytes ");
+  const auto at = text.find(after, line);
+  return at == std::string::npos ? 0 : std::stoull(text.substr(at + after.size()));
+}
+
+} // namespace fsdp_test
+
+using namespace fsdp_test;
+
+TEST_CASE("fsdp: 2 ranks, full sharding and SHARD_GRAD_OP, SGD and Adam, are bit-identical to DDP", "[sharding][fsdp]") {
+  for (const char* reshard : {"1", "0"})
+    for (const char* optimizer : {"sgd", "adam"}) {
+      auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 2,
+                                     .args = {std::string("optimizer=") + optimizer, std::string("reshard=") + reshard}});
+      requireAllOk(results);
+      for (const auto& r : results) {
+        INFO("reshard " << reshard << ", " << optimizer << ": " << r.output);
+        CHECK_THAT(r.output, Catch::Contains("units [] [a] [b] [tiedA] [frozen]"));  // tiedB's weight went to the root
+        const auto d = differences(r.output);
+        REQUIRE(d.size() == 4);
+        for (double x : d) CHECK(x == 0);
+        // Each rank holds half of the parameters (plus at most one element of padding per flat buffer).
+        CHECK(bytesNumber(r.output, "bytes ") <= bytesNumber(r.output, " whole ") / 2 + 7 * 4);
+      }
+    }
+}
+
+TEST_CASE("fsdp: gradient accumulation without synchronisation is bit-identical to DDP's no_sync", "[sharding][fsdp]") {
+  auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 2, .args = {"optimizer=adam", "accumulate=1"}});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    const auto d = differences(r.output);
+    REQUIRE(d.size() == 4);
+    for (double x : d) CHECK(x == 0);
+  }
+}
+
+TEST_CASE("fsdp: clipping by the global norm over the shards matches DDP's clip_grad_norm_ within a stated bound", "[sharding][fsdp]") {
+  // The norm is summed over shards in float64 here and per parameter in float32 by
+  // clip_grad_norm_, so the clip coefficients may differ in their last bits (~1e-7 relative); with
+  // SGD at lr 0.1 on clipped gradients of norm 0.05, 4 steps move a parameter by < 1e-7 * 0.02 * 4
+  // for that cause: 1e-6 bounds it with margin, the control's differences are >= 1e-3.
+  auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 2, .args = {"optimizer=sgd", "clip=1"}});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    const auto d = differences(r.output);
+    REQUIRE(d.size() == 4);
+    for (double x : d) CHECK(x <= 1e-6);
+  }
+}
+
+TEST_CASE("fsdp: 3 ranks stay within the bound another association of the sum allows", "[sharding][fsdp]") {
+  // At 3 ranks DDP's Gloo allreduce and the reduce-scatter add the three ranks' gradients in
+  // different orders, so an averaged gradient may differ in its last bit or two (~2.4e-7 relative);
+  // 4 steps of SGD (lr 0.1, momentum 0.9) or Adam (lr 1e-2, whose update is ~lr in size) keep
+  // parameters of order 1 within 1e-5 of each other; the control's differences are >= 1e-3.
+  for (const char* optimizer : {"sgd", "adam"}) {
+    auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 3, .args = {std::string("optimizer=") + optimizer}});
+    requireAllOk(results);
+    for (const auto& r : results) {
+      INFO(optimizer << ": " << r.output);
+      const auto d = differences(r.output);
+      REQUIRE(d.size() == 4);
+      for (double x : d) CHECK(x <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("fsdp: the control - no gradient synchronisation fails the check", "[sharding][fsdp][control]") {
+  auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 2, .args = {"control=1"}});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    const auto d = differences(r.output);
+    REQUIRE(d.size() == 4);
+    CHECK(d.front() >= 1e-3);
+  }
+}
+
+TEST_CASE("fsdp: shards saved on 2 ranks load on 3, and on 4 load on 2, into the same full state", "[sharding][fsdp]") {
+  for (const auto& [from, to] : {std::pair{2, 3}, std::pair{4, 2}}) {
+    TempDir dir;
+    const std::string where = "dir=" + dir.path().string();
+    requireAllOk(runWorkerGroup({.worker = "fsdp_reshard", .worldSize = from, .args = {"phase=save", where}}));
+    auto results = runWorkerGroup({.worker = "fsdp_reshard", .worldSize = to, .args = {"phase=resume", where}});
+    requireAllOk(results);
+    for (const auto& r : results) {
+      INFO(from << " -> " << to << ": " << r.output);
+      CHECK_THAT(r.output, Catch::Contains("resharded state identical"));
+    }
+  }
+}
+
+TEST_CASE("fsdp: a unit not called through unitForward, or of two dtypes, is refused by name", "[sharding][fsdp]") {
+  auto results = runWorkerGroup({.worker = "fsdp_refusals", .worldSize = 2});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    CHECK_THAT(r.output, Catch::Contains("unit 'fc' was not called through ctorch::unitForward in the forward"));
+    CHECK_THAT(r.output, Catch::Contains("must share one dtype and device (found Float on cpu and Double on cpu)"));
+  }
+}

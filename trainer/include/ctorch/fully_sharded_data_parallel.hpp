@@ -1,0 +1,226 @@
+// Fully sharded data parallelism for LibTorch modules (ZeRO-3; Python's FullyShardedDataParallel /
+// FSDP2's fully_shard): each rank holds 1/N of every unit's parameters, gradients and optimizer state;
+// a unit's parameters are gathered just before its forward and again before its backward, freed after
+// each, and its gradients are reduce-scattered as soon as its backward is done.
+//
+//   struct NetImpl : torch::nn::Module {        // a unit is called through ctorch::unitForward
+//     torch::Tensor forward(torch::Tensor x) {
+//       for (auto& block : blocks) x = ctorch::unitForward(block, x);
+//       return head(x);
+//     }
+//   };
+//   ctorch::FullyShardedDataParallel fsdp(net, ctorch::FSDPOptions().autoWrapPolicy(
+//       ctorch::moduleTypeWrapPolicy<BlockImpl>()));
+//   torch::optim::Adam adam(fsdp.parameters(), 1e-3);         // this rank's shards
+//   ... adam.zero_grad(); fsdp(x).loss().backward(); adam.step(); ...
+//
+// LibTorch has no module hooks, so the places where a unit's parameters are needed are marked in the
+// model: each unit's parent calls it through ctorch::unitForward (a plain call when no FSDP holds it).
+// The first forward checks that every unit was reached that way and names any that was not (its
+// parameters are kept gathered through that forward, so nothing reads freed memory).
+// Construction and every forward and backward are collectives: all ranks make the same calls.
+#pragma once
+
+#include "ctorch/ddp.hpp"
+#include "ctorch/errors.hpp"
+#include "ctorch/snapshot.hpp"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <string>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace ctorch {
+
+// Which submodules become units of their own (the rest of the parameters stay in their nearest
+// enclosing unit; the root module is always a unit). Given each submodule's dotted name and the
+// module, in registration order, outermost first.
+using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::Module& module)>;
+
+// Python's size_based_auto_wrap_policy: a submodule whose parameters (counted over its whole subtree)
+// number at least `minParameters` elements, innermost first, so that each large Linear or block is
+// its own unit.
+WrapPolicy sizeBasedWrapPolicy(std::int64_t minParameters);
+
+// Python's ModuleWrapPolicy: every submodule of one of these implementation types (BlockImpl, not
+// the Block holder).
+template <class... ModuleImpls>
+WrapPolicy moduleTypeWrapPolicy() {
+  return [](const std::string&, const torch::nn::Module& module) {
+    return ((dynamic_cast<const ModuleImpls*>(&module) != nullptr) || ...);
+  };
+}
+
+struct FSDPOptions {
+  // The group the parameters are sharded over (default: the default process group).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+  // Unset: the root is the only unit (the whole model gathered through the step, gradients and
+  // optimizer state sharded: ZeRO-2's memory).
+  TORCH_ARG(WrapPolicy, autoWrapPolicy);
+  // Free a unit's gathered parameters after its forward and gather them again for its backward
+  // (FULL_SHARD; Python's reshard_after_forward=True). false keeps them from the forward to the end of
+  // the backward (SHARD_GRAD_OP, ZeRO-2: one gather per step instead of two).
+  TORCH_ARG(bool, reshardAfterForward) = true;
+  // Gather the unit that comes next (in the previous step's order) while the current one computes, in
+  // the forward and in the backward (Python's forward_prefetch / BACKWARD_PRE).
+  TORCH_ARG(bool, prefetch) = true;
+  // Broadcast buffers (BatchNorm running statistics) from rank 0 before each forward, as DDP does.
+  TORCH_ARG(bool, broadcastBuffers) = true;
+  // Start every rank from rank 0's parameters and buffers (Python's sync_module_states).
+  TORCH_ARG(bool, syncModuleStates) = true;
+};
+
+namespace detail {
+
+struct FSDPUnit;
+
+// The non-template engine behind FullyShardedDataParallel (units, flat shards, the communication
+// thread, the autograd hooks).
+class FSDPCore {
+ public:
+  FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options);
+  ~FSDPCore();
+  FSDPCore(const FSDPCore&) = delete;
+  FSDPCore& operator=(const FSDPCore&) = delete;
+
+  void beginRootForward();
+  void endRootForward(const std::vector<at::Tensor>& outputs);
+  std::vector<at::Tensor> parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> namedParameters() const;
+  void zeroGrad(bool setToNone);
+  double clipGradNorm(double maxNorm);
+  void setRequiresGradientSync(bool on);
+  torch::OrderedDict<std::string, at::Tensor> fullStateDict();
+  void loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state);
+  ItemDict shardStateDict() const;
+  void loadShardStateDicts(const std::vector<ItemDict>& shards);
+  std::vector<std::string> unitNames() const;
+  std::size_t localParameterBytes() const;
+  std::size_t localGradientBytes() const;
+  std::size_t largestUnitBytes() const;
+  const FSDPOptions& options() const;
+  c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
+  torch::nn::Module& module();
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// The unit a module is, under a live FullyShardedDataParallel (null: none).
+FSDPUnit* unitOf(const torch::nn::Module* module);
+void beginUnitForward(FSDPUnit& unit);
+void endUnitForward(FSDPUnit& unit, const std::vector<at::Tensor>& outputs);
+
+} // namespace detail
+
+// Calls module->forward(args...). When the module is a unit of a FullyShardedDataParallel, its
+// parameters are gathered before (waiting for a prefetch) and, with reshardAfterForward, freed after;
+// its outputs carry the hook that gathers them again before its backward.
+namespace detail {
+template <class M>
+const torch::nn::Module* rawModule(const M& module) {
+  if constexpr (std::is_pointer_v<M>) return module;
+  else return modulePointer(module).get();
+}
+} // namespace detail
+
+// `module`: a module holder (torch::nn::Linear, a TORCH_MODULE), a std::shared_ptr to a module, or a
+// raw pointer to one (list[i]->as<BlockImpl>()).
+template <class M, class... Args>
+auto unitForward(M& module, Args&&... args) {
+  detail::FSDPUnit* unit = detail::unitOf(detail::rawModule(module));
+  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  detail::beginUnitForward(*unit);
+  auto output = module->forward(std::forward<Args>(args)...);
+  std::vector<at::Tensor> tensors;
+  auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
+  detail::visitTensors(output, collect);
+  detail::endUnitForward(*unit, tensors);
+  return output;
+}
+
+template <class ModuleType>
+class FullyShardedDataParallel {
+ public:
+  // Splits the module into units (options.autoWrapPolicy), flattens each unit's parameters into one
+  // buffer per trainable/frozen kind, keeps this rank's 1/N of it and frees the rest. The module's own
+  // parameter tensors stay (unit forwards see them gathered); optimize parameters() instead.
+  // Throws ConfigError for a unit whose parameters mix dtypes or devices.
+  explicit FullyShardedDataParallel(ModuleType module, FSDPOptions options = {})
+      : module_(std::move(module)),
+        core_(std::make_unique<detail::FSDPCore>(detail::modulePointer(module_), std::move(options))) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    core_->beginRootForward();
+    auto output = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
+    detail::visitTensors(output, collect);
+    core_->endRootForward(tensors);
+    return output;
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+  FullyShardedDataParallel* operator->() { return this; }
+
+  ModuleType& module() { return module_; }
+  // This rank's flat shards, one or two per unit (trainable; frozen ones with requires_grad false),
+  // for the optimizer. After backward each trainable shard's grad is its slice of the gradient
+  // averaged over the ranks.
+  std::vector<at::Tensor> parameters() const { return core_->parameters(); }
+  // "<unit>.flat" / "<unit>.flat_frozen" (the root unit is ""): the shards by name.
+  std::vector<std::pair<std::string, at::Tensor>> namedParameters() const { return core_->namedParameters(); }
+  void zeroGrad(bool setToNone = true) { core_->zeroGrad(setToNone); }
+  // Clips the gradient by its global norm, computed over every rank's shards (Python's
+  // FSDP.clip_grad_norm_), and returns that norm. A collective.
+  double clipGradNorm(double maxNorm) { return core_->clipGradNorm(maxNorm); }
+  // Gradient accumulation (Python's set_requires_gradient_sync): while off, backward keeps the
+  // whole gradients on each rank, to be reduce-scattered with the next synchronised backward.
+  void setRequiresGradientSync(bool on) { core_->setRequiresGradientSync(on); }
+  // The module's full state dict (parameter and buffer names as module->named_parameters() and
+  // named_buffers() give them, i.e. Python's keys), gathered on every rank. A collective.
+  torch::OrderedDict<std::string, at::Tensor> fullStateDict() { return core_->fullStateDict(); }
+  // Loads a full state dict (each rank keeps its shards of it). Every name must be present.
+  void loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state) { core_->loadFullStateDict(state); }
+  // This rank's shards with where they lie in each unit's unpadded flat buffer: what a sharded
+  // snapshot keeps per rank. Any world size's shards load into any other's (loadShardStateDicts
+  // takes all of them).
+  ItemDict shardStateDict() const { return core_->shardStateDict(); }
+  void loadShardStateDicts(const std::vector<ItemDict>& shards) { core_->loadShardStateDicts(shards); }
+
+  std::vector<std::string> unitNames() const { return core_->unitNames(); }
+  std::size_t localParameterBytes() const { return core_->localParameterBytes(); }
+  std::size_t localGradientBytes() const { return core_->localGradientBytes(); }
+  // The bytes of the largest unit's gathered parameters (what one forward adds at its peak).
+  std::size_t largestUnitBytes() const { return core_->largestUnitBytes(); }
+  const FSDPOptions& options() const { return core_->options(); }
+  c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
+  void train(bool on = true) { core_->module().train(on); }
+  void eval() { train(false); }
+  detail::FSDPCore& core() { return *core_; }
+
+ private:
+  ModuleType module_;
+  std::unique_ptr<detail::FSDPCore> core_;
+};
+
+} // namespace ctorch
