@@ -29,6 +29,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
@@ -108,6 +109,8 @@ class FSDPCore {
   void loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state);
   ItemDict shardStateDict() const;
   void loadShardStateDicts(const std::vector<ItemDict>& shards);
+  ItemDict optimizerShardStateDict(const torch::optim::Optimizer& optimizer) const;
+  void loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, const std::vector<ItemDict>& shards);
   std::vector<std::string> unitNames() const;
   std::size_t localParameterBytes() const;
   std::size_t localGradientBytes() const;
@@ -206,6 +209,15 @@ class FullyShardedDataParallel {
   // takes all of them).
   ItemDict shardStateDict() const { return core_->shardStateDict(); }
   void loadShardStateDicts(const std::vector<ItemDict>& shards) { core_->loadShardStateDicts(shards); }
+  // The state of an optimizer built over parameters() (momentum, Adam's moments, ...), cut the same
+  // way: this rank's part, which loadOptimizerShardStateDicts reassembles at any world size.
+  // ConfigError when the optimizer does not hold these parameters or the shards do not fit.
+  ItemDict optimizerShardStateDict(const torch::optim::Optimizer& optimizer) const {
+    return core_->optimizerShardStateDict(optimizer);
+  }
+  void loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, const std::vector<ItemDict>& shards) {
+    core_->loadOptimizerShardStateDicts(optimizer, shards);
+  }
 
   std::vector<std::string> unitNames() const { return core_->unitNames(); }
   std::size_t localParameterBytes() const { return core_->localParameterBytes(); }

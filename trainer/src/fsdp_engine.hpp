@@ -1,0 +1,264 @@
+// FullyShardedDataParallel's engine, shared by its sources: the communication thread, a unit's flat
+// buffers (their storage freed and refilled in place), and the gather / reshard / backward steps.
+#pragma once
+
+#include "ctorch/fully_sharded_data_parallel.hpp"
+
+#include "ctorch/flat_collectives.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+namespace ctorch::detail {
+
+// One thread runs every collective of one FullyShardedDataParallel, in the order they were asked for:
+// the same order on every rank, while the compute threads go on (prefetch, reduce-scatter in backward).
+class FSDPCommThread {
+ public:
+  FSDPCommThread() : thread_([this] { run(); }) {}
+  ~FSDPCommThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  std::shared_future<void> submit(std::function<void()> job) {
+    std::packaged_task<void()> task(std::move(job));
+    auto done = task.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(task));
+    }
+    wake_.notify_one();
+    return done;
+  }
+  // Runs `job` after everything asked before it and waits for it (rethrowing its failure).
+  void run(std::function<void()> job) { submit(std::move(job)).get(); }
+
+ private:
+  void run() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::packaged_task<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+inline void freeStorage(const c10::Storage& storage) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+inline void allocateStorage(const c10::Storage& storage, std::size_t bytes) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  impl->set_nbytes(bytes);
+}
+
+// The parameters of one unit of one kind (trainable or frozen), flattened: `full` aliases the storage
+// every parameter of it now lives in (freed while sharded), `shard` is this rank's slice of it.
+struct FlatParameter {
+  std::string name;  // "<unit>.flat" or "<unit>.flat_frozen"
+  std::vector<at::Tensor> params;
+  std::vector<std::int64_t> offsets;
+  std::int64_t numel = 0, shardNumel = 0;
+  at::Tensor full, shard;
+  c10::Storage storage;
+  std::size_t fullBytes() const { return static_cast<std::size_t>(full.numel() * full.element_size()); }
+};
+
+struct FSDPUnit {
+  FSDPCore::Impl* core = nullptr;
+  std::string name;  // "" for the root
+  const torch::nn::Module* module = nullptr;
+  std::size_t index = 0;
+  std::vector<FlatParameter> flats;  // trainable first, then frozen (either may be absent)
+  std::int64_t trainableCount = 0;
+  // Per step:
+  bool gathered = false;
+  std::shared_future<void> pending;  // the gather in flight
+  bool enteredThisForward = false;
+  std::int64_t gradsReady = 0;
+  bool reduced = false;
+};
+
+struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
+  std::shared_ptr<torch::nn::Module> root;
+  FSDPOptions options;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  int rank = 0, world = 1;
+  std::vector<std::unique_ptr<FSDPUnit>> units;  // units[0] is the root
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::recursive_mutex mutex;
+  std::unique_ptr<FSDPCommThread> comm;
+  std::vector<std::shared_future<void>> inFlight;  // reduce-scatters of this backward
+  bool verified = false;       // the first forward showed every unit is reached through unitForward
+  bool gradientSync = true;
+  bool lastForwardSynchronised = true;
+  bool callbackQueued = false;
+  std::vector<std::size_t> order, lastOrder;  // units in the order their forward began
+
+  // ---- gathering ----------------------------------------------------------------------------------
+  void startGather(FSDPUnit& unit) {
+    if (unit.gathered) return;
+    unit.gathered = true;
+    std::vector<std::pair<at::Tensor, at::Tensor>> jobs;
+    for (auto& flat : unit.flats) {
+      allocateStorage(flat.storage, flat.fullBytes());
+      jobs.emplace_back(flat.shard.detach(), flat.full);
+    }
+    auto g = group;
+    const int w = world;
+    unit.pending = comm->submit([g, w, jobs]() mutable {
+      for (auto& [shard, full] : jobs) {
+        if (w == 1) full.copy_(shard);
+        else allGather(g, shard, full);
+      }
+    });
+  }
+  void ensureGathered(FSDPUnit& unit) {
+    startGather(unit);
+    if (unit.pending.valid()) {
+      auto pending = std::move(unit.pending);
+      unit.pending = {};
+      pending.get();
+    }
+  }
+  void reshard(FSDPUnit& unit) {
+    if (!unit.gathered) return;
+    if (unit.pending.valid()) {
+      auto pending = std::move(unit.pending);
+      unit.pending = {};
+      pending.get();
+    }
+    for (auto& flat : unit.flats) freeStorage(flat.storage);
+    unit.gathered = false;
+  }
+  void prefetch(std::size_t unitIndex, int direction) {
+    if (!options.prefetch() || !verified) return;
+    for (std::size_t i = 0; i < lastOrder.size(); ++i)
+      if (lastOrder[i] == unitIndex) {
+        const auto next = static_cast<std::ptrdiff_t>(i) + direction;
+        if (next >= 0 && next < static_cast<std::ptrdiff_t>(lastOrder.size())) startGather(*units[lastOrder[next]]);
+        return;
+      }
+  }
+
+  // ---- backward -----------------------------------------------------------------------------------
+  void queueFinalCallback() {
+    if (callbackQueued) return;
+    callbackQueued = true;
+    std::weak_ptr<Impl> weak = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->finishBackward();
+    });
+  }
+  void preBackward(FSDPUnit& unit) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    queueFinalCallback();
+    ensureGathered(unit);
+    if (!options.reshardAfterForward() || !options.prefetch()) return;
+    if (unit.index == 0) {  // the backward begins: the last unit of the forward comes first
+      if (!lastOrder.empty()) startGather(*units[lastOrder.back()]);
+    } else {
+      prefetch(unit.index, -1);
+    }
+  }
+  void gradReady(FSDPUnit& unit) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    queueFinalCallback();
+    if (++unit.gradsReady == unit.trainableCount) postBackward(unit);
+  }
+  // The unit's gradients are all accumulated: reduce-scatter them (averaged) into its shards' grads,
+  // drop the whole gradients and free the gathered parameters.
+  void postBackward(FSDPUnit& unit) {
+    if (unit.reduced) return;
+    unit.reduced = true;
+    if (gradientSync) {
+      for (auto& flat : unit.flats) {
+        if (!flat.shard.requires_grad()) continue;
+        auto padded = at::zeros({flat.shardNumel * world}, flat.full.options());
+        for (std::size_t i = 0; i < flat.params.size(); ++i) {
+          auto& grad = flat.params[i].mutable_grad();
+          if (!grad.defined()) continue;
+          padded.narrow(0, flat.offsets[i], flat.params[i].numel()).copy_(grad.reshape({-1}));
+          grad = at::Tensor();
+        }
+        auto shard = flat.shard;
+        auto g = group;
+        const int w = world;
+        inFlight.push_back(comm->submit([g, w, padded, shard]() mutable {
+          at::Tensor mine = at::empty({shard.numel()}, padded.options());
+          if (w == 1) mine.copy_(padded);
+          else reduceScatter(g, padded, mine);
+          mine.div_(w);
+          auto& grad = shard.mutable_grad();
+          if (grad.defined()) grad.add_(mine);
+          else grad = mine;
+        }));
+      }
+    }
+    reshard(unit);
+  }
+  void finishBackward() {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    for (auto& unit : units)
+      if (unit->trainableCount > 0 && unit->gradsReady > 0) postBackward(*unit);  // some parameter unused
+    auto flights = std::move(inFlight);
+    inFlight.clear();
+    std::exception_ptr failure;
+    for (auto& f : flights) {
+      try {
+        f.get();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    for (auto& unit : units) {
+      try {
+        reshard(*unit);
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      unit->gradsReady = 0;
+      unit->reduced = false;
+    }
+    callbackQueued = false;
+    if (failure) std::rethrow_exception(failure);
+  }
+  void addPreBackwardHooks(FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
+    std::weak_ptr<Impl> weak = shared_from_this();
+    FSDPUnit* u = &unit;
+    for (const auto& out : outputs)
+      if (out.defined() && out.requires_grad()) {
+        auto t = out;
+        t.register_hook([weak, u](const at::Tensor&) {
+          if (auto self = weak.lock()) self->preBackward(*u);
+        });
+      }
+  }
+};
+
+} // namespace ctorch::detail
