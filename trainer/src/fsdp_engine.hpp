@@ -7,6 +7,7 @@
 #include "ctorch/flat_collectives.hpp"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
@@ -15,6 +16,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace ctorch::detail {
 
@@ -110,7 +112,9 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   int rank = 0, world = 1;
   std::vector<std::unique_ptr<FSDPUnit>> units;  // units[0] is the root
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  // The parameters' gradient accumulators, kept alive for their hooks (a shared_ptr in LibTorch 1.13,
+  // an intrusive_ptr in later 2.x).
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))> accumulators;
   std::recursive_mutex mutex;
   std::unique_ptr<FSDPCommThread> comm;
   std::vector<std::shared_future<void>> inFlight;  // reduce-scatters of this backward

@@ -148,8 +148,8 @@ struct ResilientTraining::Impl {
   void save(Kind kind, const SaveExtras& extras, Targets targets) {
     std::vector<RngState> rankRng;
     if (!o.stepSeed()) rankRng = ranks->gatherRng();
-    if (state.zero())  // every rank writes its own optimizer shard (no gather to rank 0)
-      saver->writeShard(detail::captureShard(*state.zero(), identity(), progress()), kind == Kind::kEpochBoundary,
+    if (state.sharded())  // every rank writes its own shard (no gather to rank 0)
+      saver->writeShard(state.captureRankShard(identity(), progress()), kind == Kind::kEpochBoundary,
                         extras, targets, label(kind));
     if (rank == 0) {
       if (!state.model())
@@ -257,7 +257,7 @@ struct ResilientTraining::Impl {
     if (!o.allowConfigChange()) load.expect.config = o.config();
     // A sharded optimizer's snapshot is usable only with every rank's shard of its step: one whose
     // shards are not all there (a crash between the ranks' writes) is skipped like a damaged one.
-    if (state.zero())
+    if (state.sharded())
       load.accept = [this, expect = load.expect](const Snapshot& candidate) {
         if (candidate.userState.contains(detail::kZeroShardsKey))
           resumeShards[candidate.source] =
@@ -337,6 +337,11 @@ ResilientTraining::~ResilientTraining() = default;
 
 ResilientTraining& ResilientTraining::trackModule(torch::nn::Module& module, detail::DDPCore* ddp) {
   impl_->state.setModel(module, ddp);
+  return *this;
+}
+
+ResilientTraining& ResilientTraining::trackSharded(detail::FSDPCore& fsdp) {
+  impl_->state.setModel(fsdp);
   return *this;
 }
 
@@ -579,7 +584,7 @@ ResumePoint ResilientTraining::recover() {
   Impl& s = *impl_;
   const std::exception_ptr failure = std::current_exception();
   if (!failure) throw ConfigError("ResilientTraining::recover() must be called while handling the exception of a failed step");
-  if (!s.recovery->enabled() || s.state.zero() || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
+  if (!s.recovery->enabled() || s.state.sharded() || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
   std::string cause;
   bool communication = false;
   try {
@@ -610,7 +615,7 @@ ResumePoint ResilientTraining::recover() {
 
 // A sharded optimizer's state is spread over the ranks: a lost rank's shard comes back from the
 // snapshot files with a group restart (docs/sharding.md).
-bool ResilientTraining::canRecoverInPlace() const { return impl_->recovery->enabled() && !impl_->state.zero(); }
+bool ResilientTraining::canRecoverInPlace() const { return impl_->recovery->enabled() && !impl_->state.sharded(); }
 
 void ResilientTraining::save(const SaveExtras& extras) {
   Impl& s = *impl_;

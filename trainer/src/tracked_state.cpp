@@ -21,6 +21,13 @@ c10::IValue bucketsValue(const BucketLayout& buckets) {
   return list;
 }
 
+// A string-keyed dict read back from a file (its key type may come back as Any).
+ItemDict itemDictOf(const c10::IValue& value) {
+  ItemDict out = newItemDict();
+  for (const auto& item : value.toGenericDict()) out.insert(item.key().toStringRef(), item.value());
+  return out;
+}
+
 }  // namespace
 
 SnapshotPoint pointOf(const Snapshot& s) {
@@ -59,6 +66,16 @@ void TrackedState::setModel(torch::nn::Module& module, DDPCore* ddp) {
   ddp_ = ddp;
 }
 
+void TrackedState::setModel(FSDPCore& fsdp) {
+  setModel(fsdp.module(), nullptr);
+  fsdp_ = &fsdp;
+}
+
+Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const {
+  if (zero_) return captureShard(*zero_, identity, progress);
+  return captureShard(*fsdp_, optimizer_, identity, progress);
+}
+
 void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
   if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
   optimizer_ = &optimizer;
@@ -89,7 +106,7 @@ void TrackedState::addItems(std::function<void(ItemDict&)> save, std::function<v
 void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
                             std::function<void(const c10::IValue&)> load) {
   if (name.empty()) throw ConfigError("ResilientTraining::track: the name of a value is empty");
-  if (name == kEpochCompleteKey || name == kDdpBucketsKey || name == kZeroShardsKey)
+  if (name == kEpochCompleteKey || name == kDdpBucketsKey || name == kZeroShardsKey || name == kShardedModelKey)
     throw ConfigError("ResilientTraining::track: '" + name + "' is a name the library keeps for itself");
   for (const auto& n : names_)
     if (n == name) throw ConfigError("ResilientTraining::track: '" + name + "' is registered twice");
@@ -105,18 +122,46 @@ Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingP
                                const std::optional<BucketLayout>& buckets, CapturePool* pool) const {
   Snapshot s = [&] {
     CapturePoolScope reuse(pool);
+    // A sharded model's parameters and its optimizer's state are in the ranks' shard files.
+    if (fsdp_) return captureSnapshot(TrainingObjects{&noModel(), nullptr, sampler_}, identity, progress);
     return captureSnapshot(TrainingObjects{model_, optimizer_, sampler_}, identity, progress);
   }();
   if (schedulerSave_) s.schedulerState = schedulerSave_();
   for (const auto& item : items_) item.save(s.userState);
   s.userState.insert(kEpochCompleteKey, epochComplete);
   if (buckets) s.userState.insert(kDdpBucketsKey, bucketsValue(*buckets));
-  if (zero_) s.userState.insert(kZeroShardsKey, static_cast<std::int64_t>(identity.worldSize));
+  if (sharded()) s.userState.insert(kZeroShardsKey, static_cast<std::int64_t>(identity.worldSize));
+  if (fsdp_) s.userState.insert(kShardedModelKey, true);
   return s;
 }
 
 SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options,
                                     const std::vector<ItemDict>& shards) const {
+  const bool shardedModel = snap.userState.contains(kShardedModelKey);
+  if (fsdp_) {
+    if (!shardedModel)
+      throw SnapshotIncompatible(snap.source, {"it holds a whole model (saved without FullyShardedDataParallel): "
+                                               "resume it without sharding the model"});
+    std::vector<ItemDict> models, optimizers;
+    for (const auto& shard : shards) {
+      models.push_back(itemDictOf(shard.at(kShardedModelKey)));
+      if (shard.contains("fsdp_optimizer")) optimizers.push_back(itemDictOf(shard.at("fsdp_optimizer")));
+    }
+    if (optimizer_ && options.optimizer && optimizers.size() != shards.size())
+      throw SnapshotIncompatible(snap.source, {"its shards hold no optimizer state"});
+    if (options.model) fsdp_->loadShardStateDicts(models);
+    if (optimizer_ && options.optimizer) fsdp_->loadOptimizerShardStateDicts(*optimizer_, optimizers);
+    RestoreOptions rest = options;
+    rest.model = false;
+    rest.optimizer = false;
+    restoreSnapshot(snap, TrainingObjects{&noModel(), nullptr, sampler_}, rest);
+    if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
+    for (const auto& item : items_) item.load(snap.userState);
+    return pointOf(snap);
+  }
+  if (shardedModel)
+    throw SnapshotIncompatible(snap.source, {"its model is sharded over " + std::to_string(snap.userState.at(kZeroShardsKey).toInt()) +
+                                             " ranks (saved with FullyShardedDataParallel): track one to resume it"});
   if (zero_ && options.optimizer) {
     // Before anything changes: shards that do not fit are refused with nothing restored.
     if (!snap.userState.contains(kZeroShardsKey) && snap.optimizerType.empty())

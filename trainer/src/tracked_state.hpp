@@ -5,6 +5,7 @@
 #include "capture_pool.hpp"
 
 #include "ctorch/ddp.hpp"
+#include "ctorch/fully_sharded_data_parallel.hpp"
 #include "ctorch/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
@@ -35,6 +36,8 @@ class TrackedState {
  public:
   // Registration: each throws ConfigError naming what is registered twice or missing.
   void setModel(torch::nn::Module& module, DDPCore* ddp);
+  // A fully sharded model: its parameters (and the optimizer's state) are written per rank.
+  void setModel(FSDPCore& fsdp);
   void setOptimizer(torch::optim::Optimizer& optimizer);
   // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
   void setOptimizer(ZeroRedundancyOptimizer& optimizer);
@@ -49,6 +52,11 @@ class TrackedState {
   DDPCore* ddp() const { return ddp_; }
   DistributedSampler* sampler() const { return sampler_; }
   ZeroRedundancyOptimizer* zero() const { return zero_; }
+  FSDPCore* fsdp() const { return fsdp_; }
+  // Every rank writes a shard file of its own beside each snapshot (ZeRO's optimizer, FSDP's model).
+  bool sharded() const { return zero_ != nullptr || fsdp_ != nullptr; }
+  // This rank's shard file's content (zero_shards.hpp), for a sharded() run.
+  Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const;
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
   // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
@@ -69,6 +77,7 @@ class TrackedState {
   DDPCore* ddp_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
   ZeroRedundancyOptimizer* zero_ = nullptr;
+  FSDPCore* fsdp_ = nullptr;
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;

@@ -22,17 +22,31 @@ std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank) 
   return std::filesystem::path(slot.string() + kShardSuffix + std::to_string(rank));
 }
 
+torch::nn::Module& noModel() {
+  // Held by a shared_ptr: LibTorch walks modules through shared_from_this.
+  static const auto empty = std::make_shared<torch::nn::Module>();
+  return *empty;
+}
+
 Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
                       const TrainingProgress& progress) {
-  // A shard holds no parameters (held by a shared_ptr: LibTorch walks modules through shared_from_this).
-  static const auto noModel = std::make_shared<torch::nn::Module>();
-  Snapshot s = captureSnapshot(TrainingObjects{noModel.get(), nullptr, nullptr}, identity, progress);
+  Snapshot s = captureSnapshot(TrainingObjects{&noModel(), nullptr, nullptr}, identity, progress);
   const ItemDict shard = optimizer.shardStateDict();
   s.optimizerType = shard.at("optimizer_type").toStringRef();
   s.optimizerState = newItemDict();
   s.optimizerState.insert("state", shard.at("state"));
   s.optimizerState.insert("param_groups", shard.at("param_groups"));
   s.userState.insert("zero_rank", shard.at("rank"));
+  return s;
+}
+
+Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
+                      const TrainingProgress& progress) {
+  Snapshot s = captureSnapshot(TrainingObjects{&noModel(), nullptr, nullptr}, identity, progress);
+  const ItemDict model = fsdp.shardStateDict();
+  s.userState.insert(kShardedModelKey, model);
+  if (optimizer) s.userState.insert("fsdp_optimizer", fsdp.optimizerShardStateDict(*optimizer));
+  s.userState.insert("zero_rank", model.at("rank"));
   return s;
 }
 
@@ -46,6 +60,8 @@ ItemDict asShard(const Snapshot& file) {
                                    ? file.optimizerState.at("param_groups")
                                    : c10::IValue(c10::impl::GenericList(c10::AnyType::get())));
   shard.insert("optimizer_type", file.optimizerType);
+  for (const char* key : {kShardedModelKey, "fsdp_optimizer"})
+    if (file.userState.contains(key)) shard.insert(key, file.userState.at(key));
   return shard;
 }
 

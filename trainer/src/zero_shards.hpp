@@ -1,8 +1,10 @@
-// ZeRO's part of a snapshot: every rank writes its optimizer shard to its own file beside the slot
-// ("<slot>.optim-rank<r>", rotated like the slot), and a chosen snapshot finds the shards it was saved with.
+// A sharded run's part of a snapshot: every rank writes its shard (ZeRO's optimizer share, or FSDP's
+// parameters and optimizer state) to its own file beside the slot ("<slot>.optim-rank<r>", rotated like
+// the slot), and a chosen snapshot finds the shards it was saved with.
 #pragma once
 
 #include "ctorch/snapshot.hpp"
+#include "ctorch/fully_sharded_data_parallel.hpp"
 #include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <filesystem>
@@ -13,6 +15,12 @@ namespace ctorch::detail {
 // USER_STATE of a snapshot saved with a ZeroRedundancyOptimizer: the world size its shards were
 // saved at (one shard file per rank; the snapshot itself holds no optimizer state).
 inline constexpr const char* kZeroShardsKey = "zero_shards";
+// USER_STATE of a snapshot saved with FullyShardedDataParallel (it holds no parameters), and the key
+// of the parameter shard in each rank's file (its optimizer shard: "fsdp_optimizer").
+inline constexpr const char* kShardedModelKey = "fsdp_model";
+
+// The empty module a snapshot without parameters is captured from.
+torch::nn::Module& noModel();
 
 // Rank `rank`'s shard file for the snapshot slot (or any snapshot file) `slot`.
 std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
@@ -21,6 +29,10 @@ std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
 // the parameters' global indices), and the run's point, so that a shard checks itself (magic, digest,
 // run, configuration) and says which step it belongs to.
 Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+                      const TrainingProgress& progress);
+
+// FSDP's: this rank's parameter shard and, with `optimizer`, its optimizer's state shard.
+Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
 
 // The shards of `snapshot` (which records kZeroShardsKey): every rank's, at the snapshot's global

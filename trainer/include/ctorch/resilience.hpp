@@ -30,6 +30,7 @@
 
 #include "ctorch/ddp.hpp"
 #include "ctorch/errors.hpp"
+#include "ctorch/fully_sharded_data_parallel.hpp"
 #include "ctorch/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
@@ -167,6 +168,14 @@ class ResilientTraining {
   ResilientTraining& track(DistributedDataParallel<M>& ddp) {
     return trackModule(*detail::modulePointer(ddp.module()), &ddp.core());
   }
+  // A fully sharded model: every rank writes its shards of the parameters and of the tracked
+  // optimizer's state (built over fsdp.parameters()) beside each snapshot file ("<file>.optim-rank<r>";
+  // the snapshot itself holds neither); a resume reshards them when the world size changed. As with
+  // ZeRO, recover() is off: a lost rank's shards come back from the files with a group restart.
+  template <typename M>
+  ResilientTraining& track(FullyShardedDataParallel<M>& fsdp) {
+    return trackSharded(fsdp.core());
+  }
   // A model trained without DDP: a module holder (TORCH_MODULE) or a torch::nn::Module.
   template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>>>
   ResilientTraining& track(M& holder) {
@@ -260,6 +269,7 @@ class ResilientTraining {
 
  private:
   ResilientTraining& trackModule(torch::nn::Module& module, detail::DDPCore* ddp);
+  ResilientTraining& trackSharded(detail::FSDPCore& fsdp);
   // kOverlapped: the step's stop agreement is started and read at the next call (sums is null);
   // kNow: agreed (with `sums` summed) before it returns.
   enum class StopAgreement { kOverlapped, kNow };
