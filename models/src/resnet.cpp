@@ -1,5 +1,7 @@
 #include <ctorch/models/resnet.hpp>
 
+#include <ctorch/fully_sharded_data_parallel.hpp>
+
 #include <torch/torch.h>
 
 namespace ctorch::models {
@@ -67,10 +69,16 @@ ResNet18::ResNet18(int64_t inChannels, int64_t numClasses) : Model("ResNet18") {
 }
 
 torch::Tensor ResNet18::forward(torch::Tensor x) {
-  x = F::relu(bn1(conv1(x)));
-  x = layer4->forward(layer3->forward(layer2->forward(layer1->forward(x))));
+  // Each block (and the stem and head) through ctorch::unitForward: a plain call, or a unit of
+  // FullyShardedDataParallel. The same operations as layerN->forward(x).
+  x = F::relu(bn1(ctorch::unitForward(conv1, x)));
+  for (const auto& layer : {layer1, layer2, layer3, layer4})
+    for (std::size_t i = 0; i < layer->size(); ++i) {
+      auto* block = layer->ptr(i)->as<BasicBlockImpl>();
+      x = ctorch::unitForward(block, x);
+    }
   x = F::adaptive_avg_pool2d(x, F::AdaptiveAvgPool2dFuncOptions(1));
-  return fc(torch::flatten(x, 1));
+  return ctorch::unitForward(fc, torch::flatten(x, 1));
 }
 
 } // namespace ctorch::models

@@ -1,6 +1,8 @@
 #include <ctorch/models/simple_cnn.hpp>
 #include <ctorch/models/ops.hpp>
 
+#include <ctorch/fully_sharded_data_parallel.hpp>
+
 #include <torch/torch.h>
 
 namespace ctorch::models {
@@ -18,12 +20,13 @@ SimpleConvNet::SimpleConvNet(int64_t inChannels, int64_t numClasses, int64_t ima
 }
 
 torch::Tensor SimpleConvNet::forward(torch::Tensor x) {
-  x = maxPool2x2(F::relu(conv1(x)));  // = F::max_pool2d(.., 2), bit for bit (ops.hpp)
-  x = maxPool2x2(F::relu(conv2(x)));
+  // Each layer through ctorch::unitForward: a plain call, or a unit of FullyShardedDataParallel.
+  x = maxPool2x2(F::relu(ctorch::unitForward(conv1, x)));  // = F::max_pool2d(.., 2), bit for bit (ops.hpp)
+  x = maxPool2x2(F::relu(ctorch::unitForward(conv2, x)));
   x = torch::flatten(x, 1);
-  x = F::relu(fc1(x));
-  x = F::relu(fc2(x));
-  return fc3(x);
+  x = F::relu(ctorch::unitForward(fc1, x));
+  x = F::relu(ctorch::unitForward(fc2, x));
+  return ctorch::unitForward(fc3, x);
 }
 
 } // namespace ctorch::models

@@ -167,14 +167,19 @@ TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch au
   CHECK(parse({}).options->bindingConfig().at("amp") == "off");
 }
 
-TEST_CASE("trainer options: --sharding none or optimizer, not bound to the snapshot, and not with float16 loss scaling",
+TEST_CASE("trainer options: --sharding none, optimizer, grad-op or full, not bound to the snapshot, and not with float16 loss scaling",
           "[trainer][options][sharding]") {
   CHECK(parse({}).options->sharding == ctorch::train::ShardingChoice::kNone);
   const auto zero = parse({"--sharding", "optimizer"});
   REQUIRE(zero.options);
   CHECK(zero.options->sharding == ctorch::train::ShardingChoice::kOptimizer);
   CHECK(zero.options->bindingConfig() == parse({}).options->bindingConfig());  // resumes either way
-  CHECK_THAT(parse({"--sharding", "full"}).message, Catch::Contains("--sharding") && Catch::Contains("'full'"));
+  CHECK(parse({"--sharding", "full"}).options->sharding == ctorch::train::ShardingChoice::kFull);
+  CHECK(parse({"--sharding", "grad-op"}).options->sharding == ctorch::train::ShardingChoice::kGradOp);
+  CHECK_THAT(parse({"--sharding", "zero3"}).message, Catch::Contains("--sharding") && Catch::Contains("'zero3'"));
+  const auto fullScaled = parse({"--sharding", "full", "--amp", "--device", "cuda"});
+  REQUIRE_FALSE(fullScaled.options);
+  CHECK_THAT(fullScaled.message, Catch::Contains("--sharding full with --amp float16 (loss scaling) is not supported"));
   const auto scaled = parse({"--sharding", "optimizer", "--amp", "--device", "cuda"});
   REQUIRE_FALSE(scaled.options);
   CHECK_THAT(scaled.message, Catch::Contains("--sharding optimizer with --amp float16 (loss scaling) is not supported"));

@@ -91,6 +91,20 @@ torch::OrderedDict<std::string, at::Tensor> FSDPCore::fullStateDict() {
   return state;
 }
 
+void FSDPCore::summonFullParameters(const std::function<void()>& fn) {
+  auto& s = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  for (auto& unit : s.units) s.startGather(*unit);
+  try {
+    for (auto& unit : s.units) s.ensureGathered(*unit);
+    fn();
+  } catch (...) {
+    for (auto& unit : s.units) s.reshard(*unit);
+    throw;
+  }
+  for (auto& unit : s.units) s.reshard(*unit);
+}
+
 void FSDPCore::loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state) {
   auto& s = *impl_;
   std::lock_guard<std::recursive_mutex> lock(s.mutex);

@@ -48,7 +48,8 @@ std::pair<std::int64_t, std::int64_t> evalShard(std::int64_t size, std::int64_t 
 }
 
 EvalTotals evaluateRange(models::Model& model, const data::BatchPipeline& pipeline, std::int64_t begin,
-                         std::int64_t end, std::int64_t batchSize, const torch::Device& device) {
+                         std::int64_t end, std::int64_t batchSize, const torch::Device& device,
+                         const EvalForward& forward, std::int64_t forwards) {
   EvalTotals totals;
   totals.classification = model.output() != models::ModelOutput::Values;
   const bool wasTraining = model.is_training();
@@ -62,10 +63,14 @@ EvalTotals evaluateRange(models::Model& model, const data::BatchPipeline& pipeli
       const auto batch = pipeline.batch(torch::arange(first, last, torch::kLong));
       const auto inputs = batch.inputs.to(device);
       const auto targets = batch.targets.to(device);
-      const auto prediction = model.forward(inputs);
+      const auto prediction = forward ? forward(inputs) : model.forward(inputs);
       lossSum += lossFor(model.output(), prediction, targets, /*sum=*/true).item<double>();
       if (totals.classification) correct += prediction.argmax(1).eq(targets).sum().item<std::int64_t>();
       totals.count += last - first;
+    }
+    for (std::int64_t done = (end - begin + batchSize - 1) / batchSize; done < forwards; ++done) {
+      const auto batch = pipeline.batch(torch::zeros({1}, torch::kLong));  // its result is not counted
+      forward(batch.inputs.to(device));
     }
     totals.lossSum = lossSum;
     totals.correct = correct;
@@ -91,9 +96,12 @@ EvalTotals allReduceTotals(const EvalTotals& local, c10d::ProcessGroup& group, c
 }
 
 EvalTotals evaluateDistributed(models::Model& model, const data::BatchPipeline& pipeline, std::int64_t batchSize,
-                               const torch::Device& device, c10d::ProcessGroup& group) {
+                               const torch::Device& device, c10d::ProcessGroup& group, const EvalForward& forward) {
   const auto [begin, end] = evalShard(pipeline.size(), group.getRank(), group.getSize());
-  const auto local = evaluateRange(model, pipeline, begin, end, batchSize, device);
+  // The largest shard's batches: a sharded model's forward is a collective, made as often on every rank.
+  const std::int64_t most = (pipeline.size() + group.getSize() - 1) / group.getSize();
+  const auto local = evaluateRange(model, pipeline, begin, end, batchSize, device, forward,
+                                   forward ? (most + batchSize - 1) / batchSize : 0);
   return allReduceTotals(local, group, device);
 }
 

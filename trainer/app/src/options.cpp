@@ -220,7 +220,9 @@ const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
 const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
     {"auto", BackendChoice::kAuto}, {"gloo", BackendChoice::kGloo}, {"nccl", BackendChoice::kNccl}};
 const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{"none", ShardingChoice::kNone},
-                                                                       {"optimizer", ShardingChoice::kOptimizer}};
+                                                                       {"optimizer", ShardingChoice::kOptimizer},
+                                                                       {"grad-op", ShardingChoice::kGradOp},
+                                                                       {"full", ShardingChoice::kFull}};
 const std::vector<std::pair<std::string, CommHookChoice>> kCommHooks = {
     {"shared-memory", CommHookChoice::kSharedMemory},
     {"none", CommHookChoice::kNone},
@@ -344,9 +346,9 @@ void TrainOptions::validate() const {
     throw UsageError("--amp with float16 needs CUDA, but --device is 'cpu' (use --amp-dtype bfloat16 on the CPU, or --device cuda)");
   // GradScaler checks the gradients of the optimizer it steps: a rank's share only, so the ranks could
   // disagree on skipping a step.
-  if (sharding == ShardingChoice::kOptimizer && amp && ampDtype == "float16")
-    throw UsageError("--sharding optimizer with --amp float16 (loss scaling) is not supported: use --amp-dtype "
-                     "bfloat16 or --sharding none");
+  if (sharding != ShardingChoice::kNone && amp && ampDtype == "float16")
+    throw UsageError(std::string("--sharding ") + toString(sharding) +
+                     " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -472,6 +474,8 @@ std::string TrainOptions::describe() const {
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";
   if (clipGradNorm > 0) os << ", gradients clipped to norm " << number(clipGradNorm);
   if (sharding == ShardingChoice::kOptimizer) os << ", optimizer state sharded over the ranks (ZeRO-1)";
+  if (sharding == ShardingChoice::kGradOp) os << ", gradients and optimizer state sharded over the ranks (FSDP SHARD_GRAD_OP)";
+  if (sharding == ShardingChoice::kFull) os << ", parameters, gradients and optimizer state sharded over the ranks (FSDP FULL_SHARD)";
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();
   return os.str();
 }
@@ -630,8 +634,11 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
       ->group(kSys)->capture_default_str();
   f.option("--sharding", t.sharding,
-           "none (DDP: every rank holds the whole optimizer state) or optimizer (ZeRO-1: each rank holds and "
-           "steps its share of it, then broadcasts its parameters; bit-identical to none)")
+           "none (DDP: every rank holds the whole model and optimizer state), optimizer (ZeRO-1: each rank holds "
+           "and steps its share of the optimizer state, then broadcasts its parameters; bit-identical to none), "
+           "grad-op (FSDP SHARD_GRAD_OP: parameters, gradients and optimizer state sharded, each layer's "
+           "parameters gathered from its forward to its backward) or full (FSDP FULL_SHARD: gathered for the "
+           "forward and again for the backward); grad-op and full are bit-identical to none at 2 ranks")
       ->group(kSys)->capture_default_str();
   f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);

@@ -25,10 +25,12 @@
 #include <ctorch/distributed.hpp>
 #include <ctorch/distributed_env.hpp>
 #include <ctorch/models/registry.hpp>
+#include <ctorch/models/resnet.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
+#include <ctorch/fully_sharded_data_parallel.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -61,6 +63,43 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Model = models::Model;
 using DDP = DistributedDataParallel<std::shared_ptr<Model>>;
+using FSDP = FullyShardedDataParallel<std::shared_ptr<Model>>;
+
+// The model as a step drives it: whole replicas behind DDP, or shards behind FSDP (--sharding
+// grad-op|full).
+struct Replica {
+  DDP* ddp = nullptr;
+  FSDP* fsdp = nullptr;
+  void zeroGrad() {
+    if (fsdp) fsdp->zeroGrad();
+    else ddp->zeroGrad();
+  }
+  torch::Tensor operator()(const torch::Tensor& x) { return fsdp ? (*fsdp)(x) : (*ddp)(x); }
+  // Gradient accumulation: the micro-steps before the last keep their gradients local (DDP's
+  // no_sync, FSDP's set_requires_gradient_sync(false)).
+  void synchronise(bool on, std::optional<NoSyncGuard>& noSync) {
+    if (fsdp) fsdp->setRequiresGradientSync(on);
+    else if (!on) noSync.emplace(ddp->noSync());
+  }
+  // The gradient's global norm clipped: DDP's gradients are the same on every rank, so every rank
+  // clips alike; FSDP's norm is summed over every rank's shards.
+  void clipGradNorm(double maxNorm) {
+    if (fsdp) fsdp->clipGradNorm(maxNorm);
+    else torch::nn::utils::clip_grad_norm_(ddp->parameters(), maxNorm);
+  }
+};
+
+// The units of FullyShardedDataParallel in ctorch-train's models: each ResNet block, and each layer
+// the model calls directly (its convolutions and Linears), which the models call through
+// ctorch::unitForward. The rest (BatchNorm of the stem) stays in the root unit.
+WrapPolicy trainerWrapPolicy() {
+  return [](const std::string& name, const torch::nn::Module& module) {
+    if (dynamic_cast<const models::BasicBlockImpl*>(&module) != nullptr) return true;
+    const bool direct = name.find('.') == std::string::npos;
+    return direct && (dynamic_cast<const torch::nn::LinearImpl*>(&module) != nullptr ||
+                      dynamic_cast<const torch::nn::Conv2dImpl*>(&module) != nullptr);
+  };
+}
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -273,6 +312,12 @@ std::string gradientPath(const std::string& hook) {
   return "the " + hook + " hook";
 }
 
+std::string shardingPath(const FSDP& fsdp) {
+  return "reduce-scatter into " + std::to_string(fsdp.parameters().size()) + " flat shards of " +
+         std::to_string(fsdp.unitNames().size()) + " units (FSDP, " +
+         (fsdp.options().reshardAfterForward() ? "FULL_SHARD" : "SHARD_GRAD_OP") + ")";
+}
+
 std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
@@ -359,7 +404,7 @@ struct StepOutcome {
 
 // `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
 // `zero`: then broadcasts every share after the step.
-StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
+StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
                       amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
                       const TrainOptions& o, const torch::Device& device) {
   ddp.zeroGrad();
@@ -384,7 +429,7 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer* optimizer
     const auto targets = batch->targets.to(device, /*non_blocking=*/true);
     // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
     std::optional<NoSyncGuard> noSync;
-    if (m + 1 < micro) noSync.emplace(ddp.noSync());
+    ddp.synchronise(m + 1 == micro, noSync);
     torch::Tensor loss;
     {
       amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
@@ -399,7 +444,7 @@ StepOutcome trainStep(DDP& ddp, Model& model, torch::optim::Optimizer* optimizer
     // and every rank clips alike (every parameter's, also those another rank's ZeRO share steps).
     // The scaler's factor comes off first (Python's unscale_ + clip).
     if (optimizer) scaler.unscale(*optimizer);
-    torch::nn::utils::clip_grad_norm_(ddp.parameters(), o.clipGradNorm);
+    ddp.clipGradNorm(o.clipGradNorm);
   }
   if (optimizer) scaler.step(*optimizer);
   if (zero) zero->broadcastShares();
@@ -578,6 +623,7 @@ class Trainer {
   std::shared_ptr<Model> model_;
   std::int64_t activationBytes_ = 0;
   std::unique_ptr<DDP> ddp_;
+  std::unique_ptr<FSDP> fsdp_;                            // --sharding grad-op|full (in place of ddp_)
   std::unique_ptr<torch::optim::Optimizer> optimizer_;   // the whole optimizer (--sharding none)
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;        // --sharding optimizer (ZeRO-1)
   // The optimizer this rank steps: the whole one, or its share's (none when it owns no parameter).
@@ -614,16 +660,23 @@ void Trainer::buildDataAndModel() {
 }
 
 void Trainer::buildTraining() {
-  ddp_ = std::make_unique<DDP>(model_, DDPOptions()
-                                           .bucketCapMb(o_.bucketCapMb)
-                                           .commHook(commHookOf(o_.commHook))
-                                           .findUnusedParameters(o_.findUnusedParameters)
-                                           .gradientAsBucketView(o_.gradientAsBucketView));
-  if (o_.sharding == ShardingChoice::kOptimizer)
-    zero_ = std::make_unique<ZeroRedundancyOptimizer>(
-        ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
-  else
-    optimizer_ = makeOptimizer(o_, ddp_->parameters());
+  if (o_.sharding == ShardingChoice::kGradOp || o_.sharding == ShardingChoice::kFull) {
+    fsdp_ = std::make_unique<FSDP>(model_, FSDPOptions()
+                                               .autoWrapPolicy(trainerWrapPolicy())
+                                               .reshardAfterForward(o_.sharding == ShardingChoice::kFull));
+    optimizer_ = makeOptimizer(o_, fsdp_->parameters());
+  } else {
+    ddp_ = std::make_unique<DDP>(model_, DDPOptions()
+                                             .bucketCapMb(o_.bucketCapMb)
+                                             .commHook(commHookOf(o_.commHook))
+                                             .findUnusedParameters(o_.findUnusedParameters)
+                                             .gradientAsBucketView(o_.gradientAsBucketView));
+    if (o_.sharding == ShardingChoice::kOptimizer)
+      zero_ = std::make_unique<ZeroRedundancyOptimizer>(
+          ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
+    else
+      optimizer_ = makeOptimizer(o_, ddp_->parameters());
+  }
   // Loss scaling for float16 only: bfloat16 has float32's exponent range.
   scaler_ = std::make_unique<amp::GradScaler>(
       device_, amp::GradScalerOptions().enabled(o_.amp && amp::parseDtype(o_.ampDtype) == torch::kHalf));
@@ -652,7 +705,8 @@ void Trainer::buildTraining() {
                 (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
                 std::to_string(worldSize_) + (worldSize_ == 1 ? " rank), " : " ranks), ") +
                 std::to_string(stepsPerEpoch_) + " steps per epoch" +
-                (worldSize_ > 1 ? "; gradients averaged by " + gradientPath(ddp_->commHookInUse()) : std::string()));
+                (worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(ddp_->commHookInUse()))
+                                : std::string()));
 }
 
 // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
@@ -673,12 +727,14 @@ void Trainer::buildResilience() {
   if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
   training_ = std::make_unique<ResilientTraining>(r);
   ResilientTraining& t = *training_;
-  t.track(*ddp_).track(*sampler_);
+  if (fsdp_) t.track(*fsdp_);
+  else t.track(*ddp_);
+  t.track(*sampler_);
   if (zero_) t.track(*zero_);
   else t.track(*optimizer_);
-  if (zero_ && inPlaceRecoveryEnabled())
-    console_.line("in-place recovery is off with --sharding optimizer: a lost rank's optimizer shard comes back "
-                  "from the snapshot files with a group restart");
+  if ((zero_ || fsdp_) && inPlaceRecoveryEnabled())
+    console_.line(std::string("in-place recovery is off with --sharding ") + toString(o_.sharding) +
+                  ": a lost rank's shards come back from the snapshot files with a group restart");
   t.trackScheduler(
       [this] {
         ItemDict d = newItemDict();
@@ -764,7 +820,11 @@ RunResult Trainer::finish(RunResult result) {
   }
   // After finish(): the final snapshot is durable and the other ranks are done, so a disk that
   // cannot take model.pt fails rank 0 alone (74), with the snapshot holding the same weights.
-  if (ctorch::isMainProcess()) writeFinalWeights();
+  // A sharded model's weights are gathered for it on every rank (collective), rank 0 writes them.
+  if (fsdp_) fsdp_->summonFullParameters([this] {
+    if (ctorch::isMainProcess()) writeFinalWeights();
+  });
+  else if (ctorch::isMainProcess()) writeFinalWeights();
   result.epochsRun = training_->epoch();
   result.globalStep = training_->globalStep();
   console_.line("done: " + std::to_string(o_.epochs) + " epochs, " + std::to_string(result.globalStep) + " steps, " +
@@ -862,7 +922,8 @@ std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
     intervalLocalLoss_ = localBefore;
   };
   try {
-    step.outcome = trainStep(*ddp_, *model_, stepping(), zero_.get(), *scaler_, loader, *sampler_, o_, device_);
+    step.outcome = trainStep(Replica{ddp_.get(), fsdp_.get()}, *model_, stepping(), zero_.get(), *scaler_, loader,
+                             *sampler_, o_, device_);
     // Whether any rank must stop: agreed in the background (read at the next step) except at the
     // steps that log or save on schedule, where the same small allreduce also sums the losses.
     step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
@@ -1066,7 +1127,8 @@ bool Trainer::endEpochOnce(RunResult& result, std::int64_t completed, bool lastE
 EvalTotals Trainer::evaluate(std::int64_t completed) {
   const auto evalStart = Clock::now();
   const EvalTotals totals =
-      evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group());
+      evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group(),
+                          fsdp_ ? EvalForward([this](const torch::Tensor& x) { return (*fsdp_)(x); }) : EvalForward());
   std::string line = "epoch " + std::to_string(completed) + "/" + std::to_string(o_.epochs) +
                      " test: loss " + std::to_string(totals.loss());
   if (totals.classification) {

@@ -106,6 +106,7 @@ class FSDPCore {
   double clipGradNorm(double maxNorm);
   void setRequiresGradientSync(bool on);
   torch::OrderedDict<std::string, at::Tensor> fullStateDict();
+  void summonFullParameters(const std::function<void()>& fn);
   void loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state);
   ItemDict shardStateDict() const;
   void loadShardStateDicts(const std::vector<ItemDict>& shards);
@@ -202,6 +203,10 @@ class FullyShardedDataParallel {
   // The module's full state dict (parameter and buffer names as module->named_parameters() and
   // named_buffers() give them, i.e. Python's keys), gathered on every rank. A collective.
   torch::OrderedDict<std::string, at::Tensor> fullStateDict() { return core_->fullStateDict(); }
+  // Runs `fn` with every unit's parameters gathered (Python's summon_full_params, read-only: what fn
+  // writes into them is lost), e.g. to write model.pt with ctorch::saveStateDict(module). A
+  // collective; the parameters are freed again even when fn throws.
+  void summonFullParameters(const std::function<void()>& fn) { core_->summonFullParameters(fn); }
   // Loads a full state dict (each rank keeps its shards of it). Every name must be present.
   void loadFullStateDict(const torch::OrderedDict<std::string, at::Tensor>& state) { core_->loadFullStateDict(state); }
   // This rank's shards with where they lie in each unit's unpadded flat buffer: what a sharded

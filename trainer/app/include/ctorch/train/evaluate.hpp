@@ -10,6 +10,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 namespace ctorch::train {
@@ -37,10 +38,17 @@ struct EvalTotals {
 // together exactly 0..size-1.
 std::pair<std::int64_t, std::int64_t> evalShard(std::int64_t size, std::int64_t rank, std::int64_t worldSize);
 
+// The model's forward as the evaluation calls it (unset: model.forward; a sharded model's goes through
+// FullyShardedDataParallel, which gathers its parameters).
+using EvalForward = std::function<torch::Tensor(const torch::Tensor&)>;
+
 // One pass over samples [begin, end) in eval mode without gradients (the module's training mode is
-// restored afterwards). No communication.
+// restored afterwards). No communication (but `forward`'s own: a forward that is a collective is
+// called at least `forwards` times, on a repeated sample past the range, so that every rank makes as
+// many calls as the one with the most batches).
 EvalTotals evaluateRange(models::Model& model, const data::BatchPipeline& pipeline, std::int64_t begin,
-                         std::int64_t end, std::int64_t batchSize, const torch::Device& device);
+                         std::int64_t end, std::int64_t batchSize, const torch::Device& device,
+                         const EvalForward& forward = {}, std::int64_t forwards = 0);
 
 // Adds the totals of every rank (one allreduce of a float64 tensor on `commDevice`; counts stay
 // exact up to 2^53).
@@ -48,6 +56,6 @@ EvalTotals allReduceTotals(const EvalTotals& local, c10d::ProcessGroup& group, c
 
 // evalShard + evaluateRange + allReduceTotals: the whole test set's totals on every rank.
 EvalTotals evaluateDistributed(models::Model& model, const data::BatchPipeline& pipeline, std::int64_t batchSize,
-                               const torch::Device& device, c10d::ProcessGroup& group);
+                               const torch::Device& device, c10d::ProcessGroup& group, const EvalForward& forward = {});
 
 }  // namespace ctorch::train

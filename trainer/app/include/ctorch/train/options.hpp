@@ -28,9 +28,10 @@ enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
 enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
-// What is sharded over the ranks: nothing (DDP), or the optimizer's state (ZeRO-1; Python's
-// ZeroRedundancyOptimizer).
-enum class ShardingChoice { kNone, kOptimizer };
+// What is sharded over the ranks: nothing (DDP), the optimizer's state (ZeRO-1; Python's
+// ZeroRedundancyOptimizer), also the gradients and, between steps, the parameters (FSDP's
+// SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD).
+enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
