@@ -22,8 +22,10 @@ done
 if [ "${CTORCH_LANE:-}" != modern ]; then
   # Outside the root: build there, then run this script inside (modern.sh passes no environment on).
   build=${CTORCH_MODERN_BUILD_DIR:-$root/build-modern}
+  log=$(mktemp)
   CTORCH_JOBS=${CTORCH_JOBS:-1} CTORCH_MODERN_BUILD_DIR=$build "$root/scripts/modern.sh" build \
-    --target zero_memory_bench ctorchrun >/dev/null
+    --target zero_memory_bench ctorchrun >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
+  rm -f "$log"
   exec "$root/scripts/modern.sh" run env BUILD="$build" MODES="$MODES" PY_MODES="$PY_MODES" TIMEOUT="$TIMEOUT" \
     bash "$root/bench/fsdp_vs_python.sh" "$worlds" "$layers" "$width" "$steps"
 fi
