@@ -6,6 +6,9 @@
 #              "ctorch <mode>: not built"
 #   PY_MODES   Python modes, default "ddp zero fsdp fsdp-noreshard"
 #   TIMEOUT    seconds one job may run (default 1800), then it is stopped and reported as failed
+#   MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_ARENA_MAX: glibc's, passed to both sides when set.
+#              FSDP's per-layer buffers come and go every step; with glibc's default (a dynamic mmap threshold)
+#              freed ones stay in the heap and raise the peak RSS (docs/fsdp-python-comparison-notes.md)
 # Per world and mode, Python then ctorch (so both see the same load); every rank's line, then one table of
 # rank 0's figures with the ratio ctorch / Python per cell (issue 31's goal: ctorch's FSDP step <= 0.8x).
 set -euo pipefail
@@ -26,8 +29,12 @@ if [ "${CTORCH_LANE:-}" != modern ]; then
   CTORCH_JOBS=${CTORCH_JOBS:-1} CTORCH_MODERN_BUILD_DIR=$build "$root/scripts/modern.sh" build \
     --target zero_memory_bench ctorchrun >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
   rm -f "$log"
+  malloc=()
+  for v in MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ MALLOC_ARENA_MAX; do
+    [ -z "${!v:-}" ] || malloc+=("$v=${!v}")
+  done
   exec "$root/scripts/modern.sh" run env BUILD="$build" MODES="$MODES" PY_MODES="$PY_MODES" TIMEOUT="$TIMEOUT" \
-    bash "$root/bench/fsdp_vs_python.sh" "$worlds" "$layers" "$width" "$steps"
+    "${malloc[@]}" bash "$root/bench/fsdp_vs_python.sh" "$worlds" "$layers" "$width" "$steps"
 fi
 
 build=${BUILD:-$root/build-modern}
@@ -61,7 +68,8 @@ job() {
 
 echo "machine: $(nproc --all) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load $(cut -d' ' -f1-3 /proc/loadavg);" \
      "$(date -u +%FT%TZ); $(python3 -c 'import torch; print("PyTorch", torch.__version__)'), Gloo, 1 thread per rank;" \
-     "$layers x $width^2 parameters, Adam lr 1e-4, batch 8, $steps steps"
+     "$layers x $width^2 parameters, Adam lr 1e-4, batch 8, $steps steps;" \
+     "glibc malloc: $(env | grep -E '^MALLOC_(MMAP_THRESHOLD_|TRIM_THRESHOLD_|ARENA_MAX)=' | paste -sd' ' - | grep . || echo defaults)"
 echo "ctorch modes accepted by zero_memory_bench: ${accepted:-(its usage names none)}"
 for world in ${worlds//,/ }; do
   # Each mode once, in the order Python's then ctorch's lists give it; Python first within a mode.
