@@ -8,6 +8,7 @@
 #                   ZeRO-2-like, FSDP1's SHARD_GRAD_OP)
 # Each rank prints: rank=.. world=.. mode=.. params_mb=.. grads_mb=.. optimizer_mb=.. peak_rss_mb=.. step_ms=..
 # with this rank's LOCAL bytes (for FSDP the shards', DTensor.to_local()) and the median step after the first.
+import re
 import resource
 import sys
 import time
@@ -29,7 +30,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def bytes_of(tensors) -> int:
-    return sum(local(t).nbytes for t in tensors if t is not None)
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -53,6 +54,9 @@ def parse(argv):
         if number < 1:
             fail(f"{name} must be a positive integer, not '{value}'")
         numbers.append(number)
+    version = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    if mode.startswith("fsdp") and version < (2, 4):
+        fail(f"mode '{mode}' needs fully_shard (PyTorch 2.4 or later); this is PyTorch {torch.__version__}")
     return (mode, *numbers)
 
 

@@ -73,6 +73,7 @@ echo "machine: $(nproc --all) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, l
 echo "ctorch modes accepted by zero_memory_bench: ${accepted:-(its usage names none)}"
 for world in ${worlds//,/ }; do
   # Each mode once, in the order Python's then ctorch's lists give it; Python first within a mode.
+  # shellcheck disable=SC2086 # the lists are split into their modes on purpose
   for mode in $(printf '%s\n' $PY_MODES $MODES | awk '!seen[$0]++'); do
     if [[ " $PY_MODES " == *" $mode "* ]]; then
       job python "$mode" "$world" torchrun --standalone --nproc-per-node "$world" --tee 3 \

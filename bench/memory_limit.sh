@@ -47,8 +47,8 @@ make_group() {
 # Ends what the command left in the group (only its processes are there), then removes the group.
 drop_group() {
   [ -n "$group" ] || return 0
-  local dir=${group#* } pid tries
-  for tries in 1 2 3 4 5 6 7 8 9 10; do
+  local dir=${group#* } pid
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
     [ -s "$dir/cgroup.procs" ] || break
     while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done <"$dir/cgroup.procs"
     sleep 0.5
