@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -542,6 +543,8 @@ class Harness:
         w = WORKLOADS[workload]
         program = program_of(workload)
         cmd = [self.programs[program]] + w["args"] + PROGRAMS[program]["common"]
+        if program == "trainer" and self.args.trainer_args:  # e.g. --sharding full: reference and faulty alike
+            cmd += shlex.split(self.args.trainer_args)
         return cmd + (["--step-delay-ms", str(w["delay_ms"])] if delayed else [])
 
     def reference(self, workload, world):
@@ -1520,6 +1523,8 @@ def main():
                          "(tests/consumer, a user's loop on ctorch::ResilientTraining)")
     ap.add_argument("--spare-workers", type=int, default=0,
                     help="with --recovery in-place: ctorchrun's --spare-workers (processes started ahead)")
+    ap.add_argument("--trainer-args", default="",
+                    help="more ctorch-train arguments for every trainer run, reference and faulty (e.g. '--sharding full')")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--repeat", type=int, default=1, help="nodes suites: runs of each fault (kill, cut)")
