@@ -34,7 +34,8 @@ std::size_t bytesOf(const std::vector<at::Tensor>& tensors) {
   return n;
 }
 
-// The whole optimizer's state bytes (Adam: exp_avg and exp_avg_sq per parameter).
+// The whole optimizer's state bytes (Adam: exp_avg and exp_avg_sq per parameter). Counted on a copy
+// of the state (as ZeroRedundancyOptimizer::localStateBytes also is): call it after the peak RSS is taken.
 std::size_t stateBytes(const torch::optim::Optimizer& optimizer) {
   std::size_t bytes = 0;
   std::function<void(const c10::IValue&)> add = [&](const c10::IValue& v) {
@@ -52,6 +53,8 @@ double peakRssMb() {
   return usage.ru_maxrss / 1024.0;
 }
 
+int currentStep = -1;
+
 // With ZERO_MEMORY_TRACE set: where the resident memory and its peak stand after a phase.
 void trace(const char* phase) {
   static const bool on = std::getenv("ZERO_MEMORY_TRACE") != nullptr;
@@ -59,7 +62,7 @@ void trace(const char* phase) {
   std::ifstream statm("/proc/self/statm");
   long pages = 0, resident = 0;
   statm >> pages >> resident;
-  std::fprintf(stderr, "trace rank=%d phase=%s rss_mb=%.1f peak_rss_mb=%.1f\n", ctorch::getRank(), phase,
+  std::fprintf(stderr, "trace rank=%d step=%d phase=%s rss_mb=%.1f peak_rss_mb=%.1f\n", ctorch::getRank(), currentStep, phase,
                resident * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0), peakRssMb());
 }
 
@@ -80,6 +83,7 @@ TORCH_MODULE(Mlp);
 
 struct Measured {
   std::size_t params = 0, grads = 0, optimizer = 0, unit = 0;
+  double peakRss = 0;  // MiB, taken after the steps, before the optimizer state is counted (which copies it)
   std::vector<double> ms;
   double lastLoss = 0;
 };
@@ -91,12 +95,13 @@ std::unique_ptr<torch::optim::Adam> adam(std::vector<at::Tensor> parameters) {
 // `step` runs one step and returns its loss.
 void timeSteps(int steps, const std::function<double()>& step, Measured& out) {
   for (int s = 0; s < steps; ++s) {
+    currentStep = s;
     const auto start = std::chrono::steady_clock::now();
     out.lastLoss = step();
     out.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-    if (s == 0) trace("first-step");
   }
-  trace("steps");
+  currentStep = -1;
+  out.peakRss = peakRssMb();
 }
 
 Measured runDdp(bool sharded, int layers, int width, int steps) {
@@ -114,9 +119,12 @@ Measured runDdp(bool sharded, int layers, int width, int steps) {
     ddp.zeroGrad();
     const auto x = torch::randn({8, width});
     auto loss = ddp(x).pow(2).mean();
+    trace("forward");
     loss.backward();
+    trace("backward");
     if (zero) zero->step();
     else whole->step();
+    trace("optimizer");
     return loss.item<double>();
   }, out);
   std::vector<at::Tensor> grads;
@@ -141,8 +149,11 @@ Measured runFsdp(bool reshardAfterForward, int layers, int width, int steps) {
     fsdp.zeroGrad();
     const auto x = torch::randn({8, width});
     auto loss = fsdp(x).pow(2).mean();
+    trace("forward");
     loss.backward();
+    trace("backward");
     optimizer->step();
+    trace("optimizer");
     return loss.item<double>();
   }, out);
   out.params = fsdp.localParameterBytes();
@@ -172,7 +183,7 @@ int main(int argc, char** argv) {
   char unit[64] = "";
   if (fsdp) std::snprintf(unit, sizeof unit, " unit_mb=%.1f", m.unit / 1e6);
   std::printf("rank=%d world=%d mode=%s params_mb=%.1f grads_mb=%.1f optimizer_mb=%.1f peak_rss_mb=%.1f step_ms=%.0f%s\n",
-              rank, world, mode.c_str(), m.params / 1e6, m.grads / 1e6, m.optimizer / 1e6, peakRssMb(),
+              rank, world, mode.c_str(), m.params / 1e6, m.grads / 1e6, m.optimizer / 1e6, m.peakRss,
               m.ms.size() > 1 ? m.ms[1 + (m.ms.size() - 1) / 2] : m.ms[0], unit);
   if (std::getenv("ZERO_MEMORY_TRACE") != nullptr)
     std::fprintf(stderr, "trace rank=%d last_loss=%.9g\n", rank, m.lastLoss);
