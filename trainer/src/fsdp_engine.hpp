@@ -107,6 +107,7 @@ struct FSDPUnit {
 };
 
 struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
+  static constexpr std::size_t kReduceScattersInFlight = 2;
   std::shared_ptr<torch::nn::Module> root;
   FSDPOptions options;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
@@ -213,6 +214,13 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
         auto shard = flat.shard;
         auto g = group;
         const int w = world;
+        // A backward outruns the communication: without a bound every unit's padded gradient would wait
+        // in the queue at once (the whole model's gradients). Two in flight keep the overlap.
+        while (inFlight.size() >= kReduceScattersInFlight) {
+          auto oldest = std::move(inFlight.front());
+          inFlight.erase(inFlight.begin());
+          oldest.get();
+        }
         inFlight.push_back(comm->submit([g, w, padded, shard]() mutable {
           at::Tensor mine = at::empty({shard.numel()}, padded.options());
           if (w == 1) mine.copy_(padded);
