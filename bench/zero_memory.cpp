@@ -4,7 +4,8 @@
 // quoted in docs/sharding.md.
 // Usage (as each worker): zero_memory_bench <ddp|zero|fsdp|fsdp-grad-op> <layers> <width> <steps>
 // ZERO_MEMORY_TRACE=1 also prints, on stderr, the resident and peak memory after each phase and the
-// last step's loss (the same in every mode at one rank).
+// last step's loss (the same in every mode at one rank). ZERO_MEMORY_NO_PREFETCH=1 turns the fsdp
+// modes' prefetch off (what the unit gathered ahead costs in peak memory).
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
@@ -74,7 +75,12 @@ struct MlpImpl : torch::nn::Module {
     for (int i = 0; i < layers; ++i) linears.push_back(register_module(std::to_string(i), torch::nn::Linear(width, width)));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& linear : linears) x = ctorch::unitForward(linear, x);
+    for (std::size_t i = 0; i < linears.size(); ++i) {
+      x = ctorch::unitForward(linears[i], x);
+      // Traced: the memory as the backward reaches each Linear (its output's gradient is ready).
+      if (std::getenv("ZERO_MEMORY_TRACE") != nullptr && x.requires_grad())
+        x.register_hook([i](const at::Tensor&) { trace(("backward-reaches-" + std::to_string(i)).c_str()); });
+    }
     return x;
   }
   std::vector<torch::nn::Linear> linears;
@@ -141,7 +147,8 @@ Measured runFsdp(bool reshardAfterForward, int layers, int width, int steps) {
   trace("model");
   ctorch::FullyShardedDataParallel fsdp(mlp, ctorch::FSDPOptions()
                                                  .autoWrapPolicy(ctorch::moduleTypeWrapPolicy<torch::nn::LinearImpl>())
-                                                 .reshardAfterForward(reshardAfterForward));
+                                                 .reshardAfterForward(reshardAfterForward)
+                                                 .prefetch(std::getenv("ZERO_MEMORY_NO_PREFETCH") == nullptr));
   trace("wrapped");
   auto optimizer = adam(fsdp.parameters());
   Measured out;
