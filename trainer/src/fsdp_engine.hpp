@@ -34,11 +34,11 @@ class FSDPCommThread {
     thread_.join();
   }
   std::shared_future<void> submit(std::function<void()> job) {
-    std::packaged_task<void()> task(std::move(job));
-    auto done = task.get_future().share();
+    Job item{std::move(job), {}};
+    auto done = item.done.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(task));
+      queue_.push_back(std::move(item));
     }
     wake_.notify_one();
     return done;
@@ -47,22 +47,36 @@ class FSDPCommThread {
   void run(std::function<void()> job) { submit(std::move(job)).get(); }
 
  private:
+  // A job's function is destroyed as soon as it has run, before its future is ready: the buffers it
+  // captured (a unit's whole gradient) go then, not when the last copy of the future does.
+  struct Job {
+    std::function<void()> fn;
+    std::promise<void> done;
+  };
   void run() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Job job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
         if (queue_.empty()) return;
-        task = std::move(queue_.front());
+        job = std::move(queue_.front());
         queue_.pop_front();
       }
-      task();
+      std::exception_ptr failure;
+      try {
+        job.fn();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      job.fn = nullptr;
+      if (failure) job.done.set_exception(failure);
+      else job.done.set_value();
     }
   }
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::packaged_task<void()>> queue_;
+  std::deque<Job> queue_;
   bool stop_ = false;
   std::thread thread_;
 };
