@@ -28,6 +28,7 @@
 #include "ctorch/digest.hpp"
 #include "ctorch/distributed.hpp"
 #include "ctorch/parameter_server.hpp"
+#include "ctorch/resilience.hpp"
 
 #include <torch/torch.h>
 
@@ -161,6 +162,50 @@ CTORCH_TEST_WORKER(ps_train) {
   return 0;
 }
 
+// Snapshots and resume (args: optimizer=<sgd|adam> servers=K dir=<folder> stop-after=<steps, 0: run
+// through> track-servers=<1|0>): 4 steps of synchronous PS training under ResilientTraining with a
+// snapshot after every step; with stop-after every rank ends its process after that step (a
+// restart), and the next run resumes from the slot. Worker 0 prints "after step k <digest>" for the
+// steps it ran and "resumed at step s". track-servers=0 (the control) tracks the model alone: the
+// servers' optimizer state then starts afresh on resume and the weights must differ.
+CTORCH_TEST_WORKER(ps_resume) {
+  const std::string kind = arg(args, "optimizer", "sgd");
+  const int stopAfter = static_cast<int>(argInt(args, "stop-after", 0));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  auto params = net->parameters();
+  ctorch::ParameterServer ps(
+      params, [&](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); },
+      ctorch::ParameterServerOptions().servers(static_cast<int>(argInt(args, "servers", 1))));
+  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
+                                         .snapshotPath(std::filesystem::path(arg(args, "dir")) / "snapshot.pt")
+                                         .saveEverySteps(1)
+                                         .saveEveryEpochs(0)
+                                         .handleSignals(false)
+                                         .runName("ps-test"));
+  training.track(net);
+  if (arg(args, "track-servers", "1") == "1") training.track(ps);
+  const ctorch::ResumePoint start = training.resume();
+  if (ps.workerIndex() == 0) std::cout << "resumed at step " << start.globalStep << "\n";
+  for (int step = static_cast<int>(start.globalStep); step < kSteps; ++step) {
+    if (ps.isServer()) {
+      ps.serveStep();
+    } else {
+      ctorch::compat::zeroGrad(params, true);
+      auto [x, y] = batch(step, ps.workerIndex());
+      torch::mse_loss(net(x), y).backward();
+      ps.step();
+      if (ps.workerIndex() == 0) report(step, params);
+    }
+    if (training.stepDone()) return training.exitCode();
+    if (stopAfter > 0 && step + 1 == stopAfter) break;
+  }
+  training.finish();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
 // The "after step k <digest>" lines of a run, in order.
 std::vector<std::string> stepLines(const std::string& output) {
   std::vector<std::string> lines;
@@ -238,6 +283,42 @@ TEST_CASE("parameter server: 3 workers are bit-identical to the rank-order avera
       CHECK(worst <= 1e-6f);
     }
   }
+}
+
+TEST_CASE("parameter server: a run stopped after step 2 resumes bit-identically, the servers' optimizer shards from their files", "[parameter_server][resume]") {
+  for (const std::string optimizer : {"sgd", "adam"})
+    for (int servers : {1, 2}) {
+      INFO(optimizer << ", 2 workers, " << servers << " server(s)");
+      const std::string common[] = {"optimizer=" + optimizer, "servers=" + std::to_string(servers)};
+      TempDir whole("ctorch-ps-whole"), parts("ctorch-ps-parts");
+      auto through = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + whole.path().string()}});
+      requireAllOk(through);
+      const auto expected = stepLines(through.front().output);
+      REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
+      auto first = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + parts.path().string(), "stop-after=2"}});
+      requireAllOk(first);
+      CHECK(stepLines(first.front().output) == std::vector<std::string>(expected.begin(), expected.begin() + 2));
+      // Every rank wrote its shard file beside the snapshot; the servers' hold the optimizer state.
+      CHECK(ctorch::optimizerShardFiles(parts / "snapshot.pt").size() == static_cast<std::size_t>(2 + servers));
+      auto second = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + parts.path().string()}});
+      requireAllOk(second);
+      CHECK_THAT(second.front().output, Catch::Contains("resumed at step 2"));
+      CHECK(stepLines(second.front().output) == std::vector<std::string>(expected.begin() + 2, expected.end()));
+    }
+}
+
+TEST_CASE("parameter server: the control - resumed without the servers' optimizer state, the weights differ", "[parameter_server][resume][control]") {
+  TempDir whole("ctorch-ps-whole"), parts("ctorch-ps-parts");
+  auto through = runWorkerGroup({.worker = "ps_resume", .worldSize = 3, .args = {"dir=" + whole.path().string(), "track-servers=0"}});
+  requireAllOk(through);
+  requireAllOk(runWorkerGroup({.worker = "ps_resume", .worldSize = 3, .args = {"dir=" + parts.path().string(), "stop-after=2", "track-servers=0"}}));
+  auto second = runWorkerGroup({.worker = "ps_resume", .worldSize = 3, .args = {"dir=" + parts.path().string(), "track-servers=0"}});
+  requireAllOk(second);
+  const auto expected = stepLines(through.front().output);
+  const auto resumed = stepLines(second.front().output);
+  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
+  REQUIRE(resumed.size() == 2);
+  CHECK(resumed.front() != expected[2]);  // the momentum buffers start from zero again
 }
 
 TEST_CASE("parameter server: the control - worker 1 on worker 0's batch differs from DDP", "[parameter_server][control]") {

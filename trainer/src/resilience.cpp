@@ -149,7 +149,7 @@ struct ResilientTraining::Impl {
     std::vector<RngState> rankRng;
     if (!o.stepSeed()) rankRng = ranks->gatherRng();
     if (state.zero())  // every rank writes its own optimizer shard (no gather to rank 0)
-      saver->writeShard(detail::captureShard(*state.zero(), identity(), progress()), kind == Kind::kEpochBoundary,
+      saver->writeShard(detail::captureShard(state.zero()->shard(), identity(), progress()), kind == Kind::kEpochBoundary,
                         extras, targets, label(kind));
     if (rank == 0) {
       if (!state.model())
@@ -347,6 +347,13 @@ ResilientTraining& ResilientTraining::track(torch::optim::Optimizer& optimizer) 
 
 ResilientTraining& ResilientTraining::track(ZeroRedundancyOptimizer& optimizer) {
   impl_->state.setOptimizer(optimizer);
+  return *this;
+}
+
+ResilientTraining& ResilientTraining::track(ParameterServer& parameterServer) {
+  impl_->state.setOptimizer(detail::ShardedOptimizer{
+      [&parameterServer] { return parameterServer.shardStateDict(); },
+      [&parameterServer](const std::vector<ItemDict>& shards) { parameterServer.loadShardStateDicts(shards); }});
   return *this;
 }
 

@@ -31,6 +31,13 @@ SnapshotPoint pointOf(const Snapshot& snapshot);
 // when the entry is malformed.
 std::optional<BucketLayout> bucketsOf(const Snapshot& snapshot);
 
+// A sharded optimizer's state (ZeroRedundancyOptimizer, ParameterServer): this rank's shard in the
+// global-index layout, and the restore of this rank's share from every rank's shard.
+struct ShardedOptimizer {
+  std::function<ItemDict()> shard;
+  std::function<void(const std::vector<ItemDict>&)> load;
+};
+
 class TrackedState {
  public:
   // Registration: each throws ConfigError naming what is registered twice or missing.
@@ -38,6 +45,7 @@ class TrackedState {
   void setOptimizer(torch::optim::Optimizer& optimizer);
   // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
   void setOptimizer(ZeroRedundancyOptimizer& optimizer);
+  void setOptimizer(ShardedOptimizer sharded);
   void setSampler(DistributedSampler& sampler);
   void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
   void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
@@ -48,7 +56,7 @@ class TrackedState {
   torch::nn::Module* model() const { return model_; }
   DDPCore* ddp() const { return ddp_; }
   DistributedSampler* sampler() const { return sampler_; }
-  ZeroRedundancyOptimizer* zero() const { return zero_; }
+  const ShardedOptimizer* zero() const { return zero_ ? &*zero_ : nullptr; }
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
   // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
@@ -68,7 +76,7 @@ class TrackedState {
   torch::nn::Module* model_ = nullptr;
   DDPCore* ddp_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
-  ZeroRedundancyOptimizer* zero_ = nullptr;
+  std::optional<ShardedOptimizer> zero_;
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;

@@ -22,12 +22,11 @@ std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank) 
   return std::filesystem::path(slot.string() + kShardSuffix + std::to_string(rank));
 }
 
-Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
                       const TrainingProgress& progress) {
   // A shard holds no parameters (held by a shared_ptr: LibTorch walks modules through shared_from_this).
   static const auto noModel = std::make_shared<torch::nn::Module>();
   Snapshot s = captureSnapshot(TrainingObjects{noModel.get(), nullptr, nullptr}, identity, progress);
-  const ItemDict shard = optimizer.shardStateDict();
   s.optimizerType = shard.at("optimizer_type").toStringRef();
   s.optimizerState = newItemDict();
   s.optimizerState.insert("state", shard.at("state"));

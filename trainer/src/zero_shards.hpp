@@ -17,10 +17,10 @@ inline constexpr const char* kZeroShardsKey = "zero_shards";
 // Rank `rank`'s shard file for the snapshot slot (or any snapshot file) `slot`.
 std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
 
-// This rank's shard as a snapshot file's content: no model, the optimizer state of its share (with
+// This rank's shard (ZeroRedundancyOptimizer::shardStateDict's layout) as a snapshot file's content: no model, the optimizer state of its share (with
 // the parameters' global indices), and the run's point, so that a shard checks itself (magic, digest,
 // run, configuration) and says which step it belongs to.
-Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
 
 // The shards of `snapshot` (which records kZeroShardsKey): every rank's, at the snapshot's global
