@@ -81,35 +81,37 @@ ParameterServer::ParameterServer(std::vector<at::Tensor> parameters, OptimizerFa
                       " parameters (a parameter is never split): use at most " + std::to_string(parameters_.size()) + " servers");
 
   // Every rank starts from rank 0's weights (DDP's rule), so replicas built with different seeds agree.
-  {
-    torch::NoGradGuard noGrad;
-    std::vector<at::Tensor> views;
-    for (const auto& p : parameters_) views.push_back(p.detach().reshape({-1}));
-    std::vector<at::Tensor> flat{torch::cat(views)};
-    try {
-      group_->broadcast(flat)->wait(timeout_);
-    } catch (const std::exception& e) {
-      const std::string message = detail::messageOf(e);
-      detail::throwDistributed("rank " + std::to_string(rank_) + ": ParameterServer's broadcast of rank 0's weights failed: " + message,
-                               message);
-    }
-    std::int64_t offset = 0;
-    for (auto& p : parameters_) {
-      p.detach().copy_(flat[0].narrow(0, offset, p.numel()).view(p.sizes()));
-      offset += p.numel();
-    }
-  }
+  broadcastFromRankZero("the initial weights");
   if (isServer()) {
     std::vector<at::Tensor> mine;
     for (std::size_t i : shares_[static_cast<std::size_t>(serverIndex())]) mine.push_back(parameters_[i]);
-    if (!mine.empty()) {
-      local_ = makeOptimizer(mine);
-      if (!local_) throw ConfigError("ParameterServer: the optimizer factory returned no optimizer");
-    }
+    local_ = makeOptimizer(mine);
+    if (!local_) throw ConfigError("ParameterServer: the optimizer factory returned no optimizer");
   }
 }
 
 ParameterServer::~ParameterServer() = default;
+
+void ParameterServer::syncReplicas() { broadcastFromRankZero("syncReplicas"); }
+
+void ParameterServer::broadcastFromRankZero(const char* why) {
+  torch::NoGradGuard noGrad;
+  std::vector<at::Tensor> views;
+  for (const auto& p : parameters_) views.push_back(p.detach().reshape({-1}));
+  std::vector<at::Tensor> flat{torch::cat(views)};
+  try {
+    group_->broadcast(flat)->wait(timeout_);
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed("rank " + std::to_string(rank_) + ": ParameterServer's broadcast of rank 0's weights (" + why + ") failed: " + message,
+                             message);
+  }
+  std::int64_t offset = 0;
+  for (auto& p : parameters_) {
+    p.detach().copy_(flat[0].narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
 
 void ParameterServer::requireRole(ParameterServerRole role, const char* call) const {
   if (role_ == role) return;

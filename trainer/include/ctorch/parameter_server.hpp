@@ -37,7 +37,8 @@
 namespace ctorch {
 
 struct ParameterServerOptions {
-  // How many ranks serve: the LAST `servers` ranks of the group. Rank 0 is always a worker, so the
+  // How many ranks serve: the LAST `servers` ranks of the group, at most one per parameter (a
+  // parameter is never split). Rank 0 is always a worker, so the
   // main process holds the current model (after step()), logs, evaluates and writes snapshots.
   // Under ctorchrun the last ranks are on the last node: a user puts the servers on a node of their
   // own by giving it as many processes as servers.
@@ -99,6 +100,11 @@ class ParameterServer {
   // Tells every server this worker is done (after the last step; no call may follow).
   void finish();
 
+  // ---- every rank's call
+  // A collective over the whole group: every rank's parameters become rank 0's (a worker's: the
+  // current weights after step()), e.g. so that servers take part in an evaluation. Between steps.
+  void syncReplicas();
+
   // ---- a server's calls (ConfigError on a worker).
   // Serves the workers' pulls until one optimizer step is done (true) or every worker finished
   // (false). A loop that snapshots calls it once per step, in step with the workers' step().
@@ -120,6 +126,7 @@ class ParameterServer {
  private:
   enum Command : std::int64_t { kPull = 1, kStep = 2, kFinish = 3 };
   void requireRole(ParameterServerRole role, const char* call) const;
+  void broadcastFromRankZero(const char* why);
   void sendCommand(Command command);
   void receiveWeights();
   Command receiveCommands();
