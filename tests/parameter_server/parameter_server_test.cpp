@@ -36,6 +36,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace ctorch::test;
@@ -206,6 +207,40 @@ CTORCH_TEST_WORKER(ps_resume) {
   return 0;
 }
 
+// A silent worker (args: none): worker 1 neither steps nor finishes; the server and worker 0 must give
+// up after the parameter server's timeout (2 s) with a DistributedTimeout, not hang. Prints
+// "timeout after <ms> ms: <message>" on those ranks.
+CTORCH_TEST_WORKER(ps_silent) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  auto params = net->parameters();
+  ctorch::barrier();  // the construction's broadcast is bounded by the same 2 s: start it together
+  ctorch::ParameterServer ps(
+      params, [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); },
+      ctorch::ParameterServerOptions().servers(1).timeout(std::chrono::seconds(2)));
+  if (ps.workerIndex() == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(12));
+  } else {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      if (ps.isServer()) {
+        ps.serveStep();
+      } else {
+        auto [x, y] = batch(0, 0);
+        torch::mse_loss(net(x), y).backward();
+        ps.step();
+      }
+      std::cout << "no error\n";
+    } catch (const ctorch::DistributedTimeout& e) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+      std::cout << "timeout after " << ms.count() << " ms: " << e.what() << "\n";
+    }
+  }
+  std::cout << std::flush;
+  std::_Exit(0);  // the group is broken: no orderly teardown to wait for
+}
+
 // The "after step k <digest>" lines of a run, in order.
 std::vector<std::string> stepLines(const std::string& output) {
   std::vector<std::string> lines;
@@ -319,6 +354,21 @@ TEST_CASE("parameter server: the control - resumed without the servers' optimize
   REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
   REQUIRE(resumed.size() == 2);
   CHECK(resumed.front() != expected[2]);  // the momentum buffers start from zero again
+}
+
+TEST_CASE("parameter server: a silent worker is a DistributedTimeout on the server and the other worker after the timeout, not a hang", "[parameter_server][timeout]") {
+  auto results = runWorkerGroup({.worker = "ps_silent", .worldSize = 3, .timeout = std::chrono::seconds(60)});
+  requireAllOk(results);
+  for (int rank : {0, 2}) {
+    const std::string& out = results[static_cast<std::size_t>(rank)].output;
+    INFO("rank " << rank << ": " << out);
+    const auto at = out.find("timeout after ");
+    REQUIRE(at != std::string::npos);
+    const long ms = std::stol(out.substr(at + 14));
+    CHECK(ms >= 1500);
+    CHECK(ms < 11000);  // before the silent worker wakes up
+  }
+  CHECK_THAT(results[2].output, Catch::Contains("waiting for a command from rank 1"));
 }
 
 TEST_CASE("parameter server: the control - worker 1 on worker 0's batch differs from DDP", "[parameter_server][control]") {
