@@ -5,6 +5,11 @@
 
 #include <ctorch/train/options.hpp>
 
+#include <signal.h>
+
+#include <regex>
+#include <thread>
+
 using namespace traintest;
 
 namespace synctest {
@@ -27,6 +32,36 @@ ProcessResult launch(const fs::path& dir, int nproc, const std::vector<std::stri
   INFO(show(r));
   REQUIRE(r.ok());
   return r;
+}
+
+// Runs `args` under ctorchrun (`nproc` ranks, --max-restarts 1), kills rank `victim` with SIGKILL
+// once rank 0 wrote a snapshot at a global step >= `afterStep`, and lets the launcher restart the
+// group, which resumes from the snapshot and finishes. Returns the launcher's result.
+ProcessResult killAndResume(const fs::path& dir, int nproc, const std::vector<std::string>& args, int victim,
+                            std::int64_t afterStep) {
+  ctorch::test::Process p(trainUnderLauncher(dir, nproc, args, {"--max-restarts", "1"}));
+  const std::regex written(R"(snapshot written: \S*snapshot\.pt \(epoch \d+, step \d+, global step (\d+))");
+  bool killed = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!killed && std::chrono::steady_clock::now() < deadline && p.running()) {
+    const std::string seen = p.outputSoFar();
+    for (auto it = std::sregex_iterator(seen.begin(), seen.end(), written); it != std::sregex_iterator() && !killed; ++it)
+      if (std::stoll((*it)[1]) >= afterStep) {
+        int pid = -1;
+        for (int i = 0; i < 500 && pid < 0; ++i) {
+          pid = findWorkerPid(dir, victim);
+          if (pid < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        REQUIRE(pid > 0);
+        REQUIRE(::kill(pid, SIGKILL) == 0);
+        killed = true;
+      }
+    if (!killed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto result = p.wait();
+  INFO(show(result));
+  REQUIRE(killed);
+  return result;
 }
 
 }  // namespace synctest
@@ -95,6 +130,25 @@ TEST_CASE("sync: ctorch-train --sync parameter-server under ctorchrun ends bit-i
       CHECK(resumed.output.find("exactly where it stopped") != std::string::npos);
       CHECK(bitDifference(reference / "model.pt", stopped / "model.pt") == "");
     }
+  }
+}
+
+TEST_CASE("sync: a server or a worker killed mid-run: ctorchrun restarts the group, which resumes from the snapshot "
+          "(the servers' optimizer shards included) and ends bit-identical to allreduce",
+          "[trainer][process][sync][faults]") {
+  const auto args = synctest::with(synctest::kToy, {"--optimizer", "adam"});
+  TempDir reference("sync-allreduce");
+  synctest::launch(reference.path(), 2, args);
+  for (int victim : {2, 1}) {  // the server, then a worker
+    INFO("rank " << victim << " killed");
+    TempDir dir("sync-ps-killed");
+    // --step-delay-ms makes the run last long enough to be killed mid-way; it changes no result.
+    const auto r = synctest::killAndResume(
+        dir.path(), 3, synctest::with(args, {"--sync", "parameter-server", "--step-delay-ms", "20"}), victim, 8);
+    INFO(show(r));
+    CHECK(r.ok());
+    CHECK(r.output.find("exactly where it stopped") != std::string::npos);  // the restarted group resumed
+    CHECK(bitDifference(reference / "model.pt", dir / "model.pt") == "");
   }
 }
 
