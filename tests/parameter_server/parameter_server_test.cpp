@@ -241,6 +241,33 @@ CTORCH_TEST_WORKER(ps_silent) {
   std::_Exit(0);  // the group is broken: no orderly teardown to wait for
 }
 
+// Misuse, printed (2 workers + 1 server, timeout 2 s): a worker calling a server's call; worker 0
+// asks for a step while worker 1 finishes (the server refuses, naming both; worker 0 then times out).
+CTORCH_TEST_WORKER(ps_misuse) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  ctorch::barrier();
+  ctorch::ParameterServer ps(
+      net->parameters(), [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); },
+      ctorch::ParameterServerOptions().servers(1).timeout(std::chrono::seconds(2)));
+  try {
+    if (ps.isWorker()) ps.serveStep();
+    else ps.pull();
+  } catch (const ctorch::ConfigError& e) {
+    std::cout << "refused: " << e.what() << "\n";
+  }
+  try {
+    if (ps.isServer()) ps.serveStep();
+    else if (ps.workerIndex() == 0) ps.step();
+    else ps.finish();
+  } catch (const ctorch::DistributedError& e) {
+    std::cout << "failed: " << e.what() << "\n";
+  }
+  std::cout << std::flush;
+  std::_Exit(0);  // the group is broken: no orderly teardown to wait for
+}
+
 // The "after step k <digest>" lines of a run, in order.
 std::vector<std::string> stepLines(const std::string& output) {
   std::vector<std::string> lines;
@@ -369,6 +396,15 @@ TEST_CASE("parameter server: a silent worker is a DistributedTimeout on the serv
     CHECK(ms < 11000);  // before the silent worker wakes up
   }
   CHECK_THAT(results[2].output, Catch::Contains("waiting for a command from rank 1"));
+}
+
+TEST_CASE("parameter server: a role's call on the other role, and workers asking different things, are refused by name", "[parameter_server]") {
+  auto results = runWorkerGroup({.worker = "ps_misuse", .worldSize = 3, .timeout = std::chrono::seconds(60)});
+  requireAllOk(results);
+  CHECK_THAT(results[0].output, Catch::Contains("refused: ParameterServer::serveStep is a server's call; rank 0 is a worker"));
+  CHECK_THAT(results[2].output, Catch::Contains("refused: ParameterServer::pull is a worker's call; rank 2 is a server"));
+  CHECK_THAT(results[2].output, Catch::Contains("failed: rank 2: parameter server: worker 0 asked 'step' while worker 1 asked 'finish'"));
+  CHECK_THAT(results[0].output, Catch::Contains("failed: rank 0: parameter server:"));  // then worker 0's wait ends, bounded
 }
 
 TEST_CASE("parameter server: the control - worker 1 on worker 0's batch differs from DDP", "[parameter_server][control]") {
