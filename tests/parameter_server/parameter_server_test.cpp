@@ -149,7 +149,7 @@ CTORCH_TEST_WORKER(ps_train) {
       auto params = net->parameters();
       ps.pull();
       for (int step = 0; step < kSteps; ++step) {
-        ctorch::compat::zeroGrad(params, true);
+        ps.zeroGrad();
         loss(step, control && ps.workerIndex() == 1 ? 0 : ps.workerIndex()).backward();
         ps.step();
         if (ps.workerIndex() == 0) report(step, params);
@@ -193,7 +193,7 @@ CTORCH_TEST_WORKER(ps_resume) {
     if (ps.isServer()) {
       ps.serveStep();
     } else {
-      ctorch::compat::zeroGrad(params, true);
+      ps.zeroGrad();
       auto [x, y] = batch(step, ps.workerIndex());
       torch::mse_loss(net(x), y).backward();
       ps.step();

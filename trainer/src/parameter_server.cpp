@@ -208,6 +208,8 @@ void ParameterServer::step() {
   ++steps_;
 }
 
+void ParameterServer::zeroGrad(bool setToNone) { compat::zeroGrad(parameters_, setToNone); }
+
 void ParameterServer::finish() {
   requireRole(ParameterServerRole::kWorker, "finish");
   if (finished_) return;

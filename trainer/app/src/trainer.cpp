@@ -432,8 +432,7 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
     out.phases.optimizer = lap();
     return out;
   }
-  std::vector<at::Tensor> params = ps.parameters();
-  compat::zeroGrad(params, /*setToNone=*/true);
+  ps.zeroGrad();
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t m = 0; m < micro; ++m) {
     auto batch = loader.next();

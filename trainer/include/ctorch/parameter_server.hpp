@@ -8,6 +8,7 @@
 //   if (ps.isServer()) { ps.serve(); return 0; }     // until every worker called finish()
 //   ps.pull();                                       // stage 1: the weights into the local replica
 //   for (...) {
+//     ps.zeroGrad();
 //     torch::mse_loss(model(x), y).backward();       // stage 2: this worker's gradients
 //     ps.step();                                     // stages 3, 4 and the next pull: push the
 //   }                                                //   gradients; servers average, step, send back
@@ -99,6 +100,9 @@ class ParameterServer {
   void step();
   // Tells every server this worker is done (after the last step; no call may follow).
   void finish();
+  // Every parameter's gradient set to none (or zeroed, `setToNone` false), as Python's
+  // optimizer.zero_grad() does: a worker has no optimizer of its own. Any rank.
+  void zeroGrad(bool setToNone = true);
 
   // ---- every rank's call
   // A collective over the whole group: every rank's parameters become rank 0's (a worker's: the
