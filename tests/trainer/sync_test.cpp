@@ -133,6 +133,20 @@ TEST_CASE("sync: ctorch-train --sync parameter-server under ctorchrun ends bit-i
   }
 }
 
+TEST_CASE("sync: a run with 1 server resumes with 2 (another world size: from the epoch boundary, the servers' "
+          "optimizer shards resharded) and ends bit-identical to allreduce",
+          "[trainer][process][sync]") {
+  const auto args = synctest::with(synctest::kToy, {"--optimizer", "adam"});
+  TempDir reference("sync-allreduce"), dir("sync-ps-reshard");
+  synctest::launch(reference.path(), 2, args);
+  const auto ps = synctest::with(args, {"--sync", "parameter-server"});
+  synctest::launch(dir.path(), 3, synctest::with(ps, {"--epochs", "1", "--ps-servers", "1"}));
+  // ps_servers is bound to the snapshot (the same world size would split the data another way).
+  const auto r = synctest::launch(dir.path(), 4, synctest::with(ps, {"--ps-servers", "2", "--allow-config-change"}));
+  CHECK(r.output.find("written by 3 ranks at an epoch boundary, continued by 4 ranks") != std::string::npos);
+  CHECK(bitDifference(reference / "model.pt", dir / "model.pt") == "");
+}
+
 TEST_CASE("sync: a server or a worker killed mid-run: ctorchrun restarts the group, which resumes from the snapshot "
           "(the servers' optimizer shards included) and ends bit-identical to allreduce",
           "[trainer][process][sync][faults]") {
