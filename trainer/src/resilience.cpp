@@ -355,6 +355,13 @@ ResilientTraining& ResilientTraining::track(ZeroRedundancyOptimizer& optimizer) 
   return *this;
 }
 
+ResilientTraining& ResilientTraining::track(ParameterServer& parameterServer) {
+  impl_->state.setOptimizer(detail::ShardedOptimizer{
+      [&parameterServer] { return parameterServer.shardStateDict(); },
+      [&parameterServer](const std::vector<ItemDict>& shards) { parameterServer.loadShardStateDicts(shards); }});
+  return *this;
+}
+
 ResilientTraining& ResilientTraining::track(DistributedSampler& sampler) {
   impl_->state.setSampler(sampler);
   return *this;

@@ -72,7 +72,7 @@ void TrackedState::setModel(FSDPCore& fsdp) {
 }
 
 Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const {
-  if (zero_) return captureShard(*zero_, identity, progress);
+  if (zero_) return captureShard(zero_->shard(), identity, progress);
   return captureShard(*fsdp_, optimizer_, identity, progress);
 }
 
@@ -82,8 +82,13 @@ void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
 }
 
 void TrackedState::setOptimizer(ZeroRedundancyOptimizer& optimizer) {
+  setOptimizer(ShardedOptimizer{[&optimizer] { return optimizer.shardStateDict(); },
+                                [&optimizer](const std::vector<ItemDict>& shards) { optimizer.loadShardStateDicts(shards); }});
+}
+
+void TrackedState::setOptimizer(ShardedOptimizer sharded) {
   if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
-  zero_ = &optimizer;
+  zero_ = std::move(sharded);
 }
 
 void TrackedState::setSampler(DistributedSampler& sampler) {
@@ -166,7 +171,7 @@ SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& 
     // Before anything changes: shards that do not fit are refused with nothing restored.
     if (!snap.userState.contains(kZeroShardsKey) && snap.optimizerType.empty())
       throw SnapshotIncompatible(snap.source, {"it holds no optimizer state for the ZeroRedundancyOptimizer"});
-    zero_->loadShardStateDicts(snap.userState.contains(kZeroShardsKey) ? shards
+    zero_->load(snap.userState.contains(kZeroShardsKey) ? shards
                                                                         : std::vector<ItemDict>{wholeOptimizerAsShard(snap)});
   } else if (optimizer_ && options.optimizer && snap.userState.contains(kZeroShardsKey)) {
     throw SnapshotIncompatible(snap.source, {"its optimizer state is sharded over " +

@@ -32,6 +32,13 @@ SnapshotPoint pointOf(const Snapshot& snapshot);
 // when the entry is malformed.
 std::optional<BucketLayout> bucketsOf(const Snapshot& snapshot);
 
+// A sharded optimizer's state (ZeroRedundancyOptimizer, ParameterServer): this rank's shard in the
+// global-index layout, and the restore of this rank's share from every rank's shard.
+struct ShardedOptimizer {
+  std::function<ItemDict()> shard;
+  std::function<void(const std::vector<ItemDict>&)> load;
+};
+
 class TrackedState {
  public:
   // Registration: each throws ConfigError naming what is registered twice or missing.
@@ -41,6 +48,7 @@ class TrackedState {
   void setOptimizer(torch::optim::Optimizer& optimizer);
   // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
   void setOptimizer(ZeroRedundancyOptimizer& optimizer);
+  void setOptimizer(ShardedOptimizer sharded);
   void setSampler(DistributedSampler& sampler);
   void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
   void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
@@ -51,10 +59,10 @@ class TrackedState {
   torch::nn::Module* model() const { return model_; }
   DDPCore* ddp() const { return ddp_; }
   DistributedSampler* sampler() const { return sampler_; }
-  ZeroRedundancyOptimizer* zero() const { return zero_; }
+  const ShardedOptimizer* zero() const { return zero_ ? &*zero_ : nullptr; }
   FSDPCore* fsdp() const { return fsdp_; }
-  // Every rank writes a shard file of its own beside each snapshot (ZeRO's optimizer, FSDP's model).
-  bool sharded() const { return zero_ != nullptr || fsdp_ != nullptr; }
+  // Every rank writes a shard file of its own beside each snapshot (a sharded optimizer's, FSDP's model).
+  bool sharded() const { return zero_.has_value() || fsdp_ != nullptr; }
   // This rank's shard file's content (zero_shards.hpp), for a sharded() run.
   Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const;
 
@@ -76,7 +84,7 @@ class TrackedState {
   torch::nn::Module* model_ = nullptr;
   DDPCore* ddp_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
-  ZeroRedundancyOptimizer* zero_ = nullptr;
+  std::optional<ShardedOptimizer> zero_;
   FSDPCore* fsdp_ = nullptr;
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;

@@ -5,6 +5,7 @@
 #include "ctorch/distributed.hpp"
 #include "ctorch/snapshot.hpp"
 #include "error_text.hpp"
+#include "optimizer_shard.hpp"
 
 #include <torch/torch.h>
 
@@ -134,29 +135,34 @@ std::size_t ZeroRedundancyOptimizer::localStateBytes() const {
   return bytes;
 }
 
-std::vector<std::int64_t> ZeroRedundancyOptimizer::localToGlobal() const {
+namespace detail {
+
+// Global index of each of `local`'s parameters, in its param_groups' order.
+static std::vector<std::int64_t> globalIndicesOf(const torch::optim::Optimizer& local,
+                                               const std::vector<at::Tensor>& parameters, const std::string& who) {
   std::vector<std::int64_t> globals;
-  for (const auto& group : local_->param_groups())
+  for (const auto& group : local.param_groups())
     for (const auto& p : group.params()) {
-      const auto it = std::find_if(parameters_.begin(), parameters_.end(),
+      const auto it = std::find_if(parameters.begin(), parameters.end(),
                                    [&](const at::Tensor& q) { return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(); });
-      if (it == parameters_.end())
-        throw ConfigError("ZeroRedundancyOptimizer: the local optimizer holds a tensor that is not one of the parameters");
-      globals.push_back(it - parameters_.begin());
+      if (it == parameters.end())
+        throw ConfigError(who + ": the local optimizer holds a tensor that is not one of the parameters");
+      globals.push_back(it - parameters.begin());
     }
   return globals;
 }
 
-ItemDict ZeroRedundancyOptimizer::shardStateDict() const {
+ItemDict optimizerShard(const torch::optim::Optimizer* local, const std::vector<at::Tensor>& parameters,
+                        int worldSize, int rank, const std::string& who) {
   ItemDict out = newItemDict();
   c10::impl::GenericDict states(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList groups(c10::AnyType::get());
   std::string type;
-  if (local_) {
-    const ItemDict local = captureOptimizerState(*local_, &type);
-    const auto globals = localToGlobal();
-    for (const auto& e : local.at("state").toGenericDict()) states.insert(globals.at(static_cast<std::size_t>(e.key().toInt())), e.value());
-    for (const auto& g : local.at("param_groups").toListRef()) {
+  if (local) {
+    const ItemDict captured = captureOptimizerState(*local, &type);
+    const auto globals = globalIndicesOf(*local, parameters, who);
+    for (const auto& e : captured.at("state").toGenericDict()) states.insert(globals.at(static_cast<std::size_t>(e.key().toInt())), e.value());
+    for (const auto& g : captured.at("param_groups").toListRef()) {
       auto group = g.toGenericDict().copy();
       c10::impl::GenericList ids(c10::AnyType::get());
       for (const auto& id : group.at("params").toListRef()) ids.push_back(globals.at(static_cast<std::size_t>(id.toInt())));
@@ -167,16 +173,17 @@ ItemDict ZeroRedundancyOptimizer::shardStateDict() const {
   out.insert("state", states);
   out.insert("param_groups", groups);
   out.insert("optimizer_type", type);
-  out.insert("world_size", static_cast<std::int64_t>(shares_.size()));
-  out.insert("rank", static_cast<std::int64_t>(rank_));
+  out.insert("world_size", static_cast<std::int64_t>(worldSize));
+  out.insert("rank", static_cast<std::int64_t>(rank));
   return out;
 }
 
-void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& shards) {
-  if (!local_) return;  // owns nothing: nothing to restore
-  auto refuse = [](const std::string& why) { throw ConfigError("ZeroRedundancyOptimizer: cannot restore: " + why); };
+void loadOptimizerShards(torch::optim::Optimizer* optimizer, const std::vector<at::Tensor>& parameters,
+                         const std::vector<ItemDict>& shards, const std::string& who) {
+  if (!optimizer) return;  // owns nothing: nothing to restore
+  auto refuse = [&](const std::string& why) { throw ConfigError(who + ": cannot restore: " + why); };
   std::string type;
-  (void)captureOptimizerState(*local_, &type);  // its type name, as the shards spell it
+  (void)captureOptimizerState(*optimizer, &type);  // its type name, as the shards spell it
   // Every global index's state and the options of the group that held it, from whichever shard has it.
   std::map<std::int64_t, c10::IValue> stateOf;
   std::map<std::int64_t, c10::impl::GenericDict> groupOf;
@@ -194,11 +201,11 @@ void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& s
     }
   }
   // This rank's optimizer state as captureOptimizerState would give it, in the local order.
-  const auto globals = localToGlobal();
+  const auto globals = globalIndicesOf(*optimizer, parameters, who);
   c10::impl::GenericDict states(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList groups(c10::AnyType::get());
   std::int64_t local = 0;
-  for (const auto& group : local_->param_groups()) {
+  for (const auto& group : optimizer->param_groups()) {
     std::optional<c10::impl::GenericDict> options;
     c10::impl::GenericList ids(c10::AnyType::get());
     for (std::size_t i = 0; i < group.params().size(); ++i, ++local) {
@@ -216,8 +223,19 @@ void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& s
   ItemDict dict = newItemDict();
   dict.insert("state", states);
   dict.insert("param_groups", groups);
-  const auto errors = restoreOptimizerState(*local_, type, dict);
+  const auto errors = restoreOptimizerState(*optimizer, type, dict);
   if (!errors.empty()) refuse(errors.front());
+}
+
+} // namespace detail
+
+ItemDict ZeroRedundancyOptimizer::shardStateDict() const {
+  return detail::optimizerShard(local_.get(), parameters_, static_cast<int>(shares_.size()), rank_,
+                                "ZeroRedundancyOptimizer");
+}
+
+void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& shards) {
+  detail::loadOptimizerShards(local_.get(), parameters_, shards, "ZeroRedundancyOptimizer");
 }
 
 } // namespace ctorch

@@ -28,10 +28,10 @@ torch::nn::Module& noModel() {
   return *empty;
 }
 
-Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
                       const TrainingProgress& progress) {
+  // A shard holds no parameters.
   Snapshot s = captureSnapshot(TrainingObjects{&noModel(), nullptr, nullptr}, identity, progress);
-  const ItemDict shard = optimizer.shardStateDict();
   s.optimizerType = shard.at("optimizer_type").toStringRef();
   s.optimizerState = newItemDict();
   s.optimizerState.insert("state", shard.at("state"));

@@ -25,10 +25,10 @@ torch::nn::Module& noModel();
 // Rank `rank`'s shard file for the snapshot slot (or any snapshot file) `slot`.
 std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
 
-// This rank's shard as a snapshot file's content: no model, the optimizer state of its share (with
+// This rank's shard (ZeroRedundancyOptimizer::shardStateDict's layout) as a snapshot file's content: no model, the optimizer state of its share (with
 // the parameters' global indices), and the run's point, so that a shard checks itself (magic, digest,
 // run, configuration) and says which step it belongs to.
-Snapshot captureShard(const ZeroRedundancyOptimizer& optimizer, const SnapshotIdentity& identity,
+Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
 
 // FSDP's: this rank's parameter shard and, with `optimizer`, its optimizer's state shard.

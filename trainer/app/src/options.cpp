@@ -223,6 +223,8 @@ const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{"none",
                                                                        {"optimizer", ShardingChoice::kOptimizer},
                                                                        {"grad-op", ShardingChoice::kGradOp},
                                                                        {"full", ShardingChoice::kFull}};
+const std::vector<std::pair<std::string, SyncChoice>> kSyncs = {{"allreduce", SyncChoice::kAllreduce},
+                                                               {"parameter-server", SyncChoice::kParameterServer}};
 const std::vector<std::pair<std::string, CommHookChoice>> kCommHooks = {
     {"shared-memory", CommHookChoice::kSharedMemory},
     {"none", CommHookChoice::kNone},
@@ -264,6 +266,7 @@ const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
 const char* toString(CommHookChoice v) { return nameOf(v, kCommHooks); }
 const char* toString(ShardingChoice v) { return nameOf(v, kShardings); }
+const char* toString(SyncChoice v) { return nameOf(v, kSyncs); }
 
 ResumeChoice ResumeChoice::parse(const std::string& text) {
   ResumeChoice r;
@@ -288,6 +291,25 @@ std::string ResumeChoice::describe() const {
   }
   return "?";
 }
+
+namespace {
+
+// --sync parameter-server: what cannot work with it, each refused in one line.
+void validateParameterServer(const TrainOptions& o) {
+  if (o.psServers < 1 || o.psServers > 1024) bad("--ps-servers", std::to_string(o.psServers), "must be in [1, 1024]");
+  if (o.sharding != ShardingChoice::kNone)
+    throw UsageError(std::string("--sync parameter-server with --sharding ") + toString(o.sharding) +
+                     ": the servers already hold the optimizer state, sharded over them (use --sharding none)");
+  // A worker holds its own gradients only: no rank sees the averaged gradient whose norm clipping needs.
+  if (o.clipGradNorm > 0)
+    throw UsageError("--sync parameter-server with --clip-grad-norm: no rank holds the averaged gradients whose "
+                     "norm it needs (use --sync allreduce)");
+  if (o.amp && o.ampDtype == "float16")
+    throw UsageError("--sync parameter-server with --amp float16 (loss scaling) is not supported: use --amp-dtype "
+                     "bfloat16 or --sync allreduce");
+}
+
+}  // namespace
 
 void TrainOptions::validate() const {
   if (std::find(kModels.begin(), kModels.end(), model) == kModels.end())
@@ -349,6 +371,7 @@ void TrainOptions::validate() const {
   if (sharding != ShardingChoice::kNone && amp && ampDtype == "float16")
     throw UsageError(std::string("--sharding ") + toString(sharding) +
                      " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
+  if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -458,6 +481,12 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   }
   c["seed"] = std::to_string(seed);
   c["amp"] = amp ? ampDtype : "off";
+  // Only with a parameter server (older snapshots match): the servers do not read data, so the same
+  // world size splits the data another way.
+  if (sync == SyncChoice::kParameterServer) {
+    c["sync"] = toString(sync);
+    c["ps_servers"] = std::to_string(psServers);
+  }
   return c;
 }
 
@@ -476,6 +505,8 @@ std::string TrainOptions::describe() const {
   if (sharding == ShardingChoice::kOptimizer) os << ", optimizer state sharded over the ranks (ZeRO-1)";
   if (sharding == ShardingChoice::kGradOp) os << ", gradients and optimizer state sharded over the ranks (FSDP SHARD_GRAD_OP)";
   if (sharding == ShardingChoice::kFull) os << ", parameters, gradients and optimizer state sharded over the ranks (FSDP FULL_SHARD)";
+  if (sync == SyncChoice::kParameterServer)
+    os << ", parameter server on the last " << psServers << (psServers == 1 ? " rank" : " ranks");
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();
   return os.str();
 }
@@ -494,10 +525,12 @@ struct FlagTexts {
         augment(toString(o.augment)),
         commHook(toString(o.commHook)),
         sharding(toString(o.sharding)),
+        sync(toString(o.sync)),
         snapshotPath(o.snapshotPath.string()),
         timeoutS(o.timeout.count()) {}
 
   std::string optimizer, lrDecay, device, backend, progress, augment, commHook, sharding, resume = "auto", metrics;
+  std::string sync;
   std::string dataDir, snapshotPath, modelDir, syntheticShape;
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
@@ -658,6 +691,19 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--step-delay-ms", t.stepDelayMs, "testing aid: sleep after every step")->group("Testing");
 }
 
+// How the replicas are kept in step (docs/parameter-server.md).
+void addSyncFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
+  const char* kSync = "Synchronisation";
+  f.option("--sync", t.sync,
+           "allreduce (DDP: every rank computes, gradients averaged by an allreduce) or parameter-server (the "
+           "last --ps-servers ranks hold the weights and the optimizer; the others compute, push gradients and "
+           "pull weights; synchronous)")
+      ->group(kSync)->capture_default_str();
+  f.option("--ps-servers", o.psServers,
+           "with --sync parameter-server: how many ranks serve (the last ones; parameters spread over them by size)")
+      ->group(kSync)->capture_default_str();
+}
+
 // The app with every flag of ctorch-train, in --help's order; the kinds of their values.
 FlagKinds addFlags(CLI::App& app, TrainOptions& o, FlagTexts& t) {
   app.set_version_flag("--version", versionString());
@@ -671,6 +717,7 @@ FlagKinds addFlags(CLI::App& app, TrainOptions& o, FlagTexts& t) {
   addEvaluationFlags(table, o, t);
   addSnapshotFlags(table, o, t);
   addSystemFlags(table, o, t);
+  addSyncFlags(table, o, t);
   return table.kinds();
 }
 
@@ -707,6 +754,9 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.augment = pick("--augment", t.augment, kAugment);
   o.commHook = pick("--comm-hook", t.commHook, kCommHooks);
   o.sharding = pick("--sharding", t.sharding, kShardings);
+  o.sync = pick("--sync", t.sync, kSyncs);
+  if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
+    bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");
   o.resume = ResumeChoice::parse(t.resume);
   o.dataDir = t.dataDir;
   o.snapshotPath = t.snapshotPath;

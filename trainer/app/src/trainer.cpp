@@ -26,6 +26,7 @@
 #include <ctorch/distributed_env.hpp>
 #include <ctorch/models/registry.hpp>
 #include <ctorch/models/resnet.hpp>
+#include <ctorch/parameter_server.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
@@ -454,6 +455,52 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   return out;
 }
 
+// --sync parameter-server. A worker accumulates its micro-batches' gradients locally (nothing to
+// synchronise before the push), then ParameterServer::step pushes them and returns with the updated
+// weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
+// every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
+// there).
+StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
+                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
+  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
+  StepOutcome out;
+  auto mark = Clock::now();
+  auto lap = [&mark] {
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    return seconds;
+  };
+  if (ps.isServer()) {
+    sampler.advance(std::min(sampler.remaining(), micro * o.batchSize));
+    if (!ps.serveStep()) throw std::logic_error("the workers finished before the sampler's epoch did");
+    out.phases.optimizer = lap();
+    return out;
+  }
+  ps.zeroGrad();
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
+  for (std::int64_t m = 0; m < micro; ++m) {
+    auto batch = loader.next();
+    out.phases.data += lap();
+    if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
+    sampler.advance(batch->size());
+    out.samples += batch->size();
+    const auto inputs = batch->inputs.to(device, /*non_blocking=*/true);
+    const auto targets = batch->targets.to(device, /*non_blocking=*/true);
+    torch::Tensor loss;
+    {
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(model.output(), model.forward(inputs), targets);
+    }
+    (micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
+    lossSum += loss.detach();
+    out.phases.forwardBackward += lap();
+  }
+  ps.step();
+  out.loss = lossSum.item<double>() / static_cast<double>(micro);
+  out.phases.optimizer += lap();
+  return out;
+}
 
 // ---- the run -------------------------------------------------------------------------------------------
 
@@ -626,8 +673,15 @@ class Trainer {
   std::unique_ptr<FSDP> fsdp_;                            // --sharding grad-op|full (in place of ddp_)
   std::unique_ptr<torch::optim::Optimizer> optimizer_;   // the whole optimizer (--sharding none)
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;        // --sharding optimizer (ZeRO-1)
-  // The optimizer this rank steps: the whole one, or its share's (none when it owns no parameter).
-  torch::optim::Optimizer* stepping() const { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
+  std::unique_ptr<ParameterServer> ps_;                  // --sync parameter-server (then no DDP)
+  // The ranks that read data and compute gradients: all of them, or the parameter server's workers.
+  int dataRanks_ = 1;
+  // The optimizer this rank steps: the whole one, or its share's (none when it owns no parameter,
+  // and on a parameter server's workers).
+  torch::optim::Optimizer* stepping() const {
+    if (ps_) return ps_->localOptimizer();
+    return zero_ ? zero_->localOptimizer() : optimizer_.get();
+  }
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::unique_ptr<LrSchedule> schedule_;
@@ -660,7 +714,14 @@ void Trainer::buildDataAndModel() {
 }
 
 void Trainer::buildTraining() {
-  if (o_.sharding == ShardingChoice::kGradOp || o_.sharding == ShardingChoice::kFull) {
+  dataRanks_ = worldSize_;
+  if (o_.sync == SyncChoice::kParameterServer) {
+    ps_ = std::make_unique<ParameterServer>(
+        model_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); },
+        ParameterServerOptions().servers(o_.psServers).timeout(std::chrono::milliseconds(o_.timeout)));
+    dataRanks_ = ps_->numWorkers();
+    // the servers' optimizers are built by the ParameterServer
+  } else if (o_.sharding == ShardingChoice::kGradOp || o_.sharding == ShardingChoice::kFull) {
     fsdp_ = std::make_unique<FSDP>(model_, FSDPOptions()
                                                .autoWrapPolicy(trainerWrapPolicy())
                                                .reshardAfterForward(o_.sharding == ShardingChoice::kFull));
@@ -682,15 +743,16 @@ void Trainer::buildTraining() {
       device_, amp::GradScalerOptions().enabled(o_.amp && amp::parseDtype(o_.ampDtype) == torch::kHalf));
   DistributedSamplerOptions samplerOptions;
   samplerOptions.datasetSize = data_.train->size();
-  samplerOptions.worldSize = worldSize_;
-  samplerOptions.rank = rank_;
+  // With a parameter server the workers split the data; a server keeps worker 0's count of it.
+  samplerOptions.worldSize = dataRanks_;
+  samplerOptions.rank = ps_ && ps_->isServer() ? 0 : rank_;
   samplerOptions.seed = o_.seed;
   sampler_ = std::make_unique<DistributedSampler>(samplerOptions);
   BatchMemoryInputs batch;
   batch.batchSize = o_.batchSize;
   batch.shardSize = sampler_->size();
   batch.datasetSize = data_.train->size();
-  batch.worldSize = worldSize_;
+  batch.worldSize = dataRanks_;
   batch.localRanks = getLocalWorldSize();
   batch.inputBytes = sampleBytes(data_.train->sampleShape());
   batch.activationBytes = activationBytes_;
@@ -700,13 +762,18 @@ void Trainer::buildTraining() {
   stepsPerEpoch_ = ceilDiv(ceilDiv(sampler_->size(), o_.batchSize), o_.gradAccumSteps);
   schedule_ = std::make_unique<LrSchedule>(LrSchedule::fromOptions(o_));
   console_.line("model: " + o_.model + ", " + withThousands(models::parameterCount(*model_)) +
-                " parameters; global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * worldSize_) + " (" +
-                std::to_string(o_.batchSize) + " per rank" +
+                " parameters; global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * dataRanks_) + " (" +
+                std::to_string(o_.batchSize) + (ps_ ? " per worker" : " per rank") +
                 (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
-                std::to_string(worldSize_) + (worldSize_ == 1 ? " rank), " : " ranks), ") +
+                std::to_string(dataRanks_) + (ps_ ? (dataRanks_ == 1 ? " worker), " : " workers), ")
+                                                  : (worldSize_ == 1 ? " rank), " : " ranks), ")) +
                 std::to_string(stepsPerEpoch_) + " steps per epoch" +
-                (worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(ddp_->commHookInUse()))
-                                : std::string()));
+                (ps_ ? "; gradients averaged by " + std::to_string(ps_->numServers()) + " parameter server" +
+                           (ps_->numServers() == 1 ? " (rank " + std::to_string(dataRanks_) + ")"
+                                                   : "s (ranks " + std::to_string(dataRanks_) + "-" + std::to_string(worldSize_ - 1) + ")") +
+                           ", which run the optimizer"
+                     : worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(ddp_->commHookInUse()))
+                                      : std::string()));
 }
 
 // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
@@ -727,13 +794,15 @@ void Trainer::buildResilience() {
   if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
   training_ = std::make_unique<ResilientTraining>(r);
   ResilientTraining& t = *training_;
-  if (fsdp_) t.track(*fsdp_);
+  if (ps_) t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_);  // rank 0: a worker, current weights
+  else if (fsdp_) t.track(*fsdp_);
   else t.track(*ddp_);
   t.track(*sampler_);
   if (zero_) t.track(*zero_);
-  else t.track(*optimizer_);
-  if ((zero_ || fsdp_) && inPlaceRecoveryEnabled())
-    console_.line(std::string("in-place recovery is off with --sharding ") + toString(o_.sharding) +
+  else if (optimizer_) t.track(*optimizer_);
+  if ((zero_ || ps_ || fsdp_) && inPlaceRecoveryEnabled())
+    console_.line(std::string("in-place recovery is off with ") +
+                  (ps_ ? std::string("--sync parameter-server") : "--sharding " + std::string(toString(o_.sharding))) +
                   ": a lost rank's shards come back from the snapshot files with a group restart");
   t.trackScheduler(
       [this] {
@@ -751,7 +820,7 @@ void Trainer::buildResilience() {
   // Captured inside stepDone(): a step that sums the losses is saved with its sum folded in.
   t.track("epoch_tally",
           [this] {
-            const EpochTally now = summing_ ? tally_.summed((*summing_)[0], worldSize_, summingLogs_) : tally_;
+            const EpochTally now = summing_ ? tally_.summed((*summing_)[0], dataRanks_, summingLogs_) : tally_;
             return now.toIValue();
           },
           [this](const c10::IValue& v) {
@@ -876,8 +945,8 @@ PassEnd Trainer::runEpochPass(RunResult& result) {
     const std::optional<AgreedStep> step = trainAndAgree(loader);
     if (!step) return PassEnd::kRecovered;
     pass.phases += step->outcome.phases;
-    pass.intervalSamples += step->outcome.samples * worldSize_;
-    pass.samples += step->outcome.samples * worldSize_;
+    pass.intervalSamples += step->outcome.samples * dataRanks_;
+    pass.samples += step->outcome.samples * dataRanks_;
     const IntervalLoss loss = countLoss(*step);
     reportStep(pass, *step, loss, lr);
     if (hooks_.afterStep) hooks_.afterStep(t.globalStep());
@@ -922,8 +991,9 @@ std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
     intervalLocalLoss_ = localBefore;
   };
   try {
-    step.outcome = trainStep(Replica{ddp_.get(), fsdp_.get()}, *model_, stepping(), zero_.get(), *scaler_, loader,
-                             *sampler_, o_, device_);
+    step.outcome = ps_ ? parameterServerStep(*ps_, *model_, loader, *sampler_, o_, device_)
+                       : trainStep(Replica{ddp_.get(), fsdp_.get()}, *model_, stepping(), zero_.get(), *scaler_, loader,
+                                   *sampler_, o_, device_);
     // Whether any rank must stop: agreed in the background (read at the next step) except at the
     // steps that log or save on schedule, where the same small allreduce also sums the losses.
     step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
@@ -961,8 +1031,8 @@ IntervalLoss Trainer::countLoss(const AgreedStep& step) {
   IntervalLoss loss;
   loss.steps = tally_.intervalSteps;
   if (!step.sums.empty()) {
-    loss.sum = tally_.summed(step.sums[0], worldSize_, false).intervalLoss;
-    tally_ = tally_.summed(step.sums[0], worldSize_, step.periodic);
+    loss.sum = tally_.summed(step.sums[0], dataRanks_, false).intervalLoss;
+    tally_ = tally_.summed(step.sums[0], dataRanks_, step.periodic);
     intervalLocalLoss_ = 0.0;
   } else {
     loss.sum = tally_.intervalLoss + intervalLocalLoss_;
@@ -1126,6 +1196,7 @@ bool Trainer::endEpochOnce(RunResult& result, std::int64_t completed, bool lastE
 
 EvalTotals Trainer::evaluate(std::int64_t completed) {
   const auto evalStart = Clock::now();
+  if (ps_) ps_->syncReplicas();  // a server's replica is current in its own share only
   const EvalTotals totals =
       evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group(),
                           fsdp_ ? EvalForward([this](const torch::Tensor& x) { return (*fsdp_)(x); }) : EvalForward());

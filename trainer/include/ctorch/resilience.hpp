@@ -31,6 +31,7 @@
 #include "ctorch/ddp.hpp"
 #include "ctorch/errors.hpp"
 #include "ctorch/fully_sharded_data_parallel.hpp"
+#include "ctorch/parameter_server.hpp"
 #include "ctorch/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
@@ -189,6 +190,12 @@ class ResilientTraining {
   // not all there is skipped) and reshards them when the world size changed. recover() is off for
   // it: a lost rank's shard comes back from the files with a group restart. docs/sharding.md.
   ResilientTraining& track(ZeroRedundancyOptimizer& optimizer);
+  // Parameter-server training: the servers' optimizer shards are written as a
+  // ZeroRedundancyOptimizer's are (every rank its own file; a worker's holds nothing) and resharded
+  // over another number of servers on resume; recover() is off for it. Track the model too, on
+  // every rank (rank 0 is a worker, whose replica holds the current weights after step(); the
+  // servers take theirs back from it on resume). docs/parameter-server.md.
+  ResilientTraining& track(ParameterServer& parameterServer);
   ResilientTraining& track(DistributedSampler& sampler);
   // LibTorch's schedulers (StepLR, ...): their step count, in LR_SCHEDULER_STATE.
   ResilientTraining& track(torch::optim::LRScheduler& scheduler);

@@ -81,8 +81,6 @@ class ZeroRedundancyOptimizer {
  private:
   std::vector<at::Tensor> parameters_;
   std::vector<int> owners_;
-  // Global index of each of the local optimizer's parameters, in its param_groups' order.
-  std::vector<std::int64_t> localToGlobal() const;
 
   std::vector<std::vector<std::size_t>> shares_;  // per rank: indices of the parameters it owns
   std::unique_ptr<torch::optim::Optimizer> local_;

@@ -32,6 +32,9 @@ enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
 // ZeroRedundancyOptimizer), also the gradients and, between steps, the parameters (FSDP's
 // SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD).
 enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull };
+// How the replicas are kept in step: DDP's gradient allreduce, or a parameter server (the last
+// --ps-servers ranks hold the weights and the optimizer; the others compute).
+enum class SyncChoice { kAllreduce, kParameterServer };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
@@ -41,6 +44,7 @@ const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
 const char* toString(CommHookChoice v);
 const char* toString(ShardingChoice v);
+const char* toString(SyncChoice v);
 
 // Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
 struct ResumeChoice {
@@ -115,6 +119,8 @@ struct TrainOptions {
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
+  SyncChoice sync = SyncChoice::kAllreduce;  // --sync
+  int psServers = 1;                         // --ps-servers: how many of the last ranks serve
 
   // ---- profiling: a Chrome trace (LibTorch's profiler) of global steps [profileFirst, profileLast]
   std::int64_t profileFirst = 0;  // 0: off

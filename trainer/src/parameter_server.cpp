@@ -1,0 +1,309 @@
+// Synchronous parameter-server training over c10d point-to-point messages: the roles, the share of
+// each server, and the four stages of a step (pull, compute, push, aggregate and update).
+#include "ctorch/parameter_server.hpp"
+
+#include "ctorch/compat.hpp"
+#include "ctorch/distributed.hpp"
+#include "error_text.hpp"
+#include "optimizer_shard.hpp"
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace ctorch {
+
+namespace {
+
+// Message channels between one worker and one server (Gloo matches a receive by peer and tag).
+constexpr int kCommandTag = 0;   // worker -> server: one int64, what the worker asks
+constexpr int kWeightsTag = 1;   // server -> worker: the server's share of the weights, flat
+constexpr int kGradientTag = 2;  // worker -> server: the worker's gradients of that share, flat
+
+const char* commandName(std::int64_t command) {
+  switch (command) {
+    case 1: return "pull";
+    case 2: return "step";
+    case 3: return "finish";
+    default: return "an unknown command";
+  }
+}
+
+} // namespace
+
+void ParameterServerOptions::validate() const {
+  if (servers_ < 1)
+    throw ConfigError("ParameterServerOptions::servers must be >= 1, got " + std::to_string(servers_));
+  if (timeout_ && timeout_->count() <= 0)
+    throw ConfigError("ParameterServerOptions::timeout must be positive, got " + std::to_string(timeout_->count()) + " ms");
+}
+
+ParameterServerRole parameterServerRole(int rank, int worldSize, int servers) {
+  if (servers < 1) throw ConfigError("parameter server: the number of servers must be >= 1, got " + std::to_string(servers));
+  if (servers >= worldSize)
+    throw ConfigError("parameter server: " + std::to_string(servers) + " server(s) in a world of " + std::to_string(worldSize) +
+                      " leave no worker (the last ranks serve; start at least servers + 1 processes)");
+  if (rank < 0 || rank >= worldSize)
+    throw ConfigError("parameter server: rank " + std::to_string(rank) + " is outside a world of " + std::to_string(worldSize));
+  return rank >= worldSize - servers ? ParameterServerRole::kServer : ParameterServerRole::kWorker;
+}
+
+ParameterServer::ParameterServer(std::vector<at::Tensor> parameters, OptimizerFactory makeOptimizer,
+                                 ParameterServerOptions options)
+    : parameters_(std::move(parameters)) {
+  options.validate();
+  if (!makeOptimizer) throw ConfigError("ParameterServer: no optimizer factory");
+  if (parameters_.empty()) throw ConfigError("ParameterServer: no parameters");
+  group_ = options.processGroup() ? options.processGroup() : getDefaultGroup();
+  timeout_ = options.timeout().value_or(compat::glooTimeout(group_).value_or(std::chrono::minutes(30)));
+  rank_ = group_->getRank();
+  servers_ = options.servers();
+  role_ = parameterServerRole(rank_, group_->getSize(), servers_);
+  workers_ = group_->getSize() - servers_;
+  std::vector<std::int64_t> numels;
+  for (const auto& p : parameters_) {
+    if (!p.defined()) throw ConfigError("ParameterServer: an undefined parameter");
+    // A share travels as one flat buffer of one dtype on one device.
+    if (p.scalar_type() != parameters_.front().scalar_type() || p.device() != parameters_.front().device())
+      throw ConfigError("ParameterServer: the parameters must share one dtype and device (found " +
+                        std::string(c10::toString(parameters_.front().scalar_type())) + " on " +
+                        parameters_.front().device().str() + " and " + c10::toString(p.scalar_type()) + " on " +
+                        p.device().str() + ")");
+    numels.push_back(p.numel());
+  }
+  owners_ = partitionParameters(numels, servers_);
+  shares_.assign(static_cast<std::size_t>(servers_), {});
+  for (std::size_t i = 0; i < owners_.size(); ++i) shares_[static_cast<std::size_t>(owners_[i])].push_back(i);
+  // A server owning nothing would have nothing to serve and fall out of step with a loop that calls
+  // serveStep() once per step: whole parameters are never split, so there are at most as many servers.
+  if (static_cast<std::size_t>(servers_) > parameters_.size())
+    throw ConfigError("ParameterServer: " + std::to_string(servers_) + " servers for " + std::to_string(parameters_.size()) +
+                      " parameters (a parameter is never split): use at most " + std::to_string(parameters_.size()) + " servers");
+
+  // Every rank starts from rank 0's weights (DDP's rule), so replicas built with different seeds agree.
+  broadcastFromRankZero("the initial weights");
+  if (isServer()) {
+    std::vector<at::Tensor> mine;
+    for (std::size_t i : shares_[static_cast<std::size_t>(serverIndex())]) mine.push_back(parameters_[i]);
+    local_ = makeOptimizer(mine);
+    if (!local_) throw ConfigError("ParameterServer: the optimizer factory returned no optimizer");
+  }
+}
+
+ParameterServer::~ParameterServer() = default;
+
+void ParameterServer::syncReplicas() { broadcastFromRankZero("syncReplicas"); }
+
+void ParameterServer::broadcastFromRankZero(const char* why) {
+  torch::NoGradGuard noGrad;
+  std::vector<at::Tensor> views;
+  for (const auto& p : parameters_) views.push_back(p.detach().reshape({-1}));
+  std::vector<at::Tensor> flat{torch::cat(views)};
+  try {
+    group_->broadcast(flat)->wait(timeout_);
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed("rank " + std::to_string(rank_) + ": ParameterServer's broadcast of rank 0's weights (" + why + ") failed: " + message,
+                             message);
+  }
+  std::int64_t offset = 0;
+  for (auto& p : parameters_) {
+    p.detach().copy_(flat[0].narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
+void ParameterServer::requireRole(ParameterServerRole role, const char* call) const {
+  if (role_ == role) return;
+  throw ConfigError(std::string("ParameterServer::") + call + " is a " + (role == ParameterServerRole::kServer ? "server" : "worker") +
+                    "'s call; rank " + std::to_string(rank_) + " is a " + (isServer() ? "server" : "worker"));
+}
+
+namespace {
+
+// Waits for every message of one stage, each bounded by the group's timeout; a failure names the peer.
+void waitAll(std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>>& works, std::chrono::milliseconds timeout,
+             int rank, const char* what) {
+  for (auto& [peer, work] : works) {
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& e) {
+      const std::string message = detail::messageOf(e);
+      detail::throwDistributed("rank " + std::to_string(rank) + ": parameter server: " + what + " rank " + std::to_string(peer) +
+                                   " failed: " + message,
+                               message);
+    }
+  }
+  works.clear();
+}
+
+} // namespace
+
+at::Tensor ParameterServer::packShare(int server, bool gradients) const {
+  std::vector<at::Tensor> views;
+  for (std::size_t i : shares_[static_cast<std::size_t>(server)]) {
+    const auto& p = parameters_[i];
+    if (!gradients) views.push_back(p.detach().reshape({-1}));
+    else if (p.grad().defined()) views.push_back(p.grad().detach().reshape({-1}).to(p.scalar_type()));
+    else views.push_back(at::zeros({p.numel()}, p.options()));
+  }
+  return torch::cat(views);
+}
+
+void ParameterServer::sendCommand(Command command) {
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+  std::vector<std::vector<at::Tensor>> messages;
+  messages.reserve(static_cast<std::size_t>(servers_));
+  for (int s = 0; s < servers_; ++s) {
+    messages.push_back({at::full({1}, static_cast<std::int64_t>(command), at::kLong)});
+    works.emplace_back(workers_ + s, group_->send(messages.back(), workers_ + s, kCommandTag));
+  }
+  waitAll(works, timeout_, rank_, "sending a command to");
+}
+
+void ParameterServer::receiveWeights() {
+  torch::NoGradGuard noGrad;
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+  std::vector<std::vector<at::Tensor>> buffers(static_cast<std::size_t>(servers_));
+  for (int s = 0; s < servers_; ++s) {
+    const auto& share = shares_[static_cast<std::size_t>(s)];
+    std::int64_t numel = 0;
+    for (std::size_t i : share) numel += parameters_[i].numel();
+    buffers[static_cast<std::size_t>(s)] = {at::empty({numel}, parameters_[share.front()].options())};
+    works.emplace_back(workers_ + s, group_->recv(buffers[static_cast<std::size_t>(s)], workers_ + s, kWeightsTag));
+  }
+  waitAll(works, timeout_, rank_, "receiving weights from");
+  for (int s = 0; s < servers_; ++s) {
+    std::int64_t offset = 0;
+    for (std::size_t i : shares_[static_cast<std::size_t>(s)]) {
+      auto& p = parameters_[i];
+      p.detach().copy_(buffers[static_cast<std::size_t>(s)][0].narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+  }
+}
+
+void ParameterServer::pull() {
+  requireRole(ParameterServerRole::kWorker, "pull");
+  if (finished_) throw ConfigError("ParameterServer::pull after finish()");
+  sendCommand(kPull);
+  receiveWeights();
+}
+
+void ParameterServer::step() {
+  requireRole(ParameterServerRole::kWorker, "step");
+  if (finished_) throw ConfigError("ParameterServer::step after finish()");
+  sendCommand(kStep);
+  {
+    std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+    std::vector<std::vector<at::Tensor>> messages;
+    messages.reserve(static_cast<std::size_t>(servers_));
+    for (int s = 0; s < servers_; ++s) {
+      messages.push_back({packShare(s, /*gradients=*/true)});
+      works.emplace_back(workers_ + s, group_->send(messages.back(), workers_ + s, kGradientTag));
+    }
+    waitAll(works, timeout_, rank_, "pushing gradients to");
+  }
+  receiveWeights();
+  ++steps_;
+}
+
+void ParameterServer::zeroGrad(bool setToNone) { compat::zeroGrad(parameters_, setToNone); }
+
+void ParameterServer::finish() {
+  requireRole(ParameterServerRole::kWorker, "finish");
+  if (finished_) return;
+  sendCommand(kFinish);
+  finished_ = true;
+}
+
+ParameterServer::Command ParameterServer::receiveCommands() {
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+  std::vector<std::vector<at::Tensor>> commands(static_cast<std::size_t>(workers_));
+  for (int w = 0; w < workers_; ++w) {
+    commands[static_cast<std::size_t>(w)] = {at::zeros({1}, at::kLong)};
+    works.emplace_back(w, group_->recv(commands[static_cast<std::size_t>(w)], w, kCommandTag));
+  }
+  waitAll(works, timeout_, rank_, "waiting for a command from");
+  const std::int64_t first = commands[0][0].item<std::int64_t>();
+  for (int w = 1; w < workers_; ++w) {
+    const std::int64_t other = commands[static_cast<std::size_t>(w)][0].item<std::int64_t>();
+    if (other != first)
+      throw DistributedError("rank " + std::to_string(rank_) + ": parameter server: worker 0 asked '" + commandName(first) +
+                             "' while worker " + std::to_string(w) + " asked '" + commandName(other) +
+                             "' (synchronous mode: every worker makes the same calls in the same order)");
+  }
+  if (first < kPull || first > kFinish)
+    throw DistributedError("rank " + std::to_string(rank_) + ": parameter server: unknown command " + std::to_string(first));
+  return static_cast<Command>(first);
+}
+
+void ParameterServer::sendWeights() {
+  std::vector<at::Tensor> flat{packShare(serverIndex(), /*gradients=*/false)};
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+  for (int w = 0; w < workers_; ++w) works.emplace_back(w, group_->send(flat, w, kWeightsTag));
+  waitAll(works, timeout_, rank_, "sending weights to");
+}
+
+void ParameterServer::aggregateAndStep() {
+  const auto& share = shares_[static_cast<std::size_t>(serverIndex())];
+  std::int64_t numel = 0;
+  for (std::size_t i : share) numel += parameters_[i].numel();
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+  std::vector<std::vector<at::Tensor>> gradients(static_cast<std::size_t>(workers_));
+  for (int w = 0; w < workers_; ++w) {
+    gradients[static_cast<std::size_t>(w)] = {at::empty({numel}, parameters_[share.front()].options())};
+    works.emplace_back(w, group_->recv(gradients[static_cast<std::size_t>(w)], w, kGradientTag));
+  }
+  waitAll(works, timeout_, rank_, "receiving gradients from");
+  // DDP's average, operation for operation: c10d's Reducer multiplies each rank's gradient by
+  // 1 / world size as it copies it into the bucket, then the allreduce sums. Here the sum runs in
+  // worker-rank order; with 2 workers that is every order there is, so the result is DDP's bits.
+  torch::NoGradGuard noGrad;
+  const double scale = 1.0 / static_cast<double>(workers_);
+  at::Tensor average = gradients[0][0].mul(scale);
+  for (int w = 1; w < workers_; ++w) average.add_(gradients[static_cast<std::size_t>(w)][0].mul(scale));
+  std::int64_t offset = 0;
+  for (std::size_t i : share) {
+    auto& p = parameters_[i];
+    p.mutable_grad() = average.narrow(0, offset, p.numel()).view(p.sizes());
+    offset += p.numel();
+  }
+  local_->step();
+  for (std::size_t i : share) parameters_[i].mutable_grad().reset();
+}
+
+bool ParameterServer::serveStep() {
+  requireRole(ParameterServerRole::kServer, "serveStep");
+  if (finished_) return false;
+  for (;;) {
+    switch (receiveCommands()) {
+      case kPull:
+        sendWeights();
+        break;
+      case kStep:
+        aggregateAndStep();
+        sendWeights();
+        ++steps_;
+        return true;
+      case kFinish:
+        finished_ = true;
+        return false;
+    }
+  }
+}
+
+void ParameterServer::serve() {
+  while (serveStep()) {
+  }
+}
+
+ItemDict ParameterServer::shardStateDict() const {
+  return detail::optimizerShard(local_.get(), parameters_, group_->getSize(), rank_, "ParameterServer");
+}
+
+void ParameterServer::loadShardStateDicts(const std::vector<ItemDict>& shards) {
+  detail::loadOptimizerShards(local_.get(), parameters_, shards, "ParameterServer");
+}
+
+} // namespace ctorch
