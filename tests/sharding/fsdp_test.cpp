@@ -6,6 +6,7 @@
 #include "ctorch_catch.hpp"
 
 #include "multiproc.hpp"
+#include "pickle_files.hpp"
 #include "../ddp/ddp_test_util.hpp"
 
 #include "ctorch/ddp.hpp"
@@ -22,6 +23,7 @@
 
 using namespace ctorch::test;
 using ddptest::arg;
+using namespace sharding_test;
 
 namespace fsdp_test {
 
@@ -204,21 +206,6 @@ CTORCH_TEST_WORKER(fsdp_refusals) {
   ctorch::barrier();
   ctorch::destroyProcessGroup();
   return 0;
-}
-
-void writeValue(const std::filesystem::path& file, const c10::IValue& value) {
-  const auto bytes = torch::pickle_save(value);
-  std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-
-c10::IValue readValue(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return torch::pickle_load(bytes);
-}
-
-ctorch::ItemDict itemDict(const c10::IValue& value) {
-  return c10::impl::toTypedDict<std::string, c10::IValue>(value.toGenericDict());
 }
 
 // Two phases of one run (args: phase=<save|resume> dir=<folder> optimizer=<sgd|adam>): `save` trains

@@ -403,6 +403,28 @@ struct StepOutcome {
   StepPhases phases;
 };
 
+// The wall time since the previous call (or the construction): a step's phases one after another.
+struct Lap {
+  Clock::time_point mark = Clock::now();
+  double operator()() {
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    return seconds;
+  }
+};
+
+// The next micro-batch on `device`, counted in the sampler and in `out` (its wait as data time).
+std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
+                                                       StepOutcome& out, Lap& lap, const torch::Device& device) {
+  auto batch = loader.next();
+  out.phases.data += lap();
+  if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
+  sampler.advance(batch->size());
+  out.samples += batch->size();
+  return {batch->inputs.to(device, /*non_blocking=*/true), batch->targets.to(device, /*non_blocking=*/true)};
+}
+
 // `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
 // `zero`: then broadcasts every share after the step.
 StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
@@ -413,21 +435,9 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
-  auto mark = Clock::now();
-  auto lap = [&mark] {
-    const auto now = Clock::now();
-    const double seconds = std::chrono::duration<double>(now - mark).count();
-    mark = now;
-    return seconds;
-  };
+  Lap lap;
   for (std::int64_t m = 0; m < micro; ++m) {
-    auto batch = loader.next();
-    out.phases.data += lap();
-    if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
-    sampler.advance(batch->size());
-    out.samples += batch->size();
-    const auto inputs = batch->inputs.to(device, /*non_blocking=*/true);
-    const auto targets = batch->targets.to(device, /*non_blocking=*/true);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
     // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
     std::optional<NoSyncGuard> noSync;
     ddp.synchronise(m + 1 == micro, noSync);
@@ -464,13 +474,7 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
                                 DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
-  auto mark = Clock::now();
-  auto lap = [&mark] {
-    const auto now = Clock::now();
-    const double seconds = std::chrono::duration<double>(now - mark).count();
-    mark = now;
-    return seconds;
-  };
+  Lap lap;
   if (ps.isServer()) {
     sampler.advance(std::min(sampler.remaining(), micro * o.batchSize));
     if (!ps.serveStep()) throw std::logic_error("the workers finished before the sampler's epoch did");
@@ -480,13 +484,7 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
   ps.zeroGrad();
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t m = 0; m < micro; ++m) {
-    auto batch = loader.next();
-    out.phases.data += lap();
-    if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
-    sampler.advance(batch->size());
-    out.samples += batch->size();
-    const auto inputs = batch->inputs.to(device, /*non_blocking=*/true);
-    const auto targets = batch->targets.to(device, /*non_blocking=*/true);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
     torch::Tensor loss;
     {
       amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
