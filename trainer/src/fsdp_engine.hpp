@@ -81,6 +81,47 @@ class FSDPCommThread {
   std::thread thread_;
 };
 
+// Freed unit buffers kept for the next gather of the same size, at most `capacity` bytes (set to what
+// the previous step had gathered at once): the memory a step gathers is reused, not returned to the
+// system and faulted in again every step.
+class BufferPool {
+ public:
+  void give(const c10::Storage& storage) {
+    auto* impl = storage.unsafeGetStorageImpl();
+    const std::size_t bytes = impl->nbytes();
+    at::DataPtr ptr = impl->set_data_ptr(at::DataPtr(nullptr, impl->device()));
+    impl->set_nbytes(0);
+    if (held_ + bytes <= capacity_) {
+      held_ += bytes;
+      free_.emplace_back(bytes, std::move(ptr));
+    }
+  }
+  void take(const c10::Storage& storage, std::size_t bytes) {
+    auto* impl = storage.unsafeGetStorageImpl();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->first == bytes && it->second.device() == impl->device()) {
+        impl->set_data_ptr_noswap(std::move(it->second));
+        held_ -= bytes;
+        free_.erase(it);
+        impl->set_nbytes(bytes);
+        return;
+      }
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+    impl->set_nbytes(bytes);
+  }
+  void setCapacity(std::size_t bytes) {
+    capacity_ = bytes;
+    while (held_ > capacity_ && !free_.empty()) {
+      held_ -= free_.back().first;
+      free_.pop_back();
+    }
+  }
+
+ private:
+  std::size_t capacity_ = 0, held_ = 0;
+  std::vector<std::pair<std::size_t, at::DataPtr>> free_;
+};
+
 inline void freeStorage(const c10::Storage& storage) {
   auto* impl = storage.unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
@@ -122,6 +163,8 @@ struct FSDPUnit {
 
 struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
   static constexpr std::size_t kReduceScattersInFlight = 2;
+  BufferPool pool;
+  std::size_t gatheredNow = 0, gatheredPeak = 0;
   std::shared_ptr<torch::nn::Module> root;
   FSDPOptions options;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
@@ -145,7 +188,9 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
     unit.gathered = true;
     std::vector<std::pair<at::Tensor, at::Tensor>> jobs;
     for (auto& flat : unit.flats) {
-      allocateStorage(flat.storage, flat.fullBytes());
+      pool.take(flat.storage, flat.fullBytes());
+      gatheredNow += flat.fullBytes();
+      gatheredPeak = std::max(gatheredPeak, gatheredNow);
       jobs.emplace_back(flat.shard.detach(), flat.full);
     }
     auto g = group;
@@ -172,7 +217,10 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
       unit.pending = {};
       pending.get();
     }
-    for (auto& flat : unit.flats) freeStorage(flat.storage);
+    for (auto& flat : unit.flats) {
+      gatheredNow -= flat.fullBytes();
+      pool.give(flat.storage);
+    }
     unit.gathered = false;
   }
   void prefetch(std::size_t unitIndex, int direction) {
@@ -272,6 +320,8 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
       unit->reduced = false;
     }
     callbackQueued = false;
+    pool.setCapacity(gatheredPeak);  // what this step gathered at once, kept for the next one
+    gatheredPeak = 0;
     if (failure) std::rethrow_exception(failure);
   }
   void addPreBackwardHooks(FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
