@@ -22,6 +22,7 @@
 
 #include "multiproc.hpp"
 #include "../ddp/ddp_test_util.hpp"
+#include "../sharding/small_net.hpp"
 
 #include "ctorch/compat.hpp"
 #include "ctorch/ddp.hpp"
@@ -42,28 +43,12 @@
 using namespace ctorch::test;
 using ddptest::arg;
 using ddptest::argInt;
+using sharding_test::Net;
+using sharding_test::makeOptimizer;
 
 namespace {
 
 constexpr int kSteps = 4;
-
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    // Parameters of unequal sizes, so two servers get different shares.
-    a = register_module("a", torch::nn::Linear(12, 40));
-    b = register_module("b", torch::nn::Linear(40, 24));
-    c = register_module("c", torch::nn::Linear(24, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return c(torch::tanh(b(torch::relu(a(x))))); }
-  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
-};
-TORCH_MODULE(Net);
-
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind, std::vector<at::Tensor> params) {
-  if (kind == "adam")
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
-}
 
 // Worker (or DDP rank) `w`'s batch at `step`: the global batch is the union over the workers.
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int w) {

@@ -7,6 +7,7 @@
 
 #include "multiproc.hpp"
 #include "pickle_files.hpp"
+#include "small_net.hpp"
 #include "../ddp/ddp_test_util.hpp"
 
 #include "ctorch/ddp.hpp"
@@ -76,12 +77,6 @@ ctorch::WrapPolicy netPolicy() {
   return [](const std::string& name, const torch::nn::Module&) {
     return name == "a" || name == "b" || name == "tiedA" || name == "tiedB" || name == "frozen";
   };
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind, std::vector<at::Tensor> params) {
-  if (kind == "adam")
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
 }
 
 // The largest absolute difference between the FSDP replica's full state and the reference's (every

@@ -7,6 +7,7 @@
 
 #include "multiproc.hpp"
 #include "pickle_files.hpp"
+#include "small_net.hpp"
 #include "../ddp/ddp_test_util.hpp"
 
 #include "ctorch/ddp.hpp"
@@ -26,24 +27,6 @@ using ddptest::arg;
 using namespace sharding_test;
 
 namespace {
-
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    // Parameters of unequal sizes, so the packing gives each rank a different share.
-    a = register_module("a", torch::nn::Linear(12, 40));
-    b = register_module("b", torch::nn::Linear(40, 24));
-    c = register_module("c", torch::nn::Linear(24, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return c(torch::tanh(b(torch::relu(a(x))))); }
-  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
-};
-TORCH_MODULE(Net);
-
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind, std::vector<at::Tensor> params) {
-  if (kind == "adam")
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
-}
 
 bool bitIdentical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   if (a.size() != b.size()) return false;
