@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -60,6 +61,17 @@ std::optional<int> maybeRunWorker(int argc, char** argv) {
     std::cerr << "no test worker named '" << argv[2] << "'\n";
     return 2;
   }
+  // The harness reads stdout and stderr from one file, and tests parse its lines. Both streams are
+  // line-buffered with room for the longest line a worker prints (a "final <hex>" line is ~13 kB),
+  // and stderr is not tied to stdout: a line is written whole when it ends, so a library message
+  // from another thread (a background snapshot write's "snapshot written ...") lands between two
+  // lines, never inside one - with the default tie, writing to std::cerr flushed a half-written
+  // std::cout line.
+  static char outBuffer[1 << 20];
+  static char errBuffer[1 << 16];
+  std::setvbuf(stdout, outBuffer, _IOLBF, sizeof outBuffer);
+  std::setvbuf(stderr, errBuffer, _IOLBF, sizeof errBuffer);
+  std::cerr.tie(nullptr);
   std::vector<std::string> args(argv + 3, argv + argc);
   try {
     return it->second(args);

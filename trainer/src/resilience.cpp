@@ -82,7 +82,7 @@ struct ResilientTraining::Impl {
   void say(const std::string& line) const {
     if (rank != 0) return;
     if (o.log()) o.log()(line);
-    else std::cerr << o.programName() << ": " << line << std::endl;
+    else std::cerr << (o.programName() + ": " + line + "\n") << std::flush;  // one write: whole, beside other threads' output
   }
 
   TrainingProgress progress() const { return TrainingProgress{epoch, stepInEpoch, globalStep}; }

@@ -116,7 +116,7 @@ void SnapshotSaver::submit(SnapshotJob job, std::function<void()> afterWrite, st
   if (job.slots.empty()) return;
   job.afterWrite = std::move(afterWrite);
   if (report) job.report = [this](const std::string& line) { o_.say(line); };
-  job.reportError = [this](const std::string& line) { std::cerr << o_.programName << ": " << line << std::endl; };
+  job.reportError = [this](const std::string& line) { std::cerr << (o_.programName + ": " + line + "\n") << std::flush; };
   job.label = std::move(label);
   if (durableStep) {
     auto after = std::move(job.afterWrite);

@@ -98,7 +98,7 @@ void SnapshotWriter::loop() {
       error = classify(error, job.label);
       const std::string line = describe(error);
       if (job.reportError) job.reportError(line);
-      else std::cerr << "ctorch-train: " << line << std::endl;
+      else std::cerr << ("ctorch-train: " + line + "\n") << std::flush;  // one write, from this thread
       failed_ = true;
     }
     lock.lock();
