@@ -33,6 +33,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -253,6 +254,73 @@ CTORCH_TEST_WORKER(ps_misuse) {
   std::_Exit(0);  // the group is broken: no orderly teardown to wait for
 }
 
+// Asynchronous (or, mode=sync, synchronous) training through rounds (args: mode=<async|sync>
+// optimizer=<sgd|adam> servers=K staleness=S steps=N slow-ms=M (worker 1 sleeps that long before each
+// push) silent=<0|1> (worker 1 never pushes; timeout 2 s)). Worker 0 prints "after step k <digest>"
+// and "ahead k <n>"; every worker prints "synced <digest>" after the round; servers print
+// "refused: ..." (serveStep in asynchronous mode) and "stats updates <u> max-staleness <m> held <h>".
+CTORCH_TEST_WORKER(ps_async) {
+  const bool async = arg(args, "mode", "async") == "async";
+  const bool silent = arg(args, "silent", "0") == "1";
+  const int steps = static_cast<int>(argInt(args, "steps", kSteps));
+  const auto slow = std::chrono::milliseconds(argInt(args, "slow-ms", 0));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  auto params = net->parameters();
+  ctorch::barrier();
+  ctorch::ParameterServer ps(
+      params, [&](std::vector<at::Tensor> share) { return makeOptimizer(arg(args, "optimizer", "sgd"), share); },
+      ctorch::ParameterServerOptions()
+          .servers(static_cast<int>(argInt(args, "servers", 1)))
+          .mode(async ? ctorch::ParameterServerMode::kAsynchronous : ctorch::ParameterServerMode::kSynchronous)
+          .staleness(static_cast<int>(argInt(args, "staleness", 0)))
+          .timeout(silent ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(60000)));
+  try {
+    if (ps.isServer()) {
+      if (async) {
+        try {
+          ps.serveStep();
+        } catch (const ctorch::ConfigError& e) {
+          std::cout << "refused: " << e.what() << "\n";
+        }
+      }
+      const bool round = ps.serveRound();
+      std::cout << "round " << (round ? "ended" : "not ended") << "\n";
+      const auto& st = ps.stats();
+      std::cout << "stats updates " << st.updates << " max-staleness " << st.maxStaleness << " held " << st.heldAnswers << "\n";
+      if (ps.serveRound()) std::cout << "a second round?\n";
+    } else {
+      const int w = ps.workerIndex();
+      if (silent && w == 1) {
+        std::this_thread::sleep_for(std::chrono::seconds(8));
+        std::cout << std::flush;
+        std::_Exit(0);
+      }
+      for (int step = 0; step < steps; ++step) {
+        ps.zeroGrad();
+        auto [x, y] = batch(step, w);
+        torch::mse_loss(net(x), y).backward();
+        if (w == 1 && slow.count() > 0) std::this_thread::sleep_for(slow);
+        ps.step();
+        if (w == 0) {
+          report(step, params);
+          std::cout << "ahead " << step << " " << ps.aheadOfSlowest() << "\n";
+        }
+      }
+      ps.sync();
+      std::cout << "synced " << digest(params) << "\n";
+      ps.finish();
+    }
+  } catch (const ctorch::DistributedError& e) {
+    std::cout << "failed: " << e.what() << "\n" << std::flush;
+    std::_Exit(0);  // the group is broken: no orderly teardown
+  }
+  std::cout << std::flush;
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
 // The "after step k <digest>" lines of a run, in order.
 std::vector<std::string> stepLines(const std::string& output) {
   std::vector<std::string> lines;
@@ -340,15 +408,18 @@ TEST_CASE("parameter server: a run stopped after step 2 resumes bit-identically,
       TempDir whole("ctorch-ps-whole"), parts("ctorch-ps-parts");
       auto through = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + whole.path().string()}});
       requireAllOk(through);
+      INFO("the whole run's worker 0:\n" << through.front().output);
       const auto expected = stepLines(through.front().output);
       REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
       auto first = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + parts.path().string(), "stop-after=2"}});
       requireAllOk(first);
+      INFO("the first part's worker 0:\n" << first.front().output);
       CHECK(stepLines(first.front().output) == std::vector<std::string>(expected.begin(), expected.begin() + 2));
       // Every rank wrote its shard file beside the snapshot; the servers' hold the optimizer state.
       CHECK(ctorch::optimizerShardFiles(parts / "snapshot.pt").size() == static_cast<std::size_t>(2 + servers));
       auto second = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + parts.path().string()}});
       requireAllOk(second);
+      INFO("the second part's worker 0:\n" << second.front().output);
       CHECK_THAT(second.front().output, Catch::Contains("resumed at step 2"));
       CHECK(stepLines(second.front().output) == std::vector<std::string>(expected.begin() + 2, expected.end()));
     }
@@ -397,4 +468,89 @@ TEST_CASE("parameter server: the control - worker 1 on worker 0's batch differs 
   const auto ps = stepLines(run("ps", "sgd", 3, {"control=1"}));
   REQUIRE(ps.size() == ddp.size());
   CHECK(ps.front() != ddp.front());
+}
+
+namespace {
+
+std::vector<long> aheadValues(const std::string& output) {
+  std::vector<long> values;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("ahead ", 0) == 0) values.push_back(std::stol(line.substr(line.rfind(' ') + 1)));
+  return values;
+}
+
+std::string syncedDigest(const std::string& output) {
+  const auto at = output.find("synced ");
+  return at == std::string::npos ? std::string() : output.substr(at + 7, output.find('\n', at) - at - 7);
+}
+
+} // namespace
+
+TEST_CASE("parameter server, asynchronous: one worker is bit-identical to synchronous mode after every step", "[parameter_server][async]") {
+  for (const std::string optimizer : {"sgd", "adam"})
+    for (int servers : {1, 2}) {
+      INFO(optimizer << ", 1 worker, " << servers << " server(s)");
+      const std::vector<std::string> common{"optimizer=" + optimizer, "servers=" + std::to_string(servers), "steps=6"};
+      auto withMode = [&](const std::string& mode) {
+        auto extra = common;
+        extra.push_back("mode=" + mode);
+        auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 1 + servers, .args = extra});
+        requireAllOk(results);
+        return results;
+      };
+      const auto sync = withMode("sync"), async = withMode("async");
+      const auto expected = stepLines(sync.front().output);
+      REQUIRE(expected.size() == 6);
+      CHECK(stepLines(async.front().output) == expected);
+      CHECK(syncedDigest(async.front().output) == syncedDigest(sync.front().output));
+      for (int s = 1; s <= servers; ++s) {
+        CHECK_THAT(async[static_cast<std::size_t>(s)].output, Catch::Contains("round ended"));
+        CHECK_THAT(async[static_cast<std::size_t>(s)].output, Catch::Contains("stats updates 6 max-staleness 0 held 0"));
+        CHECK_THAT(async[static_cast<std::size_t>(s)].output,
+                   Catch::Contains("refused: ParameterServer::serveStep is synchronous mode's"));
+      }
+    }
+}
+
+TEST_CASE("parameter server, asynchronous: a fast worker runs at most `staleness` steps ahead of a slow one, and the round ends with one set of weights", "[parameter_server][async]") {
+  // Worker 1 sleeps 60 ms before each push; worker 0 does not. With staleness 2 worker 0 is held
+  // back as soon as it is 3 steps ahead, so the most it is ever answered at is 2 ahead.
+  for (int servers : {1, 2}) {
+    INFO(servers << " server(s)");
+    auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 2 + servers,
+                                   .args = {"servers=" + std::to_string(servers), "staleness=2", "steps=12", "slow-ms=60"}});
+    requireAllOk(results);
+    const auto ahead = aheadValues(results[0].output);
+    REQUIRE(ahead.size() == 12);
+    CHECK(*std::max_element(ahead.begin(), ahead.end()) == 2);
+    // Every worker ends the round with the same weights, and they are not the starting ones.
+    const std::string w0 = syncedDigest(results[0].output), w1 = syncedDigest(results[1].output);
+    REQUIRE(!w0.empty());
+    CHECK(w0 == w1);
+    for (int s = 0; s < servers; ++s) {
+      const std::string& out = results[static_cast<std::size_t>(2 + s)].output;
+      INFO(out);
+      CHECK_THAT(out, Catch::Contains("round ended"));
+      CHECK_THAT(out, Catch::Contains("stats updates 24 "));
+      CHECK_THAT(out, !Catch::Contains(" held 0\n"));
+    }
+  }
+}
+
+TEST_CASE("parameter server, asynchronous: the control - without a binding bound the fast worker runs far ahead", "[parameter_server][async][control]") {
+  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3, .args = {"staleness=50", "steps=12", "slow-ms=60"}});
+  requireAllOk(results);
+  const auto ahead = aheadValues(results[0].output);
+  REQUIRE(ahead.size() == 12);
+  CHECK(*std::max_element(ahead.begin(), ahead.end()) > 2);
+  CHECK_THAT(results[2].output, Catch::Contains(" held 0"));
+}
+
+TEST_CASE("parameter server, asynchronous: a silent worker is a DistributedTimeout on the server and on the held worker, not a hang", "[parameter_server][async][timeout]") {
+  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3, .args = {"silent=1", "staleness=0"}, .timeout = std::chrono::seconds(60)});
+  requireAllOk(results);
+  INFO(results[0].output << "\n----\n" << results[2].output);
+  CHECK_THAT(results[2].output, Catch::Contains("failed: rank 2: parameter server: waiting for a command from any of rank(s) 1 failed"));
+  CHECK_THAT(results[0].output, Catch::Contains("failed: rank 0: parameter server: waiting for the answer of rank 2 failed"));
 }

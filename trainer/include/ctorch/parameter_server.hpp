@@ -16,6 +16,12 @@
 //
 // Exact: with 2 workers the weights are bit-identical to DistributedDataParallel with the same
 // optimizer on the same global batch (docs/parameter-server.md says what holds for more workers).
+//
+// Asynchronous mode (ParameterServerOptions().mode(kAsynchronous).staleness(s)): a server applies each
+// worker's gradients as they arrive and answers that worker alone, so workers do not wait for each
+// other - except that no worker is answered while it is more than s steps ahead of the slowest worker
+// still training (stale synchronous parallel). A round ends when every worker called sync() and the
+// servers' serveRound() returned: then every replica holds the same weights (snapshot there).
 #pragma once
 
 #include "ctorch/errors.hpp"
@@ -37,6 +43,11 @@
 
 namespace ctorch {
 
+enum class ParameterServerMode {
+  kSynchronous,   // the four stages in lockstep: every step averages every worker's gradients
+  kAsynchronous,  // each worker's gradients applied on arrival, bounded by the staleness
+};
+
 struct ParameterServerOptions {
   // How many ranks serve: the LAST `servers` ranks of the group, at most one per parameter (a
   // parameter is never split). Rank 0 is always a worker, so the
@@ -47,11 +58,26 @@ struct ParameterServerOptions {
   // The group every role is part of (default: the default process group).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
   // The bound of every send and receive. Unset: the group's own timeout (Gloo's), else 30 minutes.
+  // In asynchronous mode a worker held back by the staleness bound waits within it too: it must
+  // exceed the time the slowest worker needs for `staleness` steps.
   TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
+  TORCH_ARG(ParameterServerMode, mode) = ParameterServerMode::kSynchronous;
+  // Asynchronous mode: how many steps a worker may be ahead of the slowest worker still training
+  // before a server holds back its answer (0: nobody starts step k+1 before everyone pushed step k).
+  TORCH_ARG(int, staleness) = 4;
 
  public:
-  // Throws ConfigError naming the bad value (servers < 1, a timeout that is not positive).
+  // Throws ConfigError naming the bad value (servers < 1, a timeout that is not positive, a negative
+  // staleness).
   void validate() const;
+};
+
+// What a server saw in asynchronous mode (zeros in synchronous mode, where every gradient is fresh).
+struct ParameterServerStats {
+  std::int64_t updates = 0;        // optimizer steps: one per worker's step
+  std::int64_t maxStaleness = 0;   // the most updates applied between a worker's pull and its push
+  double meanStaleness = 0.0;
+  std::int64_t heldAnswers = 0;    // answers held back by the staleness bound
 };
 
 enum class ParameterServerRole { kWorker, kServer };
@@ -97,9 +123,17 @@ class ParameterServer {
   // gradients (a parameter without a gradient counts as zeros), averages them over the workers once
   // all have arrived, runs its optimizer and sends the updated weights back; returns when the local
   // parameters hold them. Gradients are left as they are (zero them before the next backward).
+  // Asynchronous mode: each server steps with this worker's gradients times 1/N at once and answers
+  // with its weights as they are then (unless this worker is too far ahead: see staleness).
   void step();
+  // The end of a round: returns when every worker called sync() (or finish()) and the local
+  // parameters hold the servers' weights, the same on every worker. In synchronous mode a pull.
+  void sync();
   // Tells every server this worker is done (after the last step; no call may follow).
   void finish();
+  // Asynchronous mode: how many steps this worker was ahead of the slowest worker still training
+  // when its last answer left the servers (the most over the servers; 0 in synchronous mode).
+  std::int64_t aheadOfSlowest() const { return ahead_; }
   // Every parameter's gradient set to none (or zeroed, `setToNone` false), as Python's
   // optimizer.zero_grad() does: a worker has no optimizer of its own. Any rank.
   void zeroGrad(bool setToNone = true);
@@ -112,9 +146,16 @@ class ParameterServer {
   // ---- a server's calls (ConfigError on a worker).
   // Serves the workers' pulls until one optimizer step is done (true) or every worker finished
   // (false). A loop that snapshots calls it once per step, in step with the workers' step().
+  // Synchronous mode only (ConfigError in asynchronous mode: serveRound()).
   bool serveStep();
-  // serveStep() until every worker finished.
+  // Serves every request until every worker called sync() (true: a round ended, each worker has the
+  // same weights) or finish() (false). Either mode.
+  bool serveRound();
+  // Until every worker finished.
   void serve();
+  ParameterServerMode mode() const { return mode_; }
+  // This server's record in asynchronous mode.
+  const ParameterServerStats& stats() const { return stats_; }
   // This server's optimizer (null on a worker).
   torch::optim::Optimizer* localOptimizer() { return local_.get(); }
   // Completed optimizer steps (the same on every rank).
@@ -128,11 +169,18 @@ class ParameterServer {
   void loadShardStateDicts(const std::vector<ItemDict>& shards);
 
  private:
-  enum Command : std::int64_t { kPull = 1, kStep = 2, kFinish = 3 };
+  enum Command : std::int64_t { kPull = 1, kStep = 2, kFinish = 3, kSync = 4 };
+  enum class WorkerState { kTraining, kSynced, kFinished };
   void requireRole(ParameterServerRole role, const char* call) const;
   void broadcastFromRankZero(const char* why);
   void sendCommand(Command command);
   void receiveWeights();
+  void receiveAnswers();
+  void pushGradients();
+  bool serveAsync(bool untilSync);
+  void answer(int worker);
+  void releaseHeld();
+  std::int64_t slowestClock() const;
   Command receiveCommands();
   void sendWeights();
   void aggregateAndStep();
@@ -150,6 +198,20 @@ class ParameterServer {
   int workers_ = 1;
   std::int64_t steps_ = 0;
   bool finished_ = false;
+  ParameterServerMode mode_ = ParameterServerMode::kSynchronous;
+  int staleness_ = 0;
+  // Asynchronous mode. A worker's: the version (updates applied) of each server's share it holds, its
+  // steps pushed, what the last answers said. A server's: its version, each worker's steps applied,
+  // state, and whether its answer is held back.
+  std::vector<std::int64_t> versions_;
+  std::int64_t clock_ = 0;
+  std::int64_t ahead_ = 0;
+  std::int64_t version_ = 0;
+  std::vector<std::int64_t> clocks_;
+  std::vector<WorkerState> states_;
+  std::vector<bool> held_;
+  ParameterServerStats stats_;
+  double stalenessSum_ = 0.0;
 };
 
 } // namespace ctorch
