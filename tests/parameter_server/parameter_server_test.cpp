@@ -321,6 +321,51 @@ CTORCH_TEST_WORKER(ps_async) {
   return 0;
 }
 
+// Asynchronous rounds with snapshots at their ends (args: dir=<snapshot dir> stop-after=R (rounds)
+// workers=1): 3 rounds of 3 steps; after each round every rank calls epochDone(), which saves. Worker
+// 0 prints "after round r <digest>".
+CTORCH_TEST_WORKER(ps_async_resume) {
+  const int stopAfter = static_cast<int>(argInt(args, "stop-after", 0));
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  torch::manual_seed(11);
+  Net net;
+  auto params = net->parameters();
+  ctorch::ParameterServer ps(
+      params, [](std::vector<at::Tensor> share) { return makeOptimizer("adam", share); },
+      ctorch::ParameterServerOptions().mode(ctorch::ParameterServerMode::kAsynchronous).staleness(1));
+  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
+                                         .snapshotPath(std::filesystem::path(arg(args, "dir")) / "snapshot.pt")
+                                         .saveEverySteps(0)
+                                         .saveEveryEpochs(1)
+                                         .handleSignals(false)
+                                         .runName("ps-async-test"));
+  training.track(net);
+  training.track(ps);
+  const ctorch::ResumePoint start = training.resume();
+  if (ps.workerIndex() == 0) std::cout << "resumed at round " << start.epoch << "\n";
+  for (auto round = start.epoch; round < 3; ++round) {
+    if (ps.isServer()) {
+      ps.serveRound();
+    } else {
+      for (int step = 0; step < 3; ++step) {
+        ps.zeroGrad();
+        auto [x, y] = batch(static_cast<int>(round) * 3 + step, ps.workerIndex());
+        torch::mse_loss(net(x), y).backward();
+        ps.step();
+      }
+      ps.sync();
+      if (ps.workerIndex() == 0) std::cout << "after round " << round << " " << digest(params) << "\n";
+    }
+    if (training.epochDone()) return training.exitCode();
+    if (stopAfter > 0 && round + 1 == stopAfter) break;
+  }
+  if (ps.isWorker()) ps.finish();
+  else ps.serve();
+  training.finish();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
 // The "after step k <digest>" lines of a run, in order.
 std::vector<std::string> stepLines(const std::string& output) {
   std::vector<std::string> lines;
@@ -553,4 +598,27 @@ TEST_CASE("parameter server, asynchronous: a silent worker is a DistributedTimeo
   INFO(results[0].output << "\n----\n" << results[2].output);
   CHECK_THAT(results[2].output, Catch::Contains("failed: rank 2: parameter server: waiting for a command from any of rank(s) 1 failed"));
   CHECK_THAT(results[0].output, Catch::Contains("failed: rank 0: parameter server: waiting for the answer of rank 2 failed"));
+}
+
+TEST_CASE("parameter server, asynchronous: snapshots at the rounds' ends - a run stopped after round 1 resumes bit-identically (one worker)", "[parameter_server][async][resume]") {
+  auto roundLines = [](const std::string& output) {
+    std::vector<std::string> lines;
+    std::istringstream in(output);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("after round ", 0) == 0) lines.push_back(line);
+    return lines;
+  };
+  TempDir whole("ctorch-ps-async-whole"), parts("ctorch-ps-async-parts");
+  auto through = runWorkerGroup({.worker = "ps_async_resume", .worldSize = 2, .args = {"dir=" + whole.path().string()}});
+  requireAllOk(through);
+  INFO("the whole run's worker 0:\n" << through.front().output);
+  const auto expected = roundLines(through.front().output);
+  REQUIRE(expected.size() == 3);
+  requireAllOk(runWorkerGroup({.worker = "ps_async_resume", .worldSize = 2, .args = {"dir=" + parts.path().string(), "stop-after=1"}}));
+  CHECK(ctorch::optimizerShardFiles(parts / "snapshot.pt").size() == 2);
+  auto second = runWorkerGroup({.worker = "ps_async_resume", .worldSize = 2, .args = {"dir=" + parts.path().string()}});
+  requireAllOk(second);
+  INFO("the second part's worker 0:\n" << second.front().output);
+  CHECK_THAT(second.front().output, Catch::Contains("resumed at round 1"));
+  CHECK(roundLines(second.front().output) == std::vector<std::string>(expected.begin() + 1, expected.end()));
 }
