@@ -149,6 +149,17 @@ CTORCH_TEST_WORKER(ps_train) {
   return 0;
 }
 
+// Snapshots in the directory named by the dir= argument, on the given schedule, no signal handlers.
+ctorch::ResilienceOptions snapshotsIn(const std::vector<std::string>& args, std::int64_t everySteps, std::int64_t everyEpochs,
+                                      const std::string& runName) {
+  return ctorch::ResilienceOptions()
+      .snapshotPath(std::filesystem::path(arg(args, "dir")) / "snapshot.pt")
+      .saveEverySteps(everySteps)
+      .saveEveryEpochs(everyEpochs)
+      .handleSignals(false)
+      .runName(runName);
+}
+
 // Snapshots and resume (args: optimizer=<sgd|adam> servers=K dir=<folder> stop-after=<steps, 0: run
 // through> track-servers=<1|0>): 4 steps of synchronous PS training under ResilientTraining with a
 // snapshot after every step; with stop-after every rank ends its process after that step (a
@@ -165,12 +176,7 @@ CTORCH_TEST_WORKER(ps_resume) {
   ctorch::ParameterServer ps(
       params, [&](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); },
       ctorch::ParameterServerOptions().servers(static_cast<int>(argInt(args, "servers", 1))));
-  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
-                                         .snapshotPath(std::filesystem::path(arg(args, "dir")) / "snapshot.pt")
-                                         .saveEverySteps(1)
-                                         .saveEveryEpochs(0)
-                                         .handleSignals(false)
-                                         .runName("ps-test"));
+  ctorch::ResilientTraining training(snapshotsIn(args, /*everySteps=*/1, /*everyEpochs=*/0, "ps-test"));
   training.track(net);
   if (arg(args, "track-servers", "1") == "1") training.track(ps);
   const ctorch::ResumePoint start = training.resume();
@@ -333,12 +339,7 @@ CTORCH_TEST_WORKER(ps_async_resume) {
   ctorch::ParameterServer ps(
       params, [](std::vector<at::Tensor> share) { return makeOptimizer("adam", share); },
       ctorch::ParameterServerOptions().mode(ctorch::ParameterServerMode::kAsynchronous).staleness(1));
-  ctorch::ResilientTraining training(ctorch::ResilienceOptions()
-                                         .snapshotPath(std::filesystem::path(arg(args, "dir")) / "snapshot.pt")
-                                         .saveEverySteps(0)
-                                         .saveEveryEpochs(1)
-                                         .handleSignals(false)
-                                         .runName("ps-async-test"));
+  ctorch::ResilientTraining training(snapshotsIn(args, /*everySteps=*/0, /*everyEpochs=*/1, "ps-async-test"));
   training.track(net);
   training.track(ps);
   const ctorch::ResumePoint start = training.resume();

@@ -311,14 +311,18 @@ void ParameterServer::aggregateAndStep() {
   const double scale = 1.0 / static_cast<double>(workers_);
   at::Tensor average = gradients[0][0].mul(scale);
   for (int w = 1; w < workers_; ++w) average.add_(gradients[static_cast<std::size_t>(w)][0].mul(scale));
+  applyGradient(average);
+}
+
+void ParameterServer::applyGradient(const at::Tensor& flat) {
   std::int64_t offset = 0;
-  for (std::size_t i : share) {
+  for (std::size_t i : shares_[static_cast<std::size_t>(serverIndex())]) {
     auto& p = parameters_[i];
-    p.mutable_grad() = average.narrow(0, offset, p.numel()).view(p.sizes());
+    p.mutable_grad() = flat.narrow(0, offset, p.numel()).view(p.sizes());
     offset += p.numel();
   }
   local_->step();
-  for (std::size_t i : share) parameters_[i].mutable_grad().reset();
+  for (std::size_t i : shares_[static_cast<std::size_t>(serverIndex())]) parameters_[i].mutable_grad().reset();
 }
 
 bool ParameterServer::serveStep() {
@@ -327,17 +331,25 @@ bool ParameterServer::serveStep() {
     throw ConfigError("ParameterServer::serveStep is synchronous mode's: in asynchronous mode workers do not step together "
                       "(serve a round with serveRound(), or serve())");
   if (finished_) return false;
+  return serveSynchronous(/*untilStep=*/true);
+}
+
+bool ParameterServer::serveSynchronous(bool untilStep) {
   for (;;) {
     switch (receiveCommands()) {
       case kPull:
+        sendWeights();
+        break;
       case kSync:
         sendWeights();
+        if (!untilStep) return true;
         break;
       case kStep:
         aggregateAndStep();
         sendWeights();
         ++steps_;
-        return true;
+        if (untilStep) return true;
+        break;
       case kFinish:
         finished_ = true;
         return false;
@@ -349,24 +361,7 @@ bool ParameterServer::serveRound() {
   requireRole(ParameterServerRole::kServer, "serveRound");
   if (finished_) return false;
   if (mode_ == ParameterServerMode::kAsynchronous) return serveAsync(/*untilSync=*/true);
-  for (;;) {
-    switch (receiveCommands()) {
-      case kPull:
-        sendWeights();
-        break;
-      case kStep:
-        aggregateAndStep();
-        sendWeights();
-        ++steps_;
-        break;
-      case kSync:
-        sendWeights();
-        return true;
-      case kFinish:
-        finished_ = true;
-        return false;
-    }
-  }
+  return serveSynchronous(/*untilStep=*/false);
 }
 
 void ParameterServer::serve() {
@@ -465,15 +460,7 @@ bool ParameterServer::serveAsync(bool untilSync) {
         works.emplace_back(w, group_->recv(gradient, w, kGradientTag));
         waitAll(works, timeout_, rank_, "receiving gradients from");
         // This worker's gradients weigh 1/N, as each does in the synchronous average.
-        const at::Tensor scaled = gradient[0].mul(1.0 / static_cast<double>(workers_));
-        std::int64_t offset = 0;
-        for (std::size_t i : share) {
-          auto& p = parameters_[i];
-          p.mutable_grad() = scaled.narrow(0, offset, p.numel()).view(p.sizes());
-          offset += p.numel();
-        }
-        local_->step();
-        for (std::size_t i : share) parameters_[i].mutable_grad().reset();
+        applyGradient(gradient[0].mul(1.0 / static_cast<double>(workers_)));
         const std::int64_t staleness = std::max<std::int64_t>(0, version_ - command[0][2].item<std::int64_t>());
         ++version_;
         ++steps_;

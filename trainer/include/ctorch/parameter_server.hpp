@@ -177,7 +177,9 @@ class ParameterServer {
   void receiveWeights();
   void receiveAnswers();
   void pushGradients();
+  bool serveSynchronous(bool untilStep);
   bool serveAsync(bool untilSync);
+  void applyGradient(const at::Tensor& flat);
   void answer(int worker);
   void releaseHeld();
   std::int64_t slowestClock() const;
