@@ -8,8 +8,8 @@
 #   results-file  default bench/results/parameter-server-<date>.txt
 # Environment: PSB_PLACES ("host lab-1gbit lab-100mbit": one host, and the lab with that tbf rate on
 #   every host's link), PSB_MODELS ("small large"), PSB_WORKERS ("2 4"), PSB_SERVERS ("1 2"),
-#   PSB_SKIP ("lab-100mbit:large": place:model pairs not run; there a parameter-server step of the
-#   large model takes ~30 s).
+#   PSB_SKIP ("lab-100mbit:large"; empty: none): place:model pairs not run (there a parameter-server
+#   step of the large model takes ~30 s).
 #
 # One run = one ctorch-train job. Its step time comes from rank 0's metrics file: the training clock at
 # the last logged step minus the clock at the first logged step (the warm-up: the first --log-interval
@@ -21,17 +21,26 @@ build=${CTORCH_BUILD_DIR:-$root/build}
 reps=${1:-3}
 out=${2:-$root/bench/results/parameter-server-$(date +%Y%m%d-%H%M%S).txt}
 places=${PSB_PLACES:-host lab-1gbit lab-100mbit}
-skip=${PSB_SKIP:-lab-100mbit:large}
+skip=${PSB_SKIP-lab-100mbit:large}
 models=${PSB_MODELS:-small large}
 workers_list=${PSB_WORKERS:-2 4}
 servers_list=${PSB_SERVERS:-1 2}
 [[ "$reps" =~ ^[1-9][0-9]*$ ]] || { echo "parameter_server.sh: reps must be a positive number, not '$reps'" >&2; exit 2; }
+for v in $workers_list $servers_list; do
+  [[ "$v" =~ ^[1-9][0-9]?$ ]] || { echo "parameter_server.sh: PSB_WORKERS and PSB_SERVERS take numbers 1-99, not '$v'" >&2; exit 2; }
+done
+for m in $models; do
+  [[ "$m" == small || "$m" == large ]] || { echo "parameter_server.sh: PSB_MODELS takes small and large, not '$m'" >&2; exit 2; }
+done
+for p in $places; do
+  [[ "$p" == host || "$p" =~ ^lab-[1-9][0-9]*[mg]bit$ ]] || { echo "parameter_server.sh: PSB_PLACES takes host and lab-<N>mbit|gbit, not '$p'" >&2; exit 2; }
+done
 
 CTORCH_BUILD_DIR=$build "$root/scripts/build.sh" --target ctorchrun ctorch-train >/dev/null
 ctorchrun=$build/launcher/agent/ctorchrun
 train=$build/trainer/app/ctorch-train
 lab=$root/scripts/lab/netns.sh
-[ -x "$ctorchrun" ] && [ -x "$train" ] || { echo "parameter_server.sh: no $ctorchrun or $train" >&2; exit 1; }
+if [ ! -x "$ctorchrun" ] || [ ! -x "$train" ]; then echo "parameter_server.sh: no $ctorchrun or $train" >&2; exit 1; fi
 
 work=$(mktemp -d /tmp/ctorch-psbench.XXXXXX)
 lab_prefix=""
@@ -104,7 +113,7 @@ run() {
   fi
   pids=()
   local ms=""
-  [ $status -eq 0 ] && ms=$(step_ms "$d/metrics.jsonl" 2>/dev/null) || true
+  if [ $status -eq 0 ]; then ms=$(step_ms "$d/metrics.jsonl" 2>/dev/null) || true; fi
   if [ -n "$ms" ]; then
     echo "RUN place=$place model=$model workers=$w config=$config rep=$rep ms_per_step=$ms" | tee -a "$work/runs"
   else
@@ -181,8 +190,8 @@ if [[ " $places " == *" lab-"* ]]; then
     echo "lab: not available ($why): measuring on one host only"
     places=host
   else
-    max_w=0; for w in $workers_list; do [ "$w" -gt $max_w ] && max_w=$w; done
-    max_s=0; for s in $servers_list; do [ "$s" -gt $max_s ] && max_s=$s; done
+    max_w=0; for w in $workers_list; do if [ "$w" -gt "$max_w" ]; then max_w=$w; fi; done
+    max_s=0; for s in $servers_list; do if [ "$s" -gt "$max_s" ]; then max_s=$s; fi; done
     lab_hosts=$((max_w + max_s))
     lab_out=$("$lab" up "$lab_hosts" --owner $$)
     lab_prefix=$(sed -n 's/^LAB_PREFIX=//p' <<<"$lab_out")
