@@ -43,6 +43,7 @@ lab=$root/scripts/lab/netns.sh
 if [ ! -x "$ctorchrun" ] || [ ! -x "$train" ]; then echo "parameter_server.sh: no $ctorchrun or $train" >&2; exit 1; fi
 
 work=$(mktemp -d /tmp/ctorch-psbench.XXXXXX)
+: >"$work/runs"  # the RUN lines, for the table at the end
 lab_prefix=""
 pids=()
 cleanup() {
