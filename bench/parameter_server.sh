@@ -83,6 +83,7 @@ PY
 
 # run PLACE MODEL WORKERS CONFIG REP: one job; prints its RUN line (or FAIL with the log's tail).
 run_seq=0
+failures=0
 run() {
   local place=$1 model=$2 w=$3 config=$4 rep=$5
   local d=$work/run$run_seq; run_seq=$((run_seq + 1)); mkdir -p "$d"
@@ -119,6 +120,7 @@ run() {
     echo "RUN place=$place model=$model workers=$w config=$config rep=$rep ms_per_step=$ms" | tee -a "$work/runs"
   else
     echo "FAIL place=$place model=$model workers=$w config=$config rep=$rep status=$status"
+    failures=$((failures + 1))
     tail -5 "$d/log" | sed 's/^/  | /'
   fi
   rm -rf "$d"
@@ -240,3 +242,4 @@ for k in sorted(med, key=lambda k: (order.index(k[0]) if k[0] in order else 99, 
     ratio = "%.2f" % (med[k] / base) if base else "-"
     print("SUMMARY %s %s %s %s %.1f %s %s" % (*k, med[k], "/".join("%.0f" % v for v in runs[k]), ratio))
 PY
+[ "$failures" -eq 0 ] || { echo "parameter_server.sh: $failures run(s) failed (FAIL lines above)" >&2; exit 1; }
