@@ -7,10 +7,18 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 namespace ctorch::detail {
+
+// The element counts of `parameters`, checked for what a share's one flat buffer needs (defined, one
+// dtype, one device): ConfigError "<who>: ..." naming the first that is not.
+std::vector<std::int64_t> flatShareNumels(const std::vector<at::Tensor>& parameters, const std::string& who);
+// Per owner (0 .. owners-1): the indices of the parameters `owners` (as partitionParameters) gives it.
+std::vector<std::vector<std::size_t>> sharesOf(const std::vector<int>& owners, int count);
 
 // {"state": {global index: {...}}, "param_groups": [{..., "params": [global index, ...]}],
 // "optimizer_type": "Adam", "world_size": N, "rank": r}; `local` (null: owns nothing) steps a subset

@@ -71,20 +71,8 @@ ParameterServer::ParameterServer(std::vector<at::Tensor> parameters, OptimizerFa
   clocks_.assign(static_cast<std::size_t>(workers_), 0);
   states_.assign(static_cast<std::size_t>(workers_), WorkerState::kTraining);
   held_.assign(static_cast<std::size_t>(workers_), false);
-  std::vector<std::int64_t> numels;
-  for (const auto& p : parameters_) {
-    if (!p.defined()) throw ConfigError("ParameterServer: an undefined parameter");
-    // A share travels as one flat buffer of one dtype on one device.
-    if (p.scalar_type() != parameters_.front().scalar_type() || p.device() != parameters_.front().device())
-      throw ConfigError("ParameterServer: the parameters must share one dtype and device (found " +
-                        std::string(c10::toString(parameters_.front().scalar_type())) + " on " +
-                        parameters_.front().device().str() + " and " + c10::toString(p.scalar_type()) + " on " +
-                        p.device().str() + ")");
-    numels.push_back(p.numel());
-  }
-  owners_ = partitionParameters(numels, servers_);
-  shares_.assign(static_cast<std::size_t>(servers_), {});
-  for (std::size_t i = 0; i < owners_.size(); ++i) shares_[static_cast<std::size_t>(owners_[i])].push_back(i);
+  owners_ = partitionParameters(detail::flatShareNumels(parameters_, "ParameterServer"), servers_);
+  shares_ = detail::sharesOf(owners_, servers_);
   // A server owning nothing would have nothing to serve and fall out of step with a loop that calls
   // serveStep() once per step: whole parameters are never split, so there are at most as many servers.
   if (static_cast<std::size_t>(servers_) > parameters_.size())

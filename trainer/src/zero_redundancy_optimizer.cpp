@@ -30,27 +30,41 @@ std::vector<int> partitionParameters(const std::vector<std::int64_t>& numels, in
   return owners;
 }
 
+namespace detail {
+
+std::vector<std::int64_t> flatShareNumels(const std::vector<at::Tensor>& parameters, const std::string& who) {
+  std::vector<std::int64_t> numels;
+  for (const auto& p : parameters) {
+    if (!p.defined()) throw ConfigError(who + ": an undefined parameter");
+    // A share travels as one flat buffer of one dtype on one device.
+    if (p.scalar_type() != parameters.front().scalar_type() || p.device() != parameters.front().device())
+      throw ConfigError(who + ": the parameters must share one dtype and device (found " +
+                        std::string(c10::toString(parameters.front().scalar_type())) + " on " +
+                        parameters.front().device().str() + " and " + c10::toString(p.scalar_type()) + " on " +
+                        p.device().str() + ")");
+    numels.push_back(p.numel());
+  }
+  return numels;
+}
+
+std::vector<std::vector<std::size_t>> sharesOf(const std::vector<int>& owners, int count) {
+  std::vector<std::vector<std::size_t>> shares(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < owners.size(); ++i) shares[static_cast<std::size_t>(owners[i])].push_back(i);
+  return shares;
+}
+
+} // namespace detail
+
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> parameters, OptimizerFactory makeOptimizer,
                                                  ZeroOptions options)
     : parameters_(std::move(parameters)),
       group_(options.processGroup() ? options.processGroup() : getDefaultGroup()) {
   if (!makeOptimizer) throw ConfigError("ZeroRedundancyOptimizer: no optimizer factory");
   if (parameters_.empty()) throw ConfigError("ZeroRedundancyOptimizer: no parameters");
-  std::vector<std::int64_t> numels;
-  for (const auto& p : parameters_) {
-    if (!p.defined()) throw ConfigError("ZeroRedundancyOptimizer: an undefined parameter");
-    // A share travels as one flat buffer of one dtype on one device.
-    if (p.scalar_type() != parameters_.front().scalar_type() || p.device() != parameters_.front().device())
-      throw ConfigError("ZeroRedundancyOptimizer: the parameters must share one dtype and device (found " +
-                        std::string(c10::toString(parameters_.front().scalar_type())) + " on " +
-                        parameters_.front().device().str() + " and " + c10::toString(p.scalar_type()) + " on " +
-                        p.device().str() + ")");
-    numels.push_back(p.numel());
-  }
+  const std::vector<std::int64_t> numels = detail::flatShareNumels(parameters_, "ZeroRedundancyOptimizer");
   rank_ = group_->getRank();
   owners_ = partitionParameters(numels, group_->getSize());
-  shares_.assign(static_cast<std::size_t>(group_->getSize()), {});
-  for (std::size_t i = 0; i < owners_.size(); ++i) shares_[static_cast<std::size_t>(owners_[i])].push_back(i);
+  shares_ = detail::sharesOf(owners_, group_->getSize());
   std::vector<at::Tensor> mine;
   for (std::size_t i : shares_[static_cast<std::size_t>(rank_)]) mine.push_back(parameters_[i]);
   if (!mine.empty()) {
