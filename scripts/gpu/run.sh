@@ -17,7 +17,7 @@
 # their harness on the CPU (CTORCH_CUDA_TESTS_ON_CPU=1) and the CPU tests of mixed precision run too.
 # Environment: PYTHON (the python3 with torch), CTORCH_GPU_PACK (default gpu-pack/), CTORCH_GPU_BUILD
 # (default build-gpu/), CTORCH_GPU_BUDGET_S, CTORCH_GPU_LIMIT_SCALE (every step's limit times N),
-# CTORCH_GPU_STEPS (comma list; default all).
+# CTORCH_GPU_STEPS (comma list; default all), CTORCH_GPU_TARGETS (what to build; default what every step needs).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${1:?usage: scripts/gpu/run.sh RESULTS_DIR}
@@ -183,7 +183,7 @@ fi
 step configure 150 "" -- cmake "${cmake_args[@]}" || { note "configure failed: see run.log (CMake's error above)"; failed_build=1; }
 
 # ---- build -------------------------------------------------------------------------------------------------
-targets=(ctorchrun ctorch-train cuda_tests amp_tests gpu_step_bench)
+read -r -a targets <<<"${CTORCH_GPU_TARGETS:-ctorchrun ctorch-train cuda_tests amp_tests gpu_step_bench}"
 if [ $failed_build -eq 0 ]; then
   step build 300 "" -- cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}" || failed_build=1
 fi

@@ -5,7 +5,34 @@
 
 #include "multiproc.hpp"
 
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
+namespace {
+
+// A crash prints its stack to stderr (the GPU machine has no debugger): Catch reports the fatal
+// signal first, then restores this handler and raises the signal again.
+void printStackAndDie(int sig) {
+  static const char head[] = "ctorch test: fatal signal; stack:\n";
+  (void)!write(STDERR_FILENO, head, sizeof(head) - 1);
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+void installCrashStack() {
+  void* warm[1];
+  backtrace(warm, 1);  // loads the unwinder now, not inside a signal handler
+  for (int sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) signal(sig, printStackAndDie);
+}
+
+} // namespace
+
 int main(int argc, char** argv) {
+  installCrashStack();
   if (auto rc = ctorch::test::maybeRunWorker(argc, argv)) return *rc;
   return Catch::Session().run(argc, argv);
 }

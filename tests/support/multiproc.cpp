@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -302,10 +303,18 @@ TempDir::TempDir(const std::string& tag) {
   path_ = templ;
 }
 
-TempDir::~TempDir() {
-  std::error_code ec;
-  fs::remove_all(path_, ec);
+namespace {
+int removeEntry(const char* path, const struct stat*, int type, struct FTW*) {
+  if (type == FTW_DP) ::rmdir(path);
+  else ::unlink(path);
+  return 0;  // keep going: remove what can be removed
 }
+} // namespace
+
+// Not std::filesystem::remove_all: pip's LibTorch wheels export their own statically linked copies of
+// libstdc++'s directory iterators (pytorch/pytorch#133437), which interpose on the system's inside
+// remove_all; on the GPU machine (torch 2.11) that crashed the test binary here.
+TempDir::~TempDir() { ::nftw(path_.c_str(), removeEntry, 16, FTW_DEPTH | FTW_PHYS); }
 
 std::string readFile(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
