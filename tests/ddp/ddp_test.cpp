@@ -113,6 +113,7 @@ struct Config {
   bool broadcastBuffers = true;
   bool staticGraph = false;
   ctorch::CommHook hook = ctorch::CommHook::kNone;
+  bool afterBackward = false;  // kSharedMemory: every bucket at the end of the backward pass
   int accumulate = 1;     // micro-batches per optimizer step (noSync on all but the last)
   bool control = false;   // skip synchronisation entirely (noSync on every micro-batch)
 
@@ -121,7 +122,7 @@ struct Config {
     const char* hooks[] = {"none", "allreduce", "fp16", "shared-memory"};
     os << model << " buckets=" << (smallBuckets ? "small" : "default") << " unused=" << findUnused
        << " view=" << asView << " bcast=" << broadcastBuffers << " static=" << staticGraph
-       << " hook=" << hooks[static_cast<int>(hook)] << " accum=" << accumulate << (control ? " CONTROL" : "");
+       << " hook=" << hooks[static_cast<int>(hook)] << (afterBackward ? "/after-backward" : "") << " accum=" << accumulate << (control ? " CONTROL" : "");
     return os.str();
   }
   ctorch::DDPOptions options() const {
@@ -130,7 +131,9 @@ struct Config {
                  .gradientAsBucketView(asView)
                  .broadcastBuffers(broadcastBuffers)
                  .staticGraph(staticGraph)
-                 .commHook(hook);
+                 .commHook(hook)
+                 .gradientReduction(afterBackward ? ctorch::GradientReduction::kAfterBackward
+                                                  : ctorch::GradientReduction::kOverlapped);
     // A 1 KiB first bucket and 4 KiB buckets: every model splits into two or three.
     if (smallBuckets) o.bucketCapMb(0.004).firstBucketCapMb(0.001);
     return o;
@@ -289,20 +292,23 @@ std::vector<Config> matrix(const std::string& model) {
           for (bool stat : {false, true})
             for (auto hook : {ctorch::CommHook::kNone, ctorch::CommHook::kAllreduce, ctorch::CommHook::kFp16Compress,
                               ctorch::CommHook::kSharedMemory})
-              for (int accum : {1, 2}) {
-                if (model != "convbn" && !bcast) continue;            // no buffers: nothing to vary
-                if (model == "cond" && (!unused || stat)) continue;   // needs the unused search
-                Config c;
-                c.model = model;
-                c.smallBuckets = small;
-                c.findUnused = unused;
-                c.asView = view;
-                c.broadcastBuffers = bcast;
-                c.staticGraph = stat;
-                c.hook = hook;
-                c.accumulate = accum;
-                out.push_back(c);
-              }
+              for (int accum : {1, 2})
+                for (bool after : {false, true}) {
+                  if (model != "convbn" && !bcast) continue;            // no buffers: nothing to vary
+                  if (model == "cond" && (!unused || stat)) continue;   // needs the unused search
+                  if (after && hook != ctorch::CommHook::kSharedMemory) continue;
+                  Config c;
+                  c.model = model;
+                  c.smallBuckets = small;
+                  c.findUnused = unused;
+                  c.asView = view;
+                  c.broadcastBuffers = bcast;
+                  c.staticGraph = stat;
+                  c.hook = hook;
+                  c.accumulate = accum;
+                  c.afterBackward = after;
+                  out.push_back(c);
+                }
   return out;
 }
 

@@ -104,6 +104,37 @@ CTORCH_TEST_WORKER(shm_exact) {
     if (!torch::equal(futures[i]->value().toTensor(), shmExpected(torch::kFloat32, tensors[i].numel(), world, false)))
       ++failures, std::cout << "FAIL async " << i << std::endl;
   }
+  // A synchronous call made while calls are still queued runs after them, on the calling thread.
+  {
+    std::vector<torch::Tensor> queued{shmInput(torch::kFloat32, 90000, rank), shmInput(torch::kFloat32, 17, rank)};
+    auto first = shm->allreduceAsync(queued[0]);
+    auto second = shm->allreduceAsync(queued[1]);
+    auto now = shmInput(torch::kFloat64, 4099, rank);
+    shm->allreduce(now);
+    checks += 3;
+    if (!second->completed() || !first->completed()) ++failures, std::cout << "FAIL queued calls not done first" << std::endl;
+    first->wait();
+    second->wait();
+    if (!torch::equal(queued[0], shmExpected(torch::kFloat32, 90000, world, false)) ||
+        !torch::equal(queued[1], shmExpected(torch::kFloat32, 17, world, false)) ||
+        !torch::equal(now, shmExpected(torch::kFloat64, 4099, world, false)))
+      ++failures, std::cout << "FAIL queued then synchronous" << std::endl;
+  }
+  // The statistics: every call counted; a peer 200 ms late shows as waiting on the others only.
+  {
+    const auto before = shm->stats();
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    auto t = shmInput(torch::kFloat32, 1000, rank);
+    shm->allreduce(t);
+    const auto after = shm->stats();
+    const double waited = std::chrono::duration<double>(after.waiting - before.waiting).count();
+    ++checks;
+    const bool ok = after.calls == before.calls + 1 && after.waiting <= after.total &&
+                    (rank == 1 ? waited < 0.1 : waited > 0.15);
+    if (!ok) ++failures;
+    std::cout << (ok ? "" : "FAIL ") << "stats: calls " << after.calls << ", waited for the late rank " << waited
+              << " s" << std::endl;
+  }
   // Bad input is refused in one line, before anything is shared (so the ranks stay in step).
   try {
     auto strided = torch::ones({4, 4}).t();

@@ -118,15 +118,18 @@ bool producesSparseGradient(const torch::nn::Module& m) {
 
 } // namespace
 
-// CommHook::kSharedMemory: the gradient bucket averaged through shared memory, in place, on the
-// allreduce's worker thread (the backward pass goes on meanwhile; the Reducer waits for the futures
-// at its end, as for Gloo's). A sparse bucket goes
-// through the group, as with the built-in hook. Derives from CommHookInterface, not
-// CppCommHookInterface, whose parseHookResult 1.13 does not export.
+// CommHook::kSharedMemory: the gradient buckets averaged through shared memory, in place.
+// Overlapped: each bucket on the allreduce's worker thread as soon as it is ready (the backward pass
+// goes on meanwhile; the Reducer waits for the futures at its end, as for Gloo's). After backward:
+// the hook keeps each bucket's future pending, and the last bucket's call reduces them all on the
+// thread running the backward pass, then completes them (buckets are launched in index order, the
+// last one last). A sparse bucket goes through the group, as with the built-in hook. Derives from
+// CommHookInterface, not CppCommHookInterface, whose parseHookResult 1.13 does not export.
 class SharedMemoryHook : public c10d::CommHookInterface {
  public:
-  SharedMemoryHook(std::shared_ptr<SharedMemoryAllreduce> allreduce, c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : allreduce_(std::move(allreduce)), group_(std::move(group)) {}
+  SharedMemoryHook(std::shared_ptr<SharedMemoryAllreduce> allreduce, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                   bool afterBackward)
+      : allreduce_(std::move(allreduce)), group_(std::move(group)), afterBackward_(afterBackward) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     at::Tensor buffer = bucket.getBufferRef();
@@ -135,7 +138,14 @@ class SharedMemoryHook : public c10d::CommHookInterface {
       std::vector<at::Tensor> tensors{buffer};
       return group_->allreduce(tensors)->getFuture();
     }
-    return allreduce_->allreduceAsync(buffer, SharedMemoryAllreduce::Op::kAverage);
+    if (!afterBackward_) return allreduce_->allreduceAsync(buffer, SharedMemoryAllreduce::Op::kAverage);
+    // A step whose backward pass failed half-way leaves pending buckets: its futures fail, and
+    // the first bucket of the next step starts afresh.
+    if (bucket.getIndex() == 0) failPending("the backward pass that launched it did not finish");
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    pending_.push_back({buffer, done});
+    if (bucket.isLast()) reducePending();
+    return done;
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
@@ -143,8 +153,36 @@ class SharedMemoryHook : public c10d::CommHookInterface {
   }
 
  private:
+  struct Pending {
+    at::Tensor buffer;
+    c10::intrusive_ptr<c10::ivalue::Future> done;
+  };
+
+  void reducePending() {
+    auto pending = std::move(pending_);
+    pending_.clear();
+    std::exception_ptr error;
+    for (auto& p : pending) {
+      try {
+        if (!error) allreduce_->allreduce(p.buffer, SharedMemoryAllreduce::Op::kAverage);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (error) p.done->setError(error);
+      else p.done->markCompleted(c10::IValue(p.buffer));
+    }
+  }
+
+  void failPending(const std::string& why) {
+    for (auto& p : pending_)
+      p.done->setError(std::make_exception_ptr(DistributedError("shared-memory gradient bucket not reduced: " + why)));
+    pending_.clear();
+  }
+
   std::shared_ptr<SharedMemoryAllreduce> allreduce_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool afterBackward_;
+  std::vector<Pending> pending_;
 };
 
 void DDPOptions::validate() const {
@@ -231,7 +269,8 @@ struct detail::DDPCore::Impl {
     hookRegistered = false;
     if (sharedMemory) {
       logger->set_comm_hook("SHARED_MEMORY");
-      reducer->register_comm_hook(std::make_unique<SharedMemoryHook>(sharedMemory, group));
+      reducer->register_comm_hook(std::make_unique<SharedMemoryHook>(
+          sharedMemory, group, options.gradientReduction() == GradientReduction::kAfterBackward));
       hookRegistered = true;
     } else if (options.commHook() == CommHook::kAllreduce || options.commHook() == CommHook::kFp16Compress) {
       const bool fp16 = options.commHook() == CommHook::kFp16Compress;
@@ -488,6 +527,11 @@ std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
 }
 
 const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
+std::optional<SharedMemoryAllreduce::Stats> detail::DDPCore::sharedMemoryStats() const {
+  if (!impl_->sharedMemory) return std::nullopt;
+  return impl_->sharedMemory->stats();
+}
+
 std::string detail::DDPCore::commHookInUse() const {
   const Impl& s = *impl_;
   if (s.sharedMemory) return "shared memory";

@@ -141,10 +141,17 @@ struct SharedMemoryAllreduce::Impl {
     c10::intrusive_ptr<c10::ivalue::Future> done;
   };
   std::mutex mutex;
-  std::condition_variable ready;
+  std::condition_variable ready;  // for the worker: a job, or stopping
+  std::condition_variable idle;   // for allreduce(): the worker has nothing queued or running
   std::deque<Job> jobs;
+  bool workerBusy = false;  // under mutex
+  bool callerBusy = false;  // under mutex: allreduce() reduces on its own thread
   std::atomic<bool> stopping{false};
   std::thread worker;
+
+  std::atomic<std::int64_t> calls{0};
+  std::atomic<std::int64_t> totalNs{0};
+  std::atomic<std::int64_t> waitingNs{0};
 
   ~Impl() {
     {
@@ -209,6 +216,14 @@ struct SharedMemoryAllreduce::Impl {
       if (h.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&h.generation);
       return;
     }
+    const auto waitStart = std::chrono::steady_clock::now();
+    struct Waited {
+      Impl& s;
+      std::chrono::steady_clock::time_point start;
+      ~Waited() {
+        s.waitingNs += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+      }
+    } waited{*this, waitStart};
     for (int i = 0; i < kSpins; ++i) {
       if (h.generation.load(std::memory_order_acquire) != generation) return;
 #if defined(__x86_64__) || defined(__i386__)
@@ -346,10 +361,25 @@ void checkTensor(const at::Tensor& tensor) {
                                         : std::string("an undefined tensor")));
 }
 
+void checkCall(const at::Tensor& tensor, SharedMemoryAllreduce::Op op) {
+  checkTensor(tensor);
+  if (op == SharedMemoryAllreduce::Op::kAverage && !at::isFloatingType(tensor.scalar_type()))
+    throw ConfigError("SharedMemoryAllreduce: Op::kAverage needs a floating-point tensor, got " + tensor.toString());
+}
+
 } // namespace
 
 void SharedMemoryAllreduce::Impl::reduce(at::Tensor& tensor, Op op) {
   if (!failure.empty()) throw DistributedError(failure + " (an earlier call failed)");
+  const auto started = std::chrono::steady_clock::now();
+  struct Timed {
+    Impl& s;
+    std::chrono::steady_clock::time_point start;
+    ~Timed() {
+      s.totalNs += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+      ++s.calls;
+    }
+  } timed{*this, started};
   const auto elementBytes = static_cast<std::size_t>(tensor.element_size());
   const auto chunkElements = static_cast<std::int64_t>(chunkBytes / elementBytes);
   auto flat = tensor.view({-1});
@@ -383,25 +413,33 @@ void SharedMemoryAllreduce::Impl::work() {
     Job job;
     {
       std::unique_lock<std::mutex> lock(mutex);
-      ready.wait(lock, [this] { return stopping.load() || !jobs.empty(); });
+      ready.wait(lock, [this] { return stopping.load() || (!jobs.empty() && !callerBusy); });
       if (jobs.empty()) return;  // stopping, nothing left
       job = std::move(jobs.front());
       jobs.pop_front();
+      workerBusy = true;
     }
+    std::exception_ptr error;
     try {
       if (stopping.load()) throw DistributedError("shared-memory allreduce: shut down before this call ran");
       reduce(job.tensor, job.op);
-      job.done->markCompleted(c10::IValue(job.tensor));
     } catch (...) {
-      job.done->setError(std::current_exception());
+      error = std::current_exception();
     }
+    // Completed outside the lock (the future's callbacks may queue more calls), and before a
+    // waiting allreduce() goes on: it runs after this call in every sense.
+    if (error) job.done->setError(error);
+    else job.done->markCompleted(c10::IValue(job.tensor));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      workerBusy = false;
+    }
+    idle.notify_all();
   }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SharedMemoryAllreduce::allreduceAsync(const at::Tensor& tensor, Op op) {
-  checkTensor(tensor);
-  if (op == Op::kAverage && !at::isFloatingType(tensor.scalar_type()))
-    throw ConfigError("SharedMemoryAllreduce: Op::kAverage needs a floating-point tensor, got " + tensor.toString());
+  checkCall(tensor, op);
   Impl& s = *impl_;
   auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
   if (s.world == 1) {  // the sum and the mean of one tensor is itself
@@ -418,9 +456,34 @@ c10::intrusive_ptr<c10::ivalue::Future> SharedMemoryAllreduce::allreduceAsync(co
 }
 
 void SharedMemoryAllreduce::allreduce(at::Tensor& tensor, Op op) {
-  auto done = allreduceAsync(tensor, op);
-  done->wait();
-  (void)done->value();  // rethrows the worker's exception
+  checkCall(tensor, op);
+  Impl& s = *impl_;
+  if (s.world == 1) return;
+  {
+    // The calls queued before this one go first (the ranks' call orders must match).
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.idle.wait(lock, [&s] { return s.jobs.empty() && !s.workerBusy; });
+    s.callerBusy = true;
+  }
+  struct Release {
+    Impl& s;
+    ~Release() {
+      {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.callerBusy = false;
+      }
+      s.ready.notify_all();
+    }
+  } release{s};
+  s.reduce(tensor, op);
+}
+
+SharedMemoryAllreduce::Stats SharedMemoryAllreduce::stats() const {
+  Stats out;
+  out.calls = impl_->calls.load();
+  out.total = std::chrono::nanoseconds(impl_->totalNs.load());
+  out.waiting = std::chrono::nanoseconds(impl_->waitingNs.load());
+  return out;
 }
 
 } // namespace ctorch

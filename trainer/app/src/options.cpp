@@ -230,6 +230,9 @@ const std::vector<std::pair<std::string, CommHookChoice>> kCommHooks = {
     {"none", CommHookChoice::kNone},
     {"allreduce", CommHookChoice::kAllreduce},
     {"fp16", CommHookChoice::kFp16}};
+const std::vector<std::pair<std::string, ReductionChoice>> kReductions = {
+    {"overlapped", ReductionChoice::kOverlapped},
+    {"after-backward", ReductionChoice::kAfterBackward}};
 const std::vector<std::pair<std::string, ProgressMode>> kProgress = {{"auto", ProgressMode::kAuto},
                                                                      {"bar", ProgressMode::kBar},
                                                                      {"lines", ProgressMode::kLines},
@@ -265,6 +268,7 @@ const char* toString(BackendChoice v) { return nameOf(v, kBackends); }
 const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
 const char* toString(CommHookChoice v) { return nameOf(v, kCommHooks); }
+const char* toString(ReductionChoice v) { return nameOf(v, kReductions); }
 const char* toString(ShardingChoice v) { return nameOf(v, kShardings); }
 const char* toString(SyncChoice v) { return nameOf(v, kSyncs); }
 
@@ -524,12 +528,14 @@ struct FlagTexts {
         progress(toString(o.progress)),
         augment(toString(o.augment)),
         commHook(toString(o.commHook)),
+        gradientReduction(toString(o.gradientReduction)),
         sharding(toString(o.sharding)),
         sync(toString(o.sync)),
         snapshotPath(o.snapshotPath.string()),
         timeoutS(o.timeout.count()) {}
 
-  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, sharding, resume = "auto", metrics;
+  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
+      metrics;
   std::string sync;
   std::string dataDir, snapshotPath, modelDir, syntheticShape;
   std::int64_t timeoutS, stepDelayMs = 0;
@@ -666,6 +672,11 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "how DDP averages gradients: shared-memory (through one shared segment when every rank is on this "
            "host, else as none), none (the Reducer's Gloo/NCCL allreduce), allreduce, fp16")
       ->group(kSys)->capture_default_str();
+  f.option("--gradient-reduction", t.gradientReduction,
+           "when the shared-memory hook averages the gradient buckets: overlapped (each as soon as it is ready, on "
+           "a helper thread, while the backward pass goes on), after-backward (all at its end, on the computing "
+           "thread: one meeting of the ranks per step); the same bits either way")
+      ->group(kSys)->capture_default_str();
   f.option("--sharding", t.sharding,
            "none (DDP: every rank holds the whole model and optimizer state), optimizer (ZeRO-1: each rank holds "
            "and steps its share of the optimizer state, then broadcasts its parameters; bit-identical to none), "
@@ -753,6 +764,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.progress = pick("--progress", t.progress, kProgress);
   o.augment = pick("--augment", t.augment, kAugment);
   o.commHook = pick("--comm-hook", t.commHook, kCommHooks);
+  o.gradientReduction = pick("--gradient-reduction", t.gradientReduction, kReductions);
   o.sharding = pick("--sharding", t.sharding, kShardings);
   o.sync = pick("--sync", t.sync, kSyncs);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)

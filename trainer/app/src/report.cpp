@@ -186,6 +186,8 @@ void MetricsLog::write(const EpochRecord& r) {
                         {"forward_backward", r.forwardBackwardSeconds},
                         {"optimizer", r.optimizerSeconds},
                         {"agreement", r.agreementSeconds}};
+  j["reduce_seconds"] = r.reduceSeconds;
+  j["reduce_wait_seconds"] = r.reduceWaitSeconds;
   append(j.dump());
 }
 

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <iostream>
 #include <regex>
+#include <iomanip>
 #include <sstream>
 #include <thread>
 
@@ -307,8 +308,21 @@ CommHook commHookOf(CommHookChoice c) {
   return CommHook::kNone;
 }
 
-std::string gradientPath(const std::string& hook) {
-  if (hook == "shared memory") return "shared memory (every rank on this host)";
+GradientReduction reductionOf(ReductionChoice c) {
+  switch (c) {
+    case ReductionChoice::kAfterBackward: return GradientReduction::kAfterBackward;
+    case ReductionChoice::kOverlapped: break;
+  }
+  return GradientReduction::kOverlapped;
+}
+
+std::string gradientPath(const DDP& ddp) {
+  const std::string hook = ddp.commHookInUse();
+  if (hook == "shared memory")
+    return std::string("shared memory (every rank on this host), ") +
+           (ddp.options().gradientReduction() == GradientReduction::kAfterBackward
+                ? "after the backward pass, on the computing thread"
+                : "each bucket when ready, on a helper thread");
   if (hook == "none") return "the process group's allreduce";
   return "the " + hook + " hook";
 }
@@ -576,6 +590,7 @@ struct EpochPass {
   double cpuStart = 0;
   std::int64_t intervalSamples = 0, samples = 0;  // over every rank
   StepPhases phases;
+  std::optional<SharedMemoryAllreduce::Stats> reductionStart;  // the shared-memory hook's, if in use
 };
 
 enum class PassEnd { kEpochDone, kStopped, kRecovered };
@@ -728,6 +743,7 @@ void Trainer::buildTraining() {
     ddp_ = std::make_unique<DDP>(model_, DDPOptions()
                                              .bucketCapMb(o_.bucketCapMb)
                                              .commHook(commHookOf(o_.commHook))
+                                             .gradientReduction(reductionOf(o_.gradientReduction))
                                              .findUnusedParameters(o_.findUnusedParameters)
                                              .gradientAsBucketView(o_.gradientAsBucketView));
     if (o_.sharding == ShardingChoice::kOptimizer)
@@ -770,7 +786,7 @@ void Trainer::buildTraining() {
                            (ps_->numServers() == 1 ? " (rank " + std::to_string(dataRanks_) + ")"
                                                    : "s (ranks " + std::to_string(dataRanks_) + "-" + std::to_string(worldSize_ - 1) + ")") +
                            ", which run the optimizer"
-                     : worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(ddp_->commHookInUse()))
+                     : worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(*ddp_))
                                       : std::string()));
 }
 
@@ -932,6 +948,7 @@ PassEnd Trainer::runEpochPass(RunResult& result) {
 
   pass.start = Clock::now();
   pass.cpuStart = processCpuSeconds();
+  if (ddp_) pass.reductionStart = ddp_->sharedMemoryStats();
   pass.intervalStart = pass.start;
   pass.firstStep = t.stepInEpoch();
   startEpochTally(pass.firstStep);
@@ -1091,6 +1108,20 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   const auto share = [epochSeconds](double seconds) {
     return std::to_string(std::llround(100.0 * seconds / std::max(epochSeconds, 1e-9))) + "%";
   };
+  // The shared-memory reduction's time per step (on its helper thread when overlapped).
+  double reduceSeconds = 0, reduceWaitSeconds = 0;
+  std::string reductionText;
+  if (const auto now = ddp_ ? ddp_->sharedMemoryStats() : std::nullopt; now && pass.reductionStart && stepsRun > 0) {
+    reduceSeconds = std::chrono::duration<double>(now->total - pass.reductionStart->total).count();
+    reduceWaitSeconds = std::chrono::duration<double>(now->waiting - pass.reductionStart->waiting).count();
+    const auto ms = [stepsRun](double seconds) {
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << 1000.0 * seconds / static_cast<double>(stepsRun);
+      return os.str();
+    };
+    reductionText = "; gradient reduction " + ms(reduceSeconds) + " ms a step, " + ms(reduceWaitSeconds) +
+                    " of it waiting for the other ranks";
+  }
   console_.line("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o_.epochs) + " done: " +
                 std::to_string(stepsRun) + " steps" +
                 (firstStep > 0 ? " (resumed at step " + std::to_string(firstStep) + ")" : std::string()) + " in " +
@@ -1098,7 +1129,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
                 std::to_string(std::llround(epochRate)) + " samples/s, train loss " + std::to_string(meanLoss) +
                 " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
                 share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
-                share(phases.agreement) + ")");
+                share(phases.agreement) + ")" + reductionText);
   if (!metrics_) return;
   EpochRecord r;
   r.step = t.globalStep();
@@ -1116,6 +1147,8 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   r.forwardBackwardSeconds = phases.forwardBackward;
   r.optimizerSeconds = phases.optimizer;
   r.agreementSeconds = phases.agreement;
+  r.reduceSeconds = reduceSeconds;
+  r.reduceWaitSeconds = reduceWaitSeconds;
   metrics_->write(r);
 }
 

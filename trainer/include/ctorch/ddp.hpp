@@ -6,6 +6,7 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
+#include "ctorch/shared_memory_allreduce.hpp"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -38,6 +39,17 @@ enum class CommHook {
   kSharedMemory,
 };
 
+// When CommHook::kSharedMemory reduces the gradient buckets (the same bits either way).
+enum class GradientReduction {
+  // Each bucket as soon as its gradients are ready, on a helper thread, while the backward pass
+  // goes on. Faster even where every core computes: a rank that waits for a slower one leaves its
+  // core to the other's helper thread (docs/performance.md).
+  kOverlapped,
+  // Every bucket at the end of the backward pass, on the thread that ran it: the ranks meet once per
+  // step, and no helper thread runs beside the computation.
+  kAfterBackward,
+};
+
 struct DDPOptions {
   // Reduction buckets hold at most this many MiB of gradients (Python's bucket_cap_mb).
   TORCH_ARG(double, bucketCapMb) = 25.0;
@@ -62,6 +74,8 @@ struct DDPOptions {
   // bucket, so the same layout is what keeps a restarted run bit-identical.
   TORCH_ARG(std::optional<std::vector<std::vector<size_t>>>, bucketAssignment);
   TORCH_ARG(CommHook, commHook) = CommHook::kNone;
+  // With kSharedMemory: reduce each bucket when it is ready, or all at the end of the backward pass.
+  TORCH_ARG(GradientReduction, gradientReduction) = GradientReduction::kOverlapped;
   // The group to reduce over; unset: the default group (ctorch::initProcessGroup()).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
 
@@ -107,6 +121,7 @@ class DDPCore {
   const DDPOptions& options() const;
   // "none", "allreduce", "fp16 compress", "shared memory" or "custom" (registerCommHook).
   std::string commHookInUse() const;
+  std::optional<SharedMemoryAllreduce::Stats> sharedMemoryStats() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
 
@@ -257,6 +272,9 @@ class DistributedDataParallel {
   // "shared memory", or "custom" (registerCommHook). CommHook::kSharedMemory says "none" where the
   // ranks do not share memory.
   std::string commHookInUse() const { return core_->commHookInUse(); }
+  // The shared-memory hook's time in the reductions so far (its own thread's with kOverlapped),
+  // and how much of it was waiting for the other ranks; empty when it is not in use.
+  std::optional<SharedMemoryAllreduce::Stats> sharedMemoryStats() const { return core_->sharedMemoryStats(); }
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
   // Parameter indices per bucket, in reduction order (changes once, after the first iteration).
   std::vector<std::vector<size_t>> bucketAssignment() const { return core_->bucketAssignment(); }

@@ -58,11 +58,21 @@ class SharedMemoryAllreduce {
   // DistributedTimeout when a peer does not arrive within the timeout (a stopped process); after
   // either, every later call fails at once: the segment's protocol is out of step.
   // kAverage needs a floating-point tensor.
+  // Runs on the calling thread, after every call allreduceAsync queued before it.
   void allreduce(at::Tensor& tensor, Op op = Op::kSum);
   // The same, run on this object's worker thread (calls run in the order they are made): the
   // future completes with `tensor`, reduced in place, or holds the error allreduce() would throw.
-  // The tensor must stay untouched until then.
+  // The tensor must stay untouched until then. The worker thread needs a core of its own to pay:
+  // on a host whose cores all compute, it takes its time from the caller's.
   c10::intrusive_ptr<c10::ivalue::Future> allreduceAsync(const at::Tensor& tensor, Op op = Op::kSum);
+
+  // Where this rank's time in the reductions went, since it was created.
+  struct Stats {
+    std::int64_t calls = 0;
+    std::chrono::nanoseconds total{0};    // inside the reductions (work and waits)
+    std::chrono::nanoseconds waiting{0};  // of which waiting at a barrier for the other ranks
+  };
+  Stats stats() const;
 
   int rank() const;
   int worldSize() const;

@@ -28,6 +28,8 @@ enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
 enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
+// When the shared-memory hook reduces the buckets (ctorch::GradientReduction).
+enum class ReductionChoice { kOverlapped, kAfterBackward };
 // What is sharded over the ranks: nothing (DDP), the optimizer's state (ZeRO-1; Python's
 // ZeroRedundancyOptimizer), also the gradients and, between steps, the parameters (FSDP's
 // SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD).
@@ -43,6 +45,7 @@ const char* toString(BackendChoice v);
 const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
 const char* toString(CommHookChoice v);
+const char* toString(ReductionChoice v);
 const char* toString(ShardingChoice v);
 const char* toString(SyncChoice v);
 
@@ -116,6 +119,7 @@ struct TrainOptions {
   // How DDP moves gradients: through shared memory where every rank shares it (one host, CPU),
   // else the Reducer's allreduce.
   CommHookChoice commHook = CommHookChoice::kSharedMemory;
+  ReductionChoice gradientReduction = ReductionChoice::kOverlapped;  // --gradient-reduction
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;

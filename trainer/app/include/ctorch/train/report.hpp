@@ -97,6 +97,10 @@ struct EpochRecord {
   double forwardBackwardSeconds = 0.0;  // including the wait for DDP's last gradient allreduce
   double optimizerSeconds = 0.0;
   double agreementSeconds = 0.0;        // the per-step allreduce (stop flag, loss), snapshot captures
+  // The shared-memory gradient reduction (on its helper thread when overlapped; 0 when not in use),
+  // and the part of it spent waiting for the other ranks.
+  double reduceSeconds = 0.0;
+  double reduceWaitSeconds = 0.0;
 };
 
 // This process continued a run from a snapshot (marked in metrics.png).
