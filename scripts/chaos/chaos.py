@@ -86,7 +86,7 @@ WORKER_EXES = {p["exe"] for p in PROGRAMS.values()}
 STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\s")
 STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
 REPLACED_RE = re.compile(r"replacing worker rank (\d+) \(local \d+\) in place")
-SPARE_RE = re.compile(r"spare worker (\S+) takes over rank (\d+) ")
+SPARE_RE = re.compile(r"(?:spare|preloaded) worker (\S+) takes over rank (\d+) ")
 FELLBACK_RE = re.compile(r"this program does not recover in place")
 STORE_RE = re.compile(r"store ([0-9.:a-zA-Z\[\]-]+):(\d+)")
 TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
@@ -339,6 +339,7 @@ class Run:
                 "--max-restarts", str(len(self.faults) + 2), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                 "--recovery", self.h.args.recovery] + \
             (["--spare-workers", str(self.h.args.spare_workers)] if self.h.args.spare_workers else []) + \
+            (["--preloaded-workers", self.h.args.preloaded_workers] if self.h.args.preloaded_workers else []) + \
             ["--log-dir", "logs"] + self.h.worker_command(self.workload, delayed=True)
 
     def on_step(self, step, now):
@@ -601,6 +602,15 @@ class Harness:
             if res.get("replacements", 0) != worker_faults:
                 res["problems"].append(f"{worker_faults} worker faults, {res.get('replacements', 0)} in-place "
                                        f"replacements (a full restart happened instead)")
+            # ctorchrun's default (--preloaded-workers auto: one preloaded worker when there is no spare): every
+            # replacement started from a waiting process, whose takeover the launcher logged.
+            preloaded = self.args.preloaded_workers in ("", "auto") and not self.args.spare_workers or \
+                self.args.preloaded_workers not in ("", "auto", "0")
+            if (preloaded or self.args.spare_workers) and len(run.spares) != worker_faults:
+                res["problems"].append(f"{worker_faults} worker faults, {len(run.spares)} taken over by a waiting "
+                                       f"spare or preloaded process (want every one)")
+            if not preloaded and not self.args.spare_workers and run.spares:
+                res["problems"].append(f"{len(run.spares)} faults taken over by a waiting process, with none asked for")
         # Nothing of the run left: processes (marker scan) and the store ports it logged.
         if not run.wait_gone(5):
             res["problems"].append("processes left alive: " +
@@ -1523,6 +1533,8 @@ def main():
                          "(tests/consumer, a user's loop on ctorch::ResilientTraining)")
     ap.add_argument("--spare-workers", type=int, default=0,
                     help="with --recovery in-place: ctorchrun's --spare-workers (processes started ahead)")
+    ap.add_argument("--preloaded-workers", default="",
+                    help="with --recovery in-place: ctorchrun's --preloaded-workers (default: ctorchrun's, auto)")
     ap.add_argument("--trainer-args", default="",
                     help="more ctorch-train arguments for every trainer run, reference and faulty (e.g. '--sharding full')")
     ap.add_argument("--seed", type=int, default=1)

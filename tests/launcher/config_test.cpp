@@ -493,6 +493,18 @@ TEST_CASE("config: --recovery restart (default) or in-place, in every spelling")
              Catch::Contains("use --recovery restart"));
   CHECK_THAT(errorFor({"--spare-workers", "1", "/bin/true"}), Catch::Contains("needs --recovery in-place"));
   CHECK(configFor({"--recovery", "in-place", "--spare-workers", "2", "/bin/true"}).spareWorkers == 2);
+  // Preloaded workers: one by default with in-place recovery and no spare; none otherwise; set explicitly.
+  CHECK(configFor({"--recovery", "in-place", "/bin/true"}).preloadedWorkers == 1);
+  CHECK(configFor({"--recovery", "in-place", "--spare-workers", "1", "/bin/true"}).preloadedWorkers == 0);
+  CHECK(configFor({"/bin/true"}).preloadedWorkers == 0);
+  CHECK(configFor({"--recovery", "in-place", "--preloaded-workers", "0", "/bin/true"}).preloadedWorkers == 0);
+  CHECK(configFor({"--recovery", "in-place", "--spare-workers", "1", "--preloaded-workers", "2", "/bin/true"})
+            .preloadedWorkers == 2);
+  CHECK_THAT(errorFor({"--preloaded-workers", "1", "/bin/true"}), Catch::Contains("needs --recovery in-place"));
+  CHECK_THAT(errorFor({"--recovery", "in-place", "--preloaded-workers", "x", "/bin/true"}),
+             Catch::Contains("--preloaded-workers"));
+  CHECK_THAT(errorFor({"--recovery", "in-place", "--preloaded-workers", "65", "/bin/true"}),
+             Catch::Contains("at most 64"));
 }
 
 TEST_CASE("config: in-place recovery's control key: random on one node, from CTORCH_JOB_SECRET across nodes, "
@@ -509,6 +521,7 @@ TEST_CASE("config: in-place recovery's control key: random on one node, from CTO
   const auto unsigned_ = configFor(nodes);
   CHECK_FALSE(unsigned_.inPlaceRecovery);
   CHECK(unsigned_.spareWorkers == 0);
+  CHECK(unsigned_.preloadedWorkers == 0);
   CHECK_THAT(unsigned_.recoveryWarning, Catch::Contains("CTORCH_JOB_SECRET") && Catch::Contains("restarts the group"));
   const std::map<std::string, std::string> secret{{"CTORCH_JOB_SECRET", "0123456789abcdef-shared"}};
   const auto a = configFor(nodes, secret), b = configFor(nodes, secret);

@@ -527,9 +527,10 @@ std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
 }
 
 const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
-std::optional<SharedMemoryAllreduce::Stats> detail::DDPCore::sharedMemoryStats() const {
+std::optional<GradientReductionStats> detail::DDPCore::sharedMemoryStats() const {
   if (!impl_->sharedMemory) return std::nullopt;
-  return impl_->sharedMemory->stats();
+  const auto s = impl_->sharedMemory->stats();
+  return GradientReductionStats{s.calls, s.total, s.waiting};
 }
 
 std::string detail::DDPCore::commHookInUse() const {

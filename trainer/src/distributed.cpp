@@ -20,6 +20,7 @@
 #include <csignal>
 #include <filesystem>
 #include <map>
+#include <cstdlib>
 #include <iostream>
 #include <set>
 #include <mutex>
@@ -458,6 +459,26 @@ State& initializedState() {
     throw ConfigError("the default process group is not initialized: call ctorch::initProcessGroup() first");
   return s;
 }
+
+// A preloaded worker (ctorchrun --preloaded-workers) waits for its assignment here, while the program
+// starts: LibTorch's libraries are loaded and initialised (the slow part of a new process: ~0.4 s of
+// a new worker's ~0.5 s), the program's main() has not run. With its rank variables set it goes on
+// and runs the program from the start, as the replacement a new process would have been. An error
+// ends it in one line (the agent then starts a new process for the next failure).
+bool awaitPreloadedAssignment() {
+  const char* id = std::getenv(contract::env::kSpare);
+  const char* preloaded = std::getenv(contract::env::kPreloaded);
+  if (!id || !preloaded || std::string(preloaded) != "1") return false;
+  ::unsetenv(contract::env::kPreloaded);
+  try {
+    awaitSpareAssignment(id, processEnvironment());
+  } catch (const std::exception& e) {
+    std::cerr << std::string("ctorch: preloaded worker: ") + e.what() + "\n" << std::flush;
+    std::_Exit(1);
+  }
+  return true;
+}
+[[maybe_unused]] const bool gPreloadedAssigned = awaitPreloadedAssignment();
 
 } // namespace
 

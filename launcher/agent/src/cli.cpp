@@ -94,6 +94,12 @@ void build(CLI::App& app, RawOptions& o, bool& version) {
       "a failed worker's rank over at once instead of a new process starting")
       ->capture_default_str()
       ->type_name("N");
+  opt("preloaded-workers", o.preloadedWorkers,
+      "With --recovery in-place: processes per node started ahead with LibTorch loaded, waiting before "
+      "their program's main(); a failed worker's replacement starts from one instead of a new process "
+      "(auto: 1 when --spare-workers is 0; needs a program linked with ctorch's library)")
+      ->capture_default_str()
+      ->type_name("N|auto");
   boolFlag("store-failover", o.storeFailover,
            "With --rdzv-backend c10d: every agent keeps a standby rendezvous store, so that losing the "
            "store's host (node rank 0's, say) leaves the others training: they re-form on the next node's "
@@ -323,6 +329,7 @@ std::string describeConfig(const LaunchConfig& c) {
   os << " | role " << c.role << " | max restarts " << c.maxRestarts
      << (c.inPlaceRecovery ? " | recovery in-place" : "")
      << (c.spareWorkers > 0 ? " | spare workers " + std::to_string(c.spareWorkers) : "")
+     << (c.preloadedWorkers > 0 ? " | preloaded workers " + std::to_string(c.preloadedWorkers) : "")
      << (c.storeFailover ? " | store failover" : "") << " | shutdown timeout "
      << c.shutdownTimeout.count() / 1000.0 << "s | signals";
   for (std::size_t i = 0; i < c.signalsToHandle.size(); ++i)

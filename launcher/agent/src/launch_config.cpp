@@ -565,6 +565,16 @@ void resolveRestarts(LaunchConfig& c, const RawOptions& raw) {
     throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) +
                      ": spares take over a failed worker's rank, which needs --recovery in-place");
   if (c.spareWorkers > 64) throw UsageError("--spare-workers " + std::to_string(c.spareWorkers) + ": at most 64 per node");
+  if (trim(raw.preloadedWorkers) == "auto") {
+    c.preloadedWorkers = c.inPlaceRecovery && c.spareWorkers == 0 ? 1 : 0;
+  } else {
+    c.preloadedWorkers = parseNonNegative(raw.preloadedWorkers, "--preloaded-workers");
+    if (c.preloadedWorkers > 0 && !c.inPlaceRecovery)
+      throw UsageError("--preloaded-workers " + std::to_string(c.preloadedWorkers) +
+                       ": a preloaded worker becomes a failed worker's replacement, which needs --recovery in-place");
+    if (c.preloadedWorkers > 64)
+      throw UsageError("--preloaded-workers " + std::to_string(c.preloadedWorkers) + ": at most 64 per node");
+  }
   c.storeFailover = raw.storeFailover;
   c.monitorInterval = parseSeconds(raw.monitorInterval, "--monitor-interval");
   c.shutdownTimeout = parseSeconds(raw.shutdownTimeout, "--shutdown-timeout");
@@ -622,6 +632,7 @@ void resolveControlKey(LaunchConfig& c, const EnvLookup& env) {
                           "otherwise forge: a failed worker restarts the group instead";
       c.inPlaceRecovery = false;
       c.spareWorkers = 0;
+      c.preloadedWorkers = 0;
     }
   }
 }

@@ -47,7 +47,8 @@ void Replacements::beginGroup(const RendezvousInfo& info, int restartCount, cons
   workerStore_.reset();
   workerStoreBackoff_ = std::chrono::milliseconds(0);
   workerStoreRetryAt_ = {};
-  for (int i = 0; i < config_.spareWorkers; ++i) startSpare();
+  for (int i = 0; i < config_.spareWorkers; ++i) startSpare(false);
+  for (int i = 0; i < config_.preloadedWorkers; ++i) startSpare(true);
   if (timerFd_ >= 0) {
     itimerspec every{};
     every.it_interval.tv_nsec = every.it_value.tv_nsec = kEvictPoll.count() * 1000000;
@@ -66,7 +67,11 @@ void Replacements::endGroup() {
 void Replacements::spareEnded(const WorkerExit& e) {
   auto it = std::find_if(spares_.begin(), spares_.end(), [&](const Spare& s) { return s.tag == e.localRank; });
   if (it == spares_.end()) return;
-  log("agent").warn("spare worker {} (pid {}) ended before it was needed: {}", it->id, e.pid, e.status.describe());
+  log("agent").warn("{} worker {} (pid {}) ended before it was needed: {}{}", it->preloaded ? "preloaded" : "spare", it->id,
+                    e.pid, e.status.describe(),
+                    it->preloaded ? " (a preloaded worker waits only in a program linked with ctorch's library: "
+                                  "--preloaded-workers 0 for any other)"
+                                : "");
   spares_.erase(it);
 }
 
@@ -150,10 +155,12 @@ store::TcpStoreClient& Replacements::workerStore() {
 }
 
 // A spare is a worker of this node without a rank yet: the contract's variables of local rank 0
-// less the rank ones (contract::inplace::kSpareAssigned), and CTORCH_SPARE naming it.
-void Replacements::startSpare() {
+// less the rank ones (contract::inplace::kSpareAssigned), and CTORCH_SPARE naming it. A preloaded worker is
+// a spare that waits before its program's main() (CTORCH_PRELOADED): ctorch's library waits there.
+void Replacements::startSpare(bool preloaded) {
   if (launches_.empty()) return;
   Spare spare;
+  spare.preloaded = preloaded;
   ++sparesStarted_;
   spare.id = std::to_string(info_.nodeRank) + "-" + std::to_string(restartCount_) +
              "-" + std::to_string(sparesStarted_);
@@ -169,6 +176,7 @@ void Replacements::startSpare() {
   };
   w.env.erase(std::remove_if(w.env.begin(), w.env.end(), assigned), w.env.end());
   w.env.push_back(std::string(contract::env::kSpare) + "=" + spare.id);
+  if (preloaded) w.env.push_back(std::string(contract::env::kPreloaded) + "=1");
   // Its error file once it holds local rank L: <attempt dir>/L/error.json, as every worker's.
   if (!files_.empty())
     w.env.push_back(std::string(contract::env::kSpareLogDir) + "=" + files_.front().rankDir.parent_path().string());
@@ -177,12 +185,16 @@ void Replacements::startSpare() {
   w.err = OutputSpec{};
   processes_.add(w);
   spares_.push_back(spare);
-  log("agent").debug("started spare worker {}", spare.id);
+  log("agent").debug("started {} worker {}", preloaded ? "preloaded" : "spare", spare.id);
 }
 
 bool Replacements::handToSpare(const WorkerLaunch& replacement) {
   if (spares_.empty()) return false;
-  const Spare spare = spares_.front();
+  // A spare (its program set up) before a preloaded worker (its program not started yet).
+  auto chosen = std::find_if(spares_.begin(), spares_.end(), [](const Spare& s) { return !s.preloaded; });
+  if (chosen == spares_.end()) chosen = spares_.begin();
+  const Spare spare = *chosen;
+  const char* kind = spare.preloaded ? "preloaded" : "spare";
   std::string lines;
   for (const auto& entry : replacement.env)
     for (const char* name : contract::inplace::kSpareAssigned)
@@ -191,18 +203,18 @@ bool Replacements::handToSpare(const WorkerLaunch& replacement) {
   try {
     workerStore().set(key, store::toBytes(contract::auth::signCommand(config_.controlKey, key, lines)));
   } catch (const std::exception& e) {
-    log("agent").warn("could not hand rank {} to spare {} ({}): starting a new process instead",
-                      replacement.globalRank, spare.id, e.what());
+    log("agent").warn("could not hand rank {} to {} worker {} ({}): starting a new process instead",
+                      replacement.globalRank, kind, spare.id, e.what());
     workerStore_.reset();
     return false;
   }
-  spares_.erase(spares_.begin());
+  spares_.erase(chosen);
   processes_.relabel(spare.tag, replacement.localRank);
   if (static_cast<std::size_t>(replacement.localRank) < files_.size())
     logs_.adoptSpare(replacement.localRank, files_[static_cast<std::size_t>(replacement.localRank)]);
-  log("agent").warn("spare worker {} takes over rank {} (local {})", spare.id, replacement.globalRank,
+  log("agent").warn("{} worker {} takes over rank {} (local {})", kind, spare.id, replacement.globalRank,
                     replacement.localRank);
-  startSpare();  // ready for the next failure
+  startSpare(spare.preloaded);  // ready for the next failure
   return true;
 }
 

@@ -31,7 +31,7 @@ class Replacements {
   int timerFd() const { return timerFd_; }
 
   // A group was started with `launches`: forgets the last group's spares and store client, starts
-  // --spare-workers spares, arms the eviction timer.
+  // --spare-workers spares and --preloaded-workers preloaded workers, arms the eviction timer.
   void beginGroup(const RendezvousInfo& info, int restartCount, const std::vector<WorkerLaunch>& launches,
                   const std::vector<WorkerLogs::WorkerFiles>& files);
   // The group is gone: disarms the timer, drops the store client.
@@ -59,12 +59,13 @@ class Replacements {
   void checkReformed(store::TcpStoreClient& store, GroupMonitor& monitor);
   bool acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value, int rank,
                       int pid);
-  void startSpare();
+  void startSpare(bool preloaded);
   bool handToSpare(const WorkerLaunch& replacement);
 
   struct Spare {
     std::string id;
     int tag = 0;  // the negative local rank it runs under until it takes one over
+    bool preloaded = false;  // --preloaded-workers: waits before its program's main()
   };
 
   const LaunchConfig& config_;

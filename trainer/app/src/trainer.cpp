@@ -590,7 +590,7 @@ struct EpochPass {
   double cpuStart = 0;
   std::int64_t intervalSamples = 0, samples = 0;  // over every rank
   StepPhases phases;
-  std::optional<SharedMemoryAllreduce::Stats> reductionStart;  // the shared-memory hook's, if in use
+  std::optional<GradientReductionStats> reductionStart;  // the shared-memory hook's, if in use
 };
 
 enum class PassEnd { kEpochDone, kStopped, kRecovered };

@@ -6,12 +6,13 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
-#include "ctorch/shared_memory_allreduce.hpp"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,14 @@ enum class GradientReduction {
   // Every bucket at the end of the backward pass, on the thread that ran it: the ranks meet once per
   // step, and no helper thread runs beside the computation.
   kAfterBackward,
+};
+
+// Where a rank's time in the shared-memory hook's reductions went (DistributedDataParallel::
+// sharedMemoryStats()).
+struct GradientReductionStats {
+  std::int64_t calls = 0;               // buckets reduced
+  std::chrono::nanoseconds total{0};    // inside the reductions: copies, sums, waits
+  std::chrono::nanoseconds waiting{0};  // of which waiting at a barrier for the other ranks
 };
 
 struct DDPOptions {
@@ -121,7 +130,7 @@ class DDPCore {
   const DDPOptions& options() const;
   // "none", "allreduce", "fp16 compress", "shared memory" or "custom" (registerCommHook).
   std::string commHookInUse() const;
-  std::optional<SharedMemoryAllreduce::Stats> sharedMemoryStats() const;
+  std::optional<GradientReductionStats> sharedMemoryStats() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
 
@@ -274,7 +283,7 @@ class DistributedDataParallel {
   std::string commHookInUse() const { return core_->commHookInUse(); }
   // The shared-memory hook's time in the reductions so far (its own thread's with kOverlapped),
   // and how much of it was waiting for the other ranks; empty when it is not in use.
-  std::optional<SharedMemoryAllreduce::Stats> sharedMemoryStats() const { return core_->sharedMemoryStats(); }
+  std::optional<GradientReductionStats> sharedMemoryStats() const { return core_->sharedMemoryStats(); }
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
   // Parameter indices per bucket, in reduction order (changes once, after the first iteration).
   std::vector<std::vector<size_t>> bucketAssignment() const { return core_->bucketAssignment(); }

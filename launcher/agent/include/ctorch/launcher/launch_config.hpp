@@ -62,6 +62,10 @@ struct LaunchConfig {
   // --spare-workers: processes per node started ahead, loaded and waiting, that take a failed
   // worker's rank over at once (--recovery in-place).
   int spareWorkers = 0;
+  // --preloaded-workers: processes per node started ahead with LibTorch loaded, waiting before their
+  // program's main(); a failed worker's replacement starts from one (auto: 1 with --recovery
+  // in-place and no spare workers, else 0).
+  int preloadedWorkers = 0;
   // --store-failover (c10d): every agent keeps a standby rendezvous store; the survivors of the
   // store host's loss re-form on the next node's (docs/store-failover.md).
   bool storeFailover = false;
@@ -124,6 +128,7 @@ struct RawOptions {
   std::string maxRestarts = "0";
   std::string recovery = "restart";
   std::string spareWorkers = "0";
+  std::string preloadedWorkers = "auto";
   bool storeFailover = false;
   std::string monitorInterval = "0.1";
   std::string role = "default";

@@ -42,6 +42,11 @@ inline constexpr const char* kSpare = "CTORCH_SPARE";
 // On a spare: the attempt's log directory. Its error file becomes <dir>/<LOCAL_RANK>/error.json
 // once it holds a rank (a path is never read from the store).
 inline constexpr const char* kSpareLogDir = "CTORCH_SPARE_LOG_DIR";
+// On a preloaded worker (--preloaded-workers): "1", with kSpare naming it. It waits for its
+// assignment before its program's main() runs (LibTorch loaded, nothing of the program done), then
+// runs the program from the start as the replacement it was given: what a new process would do,
+// without loading LibTorch first. Only a program linked with ctorch's library waits.
+inline constexpr const char* kPreloaded = "CTORCH_PRELOADED";
 // The job's control key (hex), with which in-place recovery's commands in the workers' store are
 // signed and checked (control_auth.hpp). Only in the workers' environment.
 inline constexpr const char* kControlKey = "CTORCH_CONTROL_KEY";
@@ -93,14 +98,15 @@ inline constexpr VariableDoc kInPlaceVariables[] = {
     {env::kReplacement, "on a worker started in place of a failed one: 1, 2, ..."},
     {env::kSpare, "on a spare worker (--spare-workers): its id; it gets the rank variables when it takes over"},
     {env::kSpareLogDir, "on a spare worker: the attempt's log directory (its error file, once it holds a rank)"},
+    {env::kPreloaded, "1 on a preloaded worker (--preloaded-workers): a spare that waits before its program's main()"},
     {env::kControlKey, "the job's key for in-place recovery's signed commands (secret: never logged or stored)"},
 };
 
 // The variables above are ctorchrun's to set: one inherited from the environment ctorchrun was
 // started in (left in a shell or a batch script) would make workers wait as spares or act on a
 // stale key, so ctorchrun removes them from what its workers inherit, and says so.
-inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery, env::kReplacement, env::kSpare,
-                                                          env::kSpareLogDir, env::kControlKey};
+inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery,    env::kReplacement, env::kSpare,
+                                                          env::kSpareLogDir, env::kPreloaded,     env::kControlKey};
 
 // ---- The agent store ------------------------------------------------------------------------------
 // With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
