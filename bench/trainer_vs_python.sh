@@ -8,6 +8,10 @@
 #   bench/trainer_vs_python.sh speed [epochs=1] [rounds=2] [train-limit=0]
 #   bench/trainer_vs_python.sh accuracy [epochs=3] [seeds=1]
 #   bench/trainer_vs_python.sh all          (speed 1 2, then accuracy 3 1)
+#   BENCH_MODEL=resnet18 bench/trainer_vs_python.sh speed 1 2 384
+#                  ResNet-18 on CIFAR-shaped synthetic images (3x32x32, train-limit of them, default
+#                  51,200), batch BENCH_BATCH (32) per rank, instead of the CNN on Fashion-MNIST; the
+#                  Python peer's data are preloaded random tensors (no per-sample row).
 #
 # speed: time per epoch (training steps only) and samples/s at 1 and 2 ranks (train-limit > 0: that
 #   many samples of the training set, for shorter runs); rounds alternate C++ and Python so both see
@@ -34,7 +38,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 results=$root/bench/results
 mkdir -p "$results"
-out=$results/trainer_vs_python-$(date +%Y%m%d-%H%M%S).txt
+out=$results/trainer_vs_python${BENCH_MODEL:+-$BENCH_MODEL}-$(date +%Y%m%d-%H%M%S).txt
 unset OMP_NUM_THREADS RANK WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
 records=$work/records.jsonl
 : >"$records"
@@ -89,23 +93,32 @@ if [ "$mode" = speed ] || [ "$mode" = all ]; then
   [ "$mode" = all ] && epochs=1 && rounds=2 && limit=0
   short=()
   [ "$limit" -gt 0 ] && short=(--train-limit "$limit" --test-limit 1000)
+  if [ "${BENCH_MODEL:-mnist-cnn}" = resnet18 ]; then
+    # ctorch-train's arguments go after short (the peer's --data is chosen per row below).
+    short+=(--model resnet18 --batch-size "${BENCH_BATCH:-32}")
+    cppmodel=(--dataset synthetic-images --synthetic-shape 3,32,32 --synthetic-size "$([ "$limit" -gt 0 ] && echo "$limit" || echo 51200)")
+    pydata() { echo synthetic; }
+  else
+    cppmodel=()
+    pydata() { echo "$1"; }
+  fi
   for ((i = 1; i <= rounds; i++)); do
     for world in 1 2; do
-      cpp "ctorch-train" $world $epochs "${short[@]}"
+      cpp "ctorch-train" $world $epochs "${short[@]}" "${cppmodel[@]}"
       # The gradients through Gloo's allreduce, as Python's DDP moves them (the default is shared memory).
-      [ "$world" -gt 1 ] && cpp "ctorch-train --comm-hook none" $world $epochs --comm-hook none "${short[@]}"
-      py "python per-sample" $world $epochs --data per-sample "${short[@]}"
-      py "python preloaded" $world $epochs --data preloaded "${short[@]}"
+      [ "$world" -gt 1 ] && cpp "ctorch-train --comm-hook none" $world $epochs --comm-hook none "${short[@]}" "${cppmodel[@]}"
+      [ "${BENCH_MODEL:-mnist-cnn}" = resnet18 ] || py "python per-sample" $world $epochs --data per-sample "${short[@]}"
+      py "python preloaded" $world $epochs --data "$(pydata preloaded)" "${short[@]}"
     done
     # At 1 rank ctorch-train runs CPUs / local ranks threads (2 here) with OpenBLAS at one under them;
     # torch's own default is the physical cores it detects. Python at the same count, with OpenBLAS
     # as torch leaves it and as ctorch sets it (which Python can only do before torch loads).
-    OMP_NUM_THREADS=2 py "python preloaded, 2 threads" 1 $epochs --data preloaded "${short[@]}"
-    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=1 py "python preloaded, 2 thr, BLAS 1" 1 $epochs --data preloaded "${short[@]}"
+    OMP_NUM_THREADS=2 py "python preloaded, 2 threads" 1 $epochs --data "$(pydata preloaded)" "${short[@]}"
+    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=1 py "python preloaded, 2 thr, BLAS 1" 1 $epochs --data "$(pydata preloaded)" "${short[@]}"
     # The ceiling's unit, and two such processes side by side that never meet.
-    cpp "ctorch-train --threads 1" 1 $epochs --threads 1 "${short[@]}"
-    cpp "independent --threads 1 (a)" 1 $epochs --threads 1 "${short[@]}" &
-    cpp "independent --threads 1 (b)" 1 $epochs --threads 1 "${short[@]}"
+    cpp "ctorch-train --threads 1" 1 $epochs --threads 1 "${short[@]}" "${cppmodel[@]}"
+    cpp "independent --threads 1 (a)" 1 $epochs --threads 1 "${short[@]}" "${cppmodel[@]}" &
+    cpp "independent --threads 1 (b)" 1 $epochs --threads 1 "${short[@]}" "${cppmodel[@]}"
     wait
   done
 fi

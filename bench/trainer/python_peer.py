@@ -11,6 +11,8 @@ Data paths (--data):
               torchvision's ToTensor + Normalize do (the seeds' scripts), DataLoader collates;
   preloaded   the whole set converted and normalised once into a TensorDataset (the fastest
               plain-PyTorch path), DataLoader collates.
+  synthetic   --model resnet18: random 3x32x32 images (CIFAR-shaped) and labels, as ctorch-train's
+              synthetic-images, preloaded (what is measured is the model's step, not the data).
 Prints one JSON line per epoch on rank 0: train seconds, samples/s, test accuracy.
 """
 import argparse
@@ -29,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models", "python"))
-from ctorch_models import MnistCnn  # noqa: E402
+from ctorch_models import MnistCnn, create_model  # noqa: E402
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST, as ctorch::data
 
@@ -66,7 +68,8 @@ def make_dataset(images, labels, mode):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
-    p.add_argument("--data", choices=["per-sample", "preloaded"], default="per-sample")
+    p.add_argument("--data", choices=["per-sample", "preloaded", "synthetic"], default="per-sample")
+    p.add_argument("--model", choices=["mnist-cnn", "resnet18"], default="mnist-cnn")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
@@ -79,20 +82,28 @@ def main():
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    d = args.data_dir
-    train_x = read_idx(os.path.join(d, "train-images-idx3-ubyte.gz"))
-    train_y = read_idx(os.path.join(d, "train-labels-idx1-ubyte.gz")).long()
-    test_x = read_idx(os.path.join(d, "t10k-images-idx3-ubyte.gz"))
-    test_y = read_idx(os.path.join(d, "t10k-labels-idx1-ubyte.gz")).long()
-    if args.train_limit:
-        train_x, train_y = train_x[:args.train_limit], train_y[:args.train_limit]
-    if args.test_limit:
-        test_x, test_y = test_x[:args.test_limit], test_y[:args.test_limit]
-    train = make_dataset(train_x, train_y, args.data)
-    test = make_dataset(test_x, test_y, args.data)
+    if args.data == "synthetic":
+        g = torch.Generator().manual_seed(args.seed)
+        n_train, n_test = args.train_limit or 51200, args.test_limit or 512
+        train = TensorDataset(torch.randn(n_train, 3, 32, 32, generator=g), torch.randint(0, 10, (n_train,), generator=g))
+        test = TensorDataset(torch.randn(n_test, 3, 32, 32, generator=g), torch.randint(0, 10, (n_test,), generator=g))
+    else:
+        d = args.data_dir
+        train_x = read_idx(os.path.join(d, "train-images-idx3-ubyte.gz"))
+        train_y = read_idx(os.path.join(d, "train-labels-idx1-ubyte.gz")).long()
+        test_x = read_idx(os.path.join(d, "t10k-images-idx3-ubyte.gz"))
+        test_y = read_idx(os.path.join(d, "t10k-labels-idx1-ubyte.gz")).long()
+        if args.train_limit:
+            train_x, train_y = train_x[:args.train_limit], train_y[:args.train_limit]
+        if args.test_limit:
+            test_x, test_y = test_x[:args.test_limit], test_y[:args.test_limit]
+        train = make_dataset(train_x, train_y, args.data)
+        test = make_dataset(test_x, test_y, args.data)
 
     torch.manual_seed(args.seed)
-    model = MnistCnn()
+    model = MnistCnn() if args.model == "mnist-cnn" else create_model(args.model, in_channels=3, image_size=32)
+    # The CNN ends in log_softmax (nll_loss); ResNet-18 gives logits.
+    loss_of = F.nll_loss if args.model == "mnist-cnn" else F.cross_entropy
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     # ctorch-train's default schedule, the seeds' MNIST example's: x0.7 after every epoch.
@@ -111,7 +122,7 @@ def main():
         samples = 0
         for x, y in loader:
             optimizer.zero_grad()
-            loss = F.nll_loss(ddp(x), y)
+            loss = loss_of(ddp(x), y)
             loss.backward()
             optimizer.step()
             samples += len(y)
@@ -124,7 +135,7 @@ def main():
         with torch.no_grad():
             for x, y in test_loader:
                 out = model(x)
-                totals[0] += F.nll_loss(out, y, reduction="sum").item()
+                totals[0] += loss_of(out, y, reduction="sum").item()
                 totals[1] += (out.argmax(1) == y).sum().item()
                 totals[2] += len(y)
         dist.all_reduce(totals)

@@ -539,7 +539,8 @@ TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") 
 }
 
 TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its rank and CTORCH_REPLACEMENT") {
-  Fixture f({"--nproc-per-node", "3", "--max-restarts", "2", "--recovery", "in-place"});
+  Fixture f({"--nproc-per-node", "3", "--max-restarts", "2", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   f.rendezvous.serveWorkerStore();
   FakeProcessContext pc([](int attempt, int) {
     REQUIRE(attempt == 0);  // never a second group
@@ -562,7 +563,8 @@ TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its 
 }
 
 TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts, then fails as torchrun") {
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   f.rendezvous.serveWorkerStore();
   FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(3)}}; });
   pc.onAdd = [&pc](const WorkerLaunch& w) { pc.exitWorker(w.localRank, ExitStatus::exited(4)); };
@@ -580,7 +582,8 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
   // dies of the broken connection without joining the re-form. Before: rank 0 was replaced too
   // (the second of --max-restarts 1: the job failed). Now: one group restart for the one fault,
   // and every later failure restarts the group (the program cannot recover in place).
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place"});
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   f.rendezvous.serveWorkerStore();
   FakeProcessContext pc([](int attempt, int n) {
     if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
@@ -603,7 +606,8 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
 
   // Control: a survivor that joined the re-form (recover() marked it alive) and failed later is
   // replaced in place as before.
-  Fixture g({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place"});
+  Fixture g({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   g.rendezvous.serveWorkerStore();
   const int port = g.rendezvous.storePort;
   FakeProcessContext pc2([](int attempt, int) {
@@ -630,7 +634,8 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
 TEST_CASE("agent: --recovery in-place restarts the group when the workers' store does not answer (its host was lost)") {
   // No workers' store: node rank 0's host died with it, so a replacement could not join and the
   // survivors could not re-form; the group restarts (the next round brings a new store).
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   f.rendezvous.storePort = 1;  // privileged and unserved: refused at once
   FakeProcessContext pc([](int attempt, int) {
     if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}};
@@ -641,7 +646,8 @@ TEST_CASE("agent: --recovery in-place restarts the group when the workers' store
   CHECK(pc.launches.size() == 2);    // the group restarted
   CHECK(f.rendezvous.rounds == 2);
   // Control: the same failure with the store answering is repaired in place.
-  Fixture g({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  Fixture g({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
+             "--preloaded-workers", "0"});
   g.rendezvous.serveWorkerStore();
   FakeProcessContext pc2([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}}; });
   CHECK(g.run(pc2) == 0);
@@ -681,6 +687,34 @@ TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed r
   REQUIRE(lines);
   CHECK(lines->find("RANK=1\n") != std::string::npos);
   CHECK(lines->find("LOCAL_RANK=1\n") != std::string::npos);
+  CHECK(lines->find("CTORCH_REPLACEMENT=1\n") != std::string::npos);
+}
+
+TEST_CASE("agent: --recovery in-place starts a preloaded worker by default, which takes the failed rank over") {
+  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
+  f.rendezvous.serveWorkerStore();
+  FakeProcessContext pc([](int attempt, int) {
+    REQUIRE(attempt == 0);
+    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+  });
+  pc.onAdd = [](const WorkerLaunch& w) { REQUIRE(w.localRank < 0); };  // only preloaded workers: they wait
+  pc.onRelabel = [&pc](int, int to) {
+    pc.exitWorker(to, ExitStatus::exited(0));
+    pc.exitWorker(0, ExitStatus::exited(0));
+  };
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.relabels == std::vector<std::pair<int, int>>{{-1, 1}});
+  REQUIRE(pc.added.size() == 2);  // the first, and the one started after the hand-over
+  for (const auto& w : pc.added) {
+    CHECK(envValue(w, "CTORCH_PRELOADED") == "1");
+    CHECK(envValue(w, "RANK") == "<unset>");
+  }
+  ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(f.rendezvous.storePort));
+  const std::string key = ctorch::contract::inplace::spareKey(envValue(pc.added[0], "CTORCH_SPARE"));
+  const auto lines = ctorch::contract::auth::verifyCommand(
+      f.config.controlKey, key, ctorch::store::toString(store.get(key)));
+  REQUIRE(lines);
+  CHECK(lines->find("RANK=1\n") != std::string::npos);
   CHECK(lines->find("CTORCH_REPLACEMENT=1\n") != std::string::npos);
 }
 

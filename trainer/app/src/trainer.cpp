@@ -1111,7 +1111,8 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   // The shared-memory reduction's time per step (on its helper thread when overlapped).
   double reduceSeconds = 0, reduceWaitSeconds = 0;
   std::string reductionText;
-  if (const auto now = ddp_ ? ddp_->sharedMemoryStats() : std::nullopt; now && pass.reductionStart && stepsRun > 0) {
+  if (const auto now = ddp_ && worldSize_ > 1 ? ddp_->sharedMemoryStats() : std::nullopt;
+      now && pass.reductionStart && stepsRun > 0) {
     reduceSeconds = std::chrono::duration<double>(now->total - pass.reductionStart->total).count();
     reduceWaitSeconds = std::chrono::duration<double>(now->waiting - pass.reductionStart->waiting).count();
     const auto ms = [stepsRun](double seconds) {
