@@ -134,14 +134,14 @@ if [ "$mode" = accuracy ] || [ "$mode" = all ]; then
 fi
 
 "$python" - "$records" <<'EOF' | tee -a "$out"
-import json, statistics, sys
+import json, os, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 speed = {}
 for r in rows:
     if not r["label"].startswith("accuracy"):
         speed.setdefault((r["label"], r["world"]), []).append(r)
 if speed:
-    print("\nspeed: training steps of one epoch, batch 64 per rank; best (median) of the rounds")
+    print(f"\nspeed: training steps of one epoch, batch {os.environ.get('BENCH_BATCH') or (32 if os.environ.get('BENCH_MODEL') == 'resnet18' else 64)} per rank; best (median) of the rounds")
     print(f"{'implementation':34} {'ranks':>5} {'s/epoch':>16} {'samples/s':>18} {'acc. epoch 1':>13}")
     best, med = {}, {}
     for (label, world), rs in speed.items():
