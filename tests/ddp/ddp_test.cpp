@@ -545,6 +545,48 @@ class SumHook : public c10d::CommHookInterface {
 
 } // namespace
 
+// A sparse embedding's bucket beside dense ones: the shared-memory hook, overlapped and after the
+// backward pass, gives the gradients of the Reducer's own allreduce (the sparse bucket through the
+// group, the dense ones through shared memory, whichever bucket comes last).
+struct SparseNetImpl : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+  SparseNetImpl() {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 8).sparse(true)));
+    head = register_module("head", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(emb(ids).mean(1)); }
+};
+TORCH_MODULE(SparseNet);
+
+CTORCH_TEST_WORKER(ddp_sparse_shm) {
+  const int rank = initGroup();
+  const auto ids = torch::arange(rank * 7, rank * 7 + 12).remainder(50).view({3, 4});
+  std::vector<std::vector<torch::Tensor>> results;
+  for (int mode = 0; mode < 3; ++mode) {
+    torch::manual_seed(0);
+    SparseNet model;
+    auto o = ctorch::DDPOptions().bucketCapMb(0.0001).firstBucketCapMb(0.0001);
+    if (mode > 0)
+      o.commHook(ctorch::CommHook::kSharedMemory)
+          .gradientReduction(mode == 1 ? ctorch::GradientReduction::kOverlapped : ctorch::GradientReduction::kAfterBackward);
+    ctorch::DistributedDataParallel ddp(model, o);
+    for (int step = 0; step < 2; ++step) {  // the second step runs on the rebuilt buckets
+      model->zero_grad();
+      ddp(ids).pow(2).sum().backward();
+    }
+    std::vector<torch::Tensor> g;
+    for (const auto& p : model->parameters()) g.push_back(p.grad().is_sparse() ? p.grad().to_dense() : p.grad().clone());
+    std::cout << "mode " << mode << " hook " << ddp.commHookInUse() << std::endl;
+    results.push_back(g);
+  }
+  const double overlapped = maxDiff(results[1], results[0]), after = maxDiff(results[2], results[0]);
+  std::cout << "sparse with shared memory: overlapped difference " << overlapped << ", after backward " << after
+            << std::endl;
+  finishGroup();
+  return overlapped == 0.0 && after == 0.0 ? 0 : 1;
+}
+
 // A custom C++ hook replaces the averaging allreduce.
 CTORCH_TEST_WORKER(ddp_custom_hook) {
   const int rank = initGroup(), world = ctorch::getWorldSize();
@@ -705,6 +747,15 @@ TEST_CASE("ddp: a C++ communication hook replaces the averaging allreduce", "[dd
   auto results = runWorkerGroup({.worker = "ddp_custom_hook", .worldSize = 2});
   requireAllOk(results);
   CHECK_THAT(results[0].output, Catch::Contains("custom hook gradient difference 0"));
+}
+
+TEST_CASE("ddp: a sparse embedding beside dense layers through the shared-memory hook equals the Reducer's allreduce", "[ddp][hooks]") {
+  auto results = runWorkerGroup({.worker = "ddp_sparse_shm", .worldSize = 2});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    CHECK_THAT(r.output, Catch::Contains("sparse with shared memory: overlapped difference 0, after backward 0"));
+    CHECK_THAT(r.output, Catch::Contains("mode 2 hook shared memory"));
+  }
 }
 
 TEST_CASE("ddp: options checks and train or eval modes and any output type and zeroGrad with bucket views", "[ddp]") {

@@ -133,18 +133,21 @@ class SharedMemoryHook : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     at::Tensor buffer = bucket.getBufferRef();
+    // After backward: a step whose backward pass failed half-way left pending buckets; their
+    // futures fail, and the first bucket of the next step starts afresh.
+    if (afterBackward_ && bucket.getIndex() == 0) failPending("the backward pass that launched it did not finish");
+    c10::intrusive_ptr<c10::ivalue::Future> done;
     if (buffer.is_sparse()) {
       buffer.div_(group_->getSize());
       std::vector<at::Tensor> tensors{buffer};
-      return group_->allreduce(tensors)->getFuture();
+      done = group_->allreduce(tensors)->getFuture();
+    } else if (!afterBackward_) {
+      return allreduce_->allreduceAsync(buffer, SharedMemoryAllreduce::Op::kAverage);
+    } else {
+      done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+      pending_.push_back({buffer, done});
     }
-    if (!afterBackward_) return allreduce_->allreduceAsync(buffer, SharedMemoryAllreduce::Op::kAverage);
-    // A step whose backward pass failed half-way leaves pending buckets: its futures fail, and
-    // the first bucket of the next step starts afresh.
-    if (bucket.getIndex() == 0) failPending("the backward pass that launched it did not finish");
-    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-    pending_.push_back({buffer, done});
-    if (bucket.isLast()) reducePending();
+    if (afterBackward_ && bucket.isLast()) reducePending();
     return done;
   }
 

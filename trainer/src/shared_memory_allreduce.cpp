@@ -101,6 +101,21 @@ bool processGone(pid_t pid) {
   return close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'Z' || line[close + 2] == 'X');
 }
 
+// Adds the time until it goes out of scope to `into`, in nanoseconds (the statistics).
+class TimeInto {
+ public:
+  explicit TimeInto(std::atomic<std::int64_t>& into) : into_(into), start_(std::chrono::steady_clock::now()) {}
+  ~TimeInto() {
+    into_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+  TimeInto(const TimeInto&) = delete;
+  TimeInto& operator=(const TimeInto&) = delete;
+
+ private:
+  std::atomic<std::int64_t>& into_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 std::string millis(std::chrono::milliseconds d) {
   std::ostringstream os;
   os << static_cast<double>(d.count()) / 1000.0 << " s";
@@ -131,7 +146,7 @@ struct SharedMemoryAllreduce::Impl {
   std::size_t bytes = 0;
   void* base = nullptr;
   bool checkPids = true;  // every rank in this process's PID namespace
-  std::string failure;  // set once a call failed (worker thread only): later calls fail at once
+  std::string failure;  // set once a call failed (by the thread that reduced): later calls fail at once
 
   // Calls run in order on one worker thread, so a caller (the Reducer's autograd hook) goes on
   // computing while this rank waits for a late peer.
@@ -216,14 +231,7 @@ struct SharedMemoryAllreduce::Impl {
       if (h.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&h.generation);
       return;
     }
-    const auto waitStart = std::chrono::steady_clock::now();
-    struct Waited {
-      Impl& s;
-      std::chrono::steady_clock::time_point start;
-      ~Waited() {
-        s.waitingNs += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-      }
-    } waited{*this, waitStart};
+    const TimeInto waited(waitingNs);
     for (int i = 0; i < kSpins; ++i) {
       if (h.generation.load(std::memory_order_acquire) != generation) return;
 #if defined(__x86_64__) || defined(__i386__)
@@ -371,15 +379,8 @@ void checkCall(const at::Tensor& tensor, SharedMemoryAllreduce::Op op) {
 
 void SharedMemoryAllreduce::Impl::reduce(at::Tensor& tensor, Op op) {
   if (!failure.empty()) throw DistributedError(failure + " (an earlier call failed)");
-  const auto started = std::chrono::steady_clock::now();
-  struct Timed {
-    Impl& s;
-    std::chrono::steady_clock::time_point start;
-    ~Timed() {
-      s.totalNs += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-      ++s.calls;
-    }
-  } timed{*this, started};
+  ++calls;
+  const TimeInto timed(totalNs);
   const auto elementBytes = static_cast<std::size_t>(tensor.element_size());
   const auto chunkElements = static_cast<std::int64_t>(chunkBytes / elementBytes);
   auto flat = tensor.view({-1});
