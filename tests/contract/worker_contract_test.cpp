@@ -1,5 +1,6 @@
 #include "ctorch_catch.hpp"
 
+#include "ctorch/contract/control_protocol.hpp"
 #include "ctorch/contract/worker_contract.hpp"
 
 #include <set>
@@ -41,15 +42,14 @@ TEST_CASE("contract: Slurm port rule") {
   }
 }
 
-TEST_CASE("contract: an eviction request reads back exactly what evictionPayload wrote, and nothing else") {
-  using namespace ctorch::contract::inplace;
-  const auto request = parseEvictionPayload(evictionPayload(4242, 7));
-  REQUIRE(request);
-  CHECK(request->pid == 4242);
-  CHECK(request->generation == 7);
-  CHECK(parseEvictionPayload(evictionPayload(1, 0)));
-  for (const char* bad : {"", "pid=", "pid=12", "pid=12\ngeneration=", "pid=0\ngeneration=3", "pid=-5\ngeneration=3",
-                          "pid=12\ngeneration=-1", "pid=12 \ngeneration=3", "pid=12\ngeneration=3\n",
-                          "generation=3\npid=12", "pid=12\ngeneration=3x", "pid=99999999999999999999\ngeneration=1"})
-    CHECK_FALSE(parseEvictionPayload(bad));
+TEST_CASE("contract: a process's incarnation is 16 hex digits, never 0, and reads back as written") {
+  namespace cc = ctorch::contract::control;
+  for (int i = 0; i < 100; ++i) {
+    const std::uint64_t v = cc::randomIncarnation();
+    CHECK(v != 0);
+    CHECK(cc::parseIncarnation(cc::incarnationText(v)) == v);
+  }
+  CHECK(cc::incarnationText(0x0123456789abcdefull) == "0123456789abcdef");
+  for (const char* bad : {"", "0000000000000000", "0123456789abcde", "0123456789abcdef0", "0123456789abcdeg", " 123456789abcdef"})
+    CHECK_FALSE(cc::parseIncarnation(bad));
 }

@@ -7,7 +7,8 @@
 #include "ctorch/launcher/elastic_agent.hpp"
 #include "ctorch/launcher/logging.hpp"
 #include "ctorch/launcher/worker_env.hpp"
-#include "ctorch/contract/control_auth.hpp"
+#include "ctorch/contract/control_client.hpp"
+#include "ctorch/control/control_plane.hpp"
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
@@ -21,7 +22,10 @@
 #include <functional>
 #include <deque>
 #include <functional>
+#include <future>
+#include <mutex>
 #include <set>
+#include <thread>
 
 using namespace ctorch::launcher;
 using namespace std::chrono_literals;
@@ -42,6 +46,7 @@ class FakeProcessContext : public ProcessContext {
   ~FakeProcessContext() override { ::close(fd_); }
 
   void start(const std::vector<WorkerLaunch>& workers) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     REQUIRE(finished());
     launches.push_back(workers);
     auto behaviour = script_(attempt_++, static_cast<int>(workers.size()));
@@ -54,9 +59,13 @@ class FakeProcessContext : public ProcessContext {
         live_[static_cast<int>(i)] = b;
       }
     }
+    if (onStart) onStart(attempt_ - 1, workers);
   }
+  // Called at the end of start() (on the agent's thread): what a test does beside the workers.
+  std::function<void(int attempt, const std::vector<WorkerLaunch>&)> onStart;
   int fd() const override { return fd_; }
   std::vector<WorkerExit> process() override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     std::uint64_t v;
     [[maybe_unused]] auto n = ::read(fd_, &v, sizeof v);
     std::vector<WorkerExit> out(pending_.begin(), pending_.end());
@@ -64,6 +73,7 @@ class FakeProcessContext : public ProcessContext {
     return out;
   }
   void signalAll(int signo) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     signals.push_back(signo);
     if (onSignalAll) onSignalAll(signo);
     for (auto it = live_.begin(); it != live_.end();) {
@@ -76,15 +86,36 @@ class FakeProcessContext : public ProcessContext {
     }
   }
   void killAll() override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     ++kills;
     for (auto& [rank, b] : live_) queue(rank, ExitStatus::killed(SIGKILL));
     live_.clear();
   }
-  bool finished() const override { return live_.empty() && pending_.empty(); }
-  std::map<int, pid_t> pids() const override { return {}; }
+  bool finished() const override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    return live_.empty() && pending_.empty();
+  }
+  // A live worker of local rank r has pid 100 + r (spares: negative ranks, 100 + r as well).
+  std::map<int, pid_t> pids() const override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    std::map<int, pid_t> out;
+    for (const auto& [rank, b] : live_) out[rank] = 100 + rank;
+    return out;
+  }
+  void kill(pid_t pid) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    killed.push_back(pid);
+    exitWorker(static_cast<int>(pid) - 100, ExitStatus::killed(SIGKILL));
+  }
+  void killRank(int localRank) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (live_.count(localRank)) exitWorker(localRank, ExitStatus::killed(SIGKILL));
+  }
+  std::vector<pid_t> killed;  // kill(pid) calls
   // --recovery in-place: the replacement runs; `onAdd` decides what happens next (by default the
   // replacement and every running worker finish with exit 0: the group completed after the repair).
   void add(const WorkerLaunch& w) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     added.push_back(w);
     if (onAdd) return onAdd(w);
     live_[w.localRank] = FakeWorker{};
@@ -101,14 +132,27 @@ class FakeProcessContext : public ProcessContext {
   std::function<void(const WorkerLaunch&)> onAdd;
   // --spare-workers: a spare (negative local rank) takes a failed worker's rank over.
   void relabel(int fromLocalRank, int toLocalRank) override {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     relabels.emplace_back(fromLocalRank, toLocalRank);
+    if (live_.count(fromLocalRank)) {
+      live_[toLocalRank] = live_[fromLocalRank];
+      live_.erase(fromLocalRank);
+    }
     if (onRelabel) onRelabel(fromLocalRank, toLocalRank);
   }
   std::vector<std::pair<int, int>> relabels;
   std::function<void(int, int)> onRelabel;
+  // From any thread.
   void exitWorker(int rank, ExitStatus s) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     live_.erase(rank);
     queue(rank, s);
+  }
+  // Like add()'s default: every running worker finishes (exit 0).
+  void finishAll() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    for (auto& [rank, b] : live_) queue(rank, ExitStatus::exited(0));
+    live_.clear();
   }
 
  private:
@@ -127,6 +171,7 @@ class FakeProcessContext : public ProcessContext {
   int attempt_ = 0;
   std::map<int, FakeWorker> live_;
   std::deque<WorkerExit> pending_;
+  mutable std::recursive_mutex mutex_;
 };
 
 class FakeRendezvous : public RendezvousHandler {
@@ -136,8 +181,15 @@ class FakeRendezvous : public RendezvousHandler {
   // default; a test that needs one serves it (serveWorkerStore).
   int storePort = 1234;
   std::unique_ptr<ctorch::store::TcpStoreServer> workerStore;
-  void serveWorkerStore() {
-    workerStore = std::make_unique<ctorch::store::TcpStoreServer>(ctorch::store::TcpStoreServerOptions{});
+  std::shared_ptr<ctorch::control::ControlPlane> control;  // on the workers' store port
+  // The workers' store with the job's control plane (keyed `controlKey`), as node rank 0 serves it.
+  void serveWorkerStore(const std::string& controlKey = "") {
+    ctorch::store::TcpStoreServerOptions o;
+    if (!controlKey.empty()) {
+      control = std::make_shared<ctorch::control::ControlPlane>(controlKey);
+      o.side = control;
+    }
+    workerStore = std::make_unique<ctorch::store::TcpStoreServer>(o);
     storePort = workerStore->port();
   }
   ~FakeRendezvous() override { ::close(fd_); }
@@ -538,15 +590,142 @@ TEST_CASE("agent: a rendezvous that gives up ends the agent with 3 and leaves") 
   CHECK(f.rendezvous.shutdowns == std::vector<AgentOutcome>{AgentOutcome::Interrupted});
 }
 
+namespace {
+
+namespace cc = ctorch::contract::control;
+
+// The fake workers' side of in-place recovery's control channel, on threads of their own (the
+// agent's event loop runs on the test's thread): each connects as the worker or spare its launch
+// names (its rank, its CTORCH_INCARNATION, the job's key) and does what the test says.
+class ControlWorkers {
+ public:
+  explicit ControlWorkers(FakeRendezvous& r) : r_(r) {}
+  ~ControlWorkers() {
+    for (auto& t : threads_) t.join();
+  }
+
+  // Connects as launch `w` (a spare when it has CTORCH_SPARE); welcomed when it returns.
+  std::shared_ptr<cc::BlockingClient> connect(const WorkerLaunch& w) {
+    const std::string key = *ctorch::contract::auth::fromHex(envValue(w, "CTORCH_CONTROL_KEY"));
+    const auto incarnation = cc::parseIncarnation(envValue(w, "CTORCH_INCARNATION"));
+    REQUIRE(incarnation);
+    const bool spare = envValue(w, "CTORCH_SPARE") != "<unset>";
+    const cc::Message hello = spare ? cc::spareHello(0, envValue(w, "CTORCH_SPARE"), *incarnation, 100 + w.localRank)
+                                    : cc::workerHello(w.globalRank, *incarnation, 100 + w.localRank);
+    auto client = std::make_shared<cc::BlockingClient>("127.0.0.1", r_.storePort, key, hello, 10s);
+    std::lock_guard<std::mutex> lock(m_);
+    clients_[w.localRank] = client;
+    return client;
+  }
+  std::shared_ptr<cc::BlockingClient> client(int localRank) {
+    std::lock_guard<std::mutex> lock(m_);
+    return clients_.at(localRank);
+  }
+
+  // Runs `f` on a thread of its own; what it throws fails the test at the end (errors()).
+  void run(std::function<void()> f) {
+    std::lock_guard<std::mutex> lock(m_);
+    threads_.emplace_back([this, f = std::move(f)] {
+      try {
+        f();
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(m_);
+        errors_.push_back(e.what());
+      }
+    });
+  }
+
+  // On a thread: every worker of `launches` connects and says whether it can recover in place
+  // (`incapable`: the local ranks that say they cannot); once the coordinator knows the job's
+  // answer (and `spares` spares are ready) and the agent had time to hear it, `then` runs.
+  void declareAll(const std::vector<WorkerLaunch>& launches, std::function<void()> then, std::set<int> incapable = {},
+                  int spares = 0) {
+    run([this, launches, then = std::move(then), incapable, spares] {
+      for (const auto& w : launches) {
+        cc::Message m = cc::message(cc::Type::kDeclare);
+        m.value = incapable.count(w.localRank) ? 0 : 1;
+        m.text = m.value ? "" : "a test's rank that cannot";
+        connect(w)->send(m);
+      }
+      const int want = incapable.empty() ? 1 : 0;
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while ((r_.control->stats().capability != want || readySpares() < spares) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(5ms);
+      if (r_.control->stats().capability != want) throw std::runtime_error("the coordinator never learnt the job's capability");
+      std::this_thread::sleep_for(200ms);  // the agent reads it from its link meanwhile
+      then();
+    });
+  }
+
+  // A spare connects and waits for its assignment (recorded in assignments()).
+  void spare(const WorkerLaunch& w) {
+    run([this, w] {
+      auto client = connect(w);
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        ++ready_;
+      }
+      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (std::chrono::steady_clock::now() < deadline) {
+        std::optional<cc::Message> m;
+        try {
+          m = client->receive(std::chrono::steady_clock::now() + 200ms);
+        } catch (const cc::ControlError&) {
+          return;  // the group ended: the coordinator closed
+        }
+        if (m && m->type == cc::Type::kAssign) {
+          std::lock_guard<std::mutex> lock(m_);
+          assignments_.push_back(*m);
+          return;
+        }
+      }
+    });
+  }
+  int readySpares() {
+    std::lock_guard<std::mutex> lock(m_);
+    return ready_;
+  }
+  std::vector<cc::Message> assignments() {
+    std::lock_guard<std::mutex> lock(m_);
+    return assignments_;
+  }
+  std::vector<std::string> errors() {
+    std::lock_guard<std::mutex> lock(m_);
+    return errors_;
+  }
+
+ private:
+  FakeRendezvous& r_;
+  std::mutex m_;
+  std::map<int, std::shared_ptr<cc::BlockingClient>> clients_;
+  std::vector<std::thread> threads_;
+  std::vector<std::string> errors_;
+  std::vector<cc::Message> assignments_;
+  int ready_ = 0;
+};
+
+std::vector<std::string> inPlaceArgs(int nproc, int maxRestarts, std::vector<std::string> more = {"--preloaded-workers", "0"}) {
+  std::vector<std::string> a{"--nproc-per-node", std::to_string(nproc), "--max-restarts", std::to_string(maxRestarts),
+                             "--recovery", "in-place"};
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
+
+} // namespace
+
 TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its rank and CTORCH_REPLACEMENT") {
-  Fixture f({"--nproc-per-node", "3", "--max-restarts", "2", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
-  f.rendezvous.serveWorkerStore();
-  FakeProcessContext pc([](int attempt, int) {
+  Fixture f(inPlaceArgs(3, 2));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);  // never a second group
-    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}, {}};
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
   });
+  pc.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::killed(SIGKILL)); });
+  };
   CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
   CHECK(pc.launches.size() == 1);
   CHECK(pc.signals.empty());  // the survivors were not stopped
   REQUIRE(pc.added.size() == 1);
@@ -556,6 +735,12 @@ TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its 
   CHECK(envValue(r, "CTORCH_REPLACEMENT") == "1");
   CHECK(envValue(r, "CTORCH_RECOVERY") == "in-place");
   CHECK(envValue(r, "TORCHELASTIC_RESTART_COUNT") == "0");  // the same group (and store prefix)
+  // A new process, a new incarnation: nothing said about the failed one names it.
+  const auto before = cc::parseIncarnation(envValue(pc.launches[0][1], "CTORCH_INCARNATION"));
+  const auto after = cc::parseIncarnation(envValue(r, "CTORCH_INCARNATION"));
+  REQUIRE(before);
+  REQUIRE(after);
+  CHECK(*before != *after);
   CHECK(envValue(pc.launches[0][0], "CTORCH_RECOVERY") == "in-place");
   CHECK(envValue(pc.launches[0][0], "CTORCH_REPLACEMENT") == "<unset>");
   CHECK(f.rendezvous.rounds == 1);
@@ -563,10 +748,13 @@ TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its 
 }
 
 TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts, then fails as torchrun") {
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
-  f.rendezvous.serveWorkerStore();
-  FakeProcessContext pc([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(3)}}; });
+  Fixture f(inPlaceArgs(2, 1));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int, int n) { return std::vector<FakeWorker>(static_cast<std::size_t>(n)); });
+  pc.onStart = [&](int attempt, const std::vector<WorkerLaunch>& launches) {
+    if (attempt == 0) cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::exited(3)); });
+  };
   pc.onAdd = [&pc](const WorkerLaunch& w) { pc.exitWorker(w.localRank, ExitStatus::exited(4)); };
   CHECK(f.run(pc) == 4);  // the replacement failed too, and no restart was left
   CHECK(pc.added.size() == 1);
@@ -578,20 +766,23 @@ TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts
 
 TEST_CASE("agent: --recovery in-place falls back to one group restart when a survivor ends instead of re-forming "
           "(issue 28.1)") {
-  // The README's loop without try / recover(): rank 1 is killed, its replacement starts, and rank 0
-  // dies of the broken connection without joining the re-form. Before: rank 0 was replaced too
-  // (the second of --max-restarts 1: the job failed). Now: one group restart for the one fault,
-  // and every later failure restarts the group (the program cannot recover in place).
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
-  f.rendezvous.serveWorkerStore();
+  // A loop that said it can recover in place but has no try / recover() around its step: rank 1 is
+  // killed, its replacement starts, and rank 0 dies of the broken connection without joining the
+  // re-form. One group restart for the one fault, and every later failure restarts the group.
+  Fixture f(inPlaceArgs(2, 2));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
   FakeProcessContext pc([](int attempt, int n) {
-    if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+    if (attempt == 0) return std::vector<FakeWorker>(static_cast<std::size_t>(n));
     if (attempt == 1) return std::vector<FakeWorker>{{ExitStatus::exited(0)}, {ExitStatus::exited(1)}};  // a later fault
     return allSucceed(n);
   });
+  pc.onStart = [&](int attempt, const std::vector<WorkerLaunch>& launches) {
+    if (attempt == 0) cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::killed(SIGKILL)); });
+  };
   pc.onAdd = [&pc](const WorkerLaunch&) { pc.exitWorker(0, ExitStatus::exited(1)); };
   CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
   CHECK(pc.added.size() == 1);     // the first fault's replacement, stopped with the group
   CHECK(pc.launches.size() == 3);  // two faults, two group restarts: within --max-restarts 2
   CHECK(envValue(pc.launches[1][0], "TORCHELASTIC_RESTART_COUNT") == "1");
@@ -604,16 +795,18 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
   CHECK(first.failures[0].status.signal == SIGKILL);
   CHECK(first.failures[1].localRank == 0);
 
-  // Control: a survivor that joined the re-form (recover() marked it alive) and failed later is
-  // replaced in place as before.
-  Fixture g({"--nproc-per-node", "2", "--max-restarts", "2", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
-  g.rendezvous.serveWorkerStore();
-  const int port = g.rendezvous.storePort;
-  FakeProcessContext pc2([](int attempt, int) {
+  // Control: a survivor that joined the re-form (recover() said so on the control channel) and
+  // failed later is replaced in place as before.
+  Fixture g(inPlaceArgs(2, 2));
+  g.rendezvous.serveWorkerStore(g.config.controlKey);
+  ControlWorkers cw2(g.rendezvous);
+  FakeProcessContext pc2([](int attempt, int n) {
     REQUIRE(attempt == 0);
-    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
   });
+  pc2.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw2.declareAll(launches, [&pc2] { pc2.exitWorker(1, ExitStatus::killed(SIGKILL)); });
+  };
   int adds = 0;
   pc2.onAdd = [&](const WorkerLaunch&) {
     if (++adds > 1) {  // the second replacement: the group finishes
@@ -621,21 +814,26 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
       pc2.exitWorker(0, ExitStatus::exited(0));
       return;
     }
-    ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(port));
-    store.set(ctorch::contract::inplace::aliveKey(0, 0), ctorch::store::toBytes("1"));
-    pc2.exitWorker(0, ExitStatus::exited(1));
+    cw2.run([&] {
+      cc::Message reform = cc::message(cc::Type::kReform);
+      reform.generation = 0;
+      reform.value = 1;
+      cw2.client(0)->send(reform);
+      std::this_thread::sleep_for(300ms);  // the coordinator tells the agent
+      pc2.exitWorker(0, ExitStatus::exited(1));
+    });
   };
   CHECK(g.run(pc2) == 0);
+  CHECK(cw2.errors().empty());
   CHECK(pc2.added.size() == 2);  // both replaced in place
   CHECK(pc2.launches.size() == 1);
   CHECK_FALSE(g.agent->attempts()[0].outcome.inPlaceFellBack);
 }
 
-TEST_CASE("agent: --recovery in-place restarts the group when the workers' store does not answer (its host was lost)") {
+TEST_CASE("agent: --recovery in-place restarts the group when the coordinator does not answer (its host was lost)") {
   // No workers' store: node rank 0's host died with it, so a replacement could not join and the
   // survivors could not re-form; the group restarts (the next round brings a new store).
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
+  Fixture f(inPlaceArgs(2, 1));
   f.rendezvous.storePort = 1;  // privileged and unserved: refused at once
   FakeProcessContext pc([](int attempt, int) {
     if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}};
@@ -645,29 +843,122 @@ TEST_CASE("agent: --recovery in-place restarts the group when the workers' store
   CHECK(pc.added.empty());           // nothing replaced in place
   CHECK(pc.launches.size() == 2);    // the group restarted
   CHECK(f.rendezvous.rounds == 2);
-  // Control: the same failure with the store answering is repaired in place.
-  Fixture g({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place",
-             "--preloaded-workers", "0"});
-  g.rendezvous.serveWorkerStore();
-  FakeProcessContext pc2([](int, int) { return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}}; });
+  // Control: the same failure with the coordinator answering is repaired in place.
+  Fixture g(inPlaceArgs(2, 1));
+  g.rendezvous.serveWorkerStore(g.config.controlKey);
+  ControlWorkers cw(g.rendezvous);
+  FakeProcessContext pc2([](int, int n) { return std::vector<FakeWorker>(static_cast<std::size_t>(n)); });
+  pc2.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw.declareAll(launches, [&pc2] { pc2.exitWorker(1, ExitStatus::exited(1)); });
+  };
   CHECK(g.run(pc2) == 0);
   CHECK(pc2.added.size() == 1);
   CHECK(pc2.launches.size() == 1);
 }
 
-TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed rank over and a new spare starts") {
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place", "--spare-workers", "1"});
-  f.rendezvous.serveWorkerStore();
-  FakeProcessContext pc([](int attempt, int) {
-    REQUIRE(attempt == 0);
-    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+TEST_CASE("agent: --recovery in-place restarts at once after a failure before every rank said it can recover in place") {
+  // The README's plain loop (no ResilientTraining) never says it can: a kill costs what a restart
+  // costs, not a replacement's start plus a survivor's timeout.
+  Fixture f(inPlaceArgs(2, 2));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+    return allSucceed(n);
   });
-  pc.onAdd = [](const WorkerLaunch& w) { REQUIRE(w.localRank < 0); };  // only spares: they wait
-  pc.onRelabel = [&pc](int, int to) {
-    pc.exitWorker(to, ExitStatus::exited(0));  // the spare, now rank 1, and the survivor finish
-    pc.exitWorker(0, ExitStatus::exited(0));
+  CHECK(f.run(pc) == 0);
+  CHECK(pc.added.empty());
+  CHECK(pc.launches.size() == 2);
+  CHECK(pc.signals == std::vector<int>{SIGTERM});
+}
+
+TEST_CASE("agent: --recovery in-place: a rank that says it cannot recover in place makes the run restart the group") {
+  // ctorch-train --sharding full says so at start: its spares go, and every later failure restarts
+  // the whole group at once (one restart each), as --recovery restart.
+  Fixture f(inPlaceArgs(2, 3, {}));  // a preloaded worker by default
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 1) return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}};  // a later fault
+    if (attempt == 2) return allSucceed(n);
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
+  });
+  pc.onStart = [&](int attempt, const std::vector<WorkerLaunch>& launches) {
+    if (attempt == 0) cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::killed(SIGKILL)); }, {1});
+  };
+  pc.onAdd = [](const WorkerLaunch& w) { REQUIRE(w.localRank < 0); };  // preloaded workers only
+  CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
+  CHECK(pc.launches.size() == 3);  // two faults, two restarts
+  CHECK(pc.relabels.empty());      // nothing handed to the preloaded worker
+  for (const auto& w : pc.added) CHECK(envValue(w, "CTORCH_PRELOADED") == "1");
+  CHECK(pc.added.size() == 1);     // started with the first group, killed when the rank said so; none later
+}
+
+TEST_CASE("agent: --recovery in-place kills only the processes the coordinator names: silent ones, never one that "
+          "waits in the re-form") {
+  Fixture f(inPlaceArgs(3, 3));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int attempt, int n) {
+    REQUIRE(attempt == 0);
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
+  });
+  pc.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw.declareAll(launches, [&] {
+      // Ranks 0 and 2 lost a peer and wait in the re-form; rank 1 hangs (says nothing).
+      for (int r : {0, 2}) {
+        cc::Message reform = cc::message(cc::Type::kReform);
+        reform.generation = 0;
+        reform.value = 1;
+        cw.client(r)->send(reform);
+      }
+      std::this_thread::sleep_for(100ms);
+      cc::Message evict = cc::message(cc::Type::kEvictSilent);
+      evict.generation = 0;
+      evict.value = 0;
+      cw.client(0)->send(evict);
+      const auto answer = cw.client(0)->receive(std::chrono::steady_clock::now() + 5s);
+      if (!answer || answer->type != cc::Type::kEvicting || answer->value != 1 || answer->text != "waiting for rank(s) 1")
+        throw std::runtime_error("the coordinator did not evict exactly rank 1");
+    });
+  };
+  pc.onAdd = [&pc](const WorkerLaunch& w) {
+    pc.exitWorker(w.localRank, ExitStatus::exited(0));
+    pc.finishAll();
   };
   CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
+  CHECK(pc.killed == std::vector<pid_t>{101});
+  REQUIRE(pc.added.size() == 1);
+  CHECK(pc.added[0].localRank == 1);
+  CHECK(f.rendezvous.control->stats().killsOrdered == 1);
+}
+
+TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed rank over and a new spare starts") {
+  Fixture f(inPlaceArgs(2, 1, {"--spare-workers", "1"}));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int attempt, int n) {
+    REQUIRE(attempt == 0);
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
+  });
+  pc.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::killed(SIGKILL)); }, {}, 1);
+  };
+  pc.onAdd = [&](const WorkerLaunch& w) {
+    REQUIRE(w.localRank < 0);  // only spares: they wait
+    cw.spare(w);
+  };
+  pc.onRelabel = [&](int, int to) {
+    cw.run([&, to] {  // once the spare has its assignment, it (now rank 1) and the survivor finish
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+      pc.exitWorker(to, ExitStatus::exited(0));
+      pc.exitWorker(0, ExitStatus::exited(0));
+    });
+  };
+  CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
   CHECK(pc.launches.size() == 1);
   CHECK(pc.signals.empty());
   CHECK(pc.relabels == std::vector<std::pair<int, int>>{{-1, 1}});
@@ -679,43 +970,49 @@ TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed r
   CHECK(envValue(spare, "LOCAL_RANK") == "<unset>");
   CHECK(envValue(spare, "TORCHELASTIC_ERROR_FILE") == "<unset>");
   CHECK(envValue(pc.added[1], "CTORCH_SPARE") == "0-0-2");
-  // Its assignment, signed with the job's key, in the key it waits on.
-  ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(f.rendezvous.storePort));
-  const std::string key = ctorch::contract::inplace::spareKey("0-0-1");
-  const auto lines = ctorch::contract::auth::verifyCommand(
-      f.config.controlKey, key, ctorch::store::toString(store.get(key)));
-  REQUIRE(lines);
-  CHECK(lines->find("RANK=1\n") != std::string::npos);
-  CHECK(lines->find("LOCAL_RANK=1\n") != std::string::npos);
-  CHECK(lines->find("CTORCH_REPLACEMENT=1\n") != std::string::npos);
+  // Its assignment came on its own authenticated connection.
+  const auto assignments = cw.assignments();
+  REQUIRE(assignments.size() == 1);
+  CHECK(assignments[0].rank == 1);
+  CHECK(assignments[0].value == 1);   // local rank
+  CHECK(assignments[0].value2 == 1);  // CTORCH_REPLACEMENT
 }
 
 TEST_CASE("agent: --recovery in-place starts a preloaded worker by default, which takes the failed rank over") {
-  Fixture f({"--nproc-per-node", "2", "--max-restarts", "1", "--recovery", "in-place"});
-  f.rendezvous.serveWorkerStore();
-  FakeProcessContext pc([](int attempt, int) {
+  Fixture f(inPlaceArgs(2, 1, {}));
+  f.rendezvous.serveWorkerStore(f.config.controlKey);
+  ControlWorkers cw(f.rendezvous);
+  FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);
-    return std::vector<FakeWorker>{{}, {ExitStatus::killed(SIGKILL)}};
+    return std::vector<FakeWorker>(static_cast<std::size_t>(n));
   });
-  pc.onAdd = [](const WorkerLaunch& w) { REQUIRE(w.localRank < 0); };  // only preloaded workers: they wait
-  pc.onRelabel = [&pc](int, int to) {
-    pc.exitWorker(to, ExitStatus::exited(0));
-    pc.exitWorker(0, ExitStatus::exited(0));
+  pc.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
+    cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::killed(SIGKILL)); }, {}, 1);
+  };
+  pc.onAdd = [&](const WorkerLaunch& w) {
+    REQUIRE(w.localRank < 0);  // only preloaded workers: they wait
+    cw.spare(w);
+  };
+  pc.onRelabel = [&](int, int to) {
+    cw.run([&, to] {
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+      pc.exitWorker(to, ExitStatus::exited(0));
+      pc.exitWorker(0, ExitStatus::exited(0));
+    });
   };
   CHECK(f.run(pc) == 0);
+  CHECK(cw.errors().empty());
   CHECK(pc.relabels == std::vector<std::pair<int, int>>{{-1, 1}});
   REQUIRE(pc.added.size() == 2);  // the first, and the one started after the hand-over
   for (const auto& w : pc.added) {
     CHECK(envValue(w, "CTORCH_PRELOADED") == "1");
     CHECK(envValue(w, "RANK") == "<unset>");
   }
-  ctorch::store::TcpStoreClient store("127.0.0.1", static_cast<std::uint16_t>(f.rendezvous.storePort));
-  const std::string key = ctorch::contract::inplace::spareKey(envValue(pc.added[0], "CTORCH_SPARE"));
-  const auto lines = ctorch::contract::auth::verifyCommand(
-      f.config.controlKey, key, ctorch::store::toString(store.get(key)));
-  REQUIRE(lines);
-  CHECK(lines->find("RANK=1\n") != std::string::npos);
-  CHECK(lines->find("CTORCH_REPLACEMENT=1\n") != std::string::npos);
+  const auto assignments = cw.assignments();
+  REQUIRE(assignments.size() == 1);
+  CHECK(assignments[0].rank == 1);
+  CHECK(assignments[0].value2 == 1);
 }
 
 TEST_CASE("agent: without --recovery in-place the workers get no CTORCH_RECOVERY") {

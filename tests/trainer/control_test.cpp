@@ -76,64 +76,6 @@ bool alive(int pid) { return ::kill(pid, 0) == 0; }
 
 }  // namespace
 
-TEST_CASE("control channel: a forged eviction in the workers' store leaves a healthy worker alone",
-          "[trainer][process][control]") {
-  TempDir dir("control-evict");
-  Process p(trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3"}));
-  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
-  const int victim = waitForPid([&] { return findWorkerPid(dir.path(), 1); });
-  REQUIRE(victim > 0);
-  const auto env = environOf(victim);
-  REQUIRE(env.count(ctorch::contract::env::kControlKey));  // the key reaches the workers ...
-  auto store = outsider(env);
-  const std::string key = ctorch::contract::inplace::evictKey(1);
-  // The request as the survivors wrote it before signatures, then one with a made-up signature.
-  store->set(key, bytes(std::to_string(victim)));
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // the agent looks every 200 ms
-  store->set(key, bytes("pid=" + std::to_string(victim) + "\ngeneration=0\nmac=" + std::string(64, '0')));
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));
-  CHECK(alive(victim));
-  CHECK(findWorkerPid(dir.path(), 1) == victim);
-  const auto r = p.wait();
-  INFO(show(r));
-  REQUIRE(r.ok());
-  CHECK(r.output.find("stopped answering its peers") == std::string::npos);
-  CHECK(r.output.find("replacing worker rank") == std::string::npos);
-  CHECK_THAT(r.output, Catch::Contains("ignoring ctorch/inplace/evict/rank1 in the workers' store: it is not signed"));
-  CHECK(r.output.find(env.at(ctorch::contract::env::kControlKey)) == std::string::npos);  // ... never the log
-}
-
-TEST_CASE("control channel: a forged spare assignment is ignored and chooses no file, the genuine one works",
-          "[trainer][process][control]") {
-  TempDir dir("control-spare"), elsewhere("control-victim");
-  const fs::path victimFile = elsewhere / "victim.txt";
-  Process p(trainUnderLauncher(dir.path(), 2, kSlowToy,
-                               {"--recovery", "in-place", "--max-restarts", "3", "--spare-workers", "1"}));
-  const int spare = waitForPid([&] { return findProcessWith(dir.path(), ctorch::contract::env::kSpare); });
-  REQUIRE(spare > 0);
-  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
-  const auto env = environOf(spare);
-  auto store = outsider(env);
-  const std::string key = ctorch::contract::inplace::spareKey(env.at(ctorch::contract::env::kSpare));
-  store->set(key, bytes("RANK=abc\nTORCHELASTIC_ERROR_FILE=" + victimFile.string() + "\n"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  store->set(key, bytes("RANK=1\nLOCAL_RANK=1\n"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  CHECK(alive(spare));
-  CHECK(environOf(spare).count(ctorch::contract::env::kSpare));  // still a spare: took no rank
-  CHECK_FALSE(fs::exists(victimFile));
-  // A real failure: the spare takes the rank over (signed by the agent) and the run finishes.
-  const int rank1 = findWorkerPid(dir.path(), 1);
-  REQUIRE(rank1 > 0);
-  REQUIRE(::kill(rank1, SIGKILL) == 0);
-  const auto r = p.wait();
-  INFO(show(r));
-  REQUIRE(r.ok());
-  CHECK_THAT(r.output, Catch::Contains("takes over rank 1"));
-  CHECK_THAT(r.output, Catch::Contains("ignoring " + key + " in the workers' store: it is not signed"));
-  CHECK_FALSE(fs::exists(victimFile));
-}
-
 TEST_CASE("control channel: CTORCH_SPARE left in the shell is dropped with a warning, a spare started by hand "
           "is refused at once", "[trainer][process][control]") {
   TempDir dir("control-inherit");

@@ -4,6 +4,7 @@
 #include "error_text.hpp"
 
 #include <ctorch/contract/control_auth.hpp>
+#include <ctorch/contract/control_client.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/stop_signal.hpp>
 
@@ -48,7 +49,6 @@ struct State {
   std::mutex mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Store> store;  // keeps a TCPStore server hosted here alive
-  c10::intrusive_ptr<c10d::Store> raw;    // the TCPStore without the agent prefix (in-place keys)
   DistributedEnv env;
   std::string backendName;
   // What re-forming the group in place needs (ctorchrun --recovery in-place).
@@ -58,6 +58,8 @@ struct State {
   bool inPlace = false;
   bool joining = false;          // a replacement that has not received the training state yet
   std::int64_t generation = 0;
+  // In-place recovery's authenticated channel to the job's coordinator (contract/control_client.hpp).
+  std::unique_ptr<contract::control::BlockingClient> control;
 };
 
 // Never destroyed: tearing down Gloo threads and a TCPStore server during static destruction, after
@@ -106,15 +108,11 @@ struct RootStore {
   // TCPStore then stops waiting for the other ranks without an error (2.x throws). Not proof that a
   // rank is missing (the last one may arrive at the deadline), so it only enriches a later failure.
   bool hostWaitedFullTimeout = false;
-  // The TCPStore itself, without the agent-store prefix (which depends on the PyTorch release): the
-  // in-place recovery keys live here, where the launcher finds them whatever the release.
-  c10::intrusive_ptr<c10d::Store> raw;
 };
 
 RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout) {
   if (!env.needsStore()) {
-    auto hash = c10::make_intrusive<c10d::HashStore>();
-    return {hash, false, hash};
+    return {c10::make_intrusive<c10d::HashStore>(), false};
   }
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.masterPort);
@@ -124,7 +122,7 @@ RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout
   if (env.useAgentStore) {
     opts.isServer = false;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
-    return {compat::agentStore(tcp, contract::agentStorePrefix(env.restartCount)), false, tcp};
+    return {compat::agentStore(tcp, contract::agentStorePrefix(env.restartCount)), false};
   }
   opts.isServer = env.rank == 0;
   opts.waitWorkers = true;
@@ -132,7 +130,7 @@ RootStore makeStore(const DistributedEnv& env, std::chrono::milliseconds timeout
   const auto start = std::chrono::steady_clock::now();
   auto tcp = c10::make_intrusive<c10d::TCPStore>(env.masterAddr, opts);
   const bool waitedFull = opts.isServer && std::chrono::steady_clock::now() - start >= timeout;
-  return {tcp, waitedFull, tcp};
+  return {tcp, waitedFull};
 }
 
 // Executes compat::initBarrierRule: every rank adds 1 and waits for the count to reach the world.
@@ -225,121 +223,96 @@ c10::intrusive_ptr<c10d::ProcessGroup> buildGroup(const c10::intrusive_ptr<c10d:
   return pg;
 }
 
-std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
-
-// This process holds `rank` in generation g: its pid, for an eviction request naming it.
-void arrive(c10d::Store& root, std::int64_t generation, int rank) {
-  root.set(contract::inplace::memberKey(generation, rank), bytesOf(std::to_string(::getpid())));
-}
-
-// Asks the agents to kill the ranks of generation `failed` that did not say they are alive (they
-// stopped answering: a hung process, or one the survivors cannot reach). A rank that died already
-// is named with its old pid, which its agent ignores.
-// The job's control key (CTORCH_CONTROL_KEY, hex) that signs in-place recovery's commands; empty
-// when ctorchrun gave none.
+// The job's control key (CTORCH_CONTROL_KEY, hex) that proves this process on the control channel;
+// empty when ctorchrun gave none.
 std::string controlKeyFrom(const EnvLookup& lookup) {
   const auto hex = lookup(contract::env::kControlKey);
   if (!hex) return "";
   return contract::auth::fromHex(*hex).value_or("");
 }
 
-void requestEvictions(c10d::Store& root, std::int64_t failed, int worldSize, const std::string& key) {
-  if (key.empty()) {
-    std::cerr << "ctorch: cannot ask for silent ranks to be evicted: no " << contract::env::kControlKey
-              << " to sign the request (not started by ctorchrun --recovery in-place?)" << std::endl;
-    return;
-  }
-  for (int r = 0; r < worldSize; ++r) {
-    if (root.check({contract::inplace::aliveKey(failed, r)})) continue;
-    const std::string member = contract::inplace::memberKey(failed, r);
-    if (!root.check({member})) continue;
-    const auto bytes = root.get(member);
-    long pid = 0;
-    try {
-      pid = std::stol(std::string(bytes.begin(), bytes.end()));
-    } catch (const std::exception&) {
-      continue;  // not a pid: nothing of ours to evict
-    }
-    const std::string evict = contract::inplace::evictKey(r);
-    root.set(evict, bytesOf(contract::auth::signCommand(key, evict, contract::inplace::evictionPayload(pid, failed))));
-  }
+bool stopRequested() { return stopSignal() != 0; }
+
+std::uint64_t incarnationFrom(const EnvLookup& lookup) {
+  const auto text = lookup(contract::env::kIncarnation).value_or("");
+  const auto incarnation = contract::control::parseIncarnation(text);
+  if (!incarnation)
+    throw ConfigError(std::string(contract::env::kIncarnation) + " '" + text.substr(0, 32) +
+                      "' is not 16 hex digits: this process was not started by ctorchrun --recovery in-place");
+  return *incarnation;
 }
 
-// Whether every rank of generation `failed` said it is alive and waits to re-form.
-bool allAlive(c10d::Store& root, std::int64_t failed, int worldSize) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < worldSize; ++r) keys.push_back(contract::inplace::aliveKey(failed, r));
-  return root.check(keys);
+// This worker on the job's control channel, behind the workers' store (node rank 0's ctorchrun).
+std::unique_ptr<contract::control::BlockingClient> connectControl(const DistributedEnv& env, const EnvLookup& lookup,
+                                                                  std::chrono::milliseconds timeout) {
+  const std::string key = controlKeyFrom(lookup);
+  if (key.empty())
+    throw ConfigError(std::string("no ") + contract::env::kControlKey + " to prove this process on the control channel");
+  return std::make_unique<contract::control::BlockingClient>(
+      env.masterAddr, env.masterPort, key,
+      contract::control::workerHello(env.rank, incarnationFrom(lookup), static_cast<long>(::getpid())), timeout,
+      stopRequested);
 }
 
 struct Joined {
   std::int64_t generation = 0;
+  std::string nonce;           // the group's key nonce (hex)
   std::int64_t survivors = 0;  // ranks that kept their training state
 };
 
-// Waits until every rank has arrived at the newest generation, and returns it. A replacement
-// (failed < 0) first adds a generation of its own; a survivor of generation `failed` waits for a
-// newer one (a replacement's), asking for the silent ranks to be evicted after `timeout` / 2 — and
-// from then on gives the replacements a whole `timeout` to arrive (their agents start them only
-// then, and a LibTorch process on a loaded machine takes more than the half left: a chaos run under
-// a parallel CTest had a survivor give up 1.3 s after the replacement was started).
-Joined joinGeneration(c10d::Store& root, const DistributedEnv& env, std::int64_t failed,
-                            std::chrono::milliseconds timeout, const std::string& controlKey) {
-  namespace ip = contract::inplace;
-  const auto start = std::chrono::steady_clock::now();
+// Waits on the control channel until the coordinator re-forms the group. A replacement said it joins;
+// a survivor that it waits in the re-form of the failed generation, and every `timeout` / 2 it asks
+// the coordinator to have the processes that stopped answering killed (their agents replace them).
+// While a replacement is on its way (a LibTorch process on a loaded machine takes longer to start
+// than the collectives' timeout), the wait goes on a `timeout` past the coordinator's last word:
+// each replacement costs one of ctorchrun's restarts, which bounds it, and so does kMaxWaits.
+Joined awaitFormed(contract::control::BlockingClient& control, const DistributedEnv& env, std::int64_t failed,
+                   std::chrono::milliseconds timeout) {
+  namespace cc = contract::control;
+  using Clock = std::chrono::steady_clock;
+  constexpr int kMaxWaits = 10;
+  const auto start = Clock::now();
+  const auto last = start + kMaxWaits * timeout;
   auto deadline = start + timeout;
-  const auto evictAt = start + timeout / 2;
-  bool evicted = false;
-  if (failed < 0) root.add(ip::kGenerationKey, 1);
-  else root.set(ip::aliveKey(failed, env.rank), bytesOf(std::to_string(::getpid())));
-  std::int64_t arrivedAt = -1;
+  auto nextEviction = start + timeout / 2;
+  std::string missing = "no rank said why";
   for (;;) {
-    const auto now = std::chrono::steady_clock::now();
-    const std::int64_t newest = root.add(ip::kGenerationKey, 0);
-    if (newest > failed && newest != arrivedAt) {
-      arrive(root, newest, env.rank);
-      if (failed >= 0) root.add(ip::survivorsKey(newest), 1);
-      root.add(ip::arrivedKey(newest), 1);
-      arrivedAt = newest;
-    }
-    if (arrivedAt >= 0 && arrivedAt == newest && root.add(ip::arrivedKey(newest), 0) >= env.worldSize)
-      return Joined{newest, root.add(ip::survivorsKey(newest), 0)};
-    if (now >= deadline) {
-      const std::string where = arrivedAt < 0 ? "no replacement for the failed rank(s) came"
-                                              : "only " + std::to_string(root.add(ip::arrivedKey(arrivedAt), 0)) + " of " +
-                                                    std::to_string(env.worldSize) + " ranks arrived at group generation " +
-                                                    std::to_string(arrivedAt);
-      throw DistributedTimeout("in-place recovery timed out after " +
-                               seconds(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) + ": " +
-                               where);
-    }
-    if (failed >= 0 && arrivedAt < 0 && newest == failed && env.rank == 0 && allAlive(root, failed, env.worldSize)) {
-      // Every rank of the failed generation is alive and here (the collective failed without a
-      // death: a broken connection, a desynchronised step): they re-form among themselves. The
-      // lowest rank opens the next generation once; a replacement that opened it meanwhile is
-      // welcome too.
-      root.add(ip::kGenerationKey, 1);
+    auto m = control.receive(failed < 0 ? deadline : std::min(deadline, nextEviction));
+    if (const int signo = stopSignal())
+      throw Stopped("rank " + std::to_string(env.rank) + " stopped by signal " + std::to_string(signo) +
+                    " while the group re-formed in place");
+    const auto now = Clock::now();
+    if (m && m->type == cc::Type::kFormed) return Joined{m->generation, m->text, m->value};
+    if (m && m->type == cc::Type::kEvicting) {
+      if (!m->text.empty()) missing = m->text;
+      if (m->value > 0 || m->value2 > 0) deadline = std::min(last, std::max(deadline, now + timeout));
       continue;
     }
-    if (failed >= 0 && !evicted && now >= evictAt) {
-      requestEvictions(root, failed, env.worldSize, controlKey);
-      evicted = true;
-      deadline = std::max(deadline, now + timeout);
+    if (m) continue;  // nothing else is for a waiting worker
+    if (now >= deadline)
+      throw DistributedTimeout("in-place recovery timed out after " +
+                               seconds(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) +
+                               ": the group did not re-form (" + missing + ")");
+    if (failed >= 0 && now >= nextEviction) {
+      cc::Message ask = cc::message(cc::Type::kEvictSilent);
+      ask.generation = failed;
+      ask.value = (timeout / 2).count();
+      control.send(ask, deadline);
+      nextEviction = now + timeout / 2;
     }
-    // Short: the survivors wait on this while the job stands still (larger worlds poll less).
-    std::this_thread::sleep_for(std::chrono::microseconds(2000 + 100 * env.worldSize));
   }
 }
 
-// A spare worker (ctorchrun --spare-workers): waits, connected to the workers' store, until its agent
-// hands it a failed worker's rank, then makes the assignment this process's environment (the rest of
-// the program, and initProcessGroup, read it from there). Waits as long as the job runs: the agent
-// kills unused spares when the group ends. Anyone who reaches the store could write the assignment's
-// key, so only a value signed with the job's key counts, and it carries numbers only, each checked:
-// the error file follows from CTORCH_SPARE_LOG_DIR and LOCAL_RANK, never from the store. A stop
-// signal while it waits ends it (ctorch::Stopped): it holds nothing to save.
-void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
+// A spare worker (ctorchrun --spare-workers): waits on the control channel until the coordinator
+// hands it a failed worker's rank (its agent chose it), then makes the assignment this process's
+// environment (the rest of the program, and initProcessGroup, read it from there) and returns the
+// channel, which from then on speaks for that rank. Waits as long as the job runs: the agent kills
+// unused spares when the group ends. The assignment arrives authenticated on this connection only
+// and carries numbers only, each checked: the error file follows from CTORCH_SPARE_LOG_DIR and
+// LOCAL_RANK. A stop signal while it waits ends it (ctorch::Stopped): it holds nothing to save.
+std::unique_ptr<contract::control::BlockingClient> awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
   namespace cenv = contract::env;
+  namespace cc = contract::control;
   const std::string controlKey = controlKeyFrom(lookup);
   if (controlKey.empty() || !contract::isTruthy(lookup(cenv::kUseAgentStore).value_or("")))
     throw ConfigError(std::string(cenv::kSpare) + "='" + id + "' is set, but this process was not started as a spare "
@@ -363,69 +336,39 @@ void awaitSpareAssignment(const std::string& id, const EnvLookup& lookup) {
     }
   };
   const int worldSize = number(cenv::kWorldSize), localWorldSize = number(cenv::kLocalWorldSize);
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<std::uint16_t>(portNumber);
-  opts.isServer = false;
-  opts.timeout = std::chrono::seconds(60);
-  compat::setUseLibUV(opts, lookup("USE_LIBUV").value_or("") == "1");
-  auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
-  const std::string key = contract::inplace::spareKey(id);
-  std::set<std::string> refused;
-  std::string payload;
-  // Polled (a few ms: what a takeover waits on): a timed-out store wait would leave 1.13's client
-  // out of step with the server.
-  for (;;) {
+  const int nodeRank = number(cenv::kGroupRank);
+  auto control = std::make_unique<cc::BlockingClient>(
+      addr, portNumber, controlKey, cc::spareHello(nodeRank, id, incarnationFrom(lookup), static_cast<long>(::getpid())),
+      std::chrono::seconds(60), stopRequested);
+  std::optional<cc::Message> assignment;
+  while (!assignment) {
     if (const int signo = stopSignal())
       throw Stopped("spare worker '" + id + "' stopped by signal " + std::to_string(signo) +
                     " before it took a rank over");
-    if (store->check({key})) {
-      const auto bytes = store->get(key);
-      const std::string value(bytes.begin(), bytes.end());
-      if (const auto signedPayload = contract::auth::verifyCommand(controlKey, key, value)) {
-        payload = *signedPayload;
-        break;
-      }
-      if (refused.insert(value).second)
-        std::cerr << "ctorch: spare worker '" << id << "': ignoring " << key
-                  << " in the workers' store: it is not signed with this job's key (forged, or another job's)"
-                  << std::endl;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    auto m = control->receive(std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    if (m && m->type == cc::Type::kAssign) assignment = m;
   }
-  std::map<std::string, int> assigned;
-  std::stringstream lines(payload);
-  std::string line;
-  while (std::getline(lines, line)) {
-    const auto eq = line.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string name = line.substr(0, eq), text = line.substr(eq + 1);
-    bool known = false;
-    for (const char* allowed : contract::inplace::kSpareAssigned) known = known || name == allowed;
-    if (!known) throw DistributedError("spare worker '" + id + "': its assignment sets '" + name + "', which is not a rank variable");
-    int value = -1;
-    try {
-      std::size_t used = 0;
-      value = std::stoi(text, &used);
-      if (used != text.size()) value = -1;
-    } catch (const std::exception&) {
-    }
-    const int limit = name == cenv::kLocalRank ? localWorldSize : name == cenv::kReplacement ? INT_MAX : worldSize;
+  auto check = [&](const char* name, std::int64_t value, std::int64_t limit) {
     if (value < 0 || value >= limit)
-      throw DistributedError("spare worker '" + id + "': its assignment's " + name + " '" + text.substr(0, 20) +
-                             "' is not a number in [0, " + std::to_string(limit) + ")");
-    assigned[name] = value;
-  }
-  if (!assigned.count(cenv::kRank) || !assigned.count(cenv::kLocalRank))
-    throw DistributedError("spare worker '" + id + "': its assignment names no RANK and LOCAL_RANK");
-  for (const auto& [name, value] : assigned) ::setenv(name.c_str(), std::to_string(value).c_str(), 1);
+      throw DistributedError("spare worker '" + id + "': its assignment's " + name + " " + std::to_string(value) +
+                             " is not in [0, " + std::to_string(limit) + ")");
+    return std::to_string(value);
+  };
+  const std::string rank = check(cenv::kRank, assignment->rank, worldSize);
+  ::setenv(cenv::kRank, rank.c_str(), 1);
+  ::setenv(cenv::kRoleRank, rank.c_str(), 1);
+  const std::string localRank = check(cenv::kLocalRank, assignment->value, localWorldSize);
+  ::setenv(cenv::kLocalRank, localRank.c_str(), 1);
+  ::setenv(cenv::kReplacement, check(cenv::kReplacement, assignment->value2, INT_MAX).c_str(), 1);
   if (const auto dir = lookup(cenv::kSpareLogDir); dir && !dir->empty()) {
-    const auto file = std::filesystem::path(*dir) / std::to_string(assigned[cenv::kLocalRank]) / "error.json";
+    const auto file = std::filesystem::path(*dir) / localRank / "error.json";
     ::setenv(cenv::kErrorFile, file.c_str(), 1);
   } else {
     ::unsetenv(cenv::kErrorFile);
   }
   ::unsetenv(cenv::kSpare);
   ::unsetenv(cenv::kSpareLogDir);
+  return control;
 }
 
 // From a handler: the error of a failed set-up in one line naming the rank and the phase. A
@@ -471,7 +414,7 @@ bool awaitPreloadedAssignment() {
   if (!id || !preloaded || std::string(preloaded) != "1") return false;
   ::unsetenv(contract::env::kPreloaded);
   try {
-    awaitSpareAssignment(id, processEnvironment());
+    state().control = awaitSpareAssignment(id, processEnvironment());
   } catch (const std::exception& e) {
     std::cerr << std::string("ctorch: preloaded worker: ") + e.what() + "\n" << std::flush;
     std::_Exit(1);
@@ -512,7 +455,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
 
   const EnvLookup lookup = options.environment() ? options.environment() : processEnvironment();
   ignoreSigpipe();
-  if (const auto spare = lookup(contract::env::kSpare)) awaitSpareAssignment(*spare, lookup);
+  if (const auto spare = lookup(contract::env::kSpare)) s.control = awaitSpareAssignment(*spare, lookup);
   const DistributedEnv env = detectDistributedEnv(lookup);
 
   // Backends. 1.13 has one per group; 2.x registers Gloo for CPU next to NCCL for CUDA (Python's
@@ -544,20 +487,36 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
       phase = "connecting to the store at " + env.masterAddr + ":" + std::to_string(env.masterPort) +
               " (hosted by rank 0)";
     if (env.needsStore()) phase += " (store timeout " + seconds(storeTimeout) + ")";
-    auto [root, hostWaitedFullTimeout, raw] = makeStore(env, storeTimeout);
+    auto [root, hostWaitedFullTimeout] = makeStore(env, storeTimeout);
     root->setTimeout(options.timeout());
-    const bool inPlace = lookup(contract::env::kRecovery).value_or("") == contract::kRecoveryInPlace && env.useAgentStore;
+    bool inPlace = lookup(contract::env::kRecovery).value_or("") == contract::kRecoveryInPlace && env.useAgentStore;
     const bool replacement = inPlace && !lookup(contract::env::kReplacement).value_or("").empty();
     std::int64_t generation = 0;
+    std::string nonce;
     bool joining = false;
+    if (inPlace && !s.control) {
+      phase = "connecting to the job's coordinator (the control channel) at " + env.masterAddr + ":" +
+              std::to_string(env.masterPort);
+      try {
+        s.control = connectControl(env, lookup, storeTimeout);
+      } catch (const std::exception& e) {
+        if (replacement) throw;
+        // Without the channel this rank cannot take part in a re-form: ctorchrun restarts the
+        // group after a failure instead (it never hears this rank say it can recover in place).
+        inPlace = false;
+        std::cerr << "ctorch: rank " + std::to_string(env.rank) + ": in-place recovery is off for this run: " +
+                         detail::messageOf(e) + "\n"
+                  << std::flush;
+      }
+    }
     if (replacement) {
       phase = "joining the running group in place of a failed rank (timeout " + seconds(options.timeout()) + ")";
-      const Joined joined = joinGeneration(*raw, env, -1, options.timeout(), controlKeyFrom(lookup));
+      s.control->send(contract::control::message(contract::control::Type::kJoin));
+      const Joined joined = awaitFormed(*s.control, env, -1, options.timeout());
       generation = joined.generation;
+      nonce = joined.nonce;
       // Without survivors every rank starts afresh, as after a full restart.
       joining = joined.survivors > 0;
-    } else if (inPlace) {
-      arrive(*raw, 0, env.rank);
     }
     phase = "connecting to the other ranks (timeout " + seconds(options.timeout()) + ")";
     if (hostWaitedFullTimeout)
@@ -565,11 +524,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
               std::to_string(env.worldSize) + " ranks connected within the store timeout (" + seconds(storeTimeout) +
               "); then " + phase;
     const GroupRecipe recipe{useNccl, useGloo, defaultKind};
-    auto pg = buildGroup(root, contract::inplace::groupPrefix(generation), env, options, lookup, recipe, phase);
+    auto pg = buildGroup(root, contract::control::groupPrefix(generation, nonce), env, options, lookup, recipe, phase);
 
     s.group = pg;
     s.store = root;
-    s.raw = raw;
     s.env = env;
     s.backendName = compat::backendName(defaultKind);
     s.options = options;
@@ -636,7 +594,7 @@ void destroyProcessGroup() {
     std::lock_guard<std::mutex> lock(s.mutex);
     group = std::move(s.group);
     store = std::move(s.store);
-    s.raw.reset();
+    s.control.reset();
     s.env = DistributedEnv{};
     s.backendName.clear();
   }
@@ -653,6 +611,23 @@ std::int64_t groupGeneration() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   return initializedState().generation;
+}
+
+void declareInPlaceRecovery(bool capable, const std::string& why) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.group || !s.inPlace || !s.control) return;
+  namespace cc = contract::control;
+  cc::Message m = cc::message(cc::Type::kDeclare);
+  m.value = capable ? 1 : 0;
+  m.text = why.substr(0, 200);
+  try {
+    s.control->send(m);
+  } catch (const std::exception& e) {
+    // The coordinator is gone (its host was lost): ctorchrun restarts the group after a failure.
+    std::cerr << "ctorch: rank " + std::to_string(s.env.rank) + ": could not tell the coordinator: " + e.what() + "\n"
+              << std::flush;
+  }
 }
 
 namespace detail {
@@ -672,20 +647,23 @@ void joinedInPlace() {
 c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
   State& s = state();
   c10::intrusive_ptr<c10d::ProcessGroup> old;
-  c10::intrusive_ptr<c10d::Store> root, raw;
+  c10::intrusive_ptr<c10d::Store> root;
   DistributedEnv env;
   ProcessGroupOptions options;
   EnvLookup lookup;
   GroupRecipe recipe;
   std::int64_t failed = 0;
+  bool holdsState = true;
+  contract::control::BlockingClient* control = nullptr;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     initializedState();
-    if (!s.inPlace)
+    if (!s.inPlace || !s.control)
       throw ConfigError("reformProcessGroup() needs a job launched with ctorchrun --recovery in-place");
+    control = s.control.get();
+    holdsState = !s.joining;
     old = std::move(s.group);
     root = s.store;
-    raw = s.raw;
     env = s.env;
     options = s.options;
     lookup = s.lookup;
@@ -698,11 +676,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
   const std::string where = "rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize);
   std::string phase = "waiting for the group to re-form after generation " + std::to_string(failed) + " failed";
   try {
-    const std::int64_t generation =
-        joinGeneration(*raw, env, failed, options.timeout(), controlKeyFrom(lookup)).generation;
+    namespace cc = contract::control;
+    cc::Message reform = cc::message(cc::Type::kReform);
+    reform.generation = failed;
+    reform.value = holdsState ? 1 : 0;
+    control->send(reform);
+    const Joined joined = awaitFormed(*control, env, failed, options.timeout());
+    const std::int64_t generation = joined.generation;
     phase = "connecting to the other ranks of group generation " + std::to_string(generation) + " (timeout " +
             seconds(options.timeout()) + ")";
-    auto pg = buildGroup(root, contract::inplace::groupPrefix(generation), env, options, lookup, recipe, phase);
+    auto pg = buildGroup(root, cc::groupPrefix(generation, joined.nonce), env, options, lookup, recipe, phase);
     std::lock_guard<std::mutex> lock(s.mutex);
     s.group = pg;
     s.generation = generation;

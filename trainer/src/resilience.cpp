@@ -309,6 +309,21 @@ struct ResilientTraining::Impl {
     // What this process would save now is what the file holds.
     saver->markSaved(globalStep, stepInEpoch == 0);
   }
+
+  // Tells ctorchrun whether this loop can recover in place, once it is about to run its steps: until
+  // every rank has, a failure restarts the group (a failure during start-up is no loop's to repair).
+  void declareInPlace() const {
+    if (!inPlaceRecoveryEnabled()) return;
+    if (o.processGroup())
+      declareInPlaceRecovery(false, "its ResilientTraining runs on a process group of its own");
+    else if (!o.inPlaceRecovery())
+      declareInPlaceRecovery(false, "ResilienceOptions::inPlaceRecovery is off in its loop");
+    else if (state.sharded())
+      declareInPlaceRecovery(false, "its training state is sharded (ZeRO, FSDP or a parameter server): a lost "
+                                    "rank's shard comes back from the snapshot files with a group restart");
+    else
+      declareInPlaceRecovery(true);
+  }
 };
 
 ResilientTraining::ResilientTraining(ResilienceOptions options) : impl_(std::make_unique<Impl>()) {
@@ -460,7 +475,10 @@ ResumePoint ResilientTraining::resume() {
                 << std::endl;
     const bool joined = s.joinWithState(-1, std::nullopt);
     detail::joinedInPlace();
-    if (joined) return s.pointFromMemory("joined the running group in place of a failed rank at ");
+    if (joined) {
+      s.declareInPlace();
+      return s.pointFromMemory("joined the running group in place of a failed rank at ");
+    }
   }
   // One job per slot: rank 0 locks it before reading it; a slot in use is refused on every rank
   // (agreed below) before anything is read, rotated or set aside.
@@ -511,6 +529,7 @@ ResumePoint ResilientTraining::resume() {
   if (s.rank == 0)
     for (const auto& line : setAsideSkipped(unusable)) s.say("resume: " + line);
   s.agreed();
+  s.declareInPlace();
   return point;
 }
 

@@ -4,6 +4,7 @@
 
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/launch_config.hpp"
+#include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/rdzv/c10d/errors.hpp"
 
 #include <algorithm>
@@ -32,6 +33,7 @@ C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& c) {
   o.operationTimeout =
       std::max(milliseconds(100), std::min({s.readTimeout, s.heartbeatTimeout, s.keepAliveInterval}));
   o.storeFailover = c.storeFailover;
+  o.controlPlane = controlPlaneFor(c);
   return o;
 }
 

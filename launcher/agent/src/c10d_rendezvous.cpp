@@ -104,6 +104,7 @@ RendezvousInfo C10dRendezvous::Impl::next(const RendezvousRequest& request) {
   store::TcpStoreServerOptions wo;
   wo.port = 0;
   wo.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
+  if (o_.controlPlane) wo.side = o_.controlPlane();
   workerStore_ = std::make_unique<store::TcpStoreServer>(wo);
   executor_->setStorePort(workerStore_->port());
 

@@ -25,7 +25,7 @@ constexpr std::uint64_t kSignalsTag = 2;
 constexpr std::uint64_t kTimerTag = 3;
 constexpr std::uint64_t kRendezvousTag = 4;
 constexpr std::uint64_t kConsoleTag = 5;
-constexpr std::uint64_t kEvictTag = 6;
+constexpr std::uint64_t kControlTag = 6;
 
 } // namespace
 
@@ -57,7 +57,7 @@ ElasticAgent::ElasticAgent(const LaunchConfig& config, RendezvousHandler& rendez
   add(signals_.fd(), kSignalsTag);
   add(timerFd_, kTimerTag);
   add(rendezvous_.eventFd(), kRendezvousTag);
-  add(replacements_->timerFd(), kEvictTag);
+  add(replacements_->fd(), kControlTag);
 }
 
 ElasticAgent::~ElasticAgent() {
@@ -179,9 +179,10 @@ void ElasticAgent::onWorkerExits(GroupMonitor& mon) {
     else
       l.error("worker rank {} (local {}, pid {}) failed: {}", info.globalRank(e.localRank), e.localRank, e.pid,
               e.status.describe());
-    // In place only while the workers' store answers: a replacement, and the survivors'
-    // re-forming, need it (lost with node rank 0's host, the group restarts instead).
-    const bool replaceable = !mon.wouldReplace() || e.status.success() || replacements_->storeAnswers();
+    // In place only while the coordinator answers (lost with node rank 0's host, the group
+    // restarts instead) and once every rank said it can recover in place.
+    const bool replaceable =
+        !mon.wouldReplace() || e.status.success() || replacements_->canReplace(info.globalRank(e.localRank));
     const bool joined = e.status.success() || !mon.reformPending() ||
                         replacements_->joinedReform(info.globalRank(e.localRank));
     apply(mon.onWorkerExit(e, replaceable, joined));
@@ -236,8 +237,9 @@ GroupOutcome ElasticAgent::monitor() {
         case kConsoleTag:
           logs_.flushConsoles();
           break;
-        case kEvictTag:
-          replacements_->serveEvictions(mon);
+        case kControlTag:
+          replacements_->onReady(mon);
+          if (auto why = replacements_->takeInPlaceImpossible()) inPlaceImpossible(*why, mon);
           break;
         case kRendezvousTag:
           while (auto ev = rendezvous_.takeEvent()) {
@@ -339,8 +341,9 @@ GroupOutcome ElasticAgent::runGroup(const RendezvousInfo& info) {
   monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, policy_.replacementsAllowed());
   stopNoted_ = false;
   files_ = files;
+  replacements_->prepare(launches);
   processes_.start(launches);
-  replacements_->beginGroup(info, restartCount, launches, files);
+  replacements_->beginGroup(info, restartCount, launches, files, policy_.replacementsAllowed() > 0);
   attempts_.back().pids = processes_.pids();
   log("agent").info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(), config_.program,
                     restartCount + 1, restartCount, config_.maxRestarts);
@@ -383,6 +386,16 @@ void ElasticAgent::explainFallback(const InPlaceFallback& fallback, const Rendez
                     "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
                     "instead, as --recovery restart does, now and after any later failure of this run",
                     survivor, info.globalRank(fallback.replaced.localRank));
+}
+
+// A rank said it cannot recover in place (sharded state, in-place recovery turned off in its
+// loop): from now on the run restarts the group after a failure, at once, as --recovery restart.
+void ElasticAgent::inPlaceImpossible(const std::string& why, GroupMonitor& mon) {
+  log("agent").warn("{}: this job recovers from failures by restarting the group, as --recovery restart does",
+                    why);
+  policy_.turnInPlaceOff();
+  mon.disableReplacements();
+  replacements_->killSpares();
 }
 
 void ElasticAgent::explain(const AttemptDecision& d, const GroupOutcome& outcome, const RendezvousInfo& info) {

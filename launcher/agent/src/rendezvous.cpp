@@ -3,6 +3,7 @@
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/static_rendezvous.hpp"
+#include "log.hpp"
 
 #include <poll.h>
 
@@ -84,6 +85,20 @@ std::vector<std::string> availableRendezvousBackends() {
 const std::vector<std::string>& torchrunRendezvousBackends() {
   static const std::vector<std::string> names = {"static", "c10d", "etcd", "etcd-v2"};
   return names;
+}
+
+control::ControlPlaneFactory controlPlaneFor(const LaunchConfig& config) {
+  if (!config.inPlaceRecovery || config.controlKey.empty()) return {};
+  const std::string key = config.controlKey;
+  return [key]() -> std::shared_ptr<store::SideProtocol> {
+    return std::make_shared<control::ControlPlane>(key, [](const std::string& line) {
+      // Refusals and kills matter to whoever reads the log; the rest is the re-form's progress.
+      const bool notable = line.rfind("refused", 0) == 0 || line.rfind("ignoring", 0) == 0 ||
+                           line.find("stopped answering") != std::string::npos;
+      if (notable) log("control").warn("{}", line);
+      else log("control").info("{}", line);
+    });
+  };
 }
 
 std::unique_ptr<RendezvousHandler> createRendezvousHandler(const LaunchConfig& config) {

@@ -1,19 +1,23 @@
 // --recovery in-place, the agent's hands: starts a failed worker's replacement (or hands its rank
-// to a spare), kills the workers the survivors ask to evict, and tells the GroupMonitor when the
-// group re-formed, all through the workers' store (contract::inplace). The decisions stay in
+// to a spare), kills the processes the coordinator names (they stopped answering their peers), and
+// tells the GroupMonitor when the group re-formed or cannot recover in place. Everything it acts on
+// comes over its authenticated link to the job's coordinator (control_link.hpp), nothing from the
+// c10d store; every process it starts carries a fresh random incarnation, and a kill names one, so
+// a command about an earlier process (or launch) names no process of now. The decisions stay in
 // GroupMonitor and RestartPolicy. Private to the agent (launcher/agent/src).
 #pragma once
 
+#include "control_link.hpp"
 #include "ctorch/launcher/group_monitor.hpp"
 #include "ctorch/launcher/launch_config.hpp"
 #include "ctorch/launcher/process_context.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/launcher/worker_logs.hpp"
-#include "ctorch/store/tcp_store_client.hpp"
 
-#include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,27 +31,32 @@ class Replacements {
   Replacements(const Replacements&) = delete;
   Replacements& operator=(const Replacements&) = delete;
 
-  // Readable every kEvictPoll while a group runs (serveEvictions); -1 without --recovery in-place.
-  int timerFd() const { return timerFd_; }
+  // Readable when the coordinator's link has work (onReady); -1 without --recovery in-place.
+  int fd() const { return link_ ? link_->fd() : -1; }
 
-  // A group was started with `launches`: forgets the last group's spares and store client, starts
-  // --spare-workers spares and --preloaded-workers preloaded workers, arms the eviction timer.
+  // Before a group starts: gives each worker its incarnation (CTORCH_INCARNATION).
+  void prepare(std::vector<WorkerLaunch>& launches);
+  // The group was started with `launches`: opens the link to the coordinator (node rank 0's
+  // workers' store), starts --spare-workers spares and --preloaded-workers preloaded workers.
+  // Nothing when `inPlace` is false (the run recovers by restarts only, from now on).
   void beginGroup(const RendezvousInfo& info, int restartCount, const std::vector<WorkerLaunch>& launches,
-                  const std::vector<WorkerLogs::WorkerFiles>& files);
-  // The group is gone: disarms the timer, drops the store client.
+                  const std::vector<WorkerLogs::WorkerFiles>& files, bool inPlace);
+  // The group is gone: closes the link.
   void endGroup();
 
   // MonitorActions::replaceWorker: starts local rank `localRank` again (or hands it to a spare)
   // while the others keep running; counts the replacement in `policy`.
   void replace(int localRank, const GroupMonitor& monitor, RestartPolicy& policy);
-  // Whether the workers' store answers: a replacement, and the survivors' re-forming, need it.
-  bool storeAnswers();
-  // While a re-form is pending: whether global rank `rank` said it takes part (alive in the failed
-  // generation, or arrived at a newer one). True when the store cannot tell.
-  bool joinedReform(int rank);
-  // On timerFd(): kills the workers the survivors asked to evict (they stopped answering), and
-  // tells `monitor` once every rank arrived at the re-formed group.
-  void serveEvictions(GroupMonitor& monitor);
+  // Whether a failed worker of global rank `rank` can be replaced in place now: the coordinator
+  // answers and every rank said it can recover in place. Says why not, once per reason.
+  bool canReplace(int rank);
+  // While a re-form is pending: whether the process that held global rank `rank` had taken part
+  // in it (waiting in it as a survivor, or joining it as a replacement).
+  bool joinedReform(int rank) const;
+  // On fd(): what the coordinator said (kills, the re-form's end, the job's capability).
+  void onReady(GroupMonitor& monitor);
+  // Set once when a rank said it cannot recover in place: the run restarts the group from now on.
+  std::optional<std::string> takeInPlaceImpossible();
 
   // A process with a negative local rank ended: a spare that held no rank yet.
   void spareEnded(const WorkerExit& exit);
@@ -55,40 +64,39 @@ class Replacements {
   void killSpares();
 
  private:
-  store::TcpStoreClient& workerStore();
-  void checkReformed(store::TcpStoreClient& store, GroupMonitor& monitor);
-  bool acceptEviction(store::TcpStoreClient& store, const std::string& key, const std::string& value, int rank,
-                      int pid);
+  void welcomed();
+  void onMessage(const contract::control::Message& m);
   void startSpare(bool preloaded);
-  bool handToSpare(const WorkerLaunch& replacement);
+  bool handToSpare(const WorkerLaunch& replacement, int replacementNumber);
+  void registerRank(int localRank, bool replacement);
 
   struct Spare {
     std::string id;
-    int tag = 0;  // the negative local rank it runs under until it takes one over
-    bool preloaded = false;  // --preloaded-workers: waits before its program's main()
+    int tag = 0;                    // the negative local rank it runs under until it takes one over
+    bool preloaded = false;         // --preloaded-workers: waits before its program's main()
+    std::uint64_t incarnation = 0;
+    bool ready = false;             // connected to the coordinator, waiting for a rank
   };
 
   const LaunchConfig& config_;
   ProcessContext& processes_;
   WorkerLogs& logs_;
-  int timerFd_ = -1;
-  RendezvousInfo info_;                  // the running group's
+  std::unique_ptr<ControlLink> link_;
+  GroupMonitor* monitor_ = nullptr;  // while onReady() runs
+  RendezvousInfo info_;              // the running group's
   int restartCount_ = 0;
   std::vector<WorkerLaunch> launches_;  // the running group's, for replacements
   std::vector<WorkerLogs::WorkerFiles> files_;
-  // The group generation when the pending replacement was started (-1: unknown): a survivor that
-  // joins the re-form says it is alive in it (contract::inplace::aliveKey).
-  std::int64_t reformBase_ = -1;
-  // The workers' store: eviction requests in, spare assignments out.
-  std::unique_ptr<store::TcpStoreClient> workerStore_;
-  // After the workers' store failed to answer, eviction requests are not read again before this
-  // (doubling pauses up to 4 s): a lost store host must not hold the event loop up every tick.
-  std::chrono::steady_clock::time_point workerStoreRetryAt_{};
-  std::chrono::milliseconds workerStoreBackoff_{0};
+  std::map<int, std::uint64_t> incarnations_;  // local rank -> the process holding it now
+  std::set<int> replacedRanks_;                // local ranks held by a replacement
+  std::map<int, std::uint64_t> inReform_;      // global rank -> process the coordinator said takes part
+  int capability_ = -1;                        // the coordinator's word: -1 not yet, 1 every rank can, 0 not
+  std::string incapable_;                      // why not (rank and reason)
+  bool incapableTaken_ = false;
+  std::set<std::string> explained_;            // reasons for a group restart already logged
   std::vector<Spare> spares_;
   int sparesStarted_ = 0;
   std::set<pid_t> evicted_;
-  std::set<std::string> refusedEvictions_;  // key + value, logged once each
 };
 
 } // namespace ctorch::launcher

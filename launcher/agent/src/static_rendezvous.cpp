@@ -35,6 +35,7 @@ StaticRendezvousOptions staticOptionsFrom(const LaunchConfig& c) {
   // --standalone: one node, MASTER_ADDR 127.0.0.1: its stores listen on the loopback only, so nobody
   // on the network reaches them (torchrun's listen on every interface).
   if (c.standalone) o.bindHost = "127.0.0.1";
+  o.controlPlane = controlPlaneFor(c);
   return o;
 }
 
@@ -64,6 +65,7 @@ std::unique_ptr<store::TcpStoreServer> StaticRendezvous::makeServer(std::uint16_
   so.host = options_.bindHost;
   so.port = port;
   so.debugLog = [](const std::string& message) { log("store").debug("{}", message); };
+  if (options_.controlPlane) so.side = options_.controlPlane();
   return std::make_unique<store::TcpStoreServer>(so);
 }
 

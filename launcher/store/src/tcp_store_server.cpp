@@ -153,6 +153,7 @@ class TcpStoreServer::Impl {
     std::uint32_t events = 0;   // the epoll interest set now
     bool paused = false;        // not read nor served: too much unsent output
     bool identified = false;    // has sent a complete request
+    bool side = false;          // served by options_.side (its first bytes were the side magic)
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -319,7 +320,7 @@ class TcpStoreServer::Impl {
       detail::setNoDelay(fd);
       detail::setDeadPeerDetection(fd);
       std::uint64_t id = nextId_++;
-      Connection c{Fd(fd), protocol::RequestParser(options_.limits), {}, {}, EPOLLIN | EPOLLRDHUP, false, false};
+      Connection c{Fd(fd), protocol::RequestParser(options_.limits), {}, {}, EPOLLIN | EPOLLRDHUP, false, false, false};
       conns_.emplace(id, std::move(c));
       add(fd, id, EPOLLIN | EPOLLRDHUP);
       std::lock_guard<std::mutex> lock(statsMutex_);
@@ -369,6 +370,18 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return false;
     Connection& c = it->second;
+    if (options_.side && !c.identified) {
+      // The side protocol's magic, whole or begun, before any c10d request: its connection.
+      const std::string_view magic = options_.side->magic();
+      const std::size_t n = std::min(c.in.size(), magic.size());
+      if (n > 0 && std::memcmp(c.in.data(), magic.data(), n) == 0) {
+        if (n < magic.size()) return true;  // the rest of the magic is still on its way
+        c.side = c.identified = true;
+        std::lock_guard<std::mutex> lock(statsMutex_);
+        ++stats_.sideConnections;
+      }
+    }
+    if (c.side) return serveSide(id, c);
     std::size_t offset = 0;
     std::string failure;
     const std::uint64_t examinedBefore = c.parser.bytesExamined();
@@ -412,6 +425,42 @@ class TcpStoreServer::Impl {
     }
     flushTouched();
     return conns_.count(id) > 0;
+  }
+
+  // A side-protocol connection's bytes go to the handler as they arrive (it keeps what it needs).
+  bool serveSide(std::uint64_t id, Connection& c) {
+    std::vector<SideProtocol::Output> out;
+    const std::string_view bytes(reinterpret_cast<const char*>(c.in.data()), c.in.size());
+    try {
+      options_.side->received(id, bytes, out);
+    } catch (const std::exception& e) {
+      c.in.clear();
+      queueSide(out);
+      drop(id, std::string("store: dropping a side-protocol client: ") + e.what());
+      return false;
+    }
+    c.in.clear();
+    queueSide(out);
+    return conns_.count(id) > 0;
+  }
+
+  void queueSide(std::vector<SideProtocol::Output>& out) {
+    std::vector<std::uint64_t> closing;
+    for (auto& o : out) {
+      auto it = conns_.find(o.conn);
+      if (it == conns_.end() || !it->second.side) continue;
+      Connection& c = it->second;
+      if (c.out.size() + o.bytes.size() > options_.maxPendingOutput) {
+        overflowing_.push_back(o.conn);
+        continue;
+      }
+      c.out.insert(c.out.end(), o.bytes.begin(), o.bytes.end());
+      notePending(c.out.size());
+      touched_.push_back(o.conn);
+      if (o.close) closing.push_back(o.conn);
+    }
+    flushTouched();
+    for (std::uint64_t id : closing) close(id);
   }
 
   // Appends replies to their connections' output (sent by flush/flushTouched). Output pushed to
@@ -505,7 +554,14 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
+    const bool side = it->second.side;
     conns_.erase(it);
+    if (side) {
+      std::vector<SideProtocol::Output> out;
+      options_.side->closed(id, out);
+      queueSide(out);
+      return;
+    }
     std::vector<StoreEngine::Reply> replies;
     auto lost = engine_.disconnect(id, &replies);
     ephemeral_.store(engine_.ephemeralKeyCount());

@@ -87,14 +87,22 @@ bool inPlaceRecoveryEnabled();
 // 0 for the group the job started with; each re-forming makes a newer one.
 std::int64_t groupGeneration();
 // Drops the default group and, once every rank (the survivors and the replacements the launcher
-// started) has arrived, creates it again over the same store at a newer generation, with the same
-// ranks. A rank that neither arrives nor dies within half the group's timeout is reported to its
-// launcher, which kills and replaces it. Release every other reference to the old group first (DDP,
-// your own copies): its connections close when the last goes, which frees peers still waiting on them.
-// Throws ConfigError without in-place recovery, DistributedTimeout when the group does not re-form
-// within the group's timeout — or, once silent ranks were reported, within a whole timeout after
-// that (their replacements are started only then): 1.5 x the timeout at most.
+// started) is in, creates it again over the same store at a newer generation, with the same ranks.
+// All of it is agreed with the job's coordinator on ctorchrun's authenticated control channel,
+// nothing through the store. A rank that neither comes nor dies within half the group's timeout is
+// named to the coordinator, whose agent kills and replaces it (a replacement that never joins is
+// given far longer: it starts a process first). Release every other reference to the old group
+// first (DDP, your own copies): its connections close when the last goes, which frees peers still
+// waiting on them. Throws ConfigError without in-place recovery, Stopped on a stop signal, and
+// DistributedTimeout when the group does not re-form within the timeout after the coordinator's
+// last news of a replacement on its way (10 x the timeout at most).
 c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup();
+
+// Tells ctorchrun whether this rank's loop can recover in place (ResilientTraining::resume() says
+// it for its loop): until every rank said it can, and from the moment one says it cannot (`why`),
+// ctorchrun restarts the whole group at once after a failure instead of replacing the failed worker
+// alone. Nothing happens without --recovery in-place.
+void declareInPlaceRecovery(bool capable, const std::string& why = "");
 
 namespace detail {
 // A replacement between initProcessGroup() and receiving the training state: DDP's construction

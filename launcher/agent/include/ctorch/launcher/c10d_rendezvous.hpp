@@ -5,6 +5,8 @@
 // event loop, prompt detection of killed, cut-off and failed nodes. See docs/rendezvous.md.
 #pragma once
 
+#include "ctorch/control/control_plane.hpp"
+
 #include "ctorch/launcher/rendezvous.hpp"
 
 #include "ctorch/rdzv/c10d/settings.hpp"
@@ -37,6 +39,8 @@ struct C10dRendezvousOptions {
   // --store-failover: every agent keeps a standby rendezvous store; when the store's host is lost,
   // the survivors move to the standby of the next node (by node rank) and re-form there.
   bool storeFailover = false;
+  // --recovery in-place: the control plane each workers' store of node rank 0 hosts (null: none).
+  control::ControlPlaneFactory controlPlane;
 };
 
 // From the validated command line (c10d backend): its typed --rdzv-conf with ctorchrun's

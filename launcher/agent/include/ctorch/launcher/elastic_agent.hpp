@@ -64,6 +64,7 @@ class ElasticAgent {
   GroupOutcome runGroup(const RendezvousInfo& info);
   void passExitBarrier(GroupOutcome& outcome);
   bool rootCauseRetryNever(const GroupOutcome& outcome) const;
+  void inPlaceImpossible(const std::string& why, GroupMonitor& mon);
   void explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info);
   void explain(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);
   std::optional<int> act(const AttemptDecision& decision, const GroupOutcome& outcome, const RendezvousInfo& info);

@@ -63,8 +63,10 @@ class GroupMonitor {
   MonitorActions onWorkerExit(const WorkerExit& exit, bool replaceable = true, bool joinedReform = true);
   // A replacement was started and the group has not re-formed with it yet.
   bool reformPending() const { return !pendingReplacements_.empty(); }
-  // The agent saw every rank arrive at the re-formed group.
+  // The coordinator re-formed the group with every replacement.
   void noteReformed() { pendingReplacements_.clear(); }
+  // A rank cannot recover in place: no failed worker is replaced alone from now on.
+  void disableReplacements() { replacements_ = replaced_; }
   // Whether a failed worker's exit would be answered by a replacement (budget left).
   bool wouldReplace() const { return replaced_ < replacements_ && reason_ == Reason::None; }
   // The agent sent the stop signal at `time`: a failed worker whose exit time (taken by its
@@ -163,6 +165,8 @@ class RestartPolicy {
   int replacementsUsed() const { return replacementsUsed_; }
   int restartsUsed() const { return restartCount_ + replacementsUsed_; }
   void noteReplacement() { ++replacementsUsed_; }
+  // A rank said it cannot recover in place: every later failure of the run restarts the group.
+  void turnInPlaceOff() { inPlaceOff_ = true; }
   // For the next group's GroupMonitor: how many failed workers may be replaced alone (0 without
   // --recovery in-place, or once the program was seen not to recover in place).
   int replacementsAllowed() const;

@@ -6,6 +6,7 @@
 // backends (issue 4: "c10d") implement the same interface and register a factory.
 #pragma once
 
+#include "ctorch/control/control_plane.hpp"
 #include "ctorch/launcher/launch_config.hpp"
 
 #include <chrono>
@@ -126,5 +127,10 @@ const std::vector<std::string>& torchrunRendezvousBackends();
 
 // Creates the handler for config.rdzvBackend ("standalone" when config.standalone).
 std::unique_ptr<RendezvousHandler> createRendezvousHandler(const LaunchConfig& config);
+
+// --recovery in-place: the job's control plane (the coordinator, control/control_plane.hpp) that
+// each workers' store node rank 0 serves hosts on its port, logging to the "control" logger; null
+// without --recovery in-place.
+control::ControlPlaneFactory controlPlaneFor(const LaunchConfig& config);
 
 } // namespace ctorch::launcher

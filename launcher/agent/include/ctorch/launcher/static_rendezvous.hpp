@@ -10,6 +10,8 @@
 // changes), so no round sees an earlier round's keys, whatever the workers' key convention.
 #pragma once
 
+#include "ctorch/control/control_plane.hpp"
+
 #include "ctorch/launcher/rendezvous.hpp"
 
 #include <cstdint>
@@ -35,6 +37,8 @@ struct StaticRendezvousOptions {
   std::chrono::milliseconds joinTimeout{std::chrono::minutes(10)};
   // How often a running node looks for a failure recorded by another node.
   std::chrono::milliseconds pollInterval{std::chrono::milliseconds(200)};
+  // --recovery in-place: the control plane each workers' store of node 0 hosts (null: none).
+  control::ControlPlaneFactory controlPlane;
 };
 
 class StaticRendezvous : public RendezvousHandler {

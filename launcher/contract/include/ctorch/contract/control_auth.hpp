@@ -1,9 +1,9 @@
-// Commands the agent obeys from the workers' store (in-place recovery's evictions, a spare's rank
-// assignment) carry proof that a process of this job wrote them: an HMAC-SHA256 keyed by the job's
-// control key, which ctorchrun gives its workers in the environment only (CTORCH_CONTROL_KEY) and
-// never writes to a store. Anyone else who reaches the store's port can write the keys but cannot sign
-// them. The key comes from CTORCH_JOB_SECRET (the same on every node) or, on one node, from the
-// kernel's random source. Header-only: the launcher and the library share it as part of the contract.
+// The job's control key and the primitives that prove it: SHA-256 and HMAC-SHA256, with which
+// in-place recovery's control channel authenticates both ends and every frame (control_protocol.hpp).
+// ctorchrun gives its workers the key in the environment only (CTORCH_CONTROL_KEY) and never writes
+// it to a store or a log. It comes from CTORCH_JOB_SECRET (the same on every node) or, on one node,
+// from the kernel's random source. Header-only: the launcher and the library share it as part of
+// the contract.
 #pragma once
 
 #include <algorithm>
@@ -170,29 +170,6 @@ inline constexpr std::size_t kMinSecretLength = 16;
 inline std::string deriveControlKey(std::string_view secret, std::string_view runId) {
   const Digest d = hmacSha256(secret, std::string("ctorch control key for run ") + std::string(runId));
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
-}
-
-// A command's value in the store: the payload, a newline, "mac=" and the HMAC of the store key and
-// the payload (so a signed value is worth nothing under another key).
-inline std::string signCommand(std::string_view key, std::string_view storeKey, std::string_view payload) {
-  std::string message(storeKey);
-  message.push_back('\0');
-  message.append(payload);
-  return std::string(payload) + "\nmac=" + toHex(hmacSha256(key, message));
-}
-
-// The payload of a value signed with `key` for `storeKey`; nullopt when it carries no signature or a
-// wrong one (the comparison takes the same time wherever the signatures differ).
-inline std::optional<std::string> verifyCommand(std::string_view key, std::string_view storeKey, std::string_view value) {
-  const auto at = value.rfind("\nmac=");
-  if (at == std::string_view::npos || key.empty()) return std::nullopt;
-  const std::string_view payload = value.substr(0, at), mac = value.substr(at + 5);
-  const std::string expected = signCommand(key, storeKey, payload).substr(payload.size() + 5);
-  if (mac.size() != expected.size()) return std::nullopt;
-  unsigned char diff = 0;
-  for (std::size_t i = 0; i < mac.size(); ++i) diff |= static_cast<unsigned char>(mac[i] ^ expected[i]);
-  if (diff != 0) return std::nullopt;
-  return std::string(payload);
 }
 
 }  // namespace ctorch::contract::auth

@@ -47,9 +47,13 @@ inline constexpr const char* kSpareLogDir = "CTORCH_SPARE_LOG_DIR";
 // runs the program from the start as the replacement it was given: what a new process would do,
 // without loading LibTorch first. Only a program linked with ctorch's library waits.
 inline constexpr const char* kPreloaded = "CTORCH_PRELOADED";
-// The job's control key (hex), with which in-place recovery's commands in the workers' store are
-// signed and checked (control_auth.hpp). Only in the workers' environment.
+// The job's control key (hex), with which a worker proves itself on in-place recovery's control
+// channel (control_protocol.hpp). Only in the workers' environment, never in a store or a log.
 inline constexpr const char* kControlKey = "CTORCH_CONTROL_KEY";
+// The process's incarnation (16 hex digits): a random id its agent gave this one process. The
+// coordinator knows each rank by the process that holds it now; a kill names one incarnation, so
+// nothing said about an earlier process (or launch, or a reused pid) can touch this one.
+inline constexpr const char* kIncarnation = "CTORCH_INCARNATION";
 
 // Slurm variables read by the library when a worker is started by plain `srun` (no launcher).
 inline constexpr const char* kSlurmProcId = "SLURM_PROCID";
@@ -99,14 +103,16 @@ inline constexpr VariableDoc kInPlaceVariables[] = {
     {env::kSpare, "on a spare worker (--spare-workers): its id; it gets the rank variables when it takes over"},
     {env::kSpareLogDir, "on a spare worker: the attempt's log directory (its error file, once it holds a rank)"},
     {env::kPreloaded, "1 on a preloaded worker (--preloaded-workers): a spare that waits before its program's main()"},
-    {env::kControlKey, "the job's key for in-place recovery's signed commands (secret: never logged or stored)"},
+    {env::kControlKey, "the job's key for in-place recovery's control channel (secret: never logged or stored)"},
+    {env::kIncarnation, "this process's random id on the control channel (a kill names one process, never a rank)"},
 };
 
 // The variables above are ctorchrun's to set: one inherited from the environment ctorchrun was
 // started in (left in a shell or a batch script) would make workers wait as spares or act on a
 // stale key, so ctorchrun removes them from what its workers inherit, and says so.
-inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery,    env::kReplacement, env::kSpare,
-                                                          env::kSpareLogDir, env::kPreloaded,     env::kControlKey};
+inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery,   env::kReplacement, env::kSpare,
+                                                          env::kSpareLogDir, env::kPreloaded,   env::kControlKey,
+                                                          env::kIncarnation};
 
 // ---- The agent store ------------------------------------------------------------------------------
 // With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
@@ -122,72 +128,12 @@ inline std::string agentStorePrefix(std::int64_t restartCount) {
 // training state (docs/in-place-recovery.md). These are the variables and store keys both sides use.
 inline constexpr const char* kRecoveryInPlace = "in-place";
 
-// Keys under the agent store prefix (agentStorePrefix(restartCount) + "/" + key).
+// In-place recovery's commands travel on the control channel (control_protocol.hpp), none through
+// the c10d store.
 namespace inplace {
-// The group generation: 0 for the group the launcher started; a replacement adds 1 and joins the new
-// value, the survivors follow it.
-inline constexpr const char* kGenerationKey = "ctorch/inplace/generation";
-// How many ranks have arrived at generation g (ADD counter).
-inline std::string arrivedKey(std::int64_t generation) {
-  return "ctorch/inplace/g" + std::to_string(generation) + "/arrived";
-}
-// How many of the ranks that arrived at generation g are survivors holding the training state (ADD
-// counter, raised before they count as arrived): none means every rank starts afresh (from the
-// snapshot), as after a full restart.
-inline std::string survivorsKey(std::int64_t generation) {
-  return "ctorch/inplace/g" + std::to_string(generation) + "/survivors";
-}
-// The pid of the process that holds `rank` in generation g, set when it arrives.
-inline std::string memberKey(std::int64_t generation, int rank) {
-  return "ctorch/inplace/g" + std::to_string(generation) + "/rank" + std::to_string(rank);
-}
-// Set by the survivors of generation g that are alive and waiting for the group to re-form.
-inline std::string aliveKey(std::int64_t generation, int rank) {
-  return "ctorch/inplace/g" + std::to_string(generation) + "/alive" + std::to_string(rank);
-}
-// A request to the agent that runs `rank`: kill the process with the pid in the value (it stopped
-// answering; the survivors could not reach it). Signed (control_auth.hpp) with the payload
-// evictionPayload(pid, generation): the agent kills only the process that is still its worker for
-// the rank, only while that rank has not said it is alive in that generation, and only while the
-// generation is the newest (or the one being formed), then replaces it as after any failure.
-inline std::string evictKey(int rank) { return "ctorch/inplace/evict/rank" + std::to_string(rank); }
-inline std::string evictionPayload(long pid, std::int64_t generation) {
-  return "pid=" + std::to_string(pid) + "\ngeneration=" + std::to_string(generation);
-}
-struct EvictionRequest {
-  long pid = 0;
-  std::int64_t generation = 0;
-};
-// evictionPayload's reader: exactly its two lines, a pid > 0 and a generation >= 0 in decimal
-// digits; nothing for any other text.
-inline std::optional<EvictionRequest> parseEvictionPayload(std::string_view text) {
-  auto number = [](std::string_view digits, std::int64_t& out) {
-    if (digits.empty() || digits.size() > 18) return false;
-    out = 0;
-    for (char c : digits) {
-      if (c < '0' || c > '9') return false;
-      out = out * 10 + (c - '0');
-    }
-    return true;
-  };
-  constexpr std::string_view kPid = "pid=", kGeneration = "\ngeneration=";
-  const auto split = text.find(kGeneration);
-  if (text.substr(0, kPid.size()) != kPid || split == std::string_view::npos) return std::nullopt;
-  std::int64_t pid = 0, generation = 0;
-  if (!number(text.substr(kPid.size(), split - kPid.size()), pid) ||
-      !number(text.substr(split + kGeneration.size()), generation) || pid <= 0)
-    return std::nullopt;
-  return EvictionRequest{static_cast<long>(pid), generation};
-}
-// The variables a spare does not have until it takes a rank over (the agent's assignment sets them;
-// the error file follows from kSpareLogDir and LOCAL_RANK, the world from its own environment).
+// The variables a spare does not have until it takes a rank over (the coordinator's kAssign sets
+// them; the error file follows from kSpareLogDir and LOCAL_RANK, the world from its environment).
 inline constexpr const char* kSpareAssigned[] = {env::kRank, env::kLocalRank, env::kRoleRank, env::kReplacement};
-// The assignment of spare `id`: "NAME=value" lines for kSpareAssigned (numbers only), signed.
-inline std::string spareKey(const std::string& id) { return "ctorch/inplace/spare/" + id; }
-// The prefix of generation g's process group keys (g = 0: Python's own "default_pg").
-inline std::string groupPrefix(std::int64_t generation) {
-  return generation == 0 ? std::string("default_pg") : "default_pg_g" + std::to_string(generation);
-}
 } // namespace inplace
 
 // "True"/"true"/"1" mean yes, as Python's `os.environ.get(...) == str(True)` plus common spellings.

@@ -4,6 +4,7 @@
 // connection). One background thread, epoll, non-blocking sockets; no LibTorch.
 #pragma once
 
+#include "ctorch/store/side_protocol.hpp"
 #include "ctorch/store/store.hpp"
 #include "ctorch/store/store_engine.hpp"
 #include "ctorch/store/tcp_store_protocol.hpp"
@@ -52,6 +53,9 @@ struct TcpStoreServerOptions {
   // that plain c10d clients never notice (they do not use the prefix).
   std::string ephemeralKeyPrefix;
   std::function<void(const std::string& key)> onEphemeralKeyLost;
+  // Connections that open with side->magic() are served by `side` instead of the store
+  // (side_protocol.hpp); null: every connection speaks c10d's protocol.
+  std::shared_ptr<SideProtocol> side;
 };
 
 struct TcpStoreServerStats {
@@ -66,6 +70,7 @@ struct TcpStoreServerStats {
   std::uint64_t droppedConnections = 0;   // closed by the server (limits, protocol errors)
   std::uint64_t rejectedConnections = 0;  // accepted and closed at once: no room (cap, no fds)
   std::uint64_t evictedConnections = 0;   // idle (no request yet) connections closed for a new one
+  std::uint64_t sideConnections = 0;      // handed to the side protocol (its magic came first)
 };
 
 class TcpStoreServer {
