@@ -6,6 +6,7 @@
 #include <system_error>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -290,8 +291,81 @@ void writeFileAtomically(const std::filesystem::path& path, std::string_view con
   detail::writeFileAtomically(path, std::string(content));
 }
 
-AppendOnlyFile::AppendOnlyFile(const std::filesystem::path& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0644);
+bool readLinesBack(const std::filesystem::path& path, const ReadBackLimits& limits,
+                   const std::function<void(std::string_view line)>& line) {
+  // O_NOFOLLOW: a link at the path fails (ELOOP) instead of being opened. O_NONBLOCK: a FIFO opens
+  // without waiting for a writer. fstat then sees exactly what was opened; only a regular file is read.
+  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+  if (raw < 0) {
+    const int err = errno;
+    if (err == ENOENT) return false;
+    struct stat st {};
+    if (err == ELOOP && ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      std::error_code ec;
+      const auto target = std::filesystem::read_symlink(path, ec);
+      throw FileRefused(path.string() + " is a symbolic link" + (ec ? "" : " (to '" + target.string() + "')") +
+                        ", not a regular file");
+    }
+    throw std::system_error(err, std::generic_category(), "open " + path.string());
+  }
+  detail::Fd fd(raw);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw std::system_error(errno, std::generic_category(), "stat " + path.string());
+  if (!S_ISREG(st.st_mode))
+    throw FileRefused(path.string() + " is " + detail::fileTypeName(st.st_mode) + ", not a regular file");
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size > limits.maxBytes)
+    throw FileRefused(path.string() + " is " + std::to_string(size) + " bytes, more than the limit of " +
+                      std::to_string(limits.maxBytes) + " bytes");
+  // The size at open bounds the read (a file growing meanwhile adds nothing); `pending` holds at
+  // most one line of at most maxLine bytes.
+  std::uint64_t left = size;
+  constexpr std::uint64_t kPiece = 64 << 10;
+  std::vector<char> buffer(static_cast<std::size_t>(std::clamp<std::uint64_t>(size, 1, kPiece)));
+  std::string pending;
+  bool skipping = false;  // inside a line longer than maxLine
+  while (left > 0) {
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), left));
+    const ssize_t n = ::read(fd.get(), buffer.data(), want);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::system_error(errno, std::generic_category(), "read " + path.string());
+    }
+    if (n == 0) break;  // shorter now than at open
+    left -= static_cast<std::uint64_t>(n);
+    std::string_view chunk(buffer.data(), static_cast<std::size_t>(n));
+    while (!chunk.empty()) {
+      const auto end = chunk.find('\n');
+      const std::string_view piece = chunk.substr(0, end);
+      if (!skipping && pending.size() + piece.size() > limits.maxLine) {
+        skipping = true;
+        pending.clear();
+      }
+      if (end == std::string_view::npos) {
+        if (!skipping) pending.append(piece);
+        break;
+      }
+      if (!skipping) {
+        if (pending.empty()) {
+          line(piece);
+        } else {
+          pending.append(piece);
+          line(pending);
+        }
+      }
+      pending.clear();
+      skipping = false;
+      chunk.remove_prefix(end + 1);
+    }
+  }
+  if (!skipping && !pending.empty()) line(pending);
+  return true;
+}
+
+AppendOnlyFile::AppendOnlyFile(const std::filesystem::path& path, SymlinkPolicy links) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY | O_NONBLOCK |
+                                 (links == SymlinkPolicy::kRefuse ? O_NOFOLLOW : 0),
+               0644);
   if (fd_ < 0) throw std::system_error(errno, std::generic_category(), "open " + path.string());
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {

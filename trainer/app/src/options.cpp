@@ -406,8 +406,15 @@ void checkWritableDirectory(const std::string& what, const std::filesystem::path
   ::unlink(probe.c_str());
 }
 
-// `file` is absent or a regular file (never a directory, FIFO or device), in a writable directory.
-void checkOutputFile(const std::string& flag, const std::filesystem::path& file, const std::string& example) {
+// Whether an output may be a symbolic link. The files the run only writes are replaced by a rename
+// (the link, not its target) or written through it as the user asked; the metrics file is also read
+// back on resume, and a link there lets another place (/dev/zero, someone else's file) feed it.
+enum class Links { kAllowed, kRefused };
+
+// `file` is absent or a regular file (never a directory, FIFO or device) or, when `links` allows,
+// a symbolic link; in a writable directory.
+void checkOutputFile(const std::string& flag, const std::filesystem::path& file, const std::string& example,
+                     Links links = Links::kAllowed) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const auto st = fs::symlink_status(file, ec);
@@ -416,6 +423,12 @@ void checkOutputFile(const std::string& flag, const std::filesystem::path& file,
     if (fs::is_directory(st))
       throw UsageError(what + " is a directory: name a file in it (e.g. " + flag + " " +
                        (file / example).string() + ")");
+    if (fs::is_symlink(st) && links == Links::kRefused) {
+      const auto target = fs::read_symlink(file, ec);
+      throw UsageError(what + " is a symbolic link" + (ec ? "" : " (to '" + target.string() + "')") +
+                       ": this file is read back on resume and rewritten, so it must be a regular file (move the "
+                       "link away, or name another file)");
+    }
     if (!fs::is_regular_file(st) && !fs::is_symlink(st))
       throw UsageError(what + " is not a regular file (a FIFO, socket or device): name a file");
   }
@@ -428,7 +441,8 @@ void TrainOptions::checkOutputs() const {
   checkOutputFile("--snapshot-path", snapshotPath, "snapshot.pt");
   checkWritableDirectory("--model-dir '" + outputDir().string() + "'", outputDir());
   checkOutputFile("--model-filename", finalModelPath(), "model.pt");
-  if (const auto metrics = metricsPath()) checkOutputFile("--metrics-file", *metrics, "metrics.jsonl");
+  if (const auto metrics = metricsPath())
+    checkOutputFile("--metrics-file", *metrics, "metrics.jsonl", Links::kRefused);
   if (profileFirst > 0) checkOutputFile("--profile-file", profilePath(0), "trace.json");
 }
 

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <sstream>
 #include <system_error>
-#include <vector>
 
 namespace ctorch::train {
 
@@ -104,24 +103,34 @@ void Console::progress(const StepReport& r, bool periodic) {
 
 MetricsLog::MetricsLog(const std::filesystem::path& path, std::int64_t resumeStep) : path_(path) {
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  std::vector<std::string> kept;
+  std::string text;
   if (resumeStep > 0) {
-    std::ifstream in(path);
-    std::string text;
-    while (std::getline(in, text)) {
-      const auto record = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
-          record["step"].get<std::int64_t>() <= resumeStep)
-        kept.push_back(text);
+    // The records kept are a subset of the file, so `text` is bounded by the reader's limit
+    // (1 GiB: ~7 million train records of ~150 bytes, one every --log-interval steps).
+    try {
+      ctorch::readLinesBack(path, ctorch::ReadBackLimits{}, [&](std::string_view line) {
+        const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+            record["step"].get<std::int64_t>() <= resumeStep)
+          text.append(line).push_back('\n');
+      });
+    } catch (const ctorch::FileRefused& e) {
+      // Not a file this trainer wrote (checkOutputs refuses most of these before the run starts;
+      // this is what stands there now): one line, and the run does not replace it.
+      throw ctorch::FileRefused("the metrics file " + std::string(e.what()) +
+                                ": it is read back on resume and rewritten (move it away, or pass another "
+                                "--metrics-file, or none)");
+    } catch (const std::system_error& e) {
+      disable(e, "it keeps what it held before");  // unreadable (EIO, EACCES): never replaced by less
+      return;
     }
   }
   // Rewritten whole through a temporary file (every write, the fsync and the close checked): a
-  // crash or a full disk leaves the old file or the new one, never an empty one.
+  // crash or a full disk leaves the old file or the new one, never an empty one. The rename
+  // replaces whatever name stood there; the append never follows a link put there since.
   try {
-    std::string text;
-    for (const auto& k : kept) text.append(k).push_back('\n');
     ctorch::writeFileAtomically(path, text);
-    out_.emplace(path);
+    out_.emplace(path, ctorch::SymlinkPolicy::kRefuse);
   } catch (const std::exception& e) {
     disable(e, "it keeps what it held before");
   }

@@ -116,7 +116,10 @@ class MetricsLog {
   // Starts `path` afresh (resumeStep 0) or keeps only the records of steps <= resumeStep, so a run
   // that resumes from an older snapshot does not leave records of the steps it redoes. A file that
   // cannot be written (a full disk, EIO) is said once on stderr and the run goes on without
-  // metrics; the file then holds whole records only (the old file, or those written before).
+  // metrics; the file then holds whole records only (the old file, or those written before). On
+  // resume, what stands at `path` must be a regular file (not a link, a FIFO, a device or a
+  // directory) of at most 1 GiB: else ctorch::FileRefused (a ConfigError) naming it, and nothing
+  // is replaced.
   MetricsLog(const std::filesystem::path& path, std::int64_t resumeStep);
   void write(const TrainRecord& record);
   void write(const EvalRecord& record);
