@@ -120,7 +120,7 @@ std::vector<std::string> StoreEngine::disconnect(ConnId conn, std::vector<Reply>
       std::vector<Reply> scratch;
       if (watchers_.count(it->first))
         notifyWatchers(it->first, WatchResponse::KeyDeleted, d->second, {}, out ? *out : scratch);
-      data_.erase(d);
+      erase(d);
       removed.push_back(it->first);
     }
     it = owners_.erase(it);
@@ -151,12 +151,19 @@ void StoreEngine::store(const std::string& key, Bytes value, std::vector<Reply>&
   auto it = data_.find(key);
   if (it == data_.end()) {
     if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyCreated, {}, value, out);
+    stored_ += key.size() + value.size() + kEntryOverhead;
     data_.emplace(key, std::move(value));
   } else {
     if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyUpdated, it->second, value, out);
+    stored_ = stored_ - it->second.size() + value.size();
     it->second = std::move(value);
   }
   wakeAll(key, out);
+}
+
+void StoreEngine::erase(std::unordered_map<std::string, Bytes>::iterator it) {
+  stored_ -= it->first.size() + it->second.size() + kEntryOverhead;
+  data_.erase(it);
 }
 
 void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
@@ -276,7 +283,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t n = 0;
       if (it != data_.end()) {
         if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
-        data_.erase(it);
+        erase(it);
         owners_.erase(q.key);
         n = 1;
       }
@@ -304,10 +311,12 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       auto it = data_.find(q.key);
       bool created = it == data_.end();
       if (created) {
+        stored_ += q.key.size() + kEntryOverhead;
         data_.emplace(q.key, q.value);
       } else {
         it->second.insert(it->second.end(), q.value.begin(), q.value.end());
       }
+      stored_ += q.value.size();
       if (watchers_.count(q.key))
         notifyWatchers(q.key, created ? WatchResponse::KeyCreated : WatchResponse::KeyAppended, {},
                        q.value, out);
@@ -315,20 +324,29 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       return;
     }
 
-    case Op::QueuePush:
-      queues_[q.key].push_back(q.value);
+    case Op::QueuePush: {
+      auto [it, created] = queues_.try_emplace(q.key);
+      if (created) stored_ += q.key.size() + kEntryOverhead;
+      it->second.push_back(q.value);
+      stored_ += q.value.size() + kEntryOverhead;
       wakeOne(q.key, out);
       return;
+    }
 
     case Op::QueuePop: {
-      auto& queue = queues_[q.key];
+      auto it = queues_.find(q.key);
       Writer w;
-      w.i64(static_cast<std::int64_t>(queue.size()));
-      if (!queue.empty()) {
+      w.i64(it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size()));
+      if (it != queues_.end()) {
+        auto& queue = it->second;
         w.bytes(queue.front());
+        stored_ -= queue.front().size() + kEntryOverhead;
         queue.pop_front();
+        if (queue.empty()) {
+          stored_ -= q.key.size() + kEntryOverhead;
+          queues_.erase(it);
+        }
       }
-      if (queue.empty()) queues_.erase(q.key);
       out.push_back({conn, w.take()});
       return;
     }
@@ -357,7 +375,14 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t count = 1;
       auto it = data_.find(q.key);
       if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
-      data_[q.key] = counterBytes(count);
+      Bytes value = counterBytes(count);
+      if (it == data_.end()) {
+        stored_ += q.key.size() + value.size() + kEntryOverhead;
+        data_.emplace(q.key, std::move(value));
+      } else {
+        stored_ = stored_ - it->second.size() + value.size();
+        it->second = std::move(value);
+      }
       if (count >= q.number) {
         wakeAll(q.key, out);
         out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});

@@ -153,6 +153,7 @@ class TcpStoreServer::Impl {
     std::uint32_t events = 0;   // the epoll interest set now
     bool paused = false;        // not read nor served: too much unsent output
     bool identified = false;    // has sent a complete request
+    std::size_t held = 0;       // bytes of requests received and not served yet (in `buffered_`)
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -399,10 +400,16 @@ class TcpStoreServer::Impl {
       queue(id, replies);
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
+    const std::size_t held = c.parser.partialLength() + c.in.size();
+    buffered_ = buffered_ - c.held + held;
+    c.held = held;
     {
       std::lock_guard<std::mutex> lock(statsMutex_);
       stats_.requests += served;
       stats_.bytesParsed += c.parser.bytesExamined() - examinedBefore;
+      stats_.storedBytes = engine_.storedBytes();
+      stats_.bufferedBytes = buffered_;
+      stats_.peakBufferedBytes = std::max<std::uint64_t>(stats_.peakBufferedBytes, buffered_);
     }
     ephemeral_.store(engine_.ephemeralKeyCount());
     if (!failure.empty()) {
@@ -505,10 +512,16 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
+    buffered_ -= it->second.held;
     conns_.erase(it);
     std::vector<StoreEngine::Reply> replies;
     auto lost = engine_.disconnect(id, &replies);
     ephemeral_.store(engine_.ephemeralKeyCount());
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      stats_.storedBytes = engine_.storedBytes();
+      stats_.bufferedBytes = buffered_;
+    }
     queue(0, replies);
     for (const auto& key : lost) {
       debug("store: ephemeral key '" + key + "' removed: its connection closed");
@@ -535,6 +548,7 @@ class TcpStoreServer::Impl {
   Clock::time_point rearmAt_{};
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
+  std::size_t buffered_ = 0;  // the sum of every connection's `held`
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::vector<std::uint64_t> touched_;      // connections given output by another's request
   std::vector<std::uint64_t> overflowing_;  // connections to drop once the current step is done

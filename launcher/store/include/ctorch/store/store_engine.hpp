@@ -27,6 +27,10 @@ struct StoreEngineLimits {
 
 class StoreEngine {
  public:
+  // Counted for every key, value and queued element besides its bytes (the hash node, the string
+  // and vector headers, the allocator's rounding), so that a flood of empty keys is not free.
+  static constexpr std::size_t kEntryOverhead = 64;
+
   // Keys under `ephemeralPrefix` (when non-empty) belong to the connection that last wrote them
   // and are deleted when it disconnects, like ZooKeeper's ephemeral nodes: the rendezvous uses
   // them to learn at once that an agent's connection dropped (a killed node), instead of waiting
@@ -51,6 +55,8 @@ class StoreEngine {
   std::vector<std::string> disconnect(ConnId conn, std::vector<Reply>* out = nullptr);
 
   std::size_t numKeys() const { return data_.size(); }
+  // Bytes the keys, values and queued elements take, each counted with kEntryOverhead.
+  std::size_t storedBytes() const { return stored_; }
   std::size_t ephemeralKeyCount() const { return owners_.size(); }
   std::optional<protocol::Bytes> peek(const std::string& key) const;
   // Connections blocked in WAIT (or a blocking queue pop / barrier).
@@ -59,6 +65,7 @@ class StoreEngine {
  private:
   bool present(const std::string& key) const;
   void store(const std::string& key, protocol::Bytes value, std::vector<Reply>& out);
+  void erase(std::unordered_map<std::string, protocol::Bytes>::iterator it);
   void wakeAll(const std::string& key, std::vector<Reply>& out);
   void wakeOne(const std::string& key, std::vector<Reply>& out);
   void clearWait(ConnId conn);
@@ -76,6 +83,7 @@ class StoreEngine {
   std::string ephemeralPrefix_;
   StoreEngineLimits limits_;
   std::unordered_map<std::string, ConnId> owners_;                 // ephemeral key -> its writer
+  std::size_t stored_ = 0;                                         // see storedBytes()
 };
 
 } // namespace ctorch::store

@@ -66,6 +66,9 @@ struct TcpStoreServerStats {
   std::uint64_t droppedConnections = 0;   // closed by the server (limits, protocol errors)
   std::uint64_t rejectedConnections = 0;  // accepted and closed at once: no room (cap, no fds)
   std::uint64_t evictedConnections = 0;   // idle (no request yet) connections closed for a new one
+  std::uint64_t storedBytes = 0;          // now: keys, values and queues held (StoreEngine::storedBytes)
+  std::uint64_t bufferedBytes = 0;        // now: bytes of requests received but not served yet
+  std::uint64_t peakBufferedBytes = 0;
 };
 
 class TcpStoreServer {
