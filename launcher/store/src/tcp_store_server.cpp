@@ -335,16 +335,16 @@ class TcpStoreServer::Impl {
     Connection& c = conns_.at(id);
     std::size_t got = 0;
     while (got < kReadBudget) {
-      std::size_t old = c.in.size();
-      c.in.resize(old + kReadChunk);
-      ssize_t n = ::recv(c.fd.get(), c.in.data() + old, kReadChunk, 0);
+      // Into the one scratch buffer, then only what arrived is appended: growing `in` by a chunk
+      // per read zero-filled 64 KiB for every byte a dripping client sent (most of the server's
+      // time under 900 such clients).
+      ssize_t n = ::recv(c.fd.get(), scratch_.data(), scratch_.size(), 0);
       if (n > 0) {
-        c.in.resize(old + static_cast<std::size_t>(n));
+        c.in.insert(c.in.end(), scratch_.data(), scratch_.data() + n);
         got += static_cast<std::size_t>(n);
-        if (static_cast<std::size_t>(n) < kReadChunk) break;
+        if (static_cast<std::size_t>(n) < scratch_.size()) break;
         continue;
       }
-      c.in.resize(old);
       if (n == 0) {
         serve(id);  // requests that arrived just before the close still count (SET then exit)
         close(id);
@@ -549,6 +549,7 @@ class TcpStoreServer::Impl {
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
   std::size_t buffered_ = 0;  // the sum of every connection's `held`
+  protocol::Bytes scratch_ = protocol::Bytes(kReadChunk);  // what one recv may bring
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::vector<std::uint64_t> touched_;      // connections given output by another's request
   std::vector<std::uint64_t> overflowing_;  // connections to drop once the current step is done
