@@ -46,6 +46,11 @@ Bytes counterBytes(std::int64_t v) {
 
 Bytes u8Reply(std::uint8_t v) { return Writer().u8(v).take(); }
 
+// A key as quoted in an error: keys may be up to a MiB long.
+std::string shortKey(const std::string& key) {
+  return key.size() <= 80 ? key : key.substr(0, 80) + "...";
+}
+
 } // namespace
 
 std::optional<Bytes> StoreEngine::peek(const std::string& key) const {
@@ -58,6 +63,23 @@ bool StoreEngine::present(const std::string& key) const {
   if (data_.count(key)) return true;
   auto q = queues_.find(key);
   return q != queues_.end() && !q->second.empty();
+}
+
+// What writing a value of `newSize` bytes under `key` adds to storedBytes() (0: it does not grow).
+std::size_t StoreEngine::growth(const std::string& key, std::size_t newSize) const {
+  auto it = data_.find(key);
+  if (it == data_.end()) return key.size() + newSize + kEntryOverhead;
+  return newSize > it->second.size() ? newSize - it->second.size() : 0;
+}
+
+// Refuses (throws) a write of `more` bytes past maxStoredBytes, before anything changes.
+void StoreEngine::admit(const protocol::Request& q, std::size_t more) const {
+  if (more == 0 || stored_ + more <= limits_.maxStoredBytes) return;
+  const std::string& key = q.keys.empty() ? q.key : q.keys.front();
+  throw std::invalid_argument(std::string(protocol::opName(q.op)) + " of key '" + shortKey(key) +
+                              "' would take the store past its limit of " + std::to_string(limits_.maxStoredBytes) +
+                              " bytes (maxStoredBytes; " + std::to_string(stored_) + " held, " +
+                              std::to_string(more) + " more asked)");
 }
 
 void StoreEngine::wakeAll(const std::string& key, std::vector<Reply>& out) {
@@ -176,16 +198,23 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       return;
 
     case Op::Set:
+      admit(q, growth(q.key, q.value.size()));
       store(q.key, q.value, out);
       noteOwner(conn, q.key);
       return;
 
-    case Op::MultiSet:
+    case Op::MultiSet: {
+      // Counted as if every key were new: an upper bound, so that no part is written if the
+      // whole would not fit.
+      std::size_t total = 0;
+      for (std::size_t i = 0; i < q.keys.size(); ++i) total += q.keys[i].size() + q.values[i].size() + kEntryOverhead;
+      admit(q, total);
       for (std::size_t i = 0; i < q.keys.size(); ++i) {
         store(q.keys[i], q.values[i], out);
         noteOwner(conn, q.keys[i]);
       }
       return;
+    }
 
     case Op::CompareSet: {
       // c10d: a missing key matches an empty `expected`; otherwise the reply is `expected` itself
@@ -193,6 +222,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       auto it = data_.find(q.key);
       if (it == data_.end()) {
         if (q.value.empty()) {
+          admit(q, growth(q.key, q.desired.size()));
           store(q.key, q.desired, out);
           noteOwner(conn, q.key);
           out.push_back({conn, Writer().bytes(q.desired).take()});
@@ -201,6 +231,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
         }
       } else {
         if (it->second == q.value) {
+          admit(q, growth(q.key, q.desired.size()));
           store(q.key, q.desired, out);
           noteOwner(conn, q.key);
         }
@@ -238,9 +269,11 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t v = q.number;
       auto it = data_.find(q.key);
       if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
+      Bytes value = counterBytes(v);
+      admit(q, growth(q.key, value.size()));
       // The reply goes out before any wake-ups it causes, as in c10d.
       out.push_back({conn, Writer().i64(v).take()});
-      store(q.key, counterBytes(v), out);
+      store(q.key, std::move(value), out);
       return;
     }
 
@@ -310,6 +343,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Append: {
       auto it = data_.find(q.key);
       bool created = it == data_.end();
+      admit(q, growth(q.key, (created ? 0 : it->second.size()) + q.value.size()));
       if (created) {
         stored_ += q.key.size() + kEntryOverhead;
         data_.emplace(q.key, q.value);
@@ -325,6 +359,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     }
 
     case Op::QueuePush: {
+      admit(q, q.value.size() + kEntryOverhead + (queues_.count(q.key) ? 0 : q.key.size() + kEntryOverhead));
       auto [it, created] = queues_.try_emplace(q.key);
       if (created) stored_ += q.key.size() + kEntryOverhead;
       it->second.push_back(q.value);
@@ -376,6 +411,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       auto it = data_.find(q.key);
       if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
       Bytes value = counterBytes(count);
+      admit(q, growth(q.key, value.size()));
       if (it == data_.end()) {
         stored_ += q.key.size() + value.size() + kEntryOverhead;
         data_.emplace(q.key, std::move(value));

@@ -15,7 +15,8 @@
 
 namespace ctorch::store {
 
-// What one connection may make the engine hold or produce (a peer beyond them is dropped).
+// What the engine may hold, and what one connection may make it hold or produce (a peer beyond
+// them is dropped).
 struct StoreEngineLimits {
   // Distinct keys one connection may watch (legacy WATCH_KEY); a repeated registration of the
   // same key is one registration, so a SET is copied at most once per watching connection.
@@ -23,6 +24,10 @@ struct StoreEngineLimits {
   // One reply (MULTI_GET of a large value under many keys, LIST_KEYS); a request asking for
   // more is refused before anything is built.
   std::size_t maxReplyLength = 264u << 20;
+  // What every key, value and queued element may take together (storedBytes()): a write that
+  // would go past it is refused and changes nothing. Writes that do not grow the store (a
+  // heartbeat rewriting its key) always pass, so a full store still serves a running job.
+  std::size_t maxStoredBytes = 256u << 20;
 };
 
 class StoreEngine {
@@ -46,8 +51,9 @@ class StoreEngine {
 
   // Runs one request of connection `conn`; replies (to it, or to connections whose wait ends or
   // whose watched key changes) are appended to `out`. Throws std::invalid_argument when the
-  // request cannot be served (e.g. ADD on a non-integer value, a reply over the limits): the
-  // server then drops `conn`, as both c10d backends do.
+  // request cannot be served (e.g. ADD on a non-integer value, a reply over the limits, a write
+  // past maxStoredBytes), having changed nothing: the server then drops `conn`, as both c10d
+  // backends do (the protocol has no error reply).
   void execute(ConnId conn, const protocol::Request& request, std::vector<Reply>& out);
 
   // Forgets a closed connection's waits and watches and deletes the ephemeral keys it owned
@@ -64,6 +70,8 @@ class StoreEngine {
 
  private:
   bool present(const std::string& key) const;
+  std::size_t growth(const std::string& key, std::size_t newSize) const;
+  void admit(const protocol::Request& q, std::size_t more) const;
   void store(const std::string& key, protocol::Bytes value, std::vector<Reply>& out);
   void erase(std::unordered_map<std::string, protocol::Bytes>::iterator it);
   void wakeAll(const std::string& key, std::vector<Reply>& out);
