@@ -163,6 +163,31 @@ TEST_CASE("store limits: the engine counts what it holds, refuses a write past m
   CHECK(engine.storedBytes() == 0);
 }
 
+// Item 6's first attack with the default limits: five SETs announcing 250 MiB values. Only the
+// first MiB of each is sent: a server that accepts such a value waits for the rest (and, sent
+// whole, held it: 1.9 GB); one that refuses it closes the connection at the length.
+TEST_CASE("store limits: five 250 MiB SETs are refused at their length with the default limits") {
+  LogLines log;
+  TcpStoreServerOptions o;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  std::vector<std::unique_ptr<Socket>> attackers;
+  for (int i = 0; i < 5; ++i) {
+    attackers.push_back(std::make_unique<Socket>(server.port()));
+    REQUIRE(attackers.back()->fd >= 0);
+    sendAll(attackers.back()->fd, partialSet("/big" + std::to_string(i), 250u << 20, 1u << 20));
+  }
+  for (auto& a : attackers) CHECK(closedWithin(a->fd, 5s));
+  auto s = server.stats();
+  CHECK(s.droppedConnections == 5);
+  CHECK(s.bufferedBytes == 0);
+  CHECK(s.storedBytes == 0);
+  CHECK(log.count("value of 262144000 bytes exceeds the limit of 16777216 (maxValueLength)") == 5);
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("k", toBytes("v"));
+  CHECK(toString(legit.get("k")) == "v");
+}
+
 // What the store holds past maxStoredBytes: the SET that would cross it is refused (its writer is
 // dropped, as c10d does for any request it cannot serve), those under the cap are kept.
 TEST_CASE("store limits: SETs past maxStoredBytes are refused, those under it are kept") {

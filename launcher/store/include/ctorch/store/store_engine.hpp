@@ -23,7 +23,7 @@ struct StoreEngineLimits {
   std::size_t maxWatchesPerConnection = 1024;
   // One reply (MULTI_GET of a large value under many keys, LIST_KEYS); a request asking for
   // more is refused before anything is built.
-  std::size_t maxReplyLength = 264u << 20;
+  std::size_t maxReplyLength = 64u << 20;
   // What every key, value and queued element may take together (storedBytes()): a write that
   // would go past it is refused and changes nothing. Writes that do not grow the store (a
   // heartbeat rewriting its key) always pass, so a full store still serves a running job.
