@@ -28,7 +28,7 @@ TEST_CASE("control auth: SHA-256 and HMAC-SHA256 give the published test vectors
         "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
 }
 
-TEST_CASE("control auth: the control key is one per job secret and run id; hex reads back", "[contract][auth]") {
+TEST_CASE("control auth: the control key is one per job secret and run id, and hex reads back", "[contract][auth]") {
   const std::string key = auth::deriveControlKey("a secret of sixteen+ chars", "run-1");
   CHECK(key.size() == 32);
   CHECK(key != auth::deriveControlKey("a secret of sixteen+ chars", "run-2"));  // a key per run id
@@ -80,7 +80,7 @@ TEST_CASE("control protocol: messages read back exactly, and cut or padded ones 
   CHECK_THROWS_AS(cc::encode(long_), cc::ProtocolError);
 }
 
-TEST_CASE("control protocol: the server proves the key bound to the client's nonce; a stranger's proof fails",
+TEST_CASE("control protocol: the server proves the key bound to the client's nonce, a stranger's proof fails",
           "[contract][auth]") {
   const std::string key = auth::deriveControlKey("a secret of sixteen+ chars", "run-1");
   const cc::Nonce c = cc::randomNonce(), s = cc::randomNonce(), launch = cc::randomNonce();

@@ -44,7 +44,7 @@ void ControlPlane::deliver(std::vector<Outgoing>& outgoing, std::vector<Output>&
   stats_.capability = coordinator_.capability();
 }
 
-void ControlPlane::received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) {
+bool ControlPlane::received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) {
   auto [it, fresh] = sessions_.try_emplace(conn);
   Session& s = it->second;
   if (fresh) {
@@ -56,7 +56,7 @@ void ControlPlane::received(std::uint64_t conn, std::string_view bytes, std::vec
   try {
     if (s.in.size() > kMaxBuffered) throw cc::ProtocolError("over " + std::to_string(kMaxBuffered) + " unread bytes");
     if (s.stage == Session::Stage::kClientHello) {
-      if (s.in.size() < cc::kClientHelloSize) return;
+      if (s.in.size() < cc::kClientHelloSize) return false;
       const cc::Nonce client = cc::parseClientHello(s.in);
       const cc::Nonce server = cc::randomNonce();
       out.push_back({conn, cc::serverHello(key_, client, server, launch_), false});
@@ -77,8 +77,8 @@ void ControlPlane::received(std::uint64_t conn, std::string_view bytes, std::vec
         coordinator_.message(conn, *m, now, outgoing);
       }
       deliver(outgoing, out);
-      if (!sessions_.count(conn)) return;
     }
+    return s.stage == Session::Stage::kReady;
   } catch (const cc::ProtocolError& e) {
     deliver(outgoing, out);
     refuseOnce(e.what());

@@ -46,6 +46,11 @@ Bytes counterBytes(std::int64_t v) {
 
 Bytes u8Reply(std::uint8_t v) { return Writer().u8(v).take(); }
 
+// A key as quoted in an error: keys may be up to a MiB long.
+std::string shortKey(const std::string& key) {
+  return key.size() <= 80 ? key : key.substr(0, 80) + "...";
+}
+
 } // namespace
 
 std::optional<Bytes> StoreEngine::peek(const std::string& key) const {
@@ -58,6 +63,23 @@ bool StoreEngine::present(const std::string& key) const {
   if (data_.count(key)) return true;
   auto q = queues_.find(key);
   return q != queues_.end() && !q->second.empty();
+}
+
+// What writing a value of `newSize` bytes under `key` adds to storedBytes() (0: it does not grow).
+std::size_t StoreEngine::growth(const std::string& key, std::size_t newSize) const {
+  auto it = data_.find(key);
+  if (it == data_.end()) return key.size() + newSize + kEntryOverhead;
+  return newSize > it->second.size() ? newSize - it->second.size() : 0;
+}
+
+// Refuses (throws) a write of `more` bytes past maxStoredBytes, before anything changes.
+void StoreEngine::admit(const protocol::Request& q, std::size_t more) const {
+  if (more == 0 || stored_ + more <= limits_.maxStoredBytes) return;
+  const std::string& key = q.keys.empty() ? q.key : q.keys.front();
+  throw std::invalid_argument(std::string(protocol::opName(q.op)) + " of key '" + shortKey(key) +
+                              "' would take the store past its limit of " + std::to_string(limits_.maxStoredBytes) +
+                              " bytes (maxStoredBytes; " + std::to_string(stored_) + " held, " +
+                              std::to_string(more) + " more asked)");
 }
 
 void StoreEngine::wakeAll(const std::string& key, std::vector<Reply>& out) {
@@ -120,7 +142,7 @@ std::vector<std::string> StoreEngine::disconnect(ConnId conn, std::vector<Reply>
       std::vector<Reply> scratch;
       if (watchers_.count(it->first))
         notifyWatchers(it->first, WatchResponse::KeyDeleted, d->second, {}, out ? *out : scratch);
-      data_.erase(d);
+      erase(d);
       removed.push_back(it->first);
     }
     it = owners_.erase(it);
@@ -151,12 +173,19 @@ void StoreEngine::store(const std::string& key, Bytes value, std::vector<Reply>&
   auto it = data_.find(key);
   if (it == data_.end()) {
     if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyCreated, {}, value, out);
+    stored_ += key.size() + value.size() + kEntryOverhead;
     data_.emplace(key, std::move(value));
   } else {
     if (watchers_.count(key)) notifyWatchers(key, WatchResponse::KeyUpdated, it->second, value, out);
+    stored_ = stored_ - it->second.size() + value.size();
     it->second = std::move(value);
   }
   wakeAll(key, out);
+}
+
+void StoreEngine::erase(std::unordered_map<std::string, Bytes>::iterator it) {
+  stored_ -= it->first.size() + it->second.size() + kEntryOverhead;
+  data_.erase(it);
 }
 
 void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
@@ -169,16 +198,23 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       return;
 
     case Op::Set:
+      admit(q, growth(q.key, q.value.size()));
       store(q.key, q.value, out);
       noteOwner(conn, q.key);
       return;
 
-    case Op::MultiSet:
+    case Op::MultiSet: {
+      // Counted as if every key were new: an upper bound, so that no part is written if the
+      // whole would not fit.
+      std::size_t total = 0;
+      for (std::size_t i = 0; i < q.keys.size(); ++i) total += q.keys[i].size() + q.values[i].size() + kEntryOverhead;
+      admit(q, total);
       for (std::size_t i = 0; i < q.keys.size(); ++i) {
         store(q.keys[i], q.values[i], out);
         noteOwner(conn, q.keys[i]);
       }
       return;
+    }
 
     case Op::CompareSet: {
       // c10d: a missing key matches an empty `expected`; otherwise the reply is `expected` itself
@@ -186,6 +222,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       auto it = data_.find(q.key);
       if (it == data_.end()) {
         if (q.value.empty()) {
+          admit(q, growth(q.key, q.desired.size()));
           store(q.key, q.desired, out);
           noteOwner(conn, q.key);
           out.push_back({conn, Writer().bytes(q.desired).take()});
@@ -194,6 +231,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
         }
       } else {
         if (it->second == q.value) {
+          admit(q, growth(q.key, q.desired.size()));
           store(q.key, q.desired, out);
           noteOwner(conn, q.key);
         }
@@ -231,9 +269,11 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t v = q.number;
       auto it = data_.find(q.key);
       if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
+      Bytes value = counterBytes(v);
+      admit(q, growth(q.key, value.size()));
       // The reply goes out before any wake-ups it causes, as in c10d.
       out.push_back({conn, Writer().i64(v).take()});
-      store(q.key, counterBytes(v), out);
+      store(q.key, std::move(value), out);
       return;
     }
 
@@ -276,7 +316,7 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t n = 0;
       if (it != data_.end()) {
         if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
-        data_.erase(it);
+        erase(it);
         owners_.erase(q.key);
         n = 1;
       }
@@ -303,11 +343,14 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     case Op::Append: {
       auto it = data_.find(q.key);
       bool created = it == data_.end();
+      admit(q, growth(q.key, (created ? 0 : it->second.size()) + q.value.size()));
       if (created) {
+        stored_ += q.key.size() + kEntryOverhead;
         data_.emplace(q.key, q.value);
       } else {
         it->second.insert(it->second.end(), q.value.begin(), q.value.end());
       }
+      stored_ += q.value.size();
       if (watchers_.count(q.key))
         notifyWatchers(q.key, created ? WatchResponse::KeyCreated : WatchResponse::KeyAppended, {},
                        q.value, out);
@@ -315,20 +358,30 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       return;
     }
 
-    case Op::QueuePush:
-      queues_[q.key].push_back(q.value);
+    case Op::QueuePush: {
+      admit(q, q.value.size() + kEntryOverhead + (queues_.count(q.key) ? 0 : q.key.size() + kEntryOverhead));
+      auto [it, created] = queues_.try_emplace(q.key);
+      if (created) stored_ += q.key.size() + kEntryOverhead;
+      it->second.push_back(q.value);
+      stored_ += q.value.size() + kEntryOverhead;
       wakeOne(q.key, out);
       return;
+    }
 
     case Op::QueuePop: {
-      auto& queue = queues_[q.key];
+      auto it = queues_.find(q.key);
       Writer w;
-      w.i64(static_cast<std::int64_t>(queue.size()));
-      if (!queue.empty()) {
+      w.i64(it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size()));
+      if (it != queues_.end()) {
+        auto& queue = it->second;
         w.bytes(queue.front());
+        stored_ -= queue.front().size() + kEntryOverhead;
         queue.pop_front();
+        if (queue.empty()) {
+          stored_ -= q.key.size() + kEntryOverhead;
+          queues_.erase(it);
+        }
       }
-      if (queue.empty()) queues_.erase(q.key);
       out.push_back({conn, w.take()});
       return;
     }
@@ -357,7 +410,15 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
       std::int64_t count = 1;
       auto it = data_.find(q.key);
       if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
-      data_[q.key] = counterBytes(count);
+      Bytes value = counterBytes(count);
+      admit(q, growth(q.key, value.size()));
+      if (it == data_.end()) {
+        stored_ += q.key.size() + value.size() + kEntryOverhead;
+        data_.emplace(q.key, std::move(value));
+      } else {
+        stored_ = stored_ - it->second.size() + value.size();
+        it->second = std::move(value);
+      }
       if (count >= q.number) {
         wakeAll(q.key, out);
         out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});

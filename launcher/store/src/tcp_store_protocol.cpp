@@ -105,10 +105,10 @@ bool RequestParser::takeLength(const std::uint8_t* data, std::size_t size, std::
   std::memcpy(&n, data + pos, sizeof n);
   if (n > max)
     throw Malformed{std::string(what) + " of " + std::to_string(n) + " bytes exceeds the limit of " +
-                    std::to_string(max)};
+                    std::to_string(max) + (std::string(what) == "key" ? " (maxKeyLength)" : " (maxValueLength)")};
   if (n > limits_.maxRequestLength || taken_ + sizeof n + n > limits_.maxRequestLength)
     throw Malformed{"request of more than " + std::to_string(limits_.maxRequestLength) +
-                    " bytes (the limit)"};
+                    " bytes (the limit, maxRequestLength)"};
   return true;
 }
 

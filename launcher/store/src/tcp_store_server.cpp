@@ -38,6 +38,9 @@ constexpr std::size_t kReadChunk = 64 * 1024;
 // Bytes read from one connection per readiness event before the others get their turn (the
 // epoll interest is level-triggered: the rest is read at the next round).
 constexpr std::size_t kReadBudget = 4 * kReadChunk;
+// How often connections are checked against the request deadline while some request is in
+// progress (a slow client is dropped at most this late).
+constexpr std::chrono::milliseconds kSweepInterval{100};
 
 std::string describeBind(const TcpStoreServerOptions& o) {
   return (o.host.empty() ? std::string("*") : o.host) + ":" + std::to_string(o.port);
@@ -154,6 +157,10 @@ class TcpStoreServer::Impl {
     bool paused = false;        // not read nor served: too much unsent output
     bool identified = false;    // has sent a complete request
     bool side = false;          // served by options_.side (its first bytes were the side magic)
+    std::size_t held = 0;       // request bytes not served yet + reply bytes not sent (in `buffered_`)
+    // When the request in progress began (its first byte, or the end of the one before it in
+    // the same read); the epoch when none is in progress.
+    std::chrono::steady_clock::time_point requestStart{};
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -178,6 +185,15 @@ class TcpStoreServer::Impl {
         } else {
           timeout = static_cast<int>(left);
         }
+      }
+      if (options_.requestTimeout.count() > 0 && buffered_ > 0) {
+        const auto now = Clock::now();
+        if (now >= nextSweep_) {
+          dropSlowRequests();
+          nextSweep_ = now + kSweepInterval;
+        }
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(nextSweep_ - now).count();
+        timeout = timeout < 0 ? static_cast<int>(left) : std::min(timeout, static_cast<int>(left));
       }
       int n = ::epoll_wait(epoll_.get(), events, 64, timeout);
       if (n < 0) {
@@ -335,16 +351,16 @@ class TcpStoreServer::Impl {
     Connection& c = conns_.at(id);
     std::size_t got = 0;
     while (got < kReadBudget) {
-      std::size_t old = c.in.size();
-      c.in.resize(old + kReadChunk);
-      ssize_t n = ::recv(c.fd.get(), c.in.data() + old, kReadChunk, 0);
+      // Into the one scratch buffer, then only what arrived is appended: growing `in` by a chunk
+      // per read zero-filled 64 KiB for every byte a dripping client sent (most of the server's
+      // time under 900 such clients).
+      ssize_t n = ::recv(c.fd.get(), scratch_.data(), scratch_.size(), 0);
       if (n > 0) {
-        c.in.resize(old + static_cast<std::size_t>(n));
+        c.in.insert(c.in.end(), scratch_.data(), scratch_.data() + n);
         got += static_cast<std::size_t>(n);
-        if (static_cast<std::size_t>(n) < kReadChunk) break;
+        if (static_cast<std::size_t>(n) < scratch_.size()) break;
         continue;
       }
-      c.in.resize(old);
       if (n == 0) {
         serve(id);  // requests that arrived just before the close still count (SET then exit)
         close(id);
@@ -375,7 +391,10 @@ class TcpStoreServer::Impl {
       const std::string_view magic = options_.side->magic();
       const std::size_t n = std::min(c.in.size(), magic.size());
       if (n > 0 && std::memcmp(c.in.data(), magic.data(), n) == 0) {
-        if (n < magic.size()) return true;  // the rest of the magic is still on its way
+        if (n < magic.size()) {  // the rest of the magic is still on its way, under the request deadline
+          if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+          return true;
+        }
         c.side = c.identified = true;
         std::lock_guard<std::mutex> lock(statsMutex_);
         ++stats_.sideConnections;
@@ -410,12 +429,32 @@ class TcpStoreServer::Impl {
       }
       ++served;
       queue(id, replies);
+      // Replies count against maxBufferedBytes as they are made, not once the batch is done (a
+      // batch may make up to maxPendingOutput of them).
+      if (buffered_ > options_.maxBufferedBytes) {
+        dropLargestHolders();
+        if (!conns_.count(id)) {  // this connection held the most
+          std::lock_guard<std::mutex> lock(statsMutex_);
+          stats_.requests += served;
+          return false;
+        }
+      }
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
+    // A large field, once taken, leaves its capacity behind: give it back, or every connection
+    // that ever sent a large value would keep holding that much.
+    if (c.in.capacity() > 2 * c.in.size() + kReadBudget) c.in = protocol::Bytes(c.in.begin(), c.in.end());
+    if (pendingInput(c) == 0) {
+      c.requestStart = {};
+    } else if (served > 0 || c.requestStart == Clock::time_point{}) {
+      c.requestStart = Clock::now();
+    }
+    account(c);
     {
       std::lock_guard<std::mutex> lock(statsMutex_);
       stats_.requests += served;
       stats_.bytesParsed += c.parser.bytesExamined() - examinedBefore;
+      stats_.storedBytes = engine_.storedBytes();
     }
     ephemeral_.store(engine_.ephemeralKeyCount());
     if (!failure.empty()) {
@@ -424,15 +463,20 @@ class TcpStoreServer::Impl {
       flush(id);
     }
     flushTouched();
+    if (buffered_ > options_.maxBufferedBytes) dropLargestHolders();
     return conns_.count(id) > 0;
   }
 
   // A side-protocol connection's bytes go to the handler as they arrive (it keeps what it needs).
+  // Until the handler says the connection is established (its handshake done), the request
+  // deadline runs: a stranger who opens side connections and never finishes is dropped like a
+  // dripping c10d client.
   bool serveSide(std::uint64_t id, Connection& c) {
     std::vector<SideProtocol::Output> out;
     const std::string_view bytes(reinterpret_cast<const char*>(c.in.data()), c.in.size());
+    bool established = false;
     try {
-      options_.side->received(id, bytes, out);
+      established = options_.side->received(id, bytes, out);
     } catch (const std::exception& e) {
       c.in.clear();
       queueSide(out);
@@ -440,6 +484,9 @@ class TcpStoreServer::Impl {
       return false;
     }
     c.in.clear();
+    if (established) c.requestStart = {};
+    else if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+    account(c);
     queueSide(out);
     return conns_.count(id) > 0;
   }
@@ -456,11 +503,64 @@ class TcpStoreServer::Impl {
       }
       c.out.insert(c.out.end(), o.bytes.begin(), o.bytes.end());
       notePending(c.out.size());
+      account(c);
       touched_.push_back(o.conn);
       if (o.close) closing.push_back(o.conn);
     }
     flushTouched();
     for (std::uint64_t id : closing) close(id);
+  }
+
+  static std::size_t pendingInput(const Connection& c) { return c.parser.partialLength() + c.in.size(); }
+
+  // Brings `buffered_` up to date with what `c` holds now.
+  void account(Connection& c) {
+    const std::size_t held = pendingInput(c) + c.out.size();
+    buffered_ = buffered_ - c.held + held;
+    c.held = held;
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    stats_.bufferedBytes = buffered_;
+    stats_.peakBufferedBytes = std::max<std::uint64_t>(stats_.peakBufferedBytes, buffered_);
+  }
+
+  // Past maxBufferedBytes, drops the connection holding the most until under it: a well-behaved
+  // client's requests are served as they arrive and its replies read, so it holds little; the
+  // largest holder is the one building the largest request or not reading the largest replies.
+  void dropLargestHolders() {
+    while (buffered_ > options_.maxBufferedBytes) {
+      auto largest = std::max_element(conns_.begin(), conns_.end(),
+                                      [](const auto& a, const auto& b) { return a.second.held < b.second.held; });
+      if (largest == conns_.end() || largest->second.held == 0) return;
+      drop(largest->first, "store: dropping a client holding " + std::to_string(largest->second.held) +
+                               " bytes of requests and replies: the server holds " + std::to_string(buffered_) +
+                               " over all connections, more than maxBufferedBytes (" +
+                               std::to_string(options_.maxBufferedBytes) + ")");
+    }
+  }
+
+  // Drops the connections whose request in progress has taken longer than requestTimeout plus one
+  // second per minRequestRate bytes of it received (a client dripping bytes, or stopped
+  // mid-request). Paused connections are not read, so their clock does not run.
+  void dropSlowRequests() {
+    const auto now = Clock::now();
+    std::vector<std::uint64_t> slow;
+    for (const auto& [id, c] : conns_) {
+      if (c.requestStart == Clock::time_point{} || c.paused) continue;
+      auto allowed = std::chrono::duration_cast<Clock::duration>(options_.requestTimeout);
+      if (options_.minRequestRate > 0)
+        allowed += std::chrono::milliseconds(pendingInput(c) * 1000 / options_.minRequestRate);
+      if (now - c.requestStart > allowed) slow.push_back(id);
+    }
+    if (slow.empty()) return;
+    debug("store: dropping " + std::to_string(slow.size()) + " client(s) whose request took longer than requestTimeout (" +
+          std::to_string(options_.requestTimeout.count()) + " ms) plus 1 s per minRequestRate (" +
+          std::to_string(options_.minRequestRate) + ") bytes received");
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      stats_.timedOutConnections += slow.size();
+      stats_.droppedConnections += slow.size();
+    }
+    for (std::uint64_t id : slow) close(id);
   }
 
   // Appends replies to their connections' output (sent by flush/flushTouched). Output pushed to
@@ -480,6 +580,7 @@ class TcpStoreServer::Impl {
       } else {
         c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
       }
+      account(c);
       notePending(c.out.size());
       if (r.conn != requester) touched_.push_back(r.conn);
     }
@@ -518,10 +619,12 @@ class TcpStoreServer::Impl {
       return;
     }
     c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
+    if (sent > 0) account(c);
     if (c.paused && c.out.size() <= options_.maxPendingOutput / 2) {
       // Drained enough: read again, and serve what it sent meanwhile (after this round of events,
-      // not from here: serving may fill the output and flush again).
+      // not from here: serving may fill the output and flush again). Its request clock restarts.
       c.paused = false;
+      if (c.requestStart != Clock::time_point{}) c.requestStart = Clock::now();
       if (!c.in.empty()) resumed_.push_back(id);
     }
     updateInterest(c, id);
@@ -554,6 +657,9 @@ class TcpStoreServer::Impl {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
+    // Closed on return, once the stats say what the peer will then see.
+    Fd fd = std::move(it->second.fd);
+    buffered_ -= it->second.held;
     const bool side = it->second.side;
     conns_.erase(it);
     if (side) {
@@ -565,6 +671,11 @@ class TcpStoreServer::Impl {
     std::vector<StoreEngine::Reply> replies;
     auto lost = engine_.disconnect(id, &replies);
     ephemeral_.store(engine_.ephemeralKeyCount());
+    {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      stats_.storedBytes = engine_.storedBytes();
+      stats_.bufferedBytes = buffered_;
+    }
     queue(0, replies);
     for (const auto& key : lost) {
       debug("store: ephemeral key '" + key + "' removed: its connection closed");
@@ -589,8 +700,11 @@ class TcpStoreServer::Impl {
   bool rejecting_ = false;       // in a burst of refused connections (logged once)
   bool listenDisarmed_ = false;  // accept4 failed with nothing to make room: retry at rearmAt_
   Clock::time_point rearmAt_{};
+  Clock::time_point nextSweep_{};  // for requests slower than requestTimeout
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
+  std::size_t buffered_ = 0;  // the sum of every connection's `held`
+  protocol::Bytes scratch_ = protocol::Bytes(kReadChunk);  // what one recv may bring
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::vector<std::uint64_t> touched_;      // connections given output by another's request
   std::vector<std::uint64_t> overflowing_;  // connections to drop once the current step is done

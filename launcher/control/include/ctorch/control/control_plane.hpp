@@ -33,7 +33,7 @@ class ControlPlane : public store::SideProtocol {
   ControlPlane(std::string key, std::function<void(const std::string&)> log = {});
 
   std::string_view magic() const override;
-  void received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) override;
+  bool received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) override;
   void closed(std::uint64_t conn, std::vector<Output>& out) override;
 
   ControlPlaneStats stats() const;

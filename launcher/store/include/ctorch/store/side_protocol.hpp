@@ -22,9 +22,10 @@ class SideProtocol {
   virtual ~SideProtocol() = default;
   // The first bytes that mark a connection as this protocol's (1 to 16 bytes).
   virtual std::string_view magic() const = 0;
-  // Bytes that arrived on connection `conn` (the first call starts with magic()). Throws to have the
-  // connection dropped.
-  virtual void received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) = 0;
+  // Bytes that arrived on connection `conn` (the first call starts with magic()). Returns whether
+  // the connection is established (its handshake done): until then the store's request deadline
+  // applies to it. Throws to have the connection dropped.
+  virtual bool received(std::uint64_t conn, std::string_view bytes, std::vector<Output>& out) = 0;
   // Connection `conn` closed (by its peer or by the shell).
   virtual void closed(std::uint64_t conn, std::vector<Output>& out) = 0;
 };

@@ -15,18 +15,27 @@
 
 namespace ctorch::store {
 
-// What one connection may make the engine hold or produce (a peer beyond them is dropped).
+// What the engine may hold, and what one connection may make it hold or produce (a peer beyond
+// them is dropped).
 struct StoreEngineLimits {
   // Distinct keys one connection may watch (legacy WATCH_KEY); a repeated registration of the
   // same key is one registration, so a SET is copied at most once per watching connection.
   std::size_t maxWatchesPerConnection = 1024;
   // One reply (MULTI_GET of a large value under many keys, LIST_KEYS); a request asking for
   // more is refused before anything is built.
-  std::size_t maxReplyLength = 264u << 20;
+  std::size_t maxReplyLength = 64u << 20;
+  // What every key, value and queued element may take together (storedBytes()): a write that
+  // would go past it is refused and changes nothing. Writes that do not grow the store (a
+  // heartbeat rewriting its key) always pass, so a full store still serves a running job.
+  std::size_t maxStoredBytes = 256u << 20;
 };
 
 class StoreEngine {
  public:
+  // Counted for every key, value and queued element besides its bytes (the hash node, the string
+  // and vector headers, the allocator's rounding), so that a flood of empty keys is not free.
+  static constexpr std::size_t kEntryOverhead = 64;
+
   // Keys under `ephemeralPrefix` (when non-empty) belong to the connection that last wrote them
   // and are deleted when it disconnects, like ZooKeeper's ephemeral nodes: the rendezvous uses
   // them to learn at once that an agent's connection dropped (a killed node), instead of waiting
@@ -42,8 +51,9 @@ class StoreEngine {
 
   // Runs one request of connection `conn`; replies (to it, or to connections whose wait ends or
   // whose watched key changes) are appended to `out`. Throws std::invalid_argument when the
-  // request cannot be served (e.g. ADD on a non-integer value, a reply over the limits): the
-  // server then drops `conn`, as both c10d backends do.
+  // request cannot be served (e.g. ADD on a non-integer value, a reply over the limits, a write
+  // past maxStoredBytes), having changed nothing: the server then drops `conn`, as both c10d
+  // backends do (the protocol has no error reply).
   void execute(ConnId conn, const protocol::Request& request, std::vector<Reply>& out);
 
   // Forgets a closed connection's waits and watches and deletes the ephemeral keys it owned
@@ -51,6 +61,8 @@ class StoreEngine {
   std::vector<std::string> disconnect(ConnId conn, std::vector<Reply>* out = nullptr);
 
   std::size_t numKeys() const { return data_.size(); }
+  // Bytes the keys, values and queued elements take, each counted with kEntryOverhead.
+  std::size_t storedBytes() const { return stored_; }
   std::size_t ephemeralKeyCount() const { return owners_.size(); }
   std::optional<protocol::Bytes> peek(const std::string& key) const;
   // Connections blocked in WAIT (or a blocking queue pop / barrier).
@@ -58,7 +70,10 @@ class StoreEngine {
 
  private:
   bool present(const std::string& key) const;
+  std::size_t growth(const std::string& key, std::size_t newSize) const;
+  void admit(const protocol::Request& q, std::size_t more) const;
   void store(const std::string& key, protocol::Bytes value, std::vector<Reply>& out);
+  void erase(std::unordered_map<std::string, protocol::Bytes>::iterator it);
   void wakeAll(const std::string& key, std::vector<Reply>& out);
   void wakeOne(const std::string& key, std::vector<Reply>& out);
   void clearWait(ConnId conn);
@@ -76,6 +91,7 @@ class StoreEngine {
   std::string ephemeralPrefix_;
   StoreEngineLimits limits_;
   std::unordered_map<std::string, ConnId> owners_;                 // ephemeral key -> its writer
+  std::size_t stored_ = 0;                                         // see storedBytes()
 };
 
 } // namespace ctorch::store

@@ -63,15 +63,17 @@ struct Request {
   std::uint32_t nonce = 0;         // Validate: magic; Ping: nonce
 };
 
-// Bounds on what a peer may make the server allocate (the libuv backend caps keys at 8 KiB and
-// payloads at 8 MiB; ours are looser because 1.13 clients had no caps at all).
+// Bounds on what a peer may make the server allocate. The libuv backend (PyTorch >= 2.4's default
+// server) caps keys at 8 KiB and payloads at 8 MiB; ours are looser because 1.13 clients had no
+// caps at all, but no value c10d, Gloo, NCCL or torchelastic stores comes near 16 MiB (their
+// keys hold addresses, unique ids, rendezvous state: bytes to kilobytes).
 struct Limits {
   std::size_t maxKeyLength = 1u << 20;           // 1 MiB
-  std::size_t maxValueLength = 256u << 20;       // 256 MiB
+  std::size_t maxValueLength = 16u << 20;        // 16 MiB
   std::size_t maxKeyCount = 128u * 1024u;
   // A whole request (MULTI_SET, CHECK, ... add up their keys and values): the largest value with
   // its key and some room, so that one request never holds more than about one maximal value.
-  std::size_t maxRequestLength = 264u << 20;     // 264 MiB
+  std::size_t maxRequestLength = 18u << 20;      // 18 MiB
 };
 
 struct ParseResult {

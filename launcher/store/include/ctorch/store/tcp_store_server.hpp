@@ -10,6 +10,7 @@
 #include "ctorch/store/tcp_store_protocol.hpp"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -44,6 +45,16 @@ struct TcpStoreServerOptions {
   // store, the workers' pipes). At the cap the oldest connection that has not sent a complete
   // request yet makes room for the new one; without such a connection the new one is closed.
   std::size_t maxConnections = 0;
+  // Bytes of requests received but not served yet (incomplete ones, mostly) and of replies not
+  // sent yet, over all connections. Past it the connection holding the most is dropped: half-sent
+  // large values, or large replies left unread, from many connections cannot add up to gigabytes.
+  std::size_t maxBufferedBytes = 128u << 20;
+  // A request must arrive whole within requestTimeout of its first byte plus one second per
+  // minRequestRate bytes of it received so far; a slower one (a client dripping bytes, or one
+  // stopped mid-request) drops its connection. A large value over a slow link still gets
+  // through. Zero: no deadline.
+  std::chrono::milliseconds requestTimeout{std::chrono::seconds(5)};
+  std::size_t minRequestRate = 64u << 10;  // bytes per second
   // Optional sink for diagnostics (protocol errors, dropped connections); called on the server
   // thread. Kept as a callback so that this library stays free of any logging framework.
   std::function<void(const std::string&)> debugLog;
@@ -71,6 +82,10 @@ struct TcpStoreServerStats {
   std::uint64_t rejectedConnections = 0;  // accepted and closed at once: no room (cap, no fds)
   std::uint64_t evictedConnections = 0;   // idle (no request yet) connections closed for a new one
   std::uint64_t sideConnections = 0;      // handed to the side protocol (its magic came first)
+  std::uint64_t storedBytes = 0;          // now: keys, values and queues held (StoreEngine::storedBytes)
+  std::uint64_t bufferedBytes = 0;        // now: requests not served yet + replies not sent yet
+  std::uint64_t peakBufferedBytes = 0;
+  std::uint64_t timedOutConnections = 0;  // dropped for a request slower than the deadline
 };
 
 class TcpStoreServer {

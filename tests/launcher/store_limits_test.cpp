@@ -1,0 +1,516 @@
+// The store's memory and slow-client limits (issue 40, item 6): five 250 MiB SETs took ctorchrun to
+// 1.9 GB, and 900 connections dripping bytes made heartbeats time out. Attackers are raw sockets
+// against port-0 servers in this process; the caps are shrunk where a test would otherwise move
+// hundreds of MiB, and the stats say what the server holds.
+#include "ctorch_catch.hpp"
+#include "launcher_test_util.hpp"
+
+#include "ctorch/store/store_engine.hpp"
+#include "ctorch/store/tcp_store_client.hpp"
+#include "ctorch/store/tcp_store_server.hpp"
+#include "multiproc.hpp"
+
+#include <arpa/inet.h>
+#include <malloc.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace ctorch::store;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Named, not anonymous: the store test sources are compiled as one unit.
+namespace store_limits_test {
+
+protocol::Writer wire() { return protocol::Writer(); }
+
+TcpStoreClientOptions shortTimeouts() {
+  TcpStoreClientOptions o;
+  o.timeout = 10s;
+  o.operationTimeout = 10s;
+  return o;
+}
+
+// Sends all of `b` (blocking); false once the server has closed the connection.
+bool sendAll(int fd, const Bytes& b) {
+  std::size_t sent = 0;
+  while (sent < b.size()) {
+    ssize_t n = ::send(fd, b.data() + sent, b.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    sent += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+// True if the server closes `fd` within `deadline` (what it sent before is read and discarded).
+bool closedWithin(int fd, std::chrono::milliseconds deadline) {
+  const auto end = Clock::now() + deadline;
+  char buf[4096];
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left)) != 1) return false;
+    if (::recv(fd, buf, sizeof buf, 0) <= 0) return true;
+  }
+}
+
+struct Socket {
+  explicit Socket(int port) : fd(ctorch::launcher_test::connectLoopback(port)) {}
+  // A receive buffer of 64 KiB, set before connecting: without it loopback TCP autotunes up to
+  // tcp_rmem's maximum (32 MiB here) and takes whole replies a client never reads.
+  struct SmallReceiveBuffer {};
+  static constexpr SmallReceiveBuffer kSmallReceiveBuffer{};
+  Socket(int port, SmallReceiveBuffer) : fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    int size = 64 << 10;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ~Socket() {
+    if (fd >= 0) ::close(fd);
+  }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  int fd;
+};
+
+// A validated SET of `value` bytes under `key`, of which only the first `sent` value bytes are
+// given (the rest of the request never comes when sent < value).
+Bytes partialSet(const std::string& key, std::size_t value, std::size_t sent) {
+  Bytes b = protocol::encodeValidate();
+  Bytes head = wire().u8(1).str(key).u64(value).take();
+  b.insert(b.end(), head.begin(), head.end());
+  b.resize(b.size() + sent, 'v');
+  return b;
+}
+
+// The server's debug lines (written on its thread, read on the test's).
+class LogLines {
+ public:
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      lines_.push_back(line);
+    };
+  }
+  // How many lines contain `text`.
+  std::size_t count(const std::string& text) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<std::size_t>(std::count_if(lines_.begin(), lines_.end(), [&](const std::string& l) {
+      return l.find(text) != std::string::npos;
+    }));
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
+
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds within) {
+  const auto end = Clock::now() + within;
+  while (!pred()) {
+    if (Clock::now() > end) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+} // namespace store_limits_test
+
+using namespace store_limits_test;
+
+TEST_CASE("store limits: the engine counts what it holds, refuses a write past maxStoredBytes and changes nothing") {
+  StoreEngineLimits limits;
+  limits.maxStoredBytes = 4096;
+  StoreEngine engine("", limits);
+  std::vector<StoreEngine::Reply> out;
+  auto run = [&](protocol::Request q) { engine.execute(1, q, out); };
+  protocol::Request set{protocol::Op::Set, "/a", {}, Bytes(1000, 'a')};
+  run(set);
+  const std::size_t one = 2 + 1000 + StoreEngine::kEntryOverhead;
+  CHECK(engine.storedBytes() == one);
+
+  protocol::Request big{protocol::Op::Set, "/b", {}, Bytes(4000, 'b')};
+  CHECK_THROWS_WITH(run(big), Catch::Contains("maxStoredBytes"));
+  CHECK(engine.storedBytes() == one);
+  CHECK(!engine.peek("/b"));
+  protocol::Request append{protocol::Op::Append, "/a", {}, Bytes(4000, 'c')};
+  CHECK_THROWS_WITH(run(append), Catch::Contains("maxStoredBytes"));
+  CHECK(engine.peek("/a")->size() == 1000);
+  protocol::Request multi{protocol::Op::MultiSet, "", {"/c", "/d"}, {}, {}, {Bytes(2000, 'c'), Bytes(2000, 'd')}};
+  CHECK_THROWS_WITH(run(multi), Catch::Contains("maxStoredBytes"));
+  CHECK(engine.numKeys() == 1);
+
+  // Shrinking or same-size writes always pass (a full store still takes heartbeats).
+  run(protocol::Request{protocol::Op::Set, "/a", {}, Bytes(3000, 'a')});
+  run(protocol::Request{protocol::Op::Set, "/a", {}, Bytes(3000, 'z')});
+  CHECK(engine.storedBytes() == 2 + 3000 + StoreEngine::kEntryOverhead);
+
+  // Every kind of write and removal keeps the count exact: all gone, zero held.
+  run(protocol::Request{protocol::Op::Add, "/n", {}, {}, {}, {}, 5});
+  run(protocol::Request{protocol::Op::Append, "/n", {}, toBytes("7")});
+  run(protocol::Request{protocol::Op::QueuePush, "/q", {}, toBytes("x")});
+  run(protocol::Request{protocol::Op::QueuePush, "/q", {}, toBytes("yy")});
+  run(protocol::Request{protocol::Op::CompareSet, "/s", {}, {}, toBytes("v")});
+  run(protocol::Request{protocol::Op::Barrier, "/bar", {}, {}, {}, {}, 1});
+  run(protocol::Request{protocol::Op::QueuePop, "/q"});
+  run(protocol::Request{protocol::Op::QueuePop, "/q"});
+  run(protocol::Request{protocol::Op::QueuePop, "/q"});
+  for (const char* k : {"/a", "/n", "/s", "/bar"}) run(protocol::Request{protocol::Op::DeleteKey, k});
+  CHECK(engine.numKeys() == 0);
+  CHECK(engine.storedBytes() == 0);
+}
+
+// Item 6's first attack with the default limits: five SETs announcing 250 MiB values. Only the
+// first MiB of each is sent: a server that accepts such a value waits for the rest (and, sent
+// whole, held it: 1.9 GB); one that refuses it closes the connection at the length.
+TEST_CASE("store limits: five 250 MiB SETs are refused at their length with the default limits") {
+  LogLines log;
+  TcpStoreServerOptions o;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  std::vector<std::unique_ptr<Socket>> attackers;
+  for (int i = 0; i < 5; ++i) {
+    attackers.push_back(std::make_unique<Socket>(server.port()));
+    REQUIRE(attackers.back()->fd >= 0);
+    sendAll(attackers.back()->fd, partialSet("/big" + std::to_string(i), 250u << 20, 1u << 20));
+  }
+  for (auto& a : attackers) CHECK(closedWithin(a->fd, 5s));
+  auto s = server.stats();
+  CHECK(s.droppedConnections == 5);
+  CHECK(s.bufferedBytes == 0);
+  CHECK(s.storedBytes == 0);
+  CHECK(log.count("value of 262144000 bytes exceeds the limit of 16777216 (maxValueLength)") == 5);
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("k", toBytes("v"));
+  CHECK(toString(legit.get("k")) == "v");
+}
+
+// What the store holds past maxStoredBytes: the SET that would cross it is refused (its writer is
+// dropped, as c10d does for any request it cannot serve), those under the cap are kept.
+TEST_CASE("store limits: SETs past maxStoredBytes are refused, those under it are kept") {
+  LogLines log;
+  TcpStoreServerOptions o;
+  o.engineLimits.maxStoredBytes = 8u << 20;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("small", toBytes("1"));
+  int kept = 0, refused = 0;
+  for (int i = 0; i < 5; ++i) {  // 5 x 3 MiB against 8 MiB: the first two fit
+    Socket a(server.port());
+    REQUIRE(a.fd >= 0);
+    sendAll(a.fd, partialSet("/big" + std::to_string(i), 3u << 20, 3u << 20));
+    // A GETNUMKEYS after the SET: a reply means the SET was served, a close that it was refused.
+    sendAll(a.fd, wire().u8(7).take());
+    char reply[8];
+    pollfd p{a.fd, POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 5000) == 1);
+    if (::recv(a.fd, reply, sizeof reply, MSG_WAITALL) == 8) ++kept; else ++refused;
+  }
+  CHECK(kept == 2);
+  CHECK(refused == 3);
+  CHECK(log.count("would take the store past its limit of 8388608 bytes (maxStoredBytes") == 3);
+  auto s = server.stats();
+  INFO("stored " << s.storedBytes << " bytes");
+  CHECK(s.storedBytes <= o.engineLimits.maxStoredBytes);
+  CHECK(s.storedBytes >= 6u << 20);
+  CHECK(legit.get("big1").size() == 3u << 20);
+  // The legit client keeps working: small writes fit, rewrites of the same size always do.
+  legit.set("small", toBytes("2"));
+  CHECK(toString(legit.get("small")) == "2");
+  CHECK(legit.add("counter", 1) == 1);
+  legit.set("big1", Bytes(3u << 20, 'w'));
+  // What a client of ours sees when its write is refused: the connection closed under it (SET
+  // has no reply in either protocol generation, so the next request is the one that fails).
+  TcpStoreClient refusedClient("127.0.0.1", server.port(), shortTimeouts());
+  CHECK_THROWS_AS(([&] {
+                    refusedClient.set("big9", Bytes(3u << 20, 'x'));
+                    refusedClient.numKeys();
+                  }()),
+                  StoreError);
+  CHECK(!refusedClient.usable());
+  CHECK(legit.numKeys() == 4);  // small, counter, big0, big1
+}
+
+// The same attack half-finished: values that never complete are buffered, not stored. Past
+// maxBufferedBytes the connection holding the largest incomplete request is dropped.
+TEST_CASE("store limits: half-sent SETs from many connections stay under maxBufferedBytes") {
+  LogLines log;
+  TcpStoreServerOptions o;
+  o.maxBufferedBytes = 8u << 20;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  std::vector<std::unique_ptr<Socket>> attackers;
+  SECTION("under the cap they are held") {
+    for (int i = 0; i < 3; ++i) {  // 3 x 2 MiB of 4 MiB values
+      attackers.push_back(std::make_unique<Socket>(server.port()));
+      sendAll(attackers.back()->fd, partialSet("/half" + std::to_string(i), 4u << 20, 2u << 20));
+    }
+    CHECK(eventually([&] { return server.stats().bufferedBytes >= (6u << 20); }, 5s));
+    CHECK(server.stats().droppedConnections == 0);
+  }
+  SECTION("past the cap the largest are dropped") {
+    for (int i = 0; i < 6; ++i) {  // 6 x 3 MiB of 4 MiB values: 18 MiB against 8 MiB
+      attackers.push_back(std::make_unique<Socket>(server.port()));
+      sendAll(attackers.back()->fd, partialSet("/half" + std::to_string(i), 4u << 20, 3u << 20));
+    }
+    // Two held (6 MiB), four dropped as each newcomer took the server past the cap.
+    CHECK(eventually([&] {
+      auto now = server.stats();
+      return now.droppedConnections >= 4 && now.bufferedBytes <= o.maxBufferedBytes;
+    }, 5s));
+    auto s = server.stats();
+    CHECK(s.droppedConnections == 4);
+    INFO("buffered now " << s.bufferedBytes << ", at most " << s.peakBufferedBytes);
+    CHECK(s.bufferedBytes <= o.maxBufferedBytes);
+    // One read (256 KiB) may go past the cap before the largest request is dropped.
+    CHECK(s.peakBufferedBytes <= o.maxBufferedBytes + (256u << 10) + 64);
+    CHECK(log.count("more than maxBufferedBytes (8388608)") == s.droppedConnections);
+  }
+  legit.set("k", toBytes("still served"));
+  CHECK(toString(legit.get("k")) == "still served");
+}
+
+// Replies count too: connections that ask for a large value again and again and never read
+// make the server hold the replies (each connection up to maxPendingOutput, 64 MiB, before its
+// requests wait). Past maxBufferedBytes the one holding the most is dropped.
+TEST_CASE("store limits: large replies left unread by many connections stay under maxBufferedBytes") {
+  TcpStoreServerOptions o;
+  o.maxBufferedBytes = 8u << 20;
+  TcpStoreServer server(o);
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("value", Bytes(2u << 20, 'v'));
+  REQUIRE(legit.get("value").size() == 2u << 20);  // stored before anyone asks for it (SET has no reply)
+  std::vector<std::unique_ptr<Socket>> readers;
+  Bytes gets = protocol::encodeValidate();
+  for (int i = 0; i < 8; ++i) {  // 16 MiB of replies per connection, more than the socket buffers take
+    Bytes get = wire().u8(3).str("/value").take();
+    gets.insert(gets.end(), get.begin(), get.end());
+  }
+  for (int i = 0; i < 6; ++i) {
+    readers.push_back(std::make_unique<Socket>(server.port(), Socket::kSmallReceiveBuffer));
+    REQUIRE(sendAll(readers.back()->fd, gets));
+  }
+  // Every reader's GETs served (the stats count them) or its connection dropped.
+  CHECK(eventually([&] {
+    auto now = server.stats();
+    return now.requests + 9 * now.droppedConnections >= 2 + 6 * 9 && now.bufferedBytes <= o.maxBufferedBytes;
+  }, 5s));
+  auto s = server.stats();
+  INFO("buffered now " << s.bufferedBytes << ", at most " << s.peakBufferedBytes << "; " << s.droppedConnections
+                       << " dropped, " << s.requests << " requests served");
+  CHECK(s.droppedConnections >= 1);
+  // One reply (2 MiB) may go past the cap before the largest holder is dropped.
+  CHECK(s.peakBufferedBytes <= o.maxBufferedBytes + (2u << 20) + 64);
+  CHECK(legit.get("value").size() == 2u << 20);
+}
+
+// What the stats count is what the server holds: a connection's input buffer grew (by doubling) to
+// take a large value and kept that capacity once the value was served, so every connection that
+// ever sent one held up to twice its size, uncounted (the worst case of the default limits was
+// 686 MiB of RSS for 375 MiB counted). Heap in use, measured around eight 4 MiB SETs on
+// connections left open, must be about what is stored.
+TEST_CASE("store limits: a connection that sent a large value does not keep a buffer of its size") {
+  TcpStoreServer server({});
+  auto heapInUse = [] {
+    const auto m = ::mallinfo2();
+    return m.uordblks + m.hblkhd;  // small chunks + mmapped large ones
+  };
+  const std::size_t before = heapInUse();
+  std::vector<std::unique_ptr<Socket>> writers;
+  for (int i = 0; i < 8; ++i) {
+    writers.push_back(std::make_unique<Socket>(server.port()));
+    const int fd = writers.back()->fd;
+    REQUIRE(fd >= 0);
+    REQUIRE(sendAll(fd, partialSet("/v" + std::to_string(i), 4u << 20, 4u << 20)));
+    REQUIRE(sendAll(fd, wire().u8(7).take()));  // GETNUMKEYS: its reply says the SET was served
+    char reply[8];
+    pollfd p{fd, POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 5000) == 1);
+    REQUIRE(::recv(fd, reply, sizeof reply, MSG_WAITALL) == 8);
+  }
+  const std::size_t grown = heapInUse() - before, stored = server.stats().storedBytes;
+  INFO("heap in use grew by " << grown << " bytes; stored " << stored);
+  CHECK(stored >= 32u << 20);
+  CHECK(grown < stored + (8u << 20));  // it was 76 MB for 33.5 MB stored: 8 buffers of 8 MiB kept
+}
+
+// A client that sends a large value at a modest rate is not a slow client: the deadline grows by
+// one second per minRequestRate bytes received.
+TEST_CASE("store limits: a request sent slower than requestTimeout but faster than minRequestRate completes") {
+  TcpStoreServerOptions o;
+  o.requestTimeout = 500ms;
+  o.minRequestRate = 64u << 10;
+  TcpStoreServer server(o);
+  Socket a(server.port());
+  REQUIRE(a.fd >= 0);
+  // 192 KiB in 1.5 s (128 KiB/s, twice the minimum rate), three times requestTimeout.
+  const Bytes whole = partialSet("/slow", 192u << 10, 192u << 10);
+  const std::size_t piece = 16u << 10;
+  for (std::size_t at = 0; at < whole.size(); at += piece) {
+    Bytes chunk(whole.begin() + static_cast<std::ptrdiff_t>(at),
+                whole.begin() + static_cast<std::ptrdiff_t>(std::min(whole.size(), at + piece)));
+    REQUIRE(sendAll(a.fd, chunk));
+    std::this_thread::sleep_for(125ms);
+  }
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  CHECK(eventually([&] { return legit.check({"slow"}); }, 5s));
+  CHECK(server.stats().timedOutConnections == 0);
+}
+
+namespace store_limits_test {
+
+// Raises RLIMIT_NOFILE's soft limit to its hard limit; returns the soft limit now.
+rlim_t raiseDescriptorLimit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rlimit raised{rl.rlim_max, rl.rlim_max};
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) rl = raised;
+  }
+  return rl.rlim_cur;
+}
+
+// Connections that each open a SET of a 1 MiB value and then send it one byte per connection and
+// round, from a few threads, without blocking; a connection the server closed is counted once.
+class Drippers {
+ public:
+  Drippers(int port, int count) {
+    for (int i = 0; i < count; ++i) {
+      int fd = ctorch::launcher_test::connectLoopback(port);
+      if (fd < 0) break;
+      fds_.push_back(fd);
+      sendAll(fd, partialSet("/drip" + std::to_string(i), 1u << 20, 0));
+    }
+    open_ = std::vector<std::atomic<bool>>(fds_.size());
+    for (auto& o : open_) o = true;
+  }
+  ~Drippers() {
+    stop();
+    for (int fd : fds_) ::close(fd);
+  }
+  std::size_t connected() const { return fds_.size(); }
+  std::size_t stillOpen() const {
+    return static_cast<std::size_t>(std::count_if(open_.begin(), open_.end(), [](auto& o) { return o.load(); }));
+  }
+  std::uint64_t bytesSent() const { return sent_; }
+
+  void start(int threads, std::chrono::milliseconds every) {
+    for (int t = 0; t < threads; ++t)
+      threads_.emplace_back([this, t, threads, every] {
+        const std::uint8_t byte = 'd';
+        while (!stop_) {
+          auto next = Clock::now() + every;
+          for (std::size_t i = static_cast<std::size_t>(t); i < fds_.size(); i += static_cast<std::size_t>(threads)) {
+            if (!open_[i]) continue;
+            ssize_t n = ::send(fds_[i], &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n == 1) ++sent_;
+            else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) open_[i] = false;
+          }
+          std::this_thread::sleep_until(next);
+        }
+      });
+  }
+  void stop() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  std::vector<int> fds_;
+  std::vector<std::atomic<bool>> open_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> sent_{0};
+};
+
+} // namespace store_limits_test
+
+// Item 6's second attack: 900 connections dripping bytes made other clients' requests take up to
+// 1.6 s (heartbeats timed out, a node was dropped every ~2 s). A heartbeat-like client (ADD, GET,
+// CHECK back to back) must stay answered while they drip, and every dripper must be dropped once
+// its request is slower than the deadline.
+TEST_CASE("store limits: 900 connections dripping bytes neither slow a heartbeat client down nor stay connected") {
+  constexpr int kDrippers = 900;
+  // Both ends of every connection are in this process, and the server keeps 1/8 of the limit.
+  const rlim_t limit = raiseDescriptorLimit();
+  if (limit < 2 * kDrippers + limit / 8 + 100)
+    CTORCH_SKIP("RLIMIT_NOFILE allows " << limit << " descriptors; " << kDrippers
+                                        << " drippers need about " << (2 * kDrippers + 400));
+  LogLines log;
+  TcpStoreServerOptions o;  // requestTimeout at its default, 5 s
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  Drippers drippers(server.port(), kDrippers);
+  REQUIRE(drippers.connected() == kDrippers);
+  TcpStoreClient heartbeat("127.0.0.1", server.port(), shortTimeouts());
+  const auto start = Clock::now();
+  // Two threads, one byte per connection every 5 ms: up to 180k bytes a second (they reach
+  // 100-120k on a loaded 2-CPU machine), each byte a read of its own for the server.
+  drippers.start(2, 5ms);
+
+  // 2 s of heartbeats while every dripper is still connected (their deadline is 5 s after their
+  // first byte, which came just before `start`). Each operation is timed on its own.
+  std::vector<std::chrono::microseconds> took;
+  int beats = 0;
+  auto timed = [&](auto op) {
+    auto t0 = Clock::now();
+    op();
+    took.push_back(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0));
+  };
+  while (Clock::now() - start < 2s) {
+    timed([&] { heartbeat.add("beat", 1); });
+    timed([&] { heartbeat.get("beat"); });
+    timed([&] { heartbeat.check({"beat"}); });
+    ++beats;
+  }
+  const auto stillOpenAfterMeasuring = drippers.stillOpen();
+  const auto dripped = drippers.bytesSent();
+  // Dropped by the deadline: 5 s from their first byte, checked every 100 ms; 3 s of margin.
+  const bool allDropped = eventually([&] { return drippers.stillOpen() == 0; }, 6s);
+  drippers.stop();
+  std::sort(took.begin(), took.end());
+  const auto median = took[took.size() / 2], worst = took.back();
+  auto s = server.stats();
+  INFO(beats << " heartbeats (ADD + GET + CHECK) in 2 s; per operation: median " << median.count()
+             << " us, slowest " << worst.count() << " us; " << dripped << " bytes dripped; drippers open after measuring "
+             << stillOpenAfterMeasuring << ", at the end " << drippers.stillOpen() << "; server: "
+             << s.timedOutConnections << " timed out, " << s.droppedConnections << " dropped, peak buffered "
+             << s.peakBufferedBytes);
+  CHECK(stillOpenAfterMeasuring == kDrippers);  // the latency was measured under the full load
+  CHECK(dripped > 100000);                      // ... and the load was there (>= 50k bytes/s)
+  // Bounds with margin for a loaded 2-CPU machine (this test alone keeps four threads busy).
+  // Measured on one with a parallel build beside it (load average 4-5.6), per operation: median
+  // 11-32 us and slowest 18-61 ms with the fix; median 55 ms (12 heartbeats in 2 s) without it.
+  // Heartbeats time out after seconds; the issue saw 1.6 s.
+  CHECK(median < 20ms);
+  CHECK(worst < 500ms);
+  CHECK(allDropped);
+  CHECK(s.timedOutConnections == kDrippers);
+  CHECK(log.count("took longer than requestTimeout (5000 ms)") >= 1);
+  CHECK(log.count("took longer than requestTimeout") < 100);  // one line per sweep, not per client
+  CHECK(toString(heartbeat.get("beat")) == std::to_string(beats));
+}
