@@ -10,7 +10,9 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <atomic>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 using namespace traintest;
@@ -74,7 +76,297 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 
 bool alive(int pid) { return ::kill(pid, 0) == 0; }
 
+// A field of /proc/<pid>/status in kB (VmRSS, ...), or -1.
+long statusKb(int pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::atol(line.c_str() + field.size() + 1);
+  return -1;
+}
+
+// CPU time (user + system) a process has used, in clock ticks.
+long cpuTicks(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = all.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(all.substr(close + 2));
+  std::string f;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::atol(f.c_str());
+    if (i == 15) stime = std::atol(f.c_str());
+  }
+  return utime + stime;
+}
+
+// The keys in-place recovery used to keep in the workers' store (before its control channel):
+// what an outsider who read the old design would go after.
+std::vector<std::string> oldControlKeys(int world) {
+  std::vector<std::string> keys{"ctorch/inplace/generation"};
+  for (int g = 0; g <= 3; ++g) {
+    keys.push_back("ctorch/inplace/g" + std::to_string(g) + "/arrived");
+    keys.push_back("ctorch/inplace/g" + std::to_string(g) + "/survivors");
+    for (int r = 0; r < world; ++r) {
+      keys.push_back("ctorch/inplace/g" + std::to_string(g) + "/alive" + std::to_string(r));
+      keys.push_back("ctorch/inplace/g" + std::to_string(g) + "/rank" + std::to_string(r));
+    }
+  }
+  for (int r = 0; r < world; ++r) keys.push_back("ctorch/inplace/evict/rank" + std::to_string(r));
+  return keys;
+}
+
+int countOf(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// An outsider on its own thread: does `attack` on its own store connection every few ms until
+// stopped (a process that can reach MASTER_ADDR:MASTER_PORT, as anyone on the network).
+class Outsider {
+ public:
+  Outsider(const std::map<std::string, std::string>& workerEnv, std::function<void(c10d::TCPStore&)> attack)
+      : store_(outsider(workerEnv)), attack_(std::move(attack)), thread_([this] { loop(); }) {}
+  ~Outsider() { stop(); }
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  int rounds() const { return rounds_; }
+
+ private:
+  void loop() {
+    while (!stop_) {
+      try {
+        attack_(*store_);
+      } catch (const std::exception&) {
+        // the store went away with its round: the attacker keeps trying what it can
+      }
+      ++rounds_;
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    }
+  }
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::function<void(c10d::TCPStore&)> attack_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> rounds_{0};
+  std::thread thread_;
+};
+
 }  // namespace
+
+TEST_CASE("outsider: deleting liveness marks and lowering counters in the store gets no healthy worker killed "
+          "(issue 40.1)", "[trainer][process][control]") {
+  // Rank 1 hangs (SIGSTOP) while an outsider keeps deleting every liveness mark and adds -100 to
+  // every counter the old design kept in the store. Only the hung rank is killed and replaced.
+  TempDir dir("outsider-liveness");
+  auto args = kSlowToy;
+  args.insert(args.end(), {"--timeout", "4"});
+  Process p(trainUnderLauncher(dir.path(), 3, args, {"--recovery", "in-place", "--max-restarts", "4"}));
+  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(90)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1), rank2 = findWorkerPid(dir.path(), 2);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  REQUIRE(rank2 > 0);
+  const auto keys = oldControlKeys(3);
+  Outsider attacker(environOf(rank0), [&](c10d::TCPStore& store) {
+    for (const auto& key : keys) {
+      if (key.find("/alive") != std::string::npos || key.find("/rank") != std::string::npos) store.deleteKey(key);
+      else if (key.find("evict") == std::string::npos) store.add(key, -100);
+    }
+  });
+  REQUIRE(::kill(rank1, SIGSTOP) == 0);
+  REQUIRE(waitForOutput(p, std::regex("stopped answering its peers"), std::chrono::seconds(60)));
+  REQUIRE(waitForOutput(p, std::regex("recovered in place at"), std::chrono::seconds(60)));
+  CHECK(alive(rank0));
+  CHECK(alive(rank2));
+  CHECK(findWorkerPid(dir.path(), 0) == rank0);
+  CHECK(findWorkerPid(dir.path(), 2) == rank2);
+  const int rounds = attacker.rounds();
+  attacker.stop();
+  CHECK(rounds > 10);
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "stopped answering its peers: killing it") == 1);
+  CHECK(countOf(r.output, "worker rank 1 (local 1, pid " + std::to_string(rank1) + ") stopped answering its peers") == 1);
+  CHECK(countOf(r.output, "replacing worker rank") == 1);
+}
+
+TEST_CASE("outsider: ADD 2^63-1 to the old generation counter, then a crash: recovered in place, and ctorchrun "
+          "answers SIGTERM at once (issue 40.3)", "[trainer][process][control]") {
+  TempDir dir("outsider-add");
+  auto o = trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3"});
+  Process p(o);
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  auto store = outsider(environOf(rank0));
+  store->add("ctorch/inplace/generation", std::numeric_limits<std::int64_t>::max());
+  for (int g = 0; g < 3; ++g) store->add("ctorch/inplace/g" + std::to_string(g) + "/arrived", std::numeric_limits<std::int64_t>::max());
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("recovered in place at"), std::chrono::seconds(60)));
+  // Whatever the store holds, the agent's loop is free: a stop is answered within its grace (3 s).
+  const auto sent = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  const auto r = p.wait();
+  const auto took = std::chrono::steady_clock::now() - sent;
+  INFO(show(r));
+  CHECK_FALSE(r.timedOut);
+  CHECK(took < std::chrono::seconds(10));
+  CHECK(countOf(r.output, "replacing worker rank 1") == 1);
+  CHECK(countOf(r.output, "recovered in place at") == 1);
+}
+
+TEST_CASE("outsider: a replacement that hangs before it joins is evicted like any hung rank, and the run goes on "
+          "(issue 40.4)", "[trainer][process][control]") {
+  TempDir dir("outsider-hung-replacement");
+  auto args = kSlowToy;
+  args.insert(args.end(), {"--timeout", "3"});
+  Process p(trainUnderLauncher(dir.path(), 2, args,
+                               {"--recovery", "in-place", "--max-restarts", "3", "--preloaded-workers", "0"},
+                               std::chrono::seconds(180)));
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+  const int rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank1 > 0);
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  // Its replacement is stopped the moment it appears, before it can join.
+  const int replacement = waitForPid([&] { return findProcessWith(dir.path(), ctorch::contract::env::kReplacement); });
+  REQUIRE(replacement > 0);
+  REQUIRE(::kill(replacement, SIGSTOP) == 0);
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "pid " + std::to_string(replacement) + ") stopped answering its peers") == 1);
+  CHECK(countOf(r.output, "replacing worker rank 1") == 2);  // the killed worker, then the hung replacement
+  CHECK(r.output.find("no restarts left") == std::string::npos);
+}
+
+TEST_CASE("outsider: the old store keys of one launch replayed into the next steer nothing (issue 40.2)",
+          "[trainer][process][control]") {
+  // The same command twice (a fixed run id and job secret: the same key): everything an outsider
+  // could read in launch 1's store under the old design's names is written into launch 2's.
+  TempDir dir("outsider-replay");
+  auto launch = [&] {
+    const std::string endpoint = "127.0.0.1:" + std::to_string(ctorch::test::freePort());
+    auto o = trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3",
+                                                          "--spare-workers", "1", "--rdzv-backend", "c10d",
+                                                          "--rdzv-endpoint", endpoint, "--rdzv-id", "replay-run"});
+    // --standalone comes from trainUnderLauncher: replace it with one node of the c10d backend.
+    o.argv.erase(std::find(o.argv.begin(), o.argv.end(), "--standalone"));
+    o.argv.insert(o.argv.begin() + 1, {"--nnodes", "1"});
+    o.setEnv["CTORCH_JOB_SECRET"] = "the same secret in both launches";
+    return o;
+  };
+  std::map<std::string, std::vector<uint8_t>> recorded;
+  {
+    Process p(launch());
+    REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+    const int rank1 = findWorkerPid(dir.path(), 1);
+    REQUIRE(rank1 > 0);
+    REQUIRE(::kill(rank1, SIGKILL) == 0);
+    REQUIRE(waitForOutput(p, std::regex("takes over rank 1"), std::chrono::seconds(60)));
+    auto store = outsider(environOf(findWorkerPid(dir.path(), 0)));
+    auto keys = oldControlKeys(2);
+    for (const char* spare : {"0-0-1", "0-0-2"}) keys.push_back(std::string("ctorch/inplace/spare/") + spare);
+    for (const auto& key : keys)
+      if (store->check({key})) recorded[key] = store->get(key);
+    const auto r = p.wait();
+    INFO(show(r));
+    REQUIRE(r.ok());
+  }
+  INFO("recorded " << recorded.size() << " keys of launch 1");
+  for (const auto& e : fs::directory_iterator(dir.path()))  // launch 2 starts afresh: the same command, a new run
+    if (e.path().filename().string().rfind("snapshot", 0) == 0 || e.path().filename() == "metrics.jsonl") fs::remove(e.path());
+  Process p(launch());
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+  const int rank1 = findWorkerPid(dir.path(), 1);
+  const int spare = waitForPid([&] { return findProcessWith(dir.path(), ctorch::contract::env::kSpare); });
+  REQUIRE(rank1 > 0);
+  REQUIRE(spare > 0);
+  auto store = outsider(environOf(rank1));
+  for (const auto& [key, value] : recorded) store->set(key, value);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  CHECK(alive(rank1));
+  CHECK(findWorkerPid(dir.path(), 1) == rank1);
+  CHECK(environOf(spare).count(ctorch::contract::env::kSpare));  // still a spare: took no rank
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("takes over") == std::string::npos);
+  CHECK(r.output.find("stopped answering") == std::string::npos);
+}
+
+TEST_CASE("outsider: forged 4 MiB values in the old keys cost the spare and ctorchrun neither memory nor CPU "
+          "(issue 40.5)", "[trainer][process][control]") {
+  TempDir dir("outsider-forged-values");
+  auto o = trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3",
+                                                        "--spare-workers", "1"});
+  Process p(o);
+  const int spare = waitForPid([&] { return findProcessWith(dir.path(), ctorch::contract::env::kSpare); });
+  REQUIRE(spare > 0);
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+  const auto env = environOf(spare);
+  const long spareBefore = statusKb(spare, "VmRSS"), agentBefore = statusKb(p.pid(), "VmRSS");
+  const long spareCpuBefore = cpuTicks(spare);
+  {
+    auto store = outsider(env);
+    const std::string spareKey = "ctorch/inplace/spare/" + env.at(ctorch::contract::env::kSpare);
+    for (int i = 0; i < 12; ++i) {
+      std::vector<uint8_t> value(4u << 20, static_cast<uint8_t>('a' + i));
+      for (const auto& key : {spareKey, std::string("ctorch/inplace/evict/rank1")}) store->set(key, value);
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    }
+  }
+  const long spareAfter = statusKb(spare, "VmRSS"), agentAfter = statusKb(p.pid(), "VmRSS");
+  const long spareCpu = cpuTicks(spare) - spareCpuBefore;
+  INFO("spare RSS " << spareBefore << " -> " << spareAfter << " kB, ctorchrun " << agentBefore << " -> " << agentAfter
+                    << " kB, spare CPU " << spareCpu << " ticks over ~2 s");
+  CHECK(spareAfter - spareBefore < 16 * 1024);
+  // The store holds the last value of each key (8 MiB) and the allocator keeps freed transfer
+  // buffers (~20 MB measured); the old design also kept every distinct refused value (48 MiB more).
+  CHECK(agentAfter - agentBefore < 40 * 1024);
+  CHECK(spareCpu < 50);  // a spare waits on its connection; it does not read the store
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("ignoring ctorch/inplace") == std::string::npos);
+}
+
+TEST_CASE("in-place impossible: a sharded run says so at start and a kill restarts the group at once, with "
+          "default timeouts", "[trainer][process][control]") {
+  TempDir dir("inplace-impossible");
+  // ctorchrun's own defaults (shutdown grace 30 s) and ctorch-train's (--timeout 300 s).
+  SpawnOptions o;
+  o.argv = {launcherExe(), "--standalone", "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "2",
+            trainExe()};
+  for (const auto& a : kSlowToy) o.argv.push_back(a);
+  o.argv.insert(o.argv.end(), {"--sharding", "full"});
+  o.unsetEnv = launcherVariables();
+  o.cwd = dir.path();
+  o.timeout = std::chrono::seconds(150);
+  Process p(o);
+  REQUIRE(waitForOutput(p, std::regex("this job recovers from failures by restarting the group"), std::chrono::seconds(60)));
+  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(60)));
+  const int rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank1 > 0);
+  const auto killed = std::chrono::steady_clock::now();
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("restarting, restart 1 of 2"), std::chrono::seconds(60)));
+  const auto restarted = std::chrono::steady_clock::now() - killed;
+  // A restart at once: the other rank is stopped now, not after a replacement's start and a
+  // collective's timeout (30 s before; well under a second here).
+  CHECK(restarted < std::chrono::seconds(10));
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "this job recovers from failures by restarting the group") == 1);  // said once
+  CHECK(r.output.find("replacing worker") == std::string::npos);
+  CHECK(r.output.find("ended before it was needed") == std::string::npos);  // the preloaded worker went quietly
+}
 
 TEST_CASE("control channel: CTORCH_SPARE left in the shell is dropped with a warning, a spare started by hand "
           "is refused at once", "[trainer][process][control]") {

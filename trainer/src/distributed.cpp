@@ -498,7 +498,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
       phase = "connecting to the job's coordinator (the control channel) at " + env.masterAddr + ":" +
               std::to_string(env.masterPort);
       try {
-        s.control = connectControl(env, lookup, storeTimeout);
+        // The coordinator welcomes this process once its agent said which process holds the rank
+        // (at once, normally): a minute is far more than that takes, and far less than a store
+        // timeout may be.
+        s.control = connectControl(env, lookup, std::min<std::chrono::milliseconds>(storeTimeout, std::chrono::minutes(1)));
       } catch (const std::exception& e) {
         if (replacement) throw;
         // Without the channel this rank cannot take part in a re-form: ctorchrun restarts the

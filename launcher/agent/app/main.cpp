@@ -53,7 +53,8 @@ int launch(int argc, char** argv) {
   }
   if (!config.recoveryWarning.empty()) log("ctorchrun").warn("{}", config.recoveryWarning);
   if (config.inPlaceRecovery)
-    log("ctorchrun").info("in-place recovery: the commands in the workers' store are signed with the job's key ({})",
+    log("ctorchrun").info("in-place recovery: its commands travel on a control channel that the job's key "
+                          "authenticates, never through the store ({})",
                           config.controlKeySource);
 
   // Before any thread exists (the store starts one): the signals we handle are read from a

@@ -341,9 +341,10 @@ GroupOutcome ElasticAgent::runGroup(const RendezvousInfo& info) {
   monitor_.emplace(static_cast<int>(launches.size()), config_.shutdownTimeout, policy_.replacementsAllowed());
   stopNoted_ = false;
   files_ = files;
-  replacements_->prepare(launches);
+  const bool inPlace = policy_.replacementsAllowed() > 0;
+  replacements_->prepare(launches, inPlace);
   processes_.start(launches);
-  replacements_->beginGroup(info, restartCount, launches, files, policy_.replacementsAllowed() > 0);
+  replacements_->beginGroup(info, restartCount, launches, files, inPlace);
   attempts_.back().pids = processes_.pids();
   log("agent").info("started {} worker(s) of {} (attempt {}, restart {} of {})", launches.size(), config_.program,
                     restartCount + 1, restartCount, config_.maxRestarts);

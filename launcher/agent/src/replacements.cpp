@@ -38,10 +38,19 @@ Replacements::Replacements(const LaunchConfig& config, ProcessContext& processes
 
 Replacements::~Replacements() = default;
 
-void Replacements::prepare(std::vector<WorkerLaunch>& launches) {
+void Replacements::prepare(std::vector<WorkerLaunch>& launches, bool inPlace) {
   incarnations_.clear();
   replacedRanks_.clear();
   if (!link_) return;
+  if (!inPlace) {
+    auto owned = [](const std::string& entry) {
+      for (const char* name : contract::kLauncherOwnedVariables)
+        if (entry.rfind(std::string(name) + "=", 0) == 0) return true;
+      return false;
+    };
+    for (auto& w : launches) w.env.erase(std::remove_if(w.env.begin(), w.env.end(), owned), w.env.end());
+    return;
+  }
   for (auto& w : launches) {
     const std::uint64_t incarnation = cc::randomIncarnation();
     incarnations_[w.localRank] = incarnation;

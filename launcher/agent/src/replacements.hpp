@@ -34,8 +34,10 @@ class Replacements {
   // Readable when the coordinator's link has work (onReady); -1 without --recovery in-place.
   int fd() const { return link_ ? link_->fd() : -1; }
 
-  // Before a group starts: gives each worker its incarnation (CTORCH_INCARNATION).
-  void prepare(std::vector<WorkerLaunch>& launches);
+  // Before a group starts: gives each worker its incarnation (CTORCH_INCARNATION). When the run no
+  // longer recovers in place (`inPlace` false), takes in-place recovery's variables away instead:
+  // its workers then run as under --recovery restart.
+  void prepare(std::vector<WorkerLaunch>& launches, bool inPlace);
   // The group was started with `launches`: opens the link to the coordinator (node rank 0's
   // workers' store), starts --spare-workers spares and --preloaded-workers preloaded workers.
   // Nothing when `inPlace` is false (the run recovers by restarts only, from now on).
