@@ -6,6 +6,7 @@
 #include "trainer_test_util.hpp"
 
 #include <ctorch/compat.hpp>
+#include <ctorch/contract/control_client.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -252,9 +253,11 @@ TEST_CASE("outsider: the old store keys of one launch replayed into the next ste
   TempDir dir("outsider-replay");
   auto launch = [&] {
     const std::string endpoint = "127.0.0.1:" + std::to_string(ctorch::test::freePort());
-    auto o = trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3",
-                                                          "--spare-workers", "1", "--rdzv-backend", "c10d",
-                                                          "--rdzv-endpoint", endpoint, "--rdzv-id", "replay-run"});
+    auto args = kSlowToy;
+    args.insert(args.end(), {"--timeout", "5"});
+    auto o = trainUnderLauncher(dir.path(), 2, args, {"--recovery", "in-place", "--max-restarts", "3",
+                                                      "--spare-workers", "1", "--rdzv-backend", "c10d",
+                                                      "--rdzv-endpoint", endpoint, "--rdzv-id", "replay-run"});
     // --standalone comes from trainUnderLauncher: replace it with one node of the c10d backend.
     o.argv.erase(std::find(o.argv.begin(), o.argv.end(), "--standalone"));
     o.argv.insert(o.argv.begin() + 1, {"--nnodes", "1"});
@@ -289,15 +292,20 @@ TEST_CASE("outsider: the old store keys of one launch replayed into the next ste
   REQUIRE(spare > 0);
   auto store = outsider(environOf(rank1));
   for (const auto& [key, value] : recorded) store->set(key, value);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // Longer than --timeout: a spare that took the replayed rank would have given up joining by now.
+  std::this_thread::sleep_for(std::chrono::seconds(7));
   CHECK(alive(rank1));
   CHECK(findWorkerPid(dir.path(), 1) == rank1);
-  CHECK(environOf(spare).count(ctorch::contract::env::kSpare));  // still a spare: took no rank
+  // The spare still waits for its agent: a real failure now is taken over by it and repaired.
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("takes over rank 1"), std::chrono::seconds(60)));
+  REQUIRE(waitForOutput(p, std::regex("recovered in place at"), std::chrono::seconds(60)));
   const auto r = p.wait();
   INFO(show(r));
   REQUIRE(r.ok());
-  CHECK(r.output.find("takes over") == std::string::npos);
+  CHECK(countOf(r.output, "takes over rank 1") == 1);
   CHECK(r.output.find("stopped answering") == std::string::npos);
+  CHECK(r.output.find("ended before it was needed") == std::string::npos);
 }
 
 TEST_CASE("outsider: forged 4 MiB values in the old keys cost the spare and ctorchrun neither memory nor CPU "
@@ -441,4 +449,66 @@ TEST_CASE("control channel: --standalone's stores listen on the loopback only", 
   INFO("listening addresses: " << listening.size());
   REQUIRE_FALSE(listening.empty());
   for (const auto& address : listening) CHECK(address == "0100007F");  // 127.0.0.1, nothing else
+}
+
+// As another Unix user (the test runs this binary under setpriv): reads the job's key from a
+// worker's environment, writes the old in-place keys into the store, and tries the control channel
+// with a key of its own. Exit 0 when every attempt failed as it must; 10 + which step succeeded.
+CTORCH_TEST_WORKER(second_user) {
+  const int worker = std::stoi(args.at(0));
+  const std::string host = args.at(1);
+  const int port = std::stoi(args.at(2));
+  std::ifstream environ("/proc/" + std::to_string(worker) + "/environ", std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+  if (text.find(ctorch::contract::env::kControlKey) != std::string::npos) return 10;  // read the key
+  std::cout << "second user: the worker's environment is closed to it" << std::endl;
+  std::map<std::string, std::string> env{{"MASTER_ADDR", host}, {"MASTER_PORT", std::to_string(port)}};
+  auto store = outsider(env);  // the store itself is open to whoever reaches the port (as torchrun's)
+  store->add("ctorch/inplace/generation", std::numeric_limits<std::int64_t>::max());
+  for (const auto& key : oldControlKeys(2))
+    if (key != "ctorch/inplace/generation") store->set(key, bytes("pid=1\ngeneration=0"));
+  std::cout << "second user: wrote the old in-place keys" << std::endl;
+  namespace cc = ctorch::contract::control;
+  try {
+    cc::BlockingClient guess(host, port, std::string(32, 'k'), cc::workerHello(1, 42, ::getpid()), std::chrono::seconds(5));
+    return 11;  // welcomed without the key
+  } catch (const cc::ControlError& e) {
+    std::cout << "second user: control channel: " << e.what() << std::endl;
+  }
+  return 0;
+}
+
+TEST_CASE("outsider: a second Unix user can neither read the job's key nor speak on its control channel, and what "
+          "it writes into the store steers nothing", "[trainer][process][control]") {
+  if (::geteuid() != 0 || !fs::exists("/usr/bin/setpriv")) {
+    WARN("CTORCH_SKIPPED: needs root and setpriv to act as a second Unix user");
+    return;
+  }
+  TempDir dir("outsider-second-user");
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  Process p(trainUnderLauncher(dir.path(), 2, kSlowToy, {"--recovery", "in-place", "--max-restarts", "3"}));
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(60)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  const auto env = environOf(rank0);
+  SpawnOptions o;
+  o.argv = {"/usr/bin/setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
+            ctorch::test::selfExe().string(), "--ctorch-worker", "second_user", std::to_string(rank0),
+            env.at("MASTER_ADDR"), env.at("MASTER_PORT")};
+  o.cwd = "/";
+  o.timeout = std::chrono::seconds(60);
+  const auto outsiderRun = ctorch::test::run(o);
+  INFO(show(outsiderRun));
+  CHECK(outsiderRun.exitCode == 0);
+  CHECK_THAT(outsiderRun.output, Catch::Contains("did not prove this job's control key"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  CHECK(findWorkerPid(dir.path(), 0) == rank0);
+  CHECK(findWorkerPid(dir.path(), 1) == rank1);
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(r.output.find("stopped answering") == std::string::npos);
+  CHECK(r.output.find("replacing worker") == std::string::npos);
 }
