@@ -263,11 +263,12 @@ class TcpStoreServer::Impl {
     return static_cast<std::size_t>(fd) + reserve < limit;
   }
 
-  // Closes the oldest connection that has sent no complete request yet; false if none.
+  // Closes the oldest connection that has sent no complete request yet, or not finished its
+  // side-protocol handshake; false if none.
   bool evictIdle() {
     std::uint64_t oldest = 0;
     for (const auto& [id, c] : conns_)
-      if (!c.identified && (oldest == 0 || id < oldest)) oldest = id;
+      if ((!c.identified || c.handshaking) && (oldest == 0 || id < oldest)) oldest = id;
     if (oldest == 0) return false;
     close(oldest);
     std::lock_guard<std::mutex> lock(statsMutex_);
