@@ -106,13 +106,14 @@ struct Server {
   std::shared_ptr<Watched> side;
   std::unique_ptr<TcpStoreServer> store;
 
-  explicit Server(std::chrono::milliseconds requestTimeout = 5s) {
+  explicit Server(std::chrono::milliseconds requestTimeout = 5s, std::size_t maxConnections = 0) {
     plane = std::make_shared<ControlPlane>(kKey, log.sink());
     side = std::make_shared<Watched>(plane);
     TcpStoreServerOptions o;
     o.host = "127.0.0.1";
     o.side = side;
     o.requestTimeout = requestTimeout;
+    o.maxConnections = maxConnections;
     store = std::make_unique<TcpStoreServer>(o);
   }
   int port() const { return store->port(); }
@@ -554,6 +555,43 @@ TEST_CASE("control plane: an unfinished handshake is dropped at the request dead
   CHECK(awaitType(*agent, Type::kReformed, 10s));
   auto c10d = server.c10d();
   CHECK(ctorch::store::toString(c10d.get("before")) == "1");
+}
+
+TEST_CASE("control plane: unfinished handshakes cannot take every connection from the job's clients") {
+  constexpr std::size_t kCap = 16;
+  Server server(60s, kCap);  // no deadline within the test: only eviction makes room
+  std::vector<std::unique_ptr<Socket>> squatters;
+  auto squat = [&](std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      squatters.push_back(std::make_unique<Socket>(server.port()));
+      REQUIRE(squatters.back()->fd >= 0);
+      REQUIRE(sendAll(squatters.back()->fd, magic()));
+    }
+  };
+  squat(kCap);
+  REQUIRE(eventually([&] { return server.store->stats().sideConnections == kCap; }));
+
+  // The job's agent and worker get in, each in place of the oldest unfinished handshake.
+  auto agent = server.agent(1);
+  agent->send(registerRank(0, 0xa0));
+  auto worker = server.worker(0, 0xa0);
+  CHECK(server.store->stats().evictedConnections == 2);
+  CHECK(closedWithin(squatters[0]->fd, 5s));
+  CHECK(closedWithin(squatters[1]->fd, 5s));
+  // More of them evict each other, never an established session.
+  squat(2 * kCap);
+  REQUIRE(eventually([&] { return server.store->stats().evictedConnections == 2 * kCap + 2; }));
+  CHECK(server.store->stats().rejectedConnections == 0);
+  worker->send(reform(0));
+  const auto formed = awaitType(*worker, Type::kFormed, 10s);
+  REQUIRE(formed);
+  CHECK(formed->generation == 1);
+  CHECK(awaitType(*agent, Type::kReformed, 10s));
+  CHECK(ctorch::store::toString([&] {
+          auto c10d = server.c10d();
+          c10d.set("in", ctorch::store::toBytes("yes"));
+          return c10d.get("in");
+        }()) == "yes");
 }
 
 TEST_CASE("control plane: an outsider's store writes of the old in-place keys change nothing") {
