@@ -379,6 +379,23 @@ TEST_CASE("coordinator: a closed connection marks its rank gone: no kill for it,
   CHECK(job.c.generation() == 1);
 }
 
+TEST_CASE("coordinator: a silent rank whose agent is not connected is killed at the first request after it reconnects") {
+  Job job;
+  twoNodes(job);
+  for (int r : {0, 1, 2}) job.send(workerPeer(r), reform(0, true));
+  CHECK(job.close(agentPeer(1)).empty());
+  job.now += 1h;
+  Message m = only(job.send(workerPeer(0), evictSilent(0, 1s)), workerPeer(0), Type::kEvicting);
+  CHECK(m.value == 0);  // nobody to order it to: not counted as done
+  CHECK(m.value2 == 0);
+  CHECK(job.c.killsOrdered() == 0);
+  job.hello(50, cc::agentHello(1, 2, 2, 4));
+  const auto kill = ofType(job.send(workerPeer(0), evictSilent(0, 1s)), Type::kKill);
+  REQUIRE(kill.size() == 1);
+  CHECK(kill[0].peer == 50);
+  CHECK(kill[0].message.rank == 3);
+}
+
 TEST_CASE("coordinator: every rank that can recover in place is told to agents once, also to one that connects later") {
   Job job;
   twoNodes(job);
