@@ -157,6 +157,7 @@ class TcpStoreServer::Impl {
     bool paused = false;        // not read nor served: too much unsent output
     bool identified = false;    // has sent a complete request
     bool side = false;          // served by options_.side (its first bytes were the side magic)
+    bool handshaking = false;   // side magic begun or handshake not done: counted in handshakes_
     std::size_t held = 0;       // request bytes not served yet + reply bytes not sent (in `buffered_`)
     // When the request in progress began (its first byte, or the end of the one before it in
     // the same read); the epoch when none is in progress.
@@ -186,7 +187,7 @@ class TcpStoreServer::Impl {
           timeout = static_cast<int>(left);
         }
       }
-      if (options_.requestTimeout.count() > 0 && buffered_ > 0) {
+      if (options_.requestTimeout.count() > 0 && (buffered_ > 0 || handshakes_ > 0)) {
         const auto now = Clock::now();
         if (now >= nextSweep_) {
           dropSlowRequests();
@@ -262,11 +263,12 @@ class TcpStoreServer::Impl {
     return static_cast<std::size_t>(fd) + reserve < limit;
   }
 
-  // Closes the oldest connection that has sent no complete request yet; false if none.
+  // Closes the oldest connection that has sent no complete request yet, or not finished its
+  // side-protocol handshake; false if none.
   bool evictIdle() {
     std::uint64_t oldest = 0;
     for (const auto& [id, c] : conns_)
-      if (!c.identified && (oldest == 0 || id < oldest)) oldest = id;
+      if ((!c.identified || c.handshaking) && (oldest == 0 || id < oldest)) oldest = id;
     if (oldest == 0) return false;
     close(oldest);
     std::lock_guard<std::mutex> lock(statsMutex_);
@@ -393,11 +395,14 @@ class TcpStoreServer::Impl {
       if (n > 0 && std::memcmp(c.in.data(), magic.data(), n) == 0) {
         if (n < magic.size()) {  // the rest of the magic is still on its way, under the request deadline
           if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+          setHandshaking(c, true);
           return true;
         }
         c.side = c.identified = true;
         std::lock_guard<std::mutex> lock(statsMutex_);
         ++stats_.sideConnections;
+      } else {
+        setHandshaking(c, false);  // a begun magic that turned out to be a c10d request
       }
     }
     if (c.side) return serveSide(id, c);
@@ -486,6 +491,7 @@ class TcpStoreServer::Impl {
     c.in.clear();
     if (established) c.requestStart = {};
     else if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+    setHandshaking(c, !established);
     account(c);
     queueSide(out);
     return conns_.count(id) > 0;
@@ -509,6 +515,15 @@ class TcpStoreServer::Impl {
     }
     flushTouched();
     for (std::uint64_t id : closing) close(id);
+  }
+
+  // A side-protocol connection whose handshake runs holds no bytes here (the handler keeps them),
+  // so `buffered_` cannot tell the sweep that its deadline runs: handshakes_ counts them.
+  void setHandshaking(Connection& c, bool on) {
+    if (c.handshaking == on) return;
+    c.handshaking = on;
+    if (on) ++handshakes_;
+    else --handshakes_;
   }
 
   static std::size_t pendingInput(const Connection& c) { return c.parser.partialLength() + c.in.size(); }
@@ -660,6 +675,7 @@ class TcpStoreServer::Impl {
     // Closed on return, once the stats say what the peer will then see.
     Fd fd = std::move(it->second.fd);
     buffered_ -= it->second.held;
+    setHandshaking(it->second, false);
     const bool side = it->second.side;
     conns_.erase(it);
     if (side) {
@@ -704,6 +720,7 @@ class TcpStoreServer::Impl {
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
   std::size_t buffered_ = 0;  // the sum of every connection's `held`
+  std::size_t handshakes_ = 0;  // connections whose `handshaking` is set
   protocol::Bytes scratch_ = protocol::Bytes(kReadChunk);  // what one recv may bring
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::vector<std::uint64_t> touched_;      // connections given output by another's request

@@ -38,6 +38,15 @@ class BlockingClient {
   BlockingClient(const std::string& host, int port, std::string key, const Message& hello, std::chrono::milliseconds timeout,
                  std::function<bool()> interrupted = {})
       : key_(std::move(key)), interrupted_(std::move(interrupted)) {
+    // A constructor that throws runs no destructor: without this, a process that tries again
+    // would keep one socket (and one half-open session on the store) per failed try.
+    struct CloseUnlessWelcomed {
+      int& fd;
+      bool welcomed = false;
+      ~CloseUnlessWelcomed() {
+        if (!welcomed && fd >= 0) ::close(fd);
+      }
+    } guard{fd_};
     const auto deadline = Clock::now() + timeout;
     connectTo(host, port, deadline);
     const Nonce mine = randomNonce();
@@ -55,6 +64,7 @@ class BlockingClient {
     if (reply->type == Type::kRefused) throw ControlError("the coordinator refused this process: " + reply->text);
     if (reply->type != Type::kWelcome) throw ControlError("the coordinator answered with message type " + std::to_string(static_cast<int>(reply->type)));
     welcome_ = *reply;
+    guard.welcomed = true;
   }
   ~BlockingClient() {
     if (fd_ >= 0) ::close(fd_);

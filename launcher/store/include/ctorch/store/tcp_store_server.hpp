@@ -43,7 +43,8 @@ struct TcpStoreServerOptions {
   // Connections served at once; 0: as many as the file-descriptor limit allows while leaving a
   // reserve (1/8 of RLIMIT_NOFILE, at least 32) to the rest of the process (a restart's new
   // store, the workers' pipes). At the cap the oldest connection that has not sent a complete
-  // request yet makes room for the new one; without such a connection the new one is closed.
+  // request yet (or not finished the side protocol's handshake) makes room for the new one;
+  // without such a connection the new one is closed.
   std::size_t maxConnections = 0;
   // Bytes of requests received but not served yet (incomplete ones, mostly) and of replies not
   // sent yet, over all connections. Past it the connection holding the most is dropped: half-sent
