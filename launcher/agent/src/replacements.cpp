@@ -247,15 +247,16 @@ void Replacements::startSpare(bool preloaded) {
   log("agent").debug("started {} worker {}", preloaded ? "preloaded" : "spare", spare.id);
 }
 
-// Hands the rank to a spare that is connected and waiting (a spare before a preloaded worker: its
-// program is set up already). The coordinator forwards the assignment on the spare's own
-// authenticated connection; nothing of it passes through the store.
+// Hands the rank to a spare (the coordinator forwards the assignment on the spare's own
+// authenticated connection; nothing of it passes through the store).
 bool Replacements::handToSpare(const WorkerLaunch& replacement, int replacementNumber) {
-  if (!link_ || !link_->ready()) return false;
+  if (!link_ || !link_->ready() || spares_.empty()) return false;
+  // One that waits already, a spare before a preloaded worker; else the oldest, still starting:
+  // the coordinator keeps its assignment until it connects (sooner than a new process would).
   auto chosen = std::find_if(spares_.begin(), spares_.end(), [](const Spare& s) { return s.ready && !s.preloaded; });
   if (chosen == spares_.end())
     chosen = std::find_if(spares_.begin(), spares_.end(), [](const Spare& s) { return s.ready; });
-  if (chosen == spares_.end()) return false;
+  if (chosen == spares_.end()) chosen = spares_.begin();
   const Spare spare = *chosen;
   const char* kind = spare.preloaded ? "preloaded" : "spare";
   cc::Message m = cc::message(cc::Type::kAssignSpare);

@@ -154,6 +154,13 @@ void Coordinator::helloSpare(PeerId peer, Peer& p, const Message& hello, std::ve
   p.welcomed = true;
   peers_[peer] = p;
   welcome(peer, out);
+  const auto pending = pendingAssignments_.find({node, p.spareId, p.incarnation});
+  if (pending != pendingAssignments_.end()) {
+    // Its agent gave it a rank while it was still starting: it takes it over now.
+    const Message assign = pending->second;
+    pendingAssignments_.erase(pending);
+    return handOver(peer, peers_[peer], assign, out);
+  }
   const auto n = nodes_.find(node);
   if (n != nodes_.end() && n->second.peer != 0) {
     Message ready = make(Type::kSpareReady);
@@ -161,6 +168,14 @@ void Coordinator::helloSpare(PeerId peer, Peer& p, const Message& hello, std::ve
     ready.incarnation = p.incarnation;
     out.push_back({n->second.peer, ready, false});
   }
+}
+
+void Coordinator::handOver(PeerId peer, Peer& p, const Message& assign, std::vector<Outgoing>& out) {
+  p.role = Role::kWorker;
+  p.rank = assign.rank;
+  Rank& r = ranks_[static_cast<std::size_t>(assign.rank)];
+  if (r.incarnation == p.incarnation) r.peer = peer;
+  out.push_back({peer, assign, false});
 }
 
 // Workers whose process is now the registered one for `rank` are welcomed and become its peer.
@@ -216,18 +231,16 @@ void Coordinator::fromAgent(Peer& p, const Message& m, Clock::time_point now, st
                e.second.incarnation == m.incarnation;
       });
       registerProcess(m.rank, m.incarnation, true, now);
-      if (spare == peers_.end()) {
-        logLine("spare " + m.text + " was given rank " + std::to_string(m.rank) + " but is not connected");
-        return;
-      }
-      spare->second.role = Role::kWorker;
-      spare->second.rank = m.rank;
-      ranks_[static_cast<std::size_t>(m.rank)].peer = spare->first;
       Message assign = make(Type::kAssign);
       assign.rank = m.rank;
       assign.value = m.value;
       assign.value2 = m.value2;
-      out.push_back({spare->first, assign, false});
+      if (spare != peers_.end()) return handOver(spare->first, spare->second, assign, out);
+      // Not connected yet (a spare started a moment ago, still loading): it gets the rank when
+      // it says hello; one that never does is evicted as a replacement that never joins.
+      if (pendingAssignments_.size() >= maxPending())
+        return logOnce("pending assignments", "too many ranks wait for spares that have not connected");
+      pendingAssignments_[{p.node, m.text.substr(0, 64), m.incarnation}] = assign;
       return;
     }
     default:

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace ctorch::control {
@@ -88,6 +89,8 @@ class Coordinator {
   void helloAgent(PeerId peer, Peer& p, const Message& hello, std::vector<Outgoing>& out);
   void helloWorker(PeerId peer, Peer& p, const Message& hello, std::vector<Outgoing>& out);
   void helloSpare(PeerId peer, Peer& p, const Message& hello, std::vector<Outgoing>& out);
+  // The spare `peer` takes rank `assign.rank` over (kAssign sent to it).
+  void handOver(PeerId peer, Peer& p, const Message& assign, std::vector<Outgoing>& out);
   void fromAgent(Peer& p, const Message& m, Clock::time_point now, std::vector<Outgoing>& out);
   void fromWorker(PeerId peer, Peer& p, const Message& m, Clock::time_point now, std::vector<Outgoing>& out);
   void registerProcess(int rank, std::uint64_t incarnation, bool replacement, Clock::time_point now);
@@ -118,6 +121,9 @@ class Coordinator {
   std::string incapableWhy_;
   int kills_ = 0;
   std::map<std::string, std::uint64_t> logged_;  // kinds of refusals logged, and how often each came
+  // Ranks given to spares that had not connected yet (node, spare id, incarnation -> kAssign):
+  // delivered when that spare says hello. At most maxPending().
+  std::map<std::tuple<int, std::string, std::uint64_t>, Message> pendingAssignments_;
 };
 
 } // namespace ctorch::control
