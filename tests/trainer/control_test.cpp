@@ -512,3 +512,31 @@ TEST_CASE("outsider: a second Unix user can neither read the job's key nor speak
   CHECK(r.output.find("stopped answering") == std::string::npos);
   CHECK(r.output.find("replacing worker") == std::string::npos);
 }
+
+TEST_CASE("a rank waiting for its peers in initProcessGroup answers SIGTERM at once with exit 75",
+          "[trainer][process][control]") {
+  // Rank 1 of 2 whose rank 0 never comes (its peers failed, its launcher stops it for a restart):
+  // c10d's store connect waits for the store timeout inside a call a stop handler does not end.
+  const int rank = GENERATE(0, 1);  // rank 0 hosts the store and waits for rank 1; rank 1 waits for it
+  INFO("rank " << rank);
+  TempDir dir("stop-in-init");
+  auto o = trainAlone(dir.path(), {"--model", "linear", "--dataset", "synthetic-regression", "--epochs", "1"},
+                      std::chrono::seconds(60));
+  o.setEnv["RANK"] = std::to_string(rank);
+  o.setEnv["LOCAL_RANK"] = "0";
+  o.setEnv["WORLD_SIZE"] = "2";
+  o.setEnv["LOCAL_WORLD_SIZE"] = "1";
+  o.setEnv["MASTER_ADDR"] = "127.0.0.1";
+  o.setEnv["MASTER_PORT"] = std::to_string(ctorch::test::freePort());
+  Process p(o);
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // well into the wait (LibTorch loads in ~0.5 s)
+  REQUIRE(p.running());
+  const auto sent = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  const auto r = p.wait();
+  INFO(show(r));
+  CHECK(r.exitCode == ctorch::contract::kExitPreempted);
+  CHECK(std::chrono::steady_clock::now() - sent < std::chrono::seconds(5));
+  CHECK_THAT(r.output, Catch::Contains("stopped by signal 15 while the process group was set up"));
+  CHECK(r.output.find("Interrupted system call") == std::string::npos);
+}

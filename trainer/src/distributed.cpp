@@ -26,6 +26,7 @@
 #include <set>
 #include <mutex>
 #include <sstream>
+#include <condition_variable>
 #include <thread>
 
 namespace ctorch {
@@ -403,6 +404,44 @@ State& initializedState() {
   return s;
 }
 
+// While a process group is set up, c10d's store and Gloo wait for the other ranks inside calls that a
+// stop signal does not end (a handler installed by installStopHandlers() only sets a flag): a rank
+// whose peers failed would then sit out its launcher's whole grace period before SIGKILL, and a
+// group restart would cost that much. This watch ends the process on a stop signal instead, with
+// exit 75 (kExitPreempted: nothing was trained yet, nothing to save; run it again), as a stop during
+// start-up ends elsewhere.
+class StopWatch {
+ public:
+  explicit StopWatch(std::string who) : who_(std::move(who)), thread_([this] { watch(); }) {}
+  ~StopWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!done_) {
+      if (const int signo = stopSignal()) {
+        std::cerr << "ctorch: " + who_ + ": stopped by signal " + std::to_string(signo) +
+                         " while the process group was set up: nothing to save yet\n"
+                  << std::flush;
+        std::_Exit(contract::kExitPreempted);
+      }
+      wake_.wait_for(lock, std::chrono::milliseconds(50));
+    }
+  }
+  std::string who_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 // A preloaded worker (ctorchrun --preloaded-workers) waits for its assignment here, while the program
 // starts: LibTorch's libraries are loaded and initialised (the slow part of a new process: ~0.4 s of
 // a new worker's ~0.5 s), the program's main() has not run. With its rank variables set it goes on
@@ -457,6 +496,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
   ignoreSigpipe();
   if (const auto spare = lookup(contract::env::kSpare)) s.control = awaitSpareAssignment(*spare, lookup);
   const DistributedEnv env = detectDistributedEnv(lookup);
+  const StopWatch stopWatch("rank " + std::to_string(env.rank) + "/" + std::to_string(env.worldSize));
 
   // Backends. 1.13 has one per group; 2.x registers Gloo for CPU next to NCCL for CUDA (Python's
   // default when no backend is named).
@@ -541,6 +581,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
     s.recipe = recipe;
     return pg;
   } catch (...) {
+    // A stop signal that interrupted a wait (EINTR) is a stop, not a failure.
+    if (const int signo = stopSignal())
+      throw Stopped(where + ": stopped by signal " + std::to_string(signo) +
+                    " while the process group was set up: nothing to save yet");
     rethrowDuring(where, phase);
   }
 }
