@@ -704,6 +704,16 @@ class ControlWorkers {
   int ready_ = 0;
 };
 
+// Once the spare has its assignment, it (now local rank `to`) and the survivor (local rank 0) finish.
+void finishOnceAssigned(ControlWorkers& cw, FakeProcessContext& pc, int to) {
+  cw.run([&cw, &pc, to] {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    pc.exitWorker(to, ExitStatus::exited(0));
+    pc.exitWorker(0, ExitStatus::exited(0));
+  });
+}
+
 std::vector<std::string> inPlaceArgs(int nproc, int maxRestarts, std::vector<std::string> more = {"--preloaded-workers", "0"}) {
   std::vector<std::string> a{"--nproc-per-node", std::to_string(nproc), "--max-restarts", std::to_string(maxRestarts),
                              "--recovery", "in-place"};
@@ -949,14 +959,7 @@ TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed r
     REQUIRE(w.localRank < 0);  // only spares: they wait
     cw.spare(w);
   };
-  pc.onRelabel = [&](int, int to) {
-    cw.run([&, to] {  // once the spare has its assignment, it (now rank 1) and the survivor finish
-      const auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
-      pc.exitWorker(to, ExitStatus::exited(0));
-      pc.exitWorker(0, ExitStatus::exited(0));
-    });
-  };
+  pc.onRelabel = [&](int, int to) { finishOnceAssigned(cw, pc, to); };
   CHECK(f.run(pc) == 0);
   CHECK(cw.errors().empty());
   CHECK(pc.launches.size() == 1);
@@ -993,14 +996,7 @@ TEST_CASE("agent: --recovery in-place starts a preloaded worker by default, whic
     REQUIRE(w.localRank < 0);  // only preloaded workers: they wait
     cw.spare(w);
   };
-  pc.onRelabel = [&](int, int to) {
-    cw.run([&, to] {
-      const auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
-      pc.exitWorker(to, ExitStatus::exited(0));
-      pc.exitWorker(0, ExitStatus::exited(0));
-    });
-  };
+  pc.onRelabel = [&](int, int to) { finishOnceAssigned(cw, pc, to); };
   CHECK(f.run(pc) == 0);
   CHECK(cw.errors().empty());
   CHECK(pc.relabels == std::vector<std::pair<int, int>>{{-1, 1}});

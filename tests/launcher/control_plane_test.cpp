@@ -43,31 +43,6 @@ using Clock = std::chrono::steady_clock;
 const std::string kKey = "the job's control key, 32 bytes!";
 const std::string kWrongKey = "another job's key, also 32 bytes";
 
-// Lines a server-thread callback writes, read on the test's thread.
-class Lines {
- public:
-  std::function<void(const std::string&)> sink() {
-    return [this](const std::string& line) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lines_.push_back(line);
-    };
-  }
-  std::vector<std::string> all() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return lines_;
-  }
-  std::size_t count(const std::string& text) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<std::size_t>(std::count_if(lines_.begin(), lines_.end(), [&](const std::string& l) {
-      return l.find(text) != std::string::npos;
-    }));
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<std::string> lines_;
-};
-
 // The plane as the store sees it, and which connections it was handed and not yet told closed:
 // what the plane holds per connection lives exactly that long.
 class Watched : public ctorch::store::SideProtocol {
@@ -101,7 +76,7 @@ class Watched : public ctorch::store::SideProtocol {
 
 // A workers' store with the job's control plane on it, as node rank 0's ctorchrun serves it.
 struct Server {
-  Lines log;
+  ctorch::launcher_test::LogLines log;
   std::shared_ptr<ControlPlane> plane;
   std::shared_ptr<Watched> side;
   std::unique_ptr<TcpStoreServer> store;

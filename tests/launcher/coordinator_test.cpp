@@ -610,4 +610,27 @@ TEST_CASE("coordinator: a re-form naming generation 2^63-1 forms nothing and cos
   CHECK(job.c.generation() == 1);
 }
 
+
+TEST_CASE("coordinator: a rank given to a spare that has not connected yet is handed over at its hello") {
+  Job job;
+  job.agent(0, 0, 2, 2);
+  for (int r = 0; r < 2; ++r) job.process(0, r, firstIncarnation(r), workerPeer(r));
+  job.close(workerPeer(1));
+  // The agent's only spare is still starting: the assignment waits for it, nothing is sent now.
+  CHECK(job.send(agentPeer(0), assignSpare(1, "late", 0x3100)).empty());
+  // Another spare of the node, or the same id with another incarnation, does not get it.
+  only(job.hello(310, cc::spareHello(0, "late", 0x3101, 3101)), 310, Type::kWelcome);
+  CHECK(to(job.send(310, cc::message(Type::kJoin)), 310).empty());
+  // The spare it was meant for: welcomed, then its assignment at once; it is rank 1's process now.
+  auto out = job.hello(311, cc::spareHello(0, "late", 0x3100, 3100));
+  REQUIRE(out.size() == 2);
+  CHECK(out[0].message.type == Type::kWelcome);
+  const Message a = out[1].message;
+  CHECK(out[1].peer == 311);
+  CHECK(a.type == Type::kAssign);
+  CHECK(a.rank == 1);
+  CHECK(ofType(job.send(workerPeer(0), reform(0, true)), Type::kFormed).empty());
+  CHECK(peersOf(ofType(job.send(311, cc::message(Type::kJoin)), Type::kFormed)) == std::set<PeerId>{workerPeer(0), 311});
+}
+
 } // namespace coordinator_test

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,6 +48,33 @@ std::map<int, std::map<std::string, std::string>> envByRank(const std::string& o
 
 // A TCP connection to 127.0.0.1:port (a raw store client in tests); -1 if it cannot connect.
 int connectLoopback(int port);
+
+// Lines a server-thread callback writes (a store's debugLog, the control plane's log), read on the
+// test's thread.
+class LogLines {
+ public:
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      lines_.push_back(line);
+    };
+  }
+  std::vector<std::string> all() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return lines_;
+  }
+  // How many lines contain `text`.
+  std::size_t count(const std::string& text) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::size_t n = 0;
+    for (const auto& l : lines_) n += l.find(text) != std::string::npos;
+    return n;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
 
 // Whether /usr/bin/python3 can import torch (cached).
 bool pythonHasTorch();

@@ -103,28 +103,6 @@ Bytes partialSet(const std::string& key, std::size_t value, std::size_t sent) {
   return b;
 }
 
-// The server's debug lines (written on its thread, read on the test's).
-class LogLines {
- public:
-  std::function<void(const std::string&)> sink() {
-    return [this](const std::string& line) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lines_.push_back(line);
-    };
-  }
-  // How many lines contain `text`.
-  std::size_t count(const std::string& text) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<std::size_t>(std::count_if(lines_.begin(), lines_.end(), [&](const std::string& l) {
-      return l.find(text) != std::string::npos;
-    }));
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<std::string> lines_;
-};
-
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds within) {
   const auto end = Clock::now() + within;
@@ -185,7 +163,7 @@ TEST_CASE("store limits: the engine counts what it holds, refuses a write past m
 // first MiB of each is sent: a server that accepts such a value waits for the rest (and, sent
 // whole, held it: 1.9 GB); one that refuses it closes the connection at the length.
 TEST_CASE("store limits: five 250 MiB SETs are refused at their length with the default limits") {
-  LogLines log;
+  ctorch::launcher_test::LogLines log;
   TcpStoreServerOptions o;
   o.debugLog = log.sink();
   TcpStoreServer server(o);
@@ -209,7 +187,7 @@ TEST_CASE("store limits: five 250 MiB SETs are refused at their length with the 
 // What the store holds past maxStoredBytes: the SET that would cross it is refused (its writer is
 // dropped, as c10d does for any request it cannot serve), those under the cap are kept.
 TEST_CASE("store limits: SETs past maxStoredBytes are refused, those under it are kept") {
-  LogLines log;
+  ctorch::launcher_test::LogLines log;
   TcpStoreServerOptions o;
   o.engineLimits.maxStoredBytes = 8u << 20;
   o.debugLog = log.sink();
@@ -256,7 +234,7 @@ TEST_CASE("store limits: SETs past maxStoredBytes are refused, those under it ar
 // The same attack half-finished: values that never complete are buffered, not stored. Past
 // maxBufferedBytes the connection holding the largest incomplete request is dropped.
 TEST_CASE("store limits: half-sent SETs from many connections stay under maxBufferedBytes") {
-  LogLines log;
+  ctorch::launcher_test::LogLines log;
   TcpStoreServerOptions o;
   o.maxBufferedBytes = 8u << 20;
   o.debugLog = log.sink();
@@ -460,7 +438,7 @@ TEST_CASE("store limits: 900 connections dripping bytes neither slow a heartbeat
   if (limit < 2 * kDrippers + limit / 8 + 100)
     CTORCH_SKIP("RLIMIT_NOFILE allows " << limit << " descriptors; " << kDrippers
                                         << " drippers need about " << (2 * kDrippers + 400));
-  LogLines log;
+  ctorch::launcher_test::LogLines log;
   TcpStoreServerOptions o;  // requestTimeout at its default, 5 s
   o.debugLog = log.sink();
   TcpStoreServer server(o);

@@ -27,6 +27,7 @@
 #include <mutex>
 #include <sstream>
 #include <condition_variable>
+#include <optional>
 #include <thread>
 
 namespace ctorch {
@@ -407,9 +408,10 @@ State& initializedState() {
 // While a process group is set up, c10d's store and Gloo wait for the other ranks inside calls that a
 // stop signal does not end (a handler installed by installStopHandlers() only sets a flag): a rank
 // whose peers failed would then sit out its launcher's whole grace period before SIGKILL, and a
-// group restart would cost that much. This watch ends the process on a stop signal instead, with
-// exit 75 (kExitPreempted: nothing was trained yet, nothing to save; run it again), as a stop during
-// start-up ends elsewhere.
+// group restart would cost that much. A set-up that goes on kStopGrace after a stop signal is one
+// waiting for peers that are gone: this watch ends the process then, with exit 75 (kExitPreempted:
+// nothing was trained yet, nothing to save; run it again). A set-up that finishes within it goes on
+// to agree on the stop with its peers (ResilientTraining::resume()), as a stop during start-up does.
 class StopWatch {
  public:
   explicit StopWatch(std::string who) : who_(std::move(who)), thread_([this] { watch(); }) {}
@@ -423,10 +425,14 @@ class StopWatch {
   }
 
  private:
+  static constexpr std::chrono::milliseconds kStopGrace{2000};
   void watch() {
     std::unique_lock<std::mutex> lock(mutex_);
+    std::optional<std::chrono::steady_clock::time_point> stopSeen;
     while (!done_) {
-      if (const int signo = stopSignal()) {
+      const int signo = stopSignal();
+      if (signo && !stopSeen) stopSeen = std::chrono::steady_clock::now();
+      if (signo && std::chrono::steady_clock::now() - *stopSeen >= kStopGrace) {
         std::cerr << "ctorch: " + who_ + ": stopped by signal " + std::to_string(signo) +
                          " while the process group was set up: nothing to save yet\n"
                   << std::flush;
