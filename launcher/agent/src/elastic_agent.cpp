@@ -109,7 +109,7 @@ void ElasticAgent::apply(const MonitorActions& a) {
     processes_.killAll();
   }
   if (a.replaceWorker) {
-    replacements_->replace(*a.replaceWorker, *monitor_, policy_);
+    replacements_->replace(*a.replaceWorker, policy_);
     attempts_.back().pids = processes_.pids();
   }
   if (a.armGrace) {

@@ -186,7 +186,7 @@ void Replacements::spareEnded(const WorkerExit& e) {
   spares_.erase(it);
 }
 
-void Replacements::replace(int localRank, const GroupMonitor& monitor, RestartPolicy& policy) {
+void Replacements::replace(int localRank, RestartPolicy& policy) {
   auto it = std::find_if(launches_.begin(), launches_.end(), [&](const WorkerLaunch& w) { return w.localRank == localRank; });
   if (it == launches_.end()) return;
   policy.noteReplacement();
@@ -202,7 +202,6 @@ void Replacements::replace(int localRank, const GroupMonitor& monitor, RestartPo
   log("agent").warn("replacing worker rank {} (local {}) in place; the other workers keep running "
                     "(replacement {}, {} of {} restarts used)",
                     w.globalRank, localRank, policy.replacementsUsed(), policy.restartsUsed(), config_.maxRestarts);
-  (void)monitor;
   replacedRanks_.insert(localRank);
   if (handToSpare(w, policy.replacementsUsed())) return;
   const std::uint64_t incarnation = cc::randomIncarnation();

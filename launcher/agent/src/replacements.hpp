@@ -48,7 +48,7 @@ class Replacements {
 
   // MonitorActions::replaceWorker: starts local rank `localRank` again (or hands it to a spare)
   // while the others keep running; counts the replacement in `policy`.
-  void replace(int localRank, const GroupMonitor& monitor, RestartPolicy& policy);
+  void replace(int localRank, RestartPolicy& policy);
   // Whether a failed worker of global rank `rank` can be replaced in place now: the coordinator
   // answers and every rank said it can recover in place. Says why not, once per reason.
   bool canReplace(int rank);
