@@ -538,6 +538,7 @@ TEST_CASE("a rank waiting for its peers in initProcessGroup answers SIGTERM with
   INFO(show(r));
   CHECK(r.exitCode == ctorch::contract::kExitPreempted);
   CHECK(std::chrono::steady_clock::now() - sent < std::chrono::seconds(5));
+  // (LibTorch 2.x logs the interrupted connect attempt itself; the exit is the stop's, not an error's.)
   CHECK_THAT(r.output, Catch::Contains("stopped by signal 15 while the process group was set up"));
-  CHECK(r.output.find("Interrupted system call") == std::string::npos);
+  CHECK(r.output.find("ctorch-train: error") == std::string::npos);
 }
