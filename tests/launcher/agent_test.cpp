@@ -18,6 +18,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <functional>
 #include <deque>
@@ -601,6 +602,7 @@ class ControlWorkers {
  public:
   explicit ControlWorkers(FakeRendezvous& r) : r_(r) {}
   ~ControlWorkers() {
+    stop_ = true;  // spares still waiting for a rank give up
     for (auto& t : threads_) t.join();
   }
 
@@ -666,7 +668,7 @@ class ControlWorkers {
         ++ready_;
       }
       const auto deadline = std::chrono::steady_clock::now() + 20s;
-      while (std::chrono::steady_clock::now() < deadline) {
+      while (!stop_ && std::chrono::steady_clock::now() < deadline) {
         std::optional<cc::Message> m;
         try {
           m = client->receive(std::chrono::steady_clock::now() + 200ms);
@@ -702,6 +704,7 @@ class ControlWorkers {
   std::vector<std::string> errors_;
   std::vector<cc::Message> assignments_;
   int ready_ = 0;
+  std::atomic<bool> stop_{false};
 };
 
 // Once the spare has its assignment, it (now local rank `to`) and the survivor (local rank 0) finish.
