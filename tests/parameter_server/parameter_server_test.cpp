@@ -228,6 +228,9 @@ CTORCH_TEST_WORKER(ps_silent) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
       std::cout << "timeout after " << ms.count() << " ms: " << e.what() << "\n";
     }
+    // The server's wait may end first (it began first): it stays until the other worker's own
+    // wait has ended too, or that worker would see the connection close instead of its timeout.
+    if (ps.isServer()) std::this_thread::sleep_for(std::chrono::seconds(4));
   }
   std::cout << std::flush;
   std::_Exit(0);  // the group is broken: no orderly teardown to wait for
