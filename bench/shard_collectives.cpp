@@ -4,7 +4,7 @@
 //
 // Usage (torchrun environment set): shard_collectives_bench <MB,MB,...> <reps> [segment bytes]
 // Prints, on rank 0, one line per size and method: "size_mb=16 method=ring_reduce_scatter median_ms=...".
-#include "ctorch/compat.hpp"
+#include "core/compat.hpp"
 #include "ctorch/distributed.hpp"
 #include "ctorch/flat_collectives.hpp"
 

@@ -52,15 +52,17 @@ fuzz_snapshot() {
   local sanitize=${CTORCH_FUZZ_SANITIZE:-fuzzer,address}
   local objs=()
   mkdir -p "$out/snapshot-obj"
-  for f in snapshot_format digest zip_check pickle_scan snapshot_state sampler version errors; do
+  for f in snapshot/format snapshot/digest snapshot/zip_check snapshot/pickle_scan snapshot/capture_restore \
+           sampler/distributed_sampler core/version core/errors; do
     # Rebuilt when its source or any of the library's headers changed since (a changed declaration
     # would otherwise link against a stale object).
-    if [ ! "$out/snapshot-obj/$f.o" -nt "$t/src/$f.cpp" ] ||
-       [ -n "$(find "$t/include" "$t/src" -name '*.hpp' -newer "$out/snapshot-obj/$f.o" -print -quit)" ]; then
+    local o=$out/snapshot-obj/${f//\//_}.o
+    if [ ! "$o" -nt "$t/src/$f.cpp" ] ||
+       [ -n "$(find "$t/include" "$t/src" -name '*.hpp' -newer "$o" -print -quit)" ]; then
       "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -c $torch_defines -I"$t/include" -I"$t/src" -I"$t/shim" -I"$torch_include" \
-        -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$out/snapshot-obj/$f.o"
+        -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$o"
     fi
-    objs+=("$out/snapshot-obj/$f.o")
+    objs+=("$o")
   done
   "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" $torch_defines -I"$t/include" -I"$t/shim" -I"$torch_include" \
     -I"$torch_include/torch/csrc/api/include" "$t/fuzz/snapshot_decode_fuzz.cpp" "${objs[@]}" \

@@ -2,7 +2,7 @@
 //   build/bench/snapshot/snapshot_bench [--mb 256] [--dir /tmp] [--repeat 3]
 // Model: one linear layer holding the requested megabytes of float32, SGD with momentum (so the
 // file is about twice the model) - the shape matters little, the bytes do.
-#include "ctorch/digest.hpp"
+#include "snapshot/digest.hpp"
 #include "ctorch/snapshot.hpp"
 
 #include <torch/csrc/jit/serialization/pickle.h>

@@ -1,6 +1,6 @@
 #include <ctorch/models/resnet.hpp>
 
-#include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/fsdp_unit.hpp>
 
 #include <torch/torch.h>
 

@@ -1,7 +1,7 @@
 #include <ctorch/models/simple_cnn.hpp>
 #include <ctorch/models/ops.hpp>
 
-#include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/fsdp_unit.hpp>
 
 #include <torch/torch.h>
 

@@ -5,7 +5,7 @@
 #include "ctorch_catch.hpp"
 
 #include <ctorch/amp.hpp>
-#include <ctorch/compat.hpp>
+#include "core/compat.hpp"
 #include <ctorch/snapshot.hpp>
 
 #include <torch/torch.h>

@@ -33,13 +33,22 @@ cmake --install "$build" --prefix "$tmp/installed" >/dev/null
 if grep -nE '/[^";]*lib(c10|torch)[a-z_]*\.so' "$tmp"/installed/lib*/cmake/ctorch/ctorchTargets*.cmake; then
   fail "the installed package hard-codes LibTorch library paths (above)"
 fi
-# The public API only: the library's internal headers are neither installed nor included by one that is.
-internal='compat|snapshot_writer|digest|shared_memory_allreduce'
-if ls "$tmp"/installed/include/ctorch/ | grep -xE "($internal)\.hpp"; then
-  fail "internal headers are installed (above)"
+# The public API only, by construction: exactly trainer/include/ctorch/ is installed, and every
+# header an installed one includes is installed too (nothing of trainer/src/, the library's rooms).
+src_api=$(cd "$here/../../trainer/include/ctorch" && ls *.hpp)
+installed_api=$(cd "$tmp/installed/include/ctorch" && ls *.hpp)
+if [ "$src_api" != "$installed_api" ]; then
+  diff <(echo "$src_api") <(echo "$installed_api")
+  fail "the installed ctorch/*.hpp differ from trainer/include/ctorch/ (above)"
 fi
-if grep -rnE "#include [<\"]ctorch/($internal)\.hpp" "$tmp/installed/include"; then
-  fail "an installed header includes an internal one (above)"
+missing=0
+while IFS= read -r inc; do
+  [ -f "$tmp/installed/include/$inc" ] || { echo "not installed: $inc"; missing=1; }
+done < <(grep -rhoE '#include [<"]ctorch/[A-Za-z0-9_/]+\.hpp[>"]' "$tmp/installed/include" |
+         sed -E 's/#include [<"]//; s/[>"]$//' | sort -u)
+if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero|parameter_server|snapshot|resilience)/' \
+    "$tmp/installed/include"; then
+  fail "an installed header includes one that is not installed (above)"
 fi
 mv "$tmp/installed" "$tmp/prefix"
 launcher=()

@@ -26,7 +26,7 @@
 #include "ddp_test_util.hpp"
 #include "multiproc.hpp"
 
-#include "ctorch/compat.hpp"
+#include "core/compat.hpp"
 #include "ctorch/ddp.hpp"
 #include "ctorch/distributed.hpp"
 

@@ -10,7 +10,7 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
-#include "ctorch/shared_memory_allreduce.hpp"
+#include "ddp/shared_memory_allreduce.hpp"
 
 #include <torch/torch.h>
 

@@ -3,7 +3,7 @@
 // process groups that rendezvous through it. Only this test links LibTorch; ctorchrun never does.
 #include "ctorch_catch.hpp"
 
-#include "ctorch/compat.hpp"
+#include "core/compat.hpp"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

@@ -24,9 +24,9 @@
 #include "../ddp/ddp_test_util.hpp"
 #include "../sharding/small_net.hpp"
 
-#include "ctorch/compat.hpp"
+#include "core/compat.hpp"
 #include "ctorch/ddp.hpp"
-#include "ctorch/digest.hpp"
+#include "snapshot/digest.hpp"
 #include "ctorch/distributed.hpp"
 #include "ctorch/parameter_server.hpp"
 #include "ctorch/resilience.hpp"

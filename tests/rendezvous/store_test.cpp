@@ -10,7 +10,7 @@
 #include "lab.hpp"
 #include "multiproc.hpp"
 
-#include "ctorch/compat.hpp"
+#include "core/compat.hpp"
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <unistd.h>

@@ -13,6 +13,7 @@
 #include "ctorch/ddp.hpp"
 #include "ctorch/distributed.hpp"
 #include "ctorch/fully_sharded_data_parallel.hpp"
+#include "ctorch/snapshot.hpp"
 
 #include <torch/torch.h>
 

@@ -12,6 +12,7 @@
 
 #include "ctorch/ddp.hpp"
 #include "ctorch/distributed.hpp"
+#include "ctorch/snapshot.hpp"
 #include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <torch/torch.h>

@@ -1,7 +1,7 @@
 // Snapshot format: digest, round trip, every kind of corruption, incompatibility, restore checks.
 #include "fixtures.hpp"
 
-#include "ctorch/digest.hpp"
+#include "snapshot/digest.hpp"
 
 #include <torch/csrc/jit/serialization/pickle.h>
 

@@ -5,7 +5,7 @@
 // the loopback only. Each attack is what an outsider who reaches MASTER_ADDR:MASTER_PORT can do.
 #include "trainer_test_util.hpp"
 
-#include <ctorch/compat.hpp>
+#include "core/compat.hpp"
 #include <ctorch/contract/control_client.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 

@@ -10,9 +10,10 @@
 #include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
 #include <ctorch/train/report.hpp>
-#include <ctorch/resume_plan.hpp>
+#include "resilience/resume_plan.hpp"
+#include "snapshot/slot_layout.hpp"
 #include <ctorch/train/schedule.hpp>
-#include <ctorch/snapshot_writer.hpp>
+#include "snapshot/background_writer.hpp"
 
 #include "multiproc.hpp"
 
@@ -456,8 +457,21 @@ TEST_CASE("resume decision: mid-epoch under another world size without a boundar
 }
 
 TEST_CASE("resume decision: the boundary slot sits next to the snapshot slot", "[trainer][resume]") {
-  CHECK(boundarySlotFor("run/snapshot.pt") == std::filesystem::path("run/snapshot-epoch.pt"));
-  CHECK(boundarySlotFor("snap") == std::filesystem::path("snap-epoch"));
+  CHECK(ctorch::detail::boundarySlot("run/snapshot.pt") == std::filesystem::path("run/snapshot-epoch.pt"));
+  CHECK(ctorch::detail::boundarySlot("snap") == std::filesystem::path("snap-epoch"));
+}
+
+TEST_CASE("snapshot slot layout: every file name derived from a slot's path, as docs/snapshot.md lists them",
+          "[trainer][resume]") {
+  namespace d = ctorch::detail;
+  const std::filesystem::path slot = "run/snapshot.pt";
+  CHECK(d::keptFile(slot, 2) == std::filesystem::path("run/snapshot.pt.2"));
+  CHECK(d::lockFile(slot) == std::filesystem::path("run/snapshot.pt.lock"));
+  CHECK(d::shardFile(slot, 3) == std::filesystem::path("run/snapshot.pt.optim-rank3"));
+  CHECK(d::shardFile(d::keptFile(slot, 1), 0) == std::filesystem::path("run/snapshot.pt.1.optim-rank0"));
+  CHECK(d::shardPrefix(slot) == "snapshot.pt.optim-rank");
+  CHECK(d::unusableFile(slot) == std::filesystem::path("run/snapshot.pt.unusable"));
+  CHECK(d::temporaryPrefix(slot) == "snapshot.pt.tmp-");
 }
 
 TEST_CASE("durations read naturally", "[trainer][report]") {

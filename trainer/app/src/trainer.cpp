@@ -15,7 +15,7 @@
 #include "ctorch/train/report.hpp"
 #include "ctorch/train/schedule.hpp"
 
-#include <ctorch/compat.hpp>
+#include "core/compat.hpp"
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/data/error.hpp>
 #include <ctorch/data/loader.hpp>

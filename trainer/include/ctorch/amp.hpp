@@ -4,7 +4,7 @@
 // none). The scaler's state goes into snapshots (ResilientTraining::track(GradScaler&)).
 #pragma once
 
-#include <ctorch/snapshot.hpp>
+#include <ctorch/state_dict.hpp>
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>

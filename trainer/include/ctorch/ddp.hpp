@@ -6,6 +6,7 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
+#include "ctorch/module_traversal.hpp"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -138,56 +139,6 @@ class DDPCore {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-template <class T>
-struct IsTuple : std::false_type {};
-template <class... Ts>
-struct IsTuple<std::tuple<Ts...>> : std::true_type {};
-template <class A, class B>
-struct IsTuple<std::pair<A, B>> : std::true_type {};
-template <class T>
-struct IsVector : std::false_type {};
-template <class T, class A>
-struct IsVector<std::vector<T, A>> : std::true_type {};
-template <class T>
-struct IsOptional : std::false_type {};
-template <class T>
-struct IsOptional<std::optional<T>> : std::true_type {};
-
-// Visits every tensor inside a forward's output (a Tensor, vectors, tuples, pairs and optionals of
-// them; numbers and strings hold none). Returns false for a type it cannot look into.
-template <class T, class F>
-bool visitTensors(T& value, F& f) {
-  using V = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<V, at::Tensor>) {
-    f(value);
-    return true;
-  } else if constexpr (IsVector<V>::value) {
-    for (auto& item : value)
-      if (!visitTensors(item, f)) return false;
-    return true;
-  } else if constexpr (IsTuple<V>::value) {
-    return std::apply([&](auto&... items) { return (visitTensors(items, f) && ... && true); }, value);
-  } else if constexpr (IsOptional<V>::value) {
-    return value ? visitTensors(*value, f) : true;
-  } else if constexpr (std::is_arithmetic_v<V> || std::is_enum_v<V> || std::is_same_v<V, std::string>) {
-    return true;
-  } else {
-    return false;
-  }
-}
-
-template <class M>
-std::shared_ptr<torch::nn::Module> modulePointer(const M& module) {
-  if constexpr (std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>) {
-    return module.ptr();
-  } else {
-    static_assert(std::is_convertible_v<M, std::shared_ptr<torch::nn::Module>>,
-                  "DistributedDataParallel wraps a torch::nn module holder (torch::nn::Linear, a "
-                  "TORCH_MODULE) or a std::shared_ptr to a torch::nn::Module");
-    return module;
-  }
-}
 
 } // namespace detail
 

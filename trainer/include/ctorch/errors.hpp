@@ -3,8 +3,10 @@
 // Messages are one line and quote the offending value. No LibTorch here.
 #pragma once
 
+#include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ctorch {
 
@@ -58,6 +60,58 @@ class WriteFailed : public Error {
 class Stopped : public Error {
  public:
   using Error::Error;
+};
+
+// ---- Snapshots -----------------------------------------------------------------------------------
+// Every message names the file and says what is wrong with it.
+class SnapshotError : public Error {
+ public:
+  SnapshotError(std::filesystem::path file, const std::string& message);
+  const std::filesystem::path& file() const { return file_; }
+
+ private:
+  std::filesystem::path file_;
+};
+
+class SnapshotNotFound : public SnapshotError {
+ public:
+  explicit SnapshotNotFound(std::filesystem::path file);
+};
+
+// The file cannot be trusted: damaged, incomplete or not a ctorch snapshot at all.
+class SnapshotCorrupt : public SnapshotError {
+ public:
+  enum class Kind {
+    Empty,        // 0 bytes
+    Zeroed,       // only zero bytes (e.g. a crash before the data reached the disk)
+    Foreign,      // a sound file that is not a ctorch snapshot (random bytes, another torch.save)
+    Truncated,    // the archive ends early
+    Damaged,      // archive structure inconsistent
+    Checksum,     // an archive record fails its CRC-32 (bit flip, partial overwrite)
+    BadHeader,    // ctorch header missing fields or with wrong types
+    Digest,       // content digest differs from the one recorded at save time
+    BadContent,   // an entry has the wrong type or shape of data
+  };
+  SnapshotCorrupt(std::filesystem::path file, Kind kind, const std::string& detail);
+  Kind kind() const { return kind_; }
+  static const char* kindName(Kind kind);
+
+ private:
+  Kind kind_;
+};
+
+// A sound snapshot that does not belong to this run: other model, configuration, world size,
+// newer format, or parameters/optimizer/sampler that do not fit. Lists every difference.
+class SnapshotIncompatible : public SnapshotError {
+ public:
+  // `advice`: what the caller can do about it, appended after the differences ("; advice").
+  SnapshotIncompatible(std::filesystem::path file, std::vector<std::string> differences, std::string advice = "");
+  const std::vector<std::string>& differences() const { return differences_; }
+  const std::string& advice() const { return advice_; }
+
+ private:
+  std::vector<std::string> differences_;
+  std::string advice_;
 };
 
 // The message of any exception, without the C++ backtrace LibTorch's c10::Error carries in what().

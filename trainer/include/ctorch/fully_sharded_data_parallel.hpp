@@ -21,9 +21,10 @@
 // Construction and every forward and backward are collectives: all ranks make the same calls.
 #pragma once
 
-#include "ctorch/ddp.hpp"
 #include "ctorch/errors.hpp"
-#include "ctorch/snapshot.hpp"
+#include "ctorch/fsdp_unit.hpp"
+#include "ctorch/module_traversal.hpp"
+#include "ctorch/state_dict.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -87,8 +88,6 @@ struct FSDPOptions {
 
 namespace detail {
 
-struct FSDPUnit;
-
 // The non-template engine behind FullyShardedDataParallel (units, flat shards, the communication
 // thread, the autograd hooks).
 class FSDPCore {
@@ -126,38 +125,7 @@ class FSDPCore {
   std::shared_ptr<Impl> impl_;
 };
 
-// The unit a module is, under a live FullyShardedDataParallel (null: none).
-FSDPUnit* unitOf(const torch::nn::Module* module);
-void beginUnitForward(FSDPUnit& unit);
-void endUnitForward(FSDPUnit& unit, const std::vector<at::Tensor>& outputs);
-
 } // namespace detail
-
-// Calls module->forward(args...). When the module is a unit of a FullyShardedDataParallel, its
-// parameters are gathered before (waiting for a prefetch) and, with reshardAfterForward, freed after;
-// its outputs carry the hook that gathers them again before its backward.
-namespace detail {
-template <class M>
-const torch::nn::Module* rawModule(const M& module) {
-  if constexpr (std::is_pointer_v<M>) return module;
-  else return modulePointer(module).get();
-}
-} // namespace detail
-
-// `module`: a module holder (torch::nn::Linear, a TORCH_MODULE), a std::shared_ptr to a module, or a
-// raw pointer to one (list[i]->as<BlockImpl>()).
-template <class M, class... Args>
-auto unitForward(M& module, Args&&... args) {
-  detail::FSDPUnit* unit = detail::unitOf(detail::rawModule(module));
-  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
-  detail::beginUnitForward(*unit);
-  auto output = module->forward(std::forward<Args>(args)...);
-  std::vector<at::Tensor> tensors;
-  auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
-  detail::visitTensors(output, collect);
-  detail::endUnitForward(*unit, tensors);
-  return output;
-}
 
 template <class ModuleType>
 class FullyShardedDataParallel {

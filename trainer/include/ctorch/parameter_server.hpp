@@ -25,7 +25,7 @@
 #pragma once
 
 #include "ctorch/errors.hpp"
-#include "ctorch/snapshot.hpp"
+#include "ctorch/state_dict.hpp"
 #include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <ATen/core/Tensor.h>

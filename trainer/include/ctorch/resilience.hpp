@@ -32,7 +32,6 @@
 #include "ctorch/errors.hpp"
 #include "ctorch/fully_sharded_data_parallel.hpp"
 #include "ctorch/parameter_server.hpp"
-#include "ctorch/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
 #include "ctorch/stop_signal.hpp"
@@ -55,6 +54,10 @@ class LRScheduler;
 }
 
 namespace ctorch {
+
+namespace detail {
+class TrackedState;
+}
 namespace amp {
 class GradScaler;
 }
@@ -281,6 +284,8 @@ class ResilientTraining {
   // kNow: agreed (with `sums` summed) before it returns.
   enum class StopAgreement { kOverlapped, kNow };
   bool finishStep(StopAgreement agreement, std::vector<double>* sums);
+  // What the track() calls register (resilience/tracking.cpp).
+  detail::TrackedState& tracked();
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -14,7 +14,7 @@
 #pragma once
 
 #include "ctorch/errors.hpp"
-#include "ctorch/snapshot.hpp"
+#include "ctorch/state_dict.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>

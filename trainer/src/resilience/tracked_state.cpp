@@ -1,0 +1,187 @@
+// The registry of what ResilientTraining saves, with its one capture and its one restore: a file's
+// snapshot and a state sent in place between ranks are assembled and read back the same way.
+#include "resilience/tracked_state.hpp"
+
+#include "resilience/shard_files.hpp"
+
+#include "ctorch/errors.hpp"
+
+#include <torch/optim/optimizer.h>
+
+namespace ctorch::detail {
+namespace {
+
+c10::IValue bucketsValue(const BucketLayout& buckets) {
+  c10::impl::GenericList list(c10::ListType::create(c10::ListType::ofInts()));
+  for (const auto& bucket : buckets) {
+    c10::List<int64_t> indices;
+    for (size_t i : bucket) indices.push_back(static_cast<int64_t>(i));
+    list.push_back(indices);
+  }
+  return list;
+}
+
+// A string-keyed dict read back from a file (its key type may come back as Any).
+ItemDict itemDictOf(const c10::IValue& value) {
+  ItemDict out = newItemDict();
+  for (const auto& item : value.toGenericDict()) out.insert(item.key().toStringRef(), item.value());
+  return out;
+}
+
+}  // namespace
+
+SnapshotPoint pointOf(const Snapshot& s) {
+  SnapshotPoint p;
+  p.file = s.source;
+  p.worldSize = s.header.worldSize;
+  p.epochsRun = s.epochsRun;
+  p.stepInEpoch = s.stepInEpoch;
+  p.globalStep = s.globalStep;
+  if (s.userState.contains(kEpochCompleteKey)) p.epochComplete = s.userState.at(kEpochCompleteKey).toBool();
+  return p;
+}
+
+std::optional<BucketLayout> bucketsOf(const Snapshot& snap) {
+  if (!snap.userState.contains(kDdpBucketsKey)) return std::nullopt;
+  const auto value = snap.userState.at(kDdpBucketsKey);
+  if (!value.isList()) throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets is not a list");
+  BucketLayout buckets;
+  for (const auto& bucket : value.toList()) {
+    const c10::IValue b = bucket;
+    if (!b.isList()) throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets holds a non-list");
+    buckets.emplace_back();
+    for (const auto& item : b.toList()) {
+      const c10::IValue index = item;
+      if (!index.isInt() || index.toInt() < 0)
+        throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "ddp_buckets holds a bad parameter index");
+      buckets.back().push_back(static_cast<size_t>(index.toInt()));
+    }
+  }
+  return buckets;
+}
+
+void TrackedState::setModel(torch::nn::Module& module, DDPCore* ddp) {
+  if (model_) throw ConfigError("ResilientTraining: a model is already registered (one model per run)");
+  model_ = &module;
+  ddp_ = ddp;
+}
+
+void TrackedState::setModel(FSDPCore& fsdp) {
+  setModel(fsdp.module(), nullptr);
+  fsdp_ = &fsdp;
+}
+
+Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const {
+  if (zero_) return captureShard(zero_->shard(), identity, progress);
+  return captureShard(*fsdp_, optimizer_, identity, progress);
+}
+
+void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
+  if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
+  optimizer_ = &optimizer;
+}
+
+void TrackedState::setOptimizer(ZeroRedundancyOptimizer& optimizer) {
+  setOptimizer(ShardedOptimizer{[&optimizer] { return optimizer.shardStateDict(); },
+                                [&optimizer](const std::vector<ItemDict>& shards) { optimizer.loadShardStateDicts(shards); }});
+}
+
+void TrackedState::setOptimizer(ShardedOptimizer sharded) {
+  if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
+  zero_ = std::move(sharded);
+}
+
+void TrackedState::setSampler(DistributedSampler& sampler) {
+  if (sampler_) throw ConfigError("ResilientTraining: a sampler is already registered (one per run)");
+  sampler_ = &sampler;
+}
+
+void TrackedState::setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load) {
+  if (schedulerSave_) throw ConfigError("ResilientTraining: a scheduler is already registered (one per run)");
+  if (!save || !load) throw ConfigError("ResilientTraining::trackScheduler needs both a save and a load function");
+  schedulerSave_ = std::move(save);
+  schedulerLoad_ = std::move(load);
+}
+
+void TrackedState::addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load) {
+  if (!save || !load) throw ConfigError("ResilientTraining::trackItems needs both a save and a load function");
+  items_.push_back(Items{std::move(save), std::move(load)});
+}
+
+void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
+                            std::function<void(const c10::IValue&)> load) {
+  if (name.empty()) throw ConfigError("ResilientTraining::track: the name of a value is empty");
+  if (name == kEpochCompleteKey || name == kDdpBucketsKey || name == kZeroShardsKey || name == kShardedModelKey)
+    throw ConfigError("ResilientTraining::track: '" + name + "' is a name the library keeps for itself");
+  for (const auto& n : names_)
+    if (n == name) throw ConfigError("ResilientTraining::track: '" + name + "' is registered twice");
+  if (!save || !load) throw ConfigError("ResilientTraining::track('" + name + "'): needs a save and a load function");
+  names_.push_back(name);
+  addItems([name, save](ItemDict& d) { d.insert(name, save()); },
+           [name, load](const ItemDict& d) {
+             if (d.contains(name)) load(d.at(name));
+           });
+}
+
+Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,
+                               const std::optional<BucketLayout>& buckets, CapturePool* pool) const {
+  Snapshot s = [&] {
+    CapturePoolScope reuse(pool);
+    // A sharded model's parameters and its optimizer's state are in the ranks' shard files.
+    if (fsdp_) return captureSnapshot(TrainingObjects{&noModel(), nullptr, sampler_}, identity, progress);
+    return captureSnapshot(TrainingObjects{model_, optimizer_, sampler_}, identity, progress);
+  }();
+  if (schedulerSave_) s.schedulerState = schedulerSave_();
+  for (const auto& item : items_) item.save(s.userState);
+  s.userState.insert(kEpochCompleteKey, epochComplete);
+  if (buckets) s.userState.insert(kDdpBucketsKey, bucketsValue(*buckets));
+  if (sharded()) s.userState.insert(kZeroShardsKey, static_cast<std::int64_t>(identity.worldSize));
+  if (fsdp_) s.userState.insert(kShardedModelKey, true);
+  return s;
+}
+
+SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options,
+                                    const std::vector<ItemDict>& shards) const {
+  const bool shardedModel = snap.userState.contains(kShardedModelKey);
+  if (fsdp_) {
+    if (!shardedModel)
+      throw SnapshotIncompatible(snap.source, {"it holds a whole model (saved without FullyShardedDataParallel): "
+                                               "resume it without sharding the model"});
+    std::vector<ItemDict> models, optimizers;
+    for (const auto& shard : shards) {
+      models.push_back(itemDictOf(shard.at(kShardedModelKey)));
+      if (shard.contains("fsdp_optimizer")) optimizers.push_back(itemDictOf(shard.at("fsdp_optimizer")));
+    }
+    if (optimizer_ && options.optimizer && optimizers.size() != shards.size())
+      throw SnapshotIncompatible(snap.source, {"its shards hold no optimizer state"});
+    if (options.model) fsdp_->loadShardStateDicts(models);
+    if (optimizer_ && options.optimizer) fsdp_->loadOptimizerShardStateDicts(*optimizer_, optimizers);
+    RestoreOptions rest = options;
+    rest.model = false;
+    rest.optimizer = false;
+    restoreSnapshot(snap, TrainingObjects{&noModel(), nullptr, sampler_}, rest);
+    if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
+    for (const auto& item : items_) item.load(snap.userState);
+    return pointOf(snap);
+  }
+  if (shardedModel)
+    throw SnapshotIncompatible(snap.source, {"its model is sharded over " + std::to_string(snap.userState.at(kZeroShardsKey).toInt()) +
+                                             " ranks (saved with FullyShardedDataParallel): track one to resume it"});
+  if (zero_ && options.optimizer) {
+    // Before anything changes: shards that do not fit are refused with nothing restored.
+    if (!snap.userState.contains(kZeroShardsKey) && snap.optimizerType.empty())
+      throw SnapshotIncompatible(snap.source, {"it holds no optimizer state for the ZeroRedundancyOptimizer"});
+    zero_->load(snap.userState.contains(kZeroShardsKey) ? shards
+                                                                        : std::vector<ItemDict>{wholeOptimizerAsShard(snap)});
+  } else if (optimizer_ && options.optimizer && snap.userState.contains(kZeroShardsKey)) {
+    throw SnapshotIncompatible(snap.source, {"its optimizer state is sharded over " +
+                                             std::to_string(snap.userState.at(kZeroShardsKey).toInt()) +
+                                             " ranks (saved with a ZeroRedundancyOptimizer): track one to resume it"});
+  }
+  restoreSnapshot(snap, TrainingObjects{model_, optimizer_, sampler_}, options);
+  if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
+  for (const auto& item : items_) item.load(snap.userState);
+  return pointOf(snap);
+}
+
+} // namespace ctorch::detail

@@ -1,0 +1,96 @@
+// The objects a loop registered with ResilientTraining, and the one way they become a snapshot and
+// come back from one (a file, or the state another rank sent during an in-place recovery).
+#pragma once
+
+#include "snapshot/capture_pool.hpp"
+
+#include "ctorch/ddp.hpp"
+#include "ctorch/fully_sharded_data_parallel.hpp"
+#include "resilience/resume_plan.hpp"
+#include "ctorch/sampler.hpp"
+#include "ctorch/snapshot.hpp"
+#include "ctorch/zero_redundancy_optimizer.hpp"
+
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ctorch::detail {
+
+// User-state keys of the library's own (names a loop cannot register; zero_shards.hpp has one more).
+inline constexpr const char* kEpochCompleteKey = "epoch_complete";
+inline constexpr const char* kDdpBucketsKey = "ddp_buckets";
+
+// DDP's gradient buckets: the parameter indices of each, in reduction order.
+using BucketLayout = std::vector<std::vector<std::size_t>>;
+
+// Where a snapshot stands: its counters, and whether the epoch's data had run out.
+SnapshotPoint pointOf(const Snapshot& snapshot);
+// The bucket layout the snapshot's run reduced with (none for a run without DDP); SnapshotCorrupt
+// when the entry is malformed.
+std::optional<BucketLayout> bucketsOf(const Snapshot& snapshot);
+
+// A sharded optimizer's state (ZeroRedundancyOptimizer, ParameterServer): this rank's shard in the
+// global-index layout, and the restore of this rank's share from every rank's shard.
+struct ShardedOptimizer {
+  std::function<ItemDict()> shard;
+  std::function<void(const std::vector<ItemDict>&)> load;
+};
+
+class TrackedState {
+ public:
+  // Registration: each throws ConfigError naming what is registered twice or missing.
+  void setModel(torch::nn::Module& module, DDPCore* ddp);
+  // A fully sharded model: its parameters (and the optimizer's state) are written per rank.
+  void setModel(FSDPCore& fsdp);
+  void setOptimizer(torch::optim::Optimizer& optimizer);
+  // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
+  void setOptimizer(ZeroRedundancyOptimizer& optimizer);
+  void setOptimizer(ShardedOptimizer sharded);
+  void setSampler(DistributedSampler& sampler);
+  void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
+  void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
+  // USER_STATE[name]: a name of the library's own or one registered twice is refused.
+  void addNamed(const std::string& name, std::function<c10::IValue()> save,
+                std::function<void(const c10::IValue&)> load);
+
+  torch::nn::Module* model() const { return model_; }
+  DDPCore* ddp() const { return ddp_; }
+  DistributedSampler* sampler() const { return sampler_; }
+  const ShardedOptimizer* zero() const { return zero_ ? &*zero_ : nullptr; }
+  FSDPCore* fsdp() const { return fsdp_; }
+  // Every rank writes a shard file of its own beside each snapshot (a sharded optimizer's, FSDP's model).
+  bool sharded() const { return zero_.has_value() || fsdp_ != nullptr; }
+  // This rank's shard file's content (zero_shards.hpp), for a sharded() run.
+  Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const;
+
+  // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
+  // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
+  Snapshot capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,
+                   const std::optional<BucketLayout>& buckets, CapturePool* pool) const;
+  // Every registered object as `snapshot` holds it (a ZeroRedundancyOptimizer's share from `shards`,
+  // zero_shards.hpp's findShards); returns where it stands.
+  SnapshotPoint restore(const Snapshot& snapshot, const RestoreOptions& options,
+                        const std::vector<ItemDict>& shards = {}) const;
+
+ private:
+  struct Items {
+    std::function<void(ItemDict&)> save;
+    std::function<void(const ItemDict&)> load;
+  };
+
+  torch::nn::Module* model_ = nullptr;
+  DDPCore* ddp_ = nullptr;
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::optional<ShardedOptimizer> zero_;
+  FSDPCore* fsdp_ = nullptr;
+  DistributedSampler* sampler_ = nullptr;
+  std::function<ItemDict()> schedulerSave_;
+  std::function<void(const ItemDict&)> schedulerLoad_;
+  std::vector<std::string> names_;  // registered user-state names
+  std::vector<Items> items_;
+};
+
+} // namespace ctorch::detail

@@ -1,0 +1,661 @@
+// The snapshot file format: IValue layout, header, digest, and the checks on load.
+#include "ctorch/snapshot.hpp"
+
+#include "snapshot/portable_archive.hpp"
+#include "snapshot/generic_dict.hpp"
+
+#include "snapshot/digest.hpp"
+#include "snapshot/pickle_scan.hpp"
+#include "snapshot/zip_check.hpp"
+
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+
+#include <algorithm>
+#include <exception>
+#include <cstring>
+#include <ctime>
+#include <optional>
+#include <sstream>
+
+namespace ctorch {
+namespace {
+
+// Top-level keys. MODEL_STATE and EPOCHS_RUN are the names of PyTorch's torchrun tutorial.
+constexpr const char* kHeaderKey = "CTORCH_SNAPSHOT";
+constexpr const char* kModelKey = "MODEL_STATE";
+constexpr const char* kOptimizerTypeKey = "OPTIMIZER_TYPE";
+constexpr const char* kOptimizerKey = "OPTIMIZER_STATE";
+constexpr const char* kSchedulerKey = "LR_SCHEDULER_STATE";
+constexpr const char* kEpochsRunKey = "EPOCHS_RUN";
+constexpr const char* kStepInEpochKey = "STEP_IN_EPOCH";
+constexpr const char* kGlobalStepKey = "GLOBAL_STEP";
+constexpr const char* kSamplerKey = "SAMPLER_STATE";
+constexpr const char* kRngKey = "RNG_STATE";
+constexpr const char* kUserKey = "USER_STATE";
+constexpr const char* kDigestKey = "content_digest";
+
+using Kind = SnapshotCorrupt::Kind;
+
+std::string utcText(std::chrono::system_clock::time_point t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(t);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// Tensors the trainer put into its own dicts may live on a GPU or be views of something larger:
+// store contiguous CPU copies so that any reader (Python without CUDA too) gets exactly them.
+c10::IValue toPortable(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return c10::IValue();
+    // Already a CPU tensor owning exactly its storage (what captureSnapshot makes): no copy.
+    if (t.device().is_cpu() && t.is_contiguous() && t.storage_offset() == 0 &&
+        t.storage().nbytes() == static_cast<std::size_t>(t.numel()) * t.element_size() &&
+        !t.requires_grad())
+      return t;
+    return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous);
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), c10::AnyType::get());
+    for (const auto& e : d) out.insert(e.key(), toPortable(e.value()));
+    return out;
+  }
+  if (v.isList()) {
+    // Always a plain list: typed lists (List[int], List[float], ...) would be pickled through
+    // torch.jit._pickle.build_* functions, which torch.load(weights_only=True) refuses.
+    c10::impl::GenericList out(c10::AnyType::get());
+    for (const auto& x : v.toListRef()) out.push_back(toPortable(x));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const auto& x : v.toTupleRef().elements()) elements.push_back(toPortable(x));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+c10::impl::GenericDict portableDict(const ItemDict& d) {
+  auto out = newStringDict();
+  for (const auto& e : d) out.insert(e.key(), toPortable(e.value()));
+  return out;
+}
+
+c10::impl::GenericDict rngDict(const RngState& r) {
+  auto d = newStringDict();
+  d.insert("cpu", r.cpu.defined() ? toPortable(r.cpu) : c10::IValue());
+  c10::impl::GenericList cuda(c10::AnyType::get());
+  for (const auto& t : r.cuda) cuda.push_back(toPortable(t));
+  d.insert("cuda", cuda);
+  return d;
+}
+
+
+std::string describeType(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    std::string keys;
+    int n = 0;
+    for (const auto& e : v.toGenericDict()) {
+      if (n++ == 8) {
+        keys += ", ...";
+        break;
+      }
+      keys += (keys.empty() ? "" : ", ") +
+              (e.key().isString() ? e.key().toStringRef() : e.key().tagKind());
+    }
+    return "a dict with keys [" + keys + "]";
+  }
+  return "a " + v.tagKind();
+}
+
+// ---- Reading typed fields, each failure naming the entry ------------------------------------------
+class FieldReader {
+ public:
+  FieldReader(const std::filesystem::path& file, Kind kind) : file_(file), kind_(kind) {}
+
+  [[noreturn]] void fail(const std::string& detail) const {
+    throw SnapshotCorrupt(file_, kind_, detail);
+  }
+  const c10::IValue& get(const c10::impl::GenericDict& d, const std::string& key,
+                         const std::string& where) const {
+    auto it = d.find(key);
+    if (it == d.end()) fail(where + " has no '" + key + "' entry");
+    return it->value();
+  }
+  std::int64_t integer(const c10::impl::GenericDict& d, const std::string& key,
+                       const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isInt()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected an int");
+    return v.toInt();
+  }
+  bool boolean(const c10::impl::GenericDict& d, const std::string& key,
+               const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isBool()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected a bool");
+    return v.toBool();
+  }
+  std::string text(const c10::impl::GenericDict& d, const std::string& key,
+                   const std::string& where) const {
+    const auto& v = get(d, key, where);
+    if (!v.isString()) fail(where + "['" + key + "'] is " + describeType(v) + ", expected a str");
+    return v.toStringRef();
+  }
+  c10::impl::GenericDict dict(const c10::IValue& v, const std::string& where) const {
+    if (!v.isGenericDict()) fail(where + " is " + describeType(v) + ", expected a dict");
+    return v.toGenericDict();
+  }
+  ItemDict stringKeyed(const c10::IValue& v,
+                                                  const std::string& where) const {
+    auto out = newItemDict();
+    for (const auto& e : dict(v, where)) {
+      if (!e.key().isString()) fail(where + " has a key of type " + e.key().tagKind());
+      out.insert(e.key().toStringRef(), e.value());
+    }
+    return out;
+  }
+
+ private:
+  const std::filesystem::path& file_;
+  Kind kind_;
+};
+
+std::string leadingBytes(const std::vector<char>& bytes) {
+  std::size_t zeros = 0;
+  while (zeros < bytes.size() && bytes[zeros] == 0) ++zeros;
+  if (zeros >= 16) return "starts with " + std::to_string(zeros) + " zero bytes";
+  std::ostringstream os;
+  os << "starts with bytes";
+  for (std::size_t i = 0; i < std::min<std::size_t>(bytes.size(), 8); ++i) {
+    static const char* kHex = "0123456789abcdef";
+    const auto b = static_cast<unsigned char>(bytes[i]);
+    os << ' ' << kHex[b >> 4] << kHex[b & 15];
+  }
+  return os.str();
+}
+
+std::string errorText(const std::exception& e) { return errorMessage(e); }
+
+// Every tensor's view (sizes, strides, offset) must lie inside its storage before anything reads
+// its data: LibTorch's unpickler takes them from the file unchecked. Returns a description of the
+// first that does not, naming it by its path in the snapshot. The pickle scan bounded the depth.
+std::optional<std::string> badTensorView(const c10::IValue& v, const std::string& where) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return std::nullopt;
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    const std::int64_t offset = t.storage_offset();
+    std::string shape = "sizes " + c10::str(sizes) + ", strides " + c10::str(strides) +
+                        ", offset " + std::to_string(offset);
+    if (offset < 0) return where + " has a negative storage offset (" + shape + ")";
+    bool empty = false;
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] < 0) return where + " has a negative size (" + shape + ")";
+      if (strides[d] < 0) return where + " has a negative stride (" + shape + ")";
+      empty = empty || sizes[d] == 0;
+    }
+    if (empty) return std::nullopt;
+    std::uint64_t last = static_cast<std::uint64_t>(offset), needed = 0;
+    bool overflow = false;
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      std::uint64_t span = 0;
+      overflow = overflow ||
+                 __builtin_mul_overflow(static_cast<std::uint64_t>(sizes[d] - 1),
+                                        static_cast<std::uint64_t>(strides[d]), &span) ||
+                 __builtin_add_overflow(last, span, &last);
+    }
+    overflow = overflow || __builtin_add_overflow(last, std::uint64_t(1), &last) ||
+               __builtin_mul_overflow(last, static_cast<std::uint64_t>(t.element_size()), &needed);
+    const std::uint64_t have = t.storage().nbytes();
+    if (overflow || needed > have)
+      return where + " (" + shape + ") reaches " + (overflow ? std::string("beyond 2^64") : std::to_string(needed)) +
+             " bytes into a storage of " + std::to_string(have) + " bytes";
+    return std::nullopt;
+  }
+  if (v.isList()) {
+    const auto list = v.toListRef();
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (auto bad = badTensorView(list[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isTuple()) {
+    const auto& elements = v.toTupleRef().elements();
+    for (std::size_t i = 0; i < elements.size(); ++i)
+      if (auto bad = badTensorView(elements[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      const std::string key = e.key().isString() ? "'" + e.key().toStringRef() + "'" : e.key().tagKind();
+      if (auto bad = badTensorView(e.key(), where + " key " + key)) return bad;
+      if (auto bad = badTensorView(e.value(), where + "[" + key + "]")) return bad;
+    }
+  }
+  return std::nullopt;
+}
+
+// Checks data.pkl with the bounded scan (see pickle_scan.hpp) and every storage it declares
+// against the record that has to hold it, before LibTorch's unpickler runs.
+void checkPickle(const std::vector<char>& bytes, const detail::ZipCheckResult& zip,
+                 const std::filesystem::path& file) {
+  // LibTorch's reader takes the archive's name from the first record's directory.
+  const std::string& first = zip.records.front().name;
+  const std::string archive = first.substr(0, first.find('/'));
+  auto record = [&](const std::string& name) -> const detail::ZipRecord* {
+    for (const auto& r : zip.records)
+      if (r.name == name) return &r;
+    return nullptr;
+  };
+  const auto* pkl = record(archive + "/data.pkl");
+  if (!pkl)
+    throw SnapshotCorrupt(file, Kind::Foreign, "a zip archive without the record " + archive +
+                                                   "/data.pkl, not a torch.save file");
+  detail::PickleScan scan;
+  try {
+    scan = detail::scanPickle(bytes.data() + pkl->dataOffset, pkl->compressedSize);
+  } catch (const detail::PickleRefused& e) {
+    std::string why = e.what();
+    if (e.kind() == detail::PickleRefused::Kind::Unsupported) {
+      if (why.find("Unknown opcode") != std::string::npos)
+        why += " (not an opcode LibTorch's unpickler reads)";
+      throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+    }
+    throw SnapshotCorrupt(file, Kind::BadContent, archive + "/data.pkl is refused: " + why);
+  }
+  for (const auto& s : scan.storages) {
+    const auto* r = record(archive + "/data/" + s.key);
+    const std::uint64_t have = r ? r->compressedSize : 0;
+    if (s.bytes > 0 && (!r || have < s.bytes))
+      throw SnapshotCorrupt(file, Kind::BadContent,
+                            "storage '" + s.key + "' declares " + std::to_string(s.bytes) +
+                                " bytes but its record " + archive + "/data/" + s.key +
+                                (r ? " holds " + std::to_string(have) : std::string(" is missing")));
+  }
+}
+
+} // namespace
+
+// torch::pickle_save's archive (Python's torch.save zip format), but with untagged containers:
+// pickle_save tags every dict with torch.jit._pickle.restore_type_tag, a global that Python's
+// torch.load(weights_only=True) (the default since PyTorch 2.6) refuses. Plain dicts, lists and
+// tuples load everywhere. Every tensor here is a CPU tensor owning its storage (toPortable).
+detail::PreparedArchive detail::PreparedArchive::prepare(const c10::IValue& top) {
+  PreparedArchive out;
+  torch::jit::Pickler pickler(
+      [&](const char* p, std::size_t n) { out.pickled_.insert(out.pickled_.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(top);
+  pickler.stop();
+  for (const auto& t : pickler.tensorData()) {
+    TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
+    out.tensors_.push_back(t);
+  }
+  return out;
+}
+
+std::size_t detail::PreparedArchive::sizeBound() const {
+  // Each record: a local header with its name and alignment padding (< 64 + name + 64 bytes), a
+  // central directory entry; the end records. Generous: a bound, used for buffers and a hint.
+  std::size_t total = pickled_.size() + 4096;
+  for (const auto& t : tensors_) total += t.storage().nbytes() + 256;
+  return total;
+}
+
+void detail::PreparedArchive::write(const ByteSink& sink) const {
+  // The sink's failure (a full disk: ENOSPC, EIO) must not cross the archive writer: the writer
+  // then finishes its archive in its destructor, which calls the sink again and throws from a
+  // destructor (std::terminate, SIGABRT; seen with a 6 MB snapshot on a full tmpfs). So the first
+  // failure is kept, the sink becomes a no-op, no further record is written, and the failure is
+  // rethrown once the writer has closed.
+  std::exception_ptr failure;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) -> std::size_t {
+      if (failure) return n;
+      try {
+        sink(static_cast<const char*>(p), n);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      return n;
+    });
+    for (std::size_t i = 0; i < tensors_.size() && !failure; ++i)
+      writer.writeRecord("data/" + std::to_string(i), tensors_[i].storage().data(), tensors_[i].storage().nbytes());
+    if (!failure) writer.writeRecord("data.pkl", pickled_.data(), pickled_.size());
+    writer.writeEndOfFile();
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+std::vector<char> detail::portableArchive(const c10::IValue& top) {
+  const auto prepared = PreparedArchive::prepare(top);
+  std::vector<char> archive;
+  archive.reserve(prepared.sizeBound());
+  prepared.write([&](const char* p, std::size_t n) { archive.insert(archive.end(), p, p + n); });
+  return archive;
+}
+
+ItemDict newItemDict() {
+  return c10::impl::toTypedDict<std::string, c10::IValue>(
+      c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
+}
+
+// ---- Errors ----------------------------------------------------------------------------------------
+SnapshotError::SnapshotError(std::filesystem::path file, const std::string& message)
+    : Error(message), file_(std::move(file)) {}
+
+SnapshotNotFound::SnapshotNotFound(std::filesystem::path file)
+    : SnapshotError(file, "snapshot " + file.string() + " does not exist") {}
+
+const char* SnapshotCorrupt::kindName(Kind kind) {
+  switch (kind) {
+    case Kind::Empty: return "empty";
+    case Kind::Zeroed: return "zeroed";
+    case Kind::Foreign: return "not a ctorch snapshot";
+    case Kind::Truncated: return "truncated";
+    case Kind::Damaged: return "damaged archive";
+    case Kind::Checksum: return "checksum mismatch";
+    case Kind::BadHeader: return "bad header";
+    case Kind::Digest: return "content digest mismatch";
+    case Kind::BadContent: return "bad content";
+  }
+  return "corrupt";
+}
+
+SnapshotCorrupt::SnapshotCorrupt(std::filesystem::path file, Kind kind, const std::string& detail)
+    : SnapshotError(file, "snapshot " + file.string() + " is unusable (" + kindName(kind) +
+                              "): " + detail),
+      kind_(kind) {}
+
+namespace {
+std::string joinDifferences(const std::vector<std::string>& differences) {
+  std::string out;
+  for (const auto& d : differences) out += (out.empty() ? "" : "; ") + d;
+  return out;
+}
+} // namespace
+
+SnapshotIncompatible::SnapshotIncompatible(std::filesystem::path file, std::vector<std::string> differences,
+                                           std::string advice)
+    : SnapshotError(file, "snapshot " + file.string() + " does not fit this run: " + joinDifferences(differences) +
+                              (advice.empty() ? std::string() : "; " + advice)),
+      differences_(std::move(differences)),
+      advice_(std::move(advice)) {}
+
+// ---- Expectation ------------------------------------------------------------------------------------
+std::vector<std::string> compareWithExpectation(const SnapshotHeader& header,
+                                                const SnapshotExpectation& expect) {
+  std::vector<std::string> diffs;
+  if (!expect.modelName.empty() && expect.modelName != header.modelName)
+    diffs.push_back("model name is '" + header.modelName + "' in the snapshot, '" +
+                    expect.modelName + "' in this run");
+  if (expect.worldSize && *expect.worldSize != header.worldSize)
+    diffs.push_back("world size is " + std::to_string(header.worldSize) + " in the snapshot, " +
+                    std::to_string(*expect.worldSize) + " in this run");
+  if (expect.config) {
+    const auto& mine = *expect.config;
+    const auto& theirs = header.config;
+    for (const auto& [key, value] : theirs) {
+      auto it = mine.find(key);
+      if (it == mine.end())
+        diffs.push_back("config '" + key + "' is only in the snapshot ('" + value + "')");
+      else if (it->second != value)
+        diffs.push_back("config '" + key + "' is '" + value + "' in the snapshot, '" +
+                        it->second + "' in this run");
+    }
+    for (const auto& [key, value] : mine)
+      if (!theirs.count(key))
+        diffs.push_back("config '" + key + "' is only in this run ('" + value + "')");
+  }
+  return diffs;
+}
+
+// ---- Encoding ---------------------------------------------------------------------------------------
+detail::PreparedArchive detail::prepareSnapshot(Snapshot& s) {
+  auto header = newStringDict();
+  header.insert("magic", s.header.magic);
+  header.insert("format_version", s.header.formatVersion);
+  header.insert("world_size", s.header.worldSize);
+  header.insert("model_name", s.header.modelName);
+  auto config = newStringDict();
+  for (const auto& [k, v] : s.header.config) config.insert(k, v);
+  header.insert("config", config);
+  header.insert("config_hash", s.header.configHash);
+  header.insert("created_unix",
+                static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                              s.header.createdAt.time_since_epoch())
+                                              .count()));
+  header.insert("created_utc", utcText(s.header.createdAt));
+  header.insert("ctorch_version", s.header.ctorchVersion);
+  header.insert("torch_version", s.header.torchVersion);
+
+  auto top = newStringDict();
+  top.insert(kHeaderKey, header);
+  c10::Dict<std::string, at::Tensor> model;
+  for (const auto& e : s.modelState) {
+    if (!e.value().defined()) throw std::invalid_argument("MODEL_STATE['" + e.key() + "'] is undefined");
+    model.insert(e.key(), toPortable(e.value()).toTensor());
+  }
+  top.insert(kModelKey, model);
+  top.insert(kOptimizerTypeKey, s.optimizerType);
+  top.insert(kOptimizerKey, s.optimizerType.empty() ? c10::IValue() : c10::IValue(portableDict(s.optimizerState)));
+  top.insert(kSchedulerKey, portableDict(s.schedulerState));
+  top.insert(kEpochsRunKey, s.epochsRun);
+  top.insert(kStepInEpochKey, s.stepInEpoch);
+  top.insert(kGlobalStepKey, s.globalStep);
+  if (s.sampler) {
+    auto sampler = newStringDict();
+    sampler.insert("epoch", s.sampler->epoch);
+    sampler.insert("consumed", s.sampler->consumed);
+    sampler.insert("world_size", s.sampler->worldSize);
+    sampler.insert("dataset_size", s.sampler->datasetSize);
+    sampler.insert("seed", s.sampler->seed);
+    sampler.insert("shuffle", s.sampler->shuffle);
+    sampler.insert("drop_last", s.sampler->dropLast);
+    top.insert(kSamplerKey, sampler);
+  } else {
+    top.insert(kSamplerKey, c10::IValue());
+  }
+  auto rng = rngDict(s.rng);
+  c10::impl::GenericList ranks(c10::AnyType::get());
+  for (const auto& r : s.rankRng) ranks.push_back(rngDict(r));
+  rng.insert("ranks", ranks);
+  top.insert(kRngKey, rng);
+  top.insert(kUserKey, portableDict(s.userState));
+
+  // The digest covers everything in the file except itself; IValue dicts are shared, so adding
+  // it to `header` afterwards puts it into `top` too.
+  s.header.contentDigest = contentDigest(top, "snapshot");
+  header.insert(kDigestKey, s.header.contentDigest);
+  return detail::PreparedArchive::prepare(top);
+}
+
+std::vector<char> encodeSnapshot(Snapshot& s) {
+  const auto prepared = detail::prepareSnapshot(s);
+  std::vector<char> archive;
+  archive.reserve(prepared.sizeBound());
+  prepared.write([&](const char* p, std::size_t n) { archive.insert(archive.end(), p, p + n); });
+  return archive;
+}
+
+// ---- Decoding ---------------------------------------------------------------------------------------
+namespace {
+
+// 1. The archive: not empty or zeroed, then its structure and the CRC-32 of every record, before
+//    anything is parsed.
+detail::ZipCheckResult checkArchive(const std::vector<char>& bytes, const std::filesystem::path& file) {
+  if (bytes.empty()) throw SnapshotCorrupt(file, Kind::Empty, "the file has 0 bytes");
+  if (std::all_of(bytes.begin(), bytes.end(), [](char c) { return c == 0; }))
+    throw SnapshotCorrupt(file, Kind::Zeroed, "all " + std::to_string(bytes.size()) +
+                                    " bytes are zero (typically a crash before the data reached "
+                                    "the disk)");
+
+  const auto zip = detail::checkZipArchive(bytes.data(), bytes.size());
+  if (!zip.problems.empty()) {
+    const auto& p = zip.problems.front();
+    switch (p.kind) {
+      case detail::ZipProblem::Kind::NotZip: {
+        std::string what = "not a torch.save archive: " + p.detail + " (" + leadingBytes(bytes) + ")";
+        if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80)
+          what = "a legacy (pre-zip) torch.save / pickle file, not a ctorch snapshot";
+        throw SnapshotCorrupt(file, Kind::Foreign, what);
+      }
+      case detail::ZipProblem::Kind::Truncated: throw SnapshotCorrupt(file, Kind::Truncated, p.detail);
+      case detail::ZipProblem::Kind::Damaged: throw SnapshotCorrupt(file, Kind::Damaged, p.detail);
+      case detail::ZipProblem::Kind::Checksum: throw SnapshotCorrupt(file, Kind::Checksum, p.detail);
+    }
+  }
+  const bool hasPickle = std::any_of(zip.records.begin(), zip.records.end(), [](const auto& r) {
+    return r.name.size() >= 9 && r.name.compare(r.name.size() - 9, 9, "/data.pkl") == 0;
+  });
+  if (!hasPickle) throw SnapshotCorrupt(file, Kind::Foreign, "a zip archive without a data.pkl record, not a torch.save file");
+  return zip;
+}
+
+// 2. The pickle. The records are intact, so a failure here means a file written by something
+//    else (e.g. torch.save of Python objects LibTorch cannot rebuild) or crafted: a bounded scan
+//    first, then LibTorch's unpickler, then every tensor's view against its storage.
+c10::IValue unpickle(const std::vector<char>& bytes, const detail::ZipCheckResult& zip, const std::filesystem::path& file) {
+  checkPickle(bytes, zip, file);
+  c10::IValue top;
+  try {
+    top = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    std::string why = errorText(e);
+    if (why.find("Unknown opcode") != std::string::npos)
+      why += " (Python's pickle uses opcodes older LibTorch releases cannot read, e.g. APPEND for "
+             "a one-element list when Python re-saved the file; LibTorch 1.13 has this gap)";
+    throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+  }
+  if (auto bad = badTensorView(top, "the pickle"))
+    throw SnapshotCorrupt(file, Kind::BadContent, "a tensor's view lies outside its storage: " + *bad);
+  if (!top.isGenericDict()) throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top));
+  return top;
+}
+
+// 3. The header (its magic and format version first), and 4. the content digest over everything
+//    but itself, before any field is trusted.
+SnapshotHeader readHeader(const c10::IValue& top, const std::filesystem::path& file) {
+  auto topDict = top.toGenericDict();
+  auto headerIt = topDict.find(kHeaderKey);
+  if (headerIt == topDict.end())
+    throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top) + ", without a '" +
+                                     kHeaderKey + "' header");
+  const FieldReader hr(file, Kind::BadHeader);
+  auto header = hr.dict(headerIt->value(), kHeaderKey);
+  const auto magicIt = header.find("magic");
+  if (magicIt == header.end() || !magicIt->value().isString() ||
+      magicIt->value().toStringRef() != kSnapshotMagic)
+    throw SnapshotCorrupt(file, Kind::Foreign, std::string("the '") + kHeaderKey + "' header lacks the magic '" +
+                                     kSnapshotMagic + "'");
+  SnapshotHeader h;
+  h.magic = kSnapshotMagic;
+  h.formatVersion = hr.integer(header, "format_version", kHeaderKey);
+  if (h.formatVersion > kSnapshotFormatVersion)
+    throw SnapshotIncompatible(file, {"format version " + std::to_string(h.formatVersion) +
+                                      " is newer than this ctorch reads (up to " +
+                                      std::to_string(kSnapshotFormatVersion) +
+                                      "); it was written by " +
+                                      (header.contains("ctorch_version") && header.at("ctorch_version").isString()
+                                           ? header.at("ctorch_version").toStringRef()
+                                           : std::string("a newer ctorch"))});
+  if (h.formatVersion < 1)
+    throw SnapshotCorrupt(file, Kind::BadHeader, "format version " + std::to_string(h.formatVersion));
+  h.contentDigest = hr.text(header, kDigestKey, kHeaderKey);
+
+  // 4. The digest, over everything but itself (as written: see encodeSnapshot).
+  (void)header.erase(kDigestKey);
+  std::string actual;
+  try {
+    actual = contentDigest(top, "snapshot");
+  } catch (const std::invalid_argument& e) {
+    throw SnapshotCorrupt(file, Kind::BadContent, e.what());
+  }
+  if (actual != h.contentDigest)
+    throw SnapshotCorrupt(file, Kind::Digest, "recorded " + h.contentDigest + ", computed " + actual +
+                                    " (the content changed after it was written)");
+
+  h.worldSize = hr.integer(header, "world_size", kHeaderKey);
+  h.modelName = hr.text(header, "model_name", kHeaderKey);
+  for (const auto& e : hr.dict(hr.get(header, "config", kHeaderKey), "config")) {
+    if (!e.key().isString() || !e.value().isString())
+      hr.fail("config entries must be str -> str");
+    h.config[e.key().toStringRef()] = e.value().toStringRef();
+  }
+  h.configHash = hr.text(header, "config_hash", kHeaderKey);
+  h.createdAt = std::chrono::system_clock::time_point(
+      std::chrono::seconds(hr.integer(header, "created_unix", kHeaderKey)));
+  h.ctorchVersion = hr.text(header, "ctorch_version", kHeaderKey);
+  h.torchVersion = hr.text(header, "torch_version", kHeaderKey);
+
+  return h;
+}
+
+// 5. The content, each field checked for its type.
+void readContent(const c10::impl::GenericDict& topDict, const std::filesystem::path& file, Snapshot& s) {
+  const FieldReader cr(file, Kind::BadContent);
+  for (const auto& e : cr.dict(cr.get(topDict, kModelKey, "snapshot"), kModelKey)) {
+    if (!e.key().isString() || !e.value().isTensor())
+      cr.fail(std::string(kModelKey) + " must map str -> Tensor, found " + e.key().tagKind() +
+              " -> " + e.value().tagKind());
+    s.modelState.insert(e.key().toStringRef(), e.value().toTensor());
+  }
+  s.optimizerType = cr.text(topDict, kOptimizerTypeKey, "snapshot");
+  const auto& opt = cr.get(topDict, kOptimizerKey, "snapshot");
+  if (!s.optimizerType.empty()) s.optimizerState = cr.stringKeyed(opt, kOptimizerKey);
+  s.schedulerState = cr.stringKeyed(cr.get(topDict, kSchedulerKey, "snapshot"), kSchedulerKey);
+  s.epochsRun = cr.integer(topDict, kEpochsRunKey, "snapshot");
+  s.stepInEpoch = cr.integer(topDict, kStepInEpochKey, "snapshot");
+  s.globalStep = cr.integer(topDict, kGlobalStepKey, "snapshot");
+  const auto& samplerValue = cr.get(topDict, kSamplerKey, "snapshot");
+  if (!samplerValue.isNone()) {
+    const auto d = cr.dict(samplerValue, kSamplerKey);
+    SamplerState st;
+    st.epoch = cr.integer(d, "epoch", kSamplerKey);
+    st.consumed = cr.integer(d, "consumed", kSamplerKey);
+    st.worldSize = cr.integer(d, "world_size", kSamplerKey);
+    st.datasetSize = cr.integer(d, "dataset_size", kSamplerKey);
+    st.seed = cr.integer(d, "seed", kSamplerKey);
+    st.shuffle = cr.boolean(d, "shuffle", kSamplerKey);
+    st.dropLast = cr.boolean(d, "drop_last", kSamplerKey);
+    s.sampler = st;
+  }
+  auto readRng = [&](const c10::IValue& v, const std::string& where) {
+    const auto d = cr.dict(v, where);
+    RngState r;
+    const auto& cpu = cr.get(d, "cpu", where);
+    if (cpu.isTensor()) r.cpu = cpu.toTensor();
+    else if (!cpu.isNone()) cr.fail(where + "['cpu'] is " + describeType(cpu));
+    const auto& cuda = cr.get(d, "cuda", where);
+    if (!cuda.isList()) cr.fail(where + "['cuda'] is " + describeType(cuda));
+    for (const auto& t : cuda.toListRef()) {
+      if (!t.isTensor()) cr.fail(where + "['cuda'] holds " + describeType(t));
+      r.cuda.push_back(t.toTensor());
+    }
+    return r;
+  };
+  const auto& rngValue = cr.get(topDict, kRngKey, "snapshot");
+  s.rng = readRng(rngValue, kRngKey);
+  const auto& ranks = cr.get(cr.dict(rngValue, kRngKey), "ranks", kRngKey);
+  if (!ranks.isList()) cr.fail(std::string(kRngKey) + "['ranks'] is " + describeType(ranks));
+  for (std::size_t i = 0; i < ranks.toListRef().size(); ++i)
+    s.rankRng.push_back(readRng(ranks.toListRef()[i], std::string(kRngKey) + "['ranks'][" + std::to_string(i) + "]"));
+  s.userState = cr.stringKeyed(cr.get(topDict, kUserKey, "snapshot"), kUserKey);
+}
+
+}  // namespace
+
+Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::path& file) {
+  const auto zip = checkArchive(bytes, file);
+  const c10::IValue top = unpickle(bytes, zip, file);
+  Snapshot s;
+  s.source = file;
+  s.header = readHeader(top, file);
+  readContent(top.toGenericDict(), file, s);
+  return s;
+}
+
+} // namespace ctorch
