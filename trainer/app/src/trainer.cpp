@@ -14,6 +14,7 @@
 #include "ctorch/process_tuning.hpp"
 #include "ctorch/train/report.hpp"
 #include "ctorch/train/schedule.hpp"
+#include "ctorch/train/strategy.hpp"
 
 #include "core/compat.hpp"
 #include <ctorch/contract/worker_contract.hpp>
@@ -64,44 +65,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using Model = models::Model;
-using DDP = DistributedDataParallel<std::shared_ptr<Model>>;
-using FSDP = FullyShardedDataParallel<std::shared_ptr<Model>>;
-
-// The model as a step drives it: whole replicas behind DDP, or shards behind FSDP (--sharding
-// grad-op|full).
-struct Replica {
-  DDP* ddp = nullptr;
-  FSDP* fsdp = nullptr;
-  void zeroGrad() {
-    if (fsdp) fsdp->zeroGrad();
-    else ddp->zeroGrad();
-  }
-  torch::Tensor operator()(const torch::Tensor& x) { return fsdp ? (*fsdp)(x) : (*ddp)(x); }
-  // Gradient accumulation: the micro-steps before the last keep their gradients local (DDP's
-  // no_sync, FSDP's set_requires_gradient_sync(false)).
-  void synchronise(bool on, std::optional<NoSyncGuard>& noSync) {
-    if (fsdp) fsdp->setRequiresGradientSync(on);
-    else if (!on) noSync.emplace(ddp->noSync());
-  }
-  // The gradient's global norm clipped: DDP's gradients are the same on every rank, so every rank
-  // clips alike; FSDP's norm is summed over every rank's shards.
-  void clipGradNorm(double maxNorm) {
-    if (fsdp) fsdp->clipGradNorm(maxNorm);
-    else torch::nn::utils::clip_grad_norm_(ddp->parameters(), maxNorm);
-  }
-};
-
-// The units of FullyShardedDataParallel in ctorch-train's models: each ResNet block, and each layer
-// the model calls directly (its convolutions and Linears), which the models call through
-// ctorch::unitForward. The rest (BatchNorm of the stem) stays in the root unit.
-WrapPolicy trainerWrapPolicy() {
-  return [](const std::string& name, const torch::nn::Module& module) {
-    if (dynamic_cast<const models::BasicBlockImpl*>(&module) != nullptr) return true;
-    const bool direct = name.find('.') == std::string::npos;
-    return direct && (dynamic_cast<const torch::nn::LinearImpl*>(&module) != nullptr ||
-                      dynamic_cast<const torch::nn::Conv2dImpl*>(&module) != nullptr);
-  };
-}
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -274,66 +237,10 @@ std::int64_t sampleBytes(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
-// Python's defaults apart from the learning rate and weight decay (and SGD's momentum).
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
-  switch (o.optimizer) {
-    case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
-    case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay));
-    case OptimizerKind::kRmsprop:
-      return std::make_unique<torch::optim::RMSprop>(params,
-                                                     torch::optim::RMSpropOptions(o.lr).weight_decay(o.weightDecay));
-    case OptimizerKind::kAdagrad:
-      return std::make_unique<torch::optim::Adagrad>(params,
-                                                     torch::optim::AdagradOptions(o.lr).weight_decay(o.weightDecay));
-    case OptimizerKind::kSgd:
-      break;
-  }
-  return std::make_unique<torch::optim::SGD>(
-      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
-}
-
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-CommHook commHookOf(CommHookChoice c) {
-  switch (c) {
-    case CommHookChoice::kSharedMemory: return CommHook::kSharedMemory;
-    case CommHookChoice::kAllreduce: return CommHook::kAllreduce;
-    case CommHookChoice::kFp16: return CommHook::kFp16Compress;
-    case CommHookChoice::kNone: break;
-  }
-  return CommHook::kNone;
-}
-
-GradientReduction reductionOf(ReductionChoice c) {
-  switch (c) {
-    case ReductionChoice::kAfterBackward: return GradientReduction::kAfterBackward;
-    case ReductionChoice::kOverlapped: break;
-  }
-  return GradientReduction::kOverlapped;
-}
-
-std::string gradientPath(const DDP& ddp) {
-  const std::string hook = ddp.commHookInUse();
-  if (hook == "shared memory")
-    return std::string("shared memory (every rank on this host), ") +
-           (ddp.options().gradientReduction() == GradientReduction::kAfterBackward
-                ? "after the backward pass, on the computing thread"
-                : "each bucket when ready, on a helper thread");
-  if (hook == "none") return "the process group's allreduce";
-  return "the " + hook + " hook";
-}
-
-std::string shardingPath(const FSDP& fsdp) {
-  return "reduce-scatter into " + std::to_string(fsdp.parameters().size()) + " flat shards of " +
-         std::to_string(fsdp.unitNames().size()) + " units (FSDP, " +
-         (fsdp.options().reshardAfterForward() ? "FULL_SHARD" : "SHARD_GRAD_OP") + ")";
-}
-
-std::int64_t ceilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // A step that failed in LibTorch or Gloo (a peer died, stopped or went away; a collective timed
 // out) becomes one line saying where, with the hang guard's bound. The library's own errors
@@ -395,124 +302,6 @@ void removeCheckpoint(const std::filesystem::path& file) {
 }
 
 // ---- one optimizer step --------------------------------------------------------------------------------
-
-// Where a step's wall time goes (seconds, this rank): waiting for batches, forward and backward
-// (the backward includes waiting for DDP's last gradient allreduce), the optimizer (and loss
-// scaling), and the agreement with the other ranks (ResilientTraining::stepDone: one small
-// allreduce, a snapshot's capture when one is due).
-struct StepPhases {
-  double data = 0, forwardBackward = 0, optimizer = 0, agreement = 0;
-  StepPhases& operator+=(const StepPhases& o) {
-    data += o.data;
-    forwardBackward += o.forwardBackward;
-    optimizer += o.optimizer;
-    agreement += o.agreement;
-    return *this;
-  }
-};
-
-struct StepOutcome {
-  double loss = 0.0;           // mean over this rank's micro-batches
-  std::int64_t samples = 0;    // on this rank
-  StepPhases phases;
-};
-
-// The wall time since the previous call (or the construction): a step's phases one after another.
-struct Lap {
-  Clock::time_point mark = Clock::now();
-  double operator()() {
-    const auto now = Clock::now();
-    const double seconds = std::chrono::duration<double>(now - mark).count();
-    mark = now;
-    return seconds;
-  }
-};
-
-// The next micro-batch on `device`, counted in the sampler and in `out` (its wait as data time).
-std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
-                                                       StepOutcome& out, Lap& lap, const torch::Device& device) {
-  auto batch = loader.next();
-  out.phases.data += lap();
-  if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
-  sampler.advance(batch->size());
-  out.samples += batch->size();
-  return {batch->inputs.to(device, /*non_blocking=*/true), batch->targets.to(device, /*non_blocking=*/true)};
-}
-
-// `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
-// `zero`: then broadcasts every share after the step.
-StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
-                      amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                      const TrainOptions& o, const torch::Device& device) {
-  ddp.zeroGrad();
-  // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
-  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
-  StepOutcome out;
-  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
-  Lap lap;
-  for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
-    // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
-    std::optional<NoSyncGuard> noSync;
-    ddp.synchronise(m + 1 == micro, noSync);
-    torch::Tensor loss;
-    {
-      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
-      loss = lossFor(model.output(), ddp(inputs), targets);
-    }
-    scaler.scale(micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
-    lossSum += loss.detach();
-    out.phases.forwardBackward += lap();
-  }
-  if (o.clipGradNorm > 0) {
-    // DDP's gradients are averaged already, the same on every rank: their norm is the global one
-    // and every rank clips alike (every parameter's, also those another rank's ZeRO share steps).
-    // The scaler's factor comes off first (Python's unscale_ + clip).
-    if (optimizer) scaler.unscale(*optimizer);
-    ddp.clipGradNorm(o.clipGradNorm);
-  }
-  if (optimizer) scaler.step(*optimizer);
-  if (zero) zero->broadcastShares();
-  scaler.update();
-  out.loss = lossSum.item<double>() / static_cast<double>(micro);
-  out.phases.optimizer += lap();
-  return out;
-}
-
-// --sync parameter-server. A worker accumulates its micro-batches' gradients locally (nothing to
-// synchronise before the push), then ParameterServer::step pushes them and returns with the updated
-// weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
-// every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
-// there).
-StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
-                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
-  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
-  StepOutcome out;
-  Lap lap;
-  if (ps.isServer()) {
-    sampler.advance(std::min(sampler.remaining(), micro * o.batchSize));
-    if (!ps.serveStep()) throw std::logic_error("the workers finished before the sampler's epoch did");
-    out.phases.optimizer = lap();
-    return out;
-  }
-  ps.zeroGrad();
-  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
-  for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
-    torch::Tensor loss;
-    {
-      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
-      loss = lossFor(model.output(), model.forward(inputs), targets);
-    }
-    (micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
-    lossSum += loss.detach();
-    out.phases.forwardBackward += lap();
-  }
-  ps.step();
-  out.loss = lossSum.item<double>() / static_cast<double>(micro);
-  out.phases.optimizer += lap();
-  return out;
-}
 
 // ---- the run -------------------------------------------------------------------------------------------
 
@@ -682,19 +471,10 @@ class Trainer {
   double dataSeconds_ = 0;
   std::shared_ptr<Model> model_;
   std::int64_t activationBytes_ = 0;
-  std::unique_ptr<DDP> ddp_;
-  std::unique_ptr<FSDP> fsdp_;                            // --sharding grad-op|full (in place of ddp_)
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;   // the whole optimizer (--sharding none)
-  std::unique_ptr<ZeroRedundancyOptimizer> zero_;        // --sharding optimizer (ZeRO-1)
-  std::unique_ptr<ParameterServer> ps_;                  // --sync parameter-server (then no DDP)
+  // DDP (whole optimizer or ZeRO-1), FSDP or the parameter server (strategy.hpp), chosen once.
+  std::unique_ptr<Strategy> strategy_;
   // The ranks that read data and compute gradients: all of them, or the parameter server's workers.
   int dataRanks_ = 1;
-  // The optimizer this rank steps: the whole one, or its share's (none when it owns no parameter,
-  // and on a parameter server's workers).
-  torch::optim::Optimizer* stepping() const {
-    if (ps_) return ps_->localOptimizer();
-    return zero_ ? zero_->localOptimizer() : optimizer_.get();
-  }
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::unique_ptr<LrSchedule> schedule_;
@@ -727,31 +507,8 @@ void Trainer::buildDataAndModel() {
 }
 
 void Trainer::buildTraining() {
-  dataRanks_ = worldSize_;
-  if (o_.sync == SyncChoice::kParameterServer) {
-    ps_ = std::make_unique<ParameterServer>(
-        model_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); },
-        ParameterServerOptions().servers(o_.psServers).timeout(std::chrono::milliseconds(o_.timeout)));
-    dataRanks_ = ps_->numWorkers();
-    // the servers' optimizers are built by the ParameterServer
-  } else if (o_.sharding == ShardingChoice::kGradOp || o_.sharding == ShardingChoice::kFull) {
-    fsdp_ = std::make_unique<FSDP>(model_, FSDPOptions()
-                                               .autoWrapPolicy(trainerWrapPolicy())
-                                               .reshardAfterForward(o_.sharding == ShardingChoice::kFull));
-    optimizer_ = makeOptimizer(o_, fsdp_->parameters());
-  } else {
-    ddp_ = std::make_unique<DDP>(model_, DDPOptions()
-                                             .bucketCapMb(o_.bucketCapMb)
-                                             .commHook(commHookOf(o_.commHook))
-                                             .gradientReduction(reductionOf(o_.gradientReduction))
-                                             .findUnusedParameters(o_.findUnusedParameters)
-                                             .gradientAsBucketView(o_.gradientAsBucketView));
-    if (o_.sharding == ShardingChoice::kOptimizer)
-      zero_ = std::make_unique<ZeroRedundancyOptimizer>(
-          ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
-    else
-      optimizer_ = makeOptimizer(o_, ddp_->parameters());
-  }
+  strategy_ = makeStrategy(o_, model_);
+  dataRanks_ = strategy_->dataRanks();
   // Loss scaling for float16 only: bfloat16 has float32's exponent range.
   scaler_ = std::make_unique<amp::GradScaler>(
       device_, amp::GradScalerOptions().enabled(o_.amp && amp::parseDtype(o_.ampDtype) == torch::kHalf));
@@ -759,7 +516,7 @@ void Trainer::buildTraining() {
   samplerOptions.datasetSize = data_.train->size();
   // With a parameter server the workers split the data; a server keeps worker 0's count of it.
   samplerOptions.worldSize = dataRanks_;
-  samplerOptions.rank = ps_ && ps_->isServer() ? 0 : rank_;
+  samplerOptions.rank = strategy_->samplerRank();
   samplerOptions.seed = o_.seed;
   sampler_ = std::make_unique<DistributedSampler>(samplerOptions);
   BatchMemoryInputs batch;
@@ -775,19 +532,13 @@ void Trainer::buildTraining() {
   if (const std::string problem = checkBatchSize(batch); !problem.empty()) throw UsageError(problem);
   stepsPerEpoch_ = ceilDiv(ceilDiv(sampler_->size(), o_.batchSize), o_.gradAccumSteps);
   schedule_ = std::make_unique<LrSchedule>(LrSchedule::fromOptions(o_));
+  const std::string noun = strategy_->dataRankNoun();
   console_.line("model: " + o_.model + ", " + withThousands(models::parameterCount(*model_)) +
                 " parameters; global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * dataRanks_) + " (" +
-                std::to_string(o_.batchSize) + (ps_ ? " per worker" : " per rank") +
+                std::to_string(o_.batchSize) + " per " + noun +
                 (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
-                std::to_string(dataRanks_) + (ps_ ? (dataRanks_ == 1 ? " worker), " : " workers), ")
-                                                  : (worldSize_ == 1 ? " rank), " : " ranks), ")) +
-                std::to_string(stepsPerEpoch_) + " steps per epoch" +
-                (ps_ ? "; gradients averaged by " + std::to_string(ps_->numServers()) + " parameter server" +
-                           (ps_->numServers() == 1 ? " (rank " + std::to_string(dataRanks_) + ")"
-                                                   : "s (ranks " + std::to_string(dataRanks_) + "-" + std::to_string(worldSize_ - 1) + ")") +
-                           ", which run the optimizer"
-                     : worldSize_ > 1 ? "; gradients averaged by " + (fsdp_ ? shardingPath(*fsdp_) : gradientPath(*ddp_))
-                                      : std::string()));
+                std::to_string(dataRanks_) + " " + noun + (dataRanks_ == 1 ? "), " : "s), ") +
+                std::to_string(stepsPerEpoch_) + " steps per epoch" + strategy_->averaging(worldSize_));
 }
 
 // What a snapshot holds beyond the model, optimizer and sampler: the scheduler's position (a pure
@@ -808,15 +559,11 @@ void Trainer::buildResilience() {
   if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
   training_ = std::make_unique<ResilientTraining>(r);
   ResilientTraining& t = *training_;
-  if (ps_) t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_);  // rank 0: a worker, current weights
-  else if (fsdp_) t.track(*fsdp_);
-  else t.track(*ddp_);
+  strategy_->trackModel(t);
   t.track(*sampler_);
-  if (zero_) t.track(*zero_);
-  else if (optimizer_) t.track(*optimizer_);
-  if ((zero_ || ps_ || fsdp_) && inPlaceRecoveryEnabled())
-    console_.line(std::string("in-place recovery is off with ") +
-                  (ps_ ? std::string("--sync parameter-server") : "--sharding " + std::string(toString(o_.sharding))) +
+  strategy_->trackOptimizer(t);
+  if (const std::string off = strategy_->inPlaceRecoveryOffWith(); !off.empty() && inPlaceRecoveryEnabled())
+    console_.line("in-place recovery is off with " + off +
                   ": a lost rank's shards come back from the snapshot files with a group restart");
   t.trackScheduler(
       [this] {
@@ -904,10 +651,9 @@ RunResult Trainer::finish(RunResult result) {
   // After finish(): the final snapshot is durable and the other ranks are done, so a disk that
   // cannot take model.pt fails rank 0 alone (74), with the snapshot holding the same weights.
   // A sharded model's weights are gathered for it on every rank (collective), rank 0 writes them.
-  if (fsdp_) fsdp_->summonFullParameters([this] {
+  strategy_->withFullWeights([this] {
     if (ctorch::isMainProcess()) writeFinalWeights();
   });
-  else if (ctorch::isMainProcess()) writeFinalWeights();
   result.epochsRun = training_->epoch();
   result.globalStep = training_->globalStep();
   console_.line("done: " + std::to_string(o_.epochs) + " epochs, " + std::to_string(result.globalStep) + " steps, " +
@@ -948,13 +694,13 @@ PassEnd Trainer::runEpochPass(RunResult& result) {
 
   pass.start = Clock::now();
   pass.cpuStart = processCpuSeconds();
-  if (ddp_) pass.reductionStart = ddp_->sharedMemoryStats();
+  pass.reductionStart = strategy_->reductionStats();
   pass.intervalStart = pass.start;
   pass.firstStep = t.stepInEpoch();
   startEpochTally(pass.firstStep);
   while (!sampler_->exhausted()) {
     const double lr = schedule_->at(epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_));
-    if (torch::optim::Optimizer* optimizer = stepping()) setLearningRate(*optimizer, lr);
+    if (torch::optim::Optimizer* optimizer = strategy_->stepping()) setLearningRate(*optimizer, lr);
     if (hooks_.beforeStep) hooks_.beforeStep(t.globalStep());
     profileBefore(t.globalStep() + 1);
     const std::optional<AgreedStep> step = trainAndAgree(loader);
@@ -1006,9 +752,7 @@ std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
     intervalLocalLoss_ = localBefore;
   };
   try {
-    step.outcome = ps_ ? parameterServerStep(*ps_, *model_, loader, *sampler_, o_, device_)
-                       : trainStep(Replica{ddp_.get(), fsdp_.get()}, *model_, stepping(), zero_.get(), *scaler_, loader,
-                                   *sampler_, o_, device_);
+    step.outcome = strategy_->step(StepInputs{loader, *sampler_, *scaler_, *model_, o_, device_});
     // Whether any rank must stop: agreed in the background (read at the next step) except at the
     // steps that log or save on schedule, where the same small allreduce also sums the losses.
     step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();
@@ -1111,7 +855,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   // The shared-memory reduction's time per step (on its helper thread when overlapped).
   double reduceSeconds = 0, reduceWaitSeconds = 0;
   std::string reductionText;
-  if (const auto now = ddp_ && worldSize_ > 1 ? ddp_->sharedMemoryStats() : std::nullopt;
+  if (const auto now = worldSize_ > 1 ? strategy_->reductionStats() : std::nullopt;
       now && pass.reductionStart && stepsRun > 0) {
     reduceSeconds = std::chrono::duration<double>(now->total - pass.reductionStart->total).count();
     reduceWaitSeconds = std::chrono::duration<double>(now->waiting - pass.reductionStart->waiting).count();
@@ -1228,10 +972,9 @@ bool Trainer::endEpochOnce(RunResult& result, std::int64_t completed, bool lastE
 
 EvalTotals Trainer::evaluate(std::int64_t completed) {
   const auto evalStart = Clock::now();
-  if (ps_) ps_->syncReplicas();  // a server's replica is current in its own share only
+  const EvalForward forward = strategy_->prepareEvaluation();
   const EvalTotals totals =
-      evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group(),
-                          fsdp_ ? EvalForward([this](const torch::Tensor& x) { return (*fsdp_)(x); }) : EvalForward());
+      evaluateDistributed(*model_, *data_.testPipeline, o_.evalBatchSize, device_, pg_.group(), forward);
   std::string line = "epoch " + std::to_string(completed) + "/" + std::to_string(o_.epochs) +
                      " test: loss " + std::to_string(totals.loss());
   if (totals.classification) {

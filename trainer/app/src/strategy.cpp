@@ -1,0 +1,344 @@
+// ctorch-train's strategies (strategy.hpp): DDP with the whole optimizer or ZeRO-1's shares, FSDP,
+// and the parameter server, each with its step, what it tracks and how it describes itself.
+#include "ctorch/train/strategy.hpp"
+
+#include <ctorch/distributed.hpp>
+#include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/models/resnet.hpp>
+#include <ctorch/parameter_server.hpp>
+#include <ctorch/zero_redundancy_optimizer.hpp>
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace ctorch::train {
+
+// Python's defaults apart from the learning rate and weight decay (and SGD's momentum).
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
+  switch (o.optimizer) {
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kRmsprop:
+      return std::make_unique<torch::optim::RMSprop>(params,
+                                                     torch::optim::RMSpropOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(params,
+                                                     torch::optim::AdagradOptions(o.lr).weight_decay(o.weightDecay));
+    case OptimizerKind::kSgd:
+      break;
+  }
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Model = models::Model;
+using DDP = DistributedDataParallel<std::shared_ptr<Model>>;
+using FSDP = FullyShardedDataParallel<std::shared_ptr<Model>>;
+
+// The model as a step drives it: whole replicas behind DDP, or shards behind FSDP (--sharding
+// grad-op|full).
+struct Replica {
+  DDP* ddp = nullptr;
+  FSDP* fsdp = nullptr;
+  void zeroGrad() {
+    if (fsdp) fsdp->zeroGrad();
+    else ddp->zeroGrad();
+  }
+  torch::Tensor operator()(const torch::Tensor& x) { return fsdp ? (*fsdp)(x) : (*ddp)(x); }
+  // Gradient accumulation: the micro-steps before the last keep their gradients local (DDP's
+  // no_sync, FSDP's set_requires_gradient_sync(false)).
+  void synchronise(bool on, std::optional<NoSyncGuard>& noSync) {
+    if (fsdp) fsdp->setRequiresGradientSync(on);
+    else if (!on) noSync.emplace(ddp->noSync());
+  }
+  // The gradient's global norm clipped: DDP's gradients are the same on every rank, so every rank
+  // clips alike; FSDP's norm is summed over every rank's shards.
+  void clipGradNorm(double maxNorm) {
+    if (fsdp) fsdp->clipGradNorm(maxNorm);
+    else torch::nn::utils::clip_grad_norm_(ddp->parameters(), maxNorm);
+  }
+};
+
+// The units of FullyShardedDataParallel in ctorch-train's models: each ResNet block, and each layer
+// the model calls directly (its convolutions and Linears), which the models call through
+// ctorch::unitForward. The rest (BatchNorm of the stem) stays in the root unit.
+WrapPolicy trainerWrapPolicy() {
+  return [](const std::string& name, const torch::nn::Module& module) {
+    if (dynamic_cast<const models::BasicBlockImpl*>(&module) != nullptr) return true;
+    const bool direct = name.find('.') == std::string::npos;
+    return direct && (dynamic_cast<const torch::nn::LinearImpl*>(&module) != nullptr ||
+                      dynamic_cast<const torch::nn::Conv2dImpl*>(&module) != nullptr);
+  };
+}
+
+CommHook commHookOf(CommHookChoice c) {
+  switch (c) {
+    case CommHookChoice::kSharedMemory: return CommHook::kSharedMemory;
+    case CommHookChoice::kAllreduce: return CommHook::kAllreduce;
+    case CommHookChoice::kFp16: return CommHook::kFp16Compress;
+    case CommHookChoice::kNone: break;
+  }
+  return CommHook::kNone;
+}
+
+GradientReduction reductionOf(ReductionChoice c) {
+  switch (c) {
+    case ReductionChoice::kAfterBackward: return GradientReduction::kAfterBackward;
+    case ReductionChoice::kOverlapped: break;
+  }
+  return GradientReduction::kOverlapped;
+}
+
+std::string gradientPath(const DDP& ddp) {
+  const std::string hook = ddp.commHookInUse();
+  if (hook == "shared memory")
+    return std::string("shared memory (every rank on this host), ") +
+           (ddp.options().gradientReduction() == GradientReduction::kAfterBackward
+                ? "after the backward pass, on the computing thread"
+                : "each bucket when ready, on a helper thread");
+  if (hook == "none") return "the process group's allreduce";
+  return "the " + hook + " hook";
+}
+
+std::string shardingPath(const FSDP& fsdp) {
+  return "reduce-scatter into " + std::to_string(fsdp.parameters().size()) + " flat shards of " +
+         std::to_string(fsdp.unitNames().size()) + " units (FSDP, " +
+         (fsdp.options().reshardAfterForward() ? "FULL_SHARD" : "SHARD_GRAD_OP") + ")";
+}
+// The wall time since the previous call (or the construction): a step's phases one after another.
+struct Lap {
+  Clock::time_point mark = Clock::now();
+  double operator()() {
+    const auto now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    return seconds;
+  }
+};
+
+// The next micro-batch on `device`, counted in the sampler and in `out` (its wait as data time).
+std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
+                                                       StepOutcome& out, Lap& lap, const torch::Device& device) {
+  auto batch = loader.next();
+  out.phases.data += lap();
+  if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
+  sampler.advance(batch->size());
+  out.samples += batch->size();
+  return {batch->inputs.to(device, /*non_blocking=*/true), batch->targets.to(device, /*non_blocking=*/true)};
+}
+
+// `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
+// `zero`: then broadcasts every share after the step.
+StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
+                      amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
+                      const TrainOptions& o, const torch::Device& device) {
+  ddp.zeroGrad();
+  // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
+  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
+  StepOutcome out;
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
+  Lap lap;
+  for (std::int64_t m = 0; m < micro; ++m) {
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
+    std::optional<NoSyncGuard> noSync;
+    ddp.synchronise(m + 1 == micro, noSync);
+    torch::Tensor loss;
+    {
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(model.output(), ddp(inputs), targets);
+    }
+    scaler.scale(micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
+    lossSum += loss.detach();
+    out.phases.forwardBackward += lap();
+  }
+  if (o.clipGradNorm > 0) {
+    // DDP's gradients are averaged already, the same on every rank: their norm is the global one
+    // and every rank clips alike (every parameter's, also those another rank's ZeRO share steps).
+    // The scaler's factor comes off first (Python's unscale_ + clip).
+    if (optimizer) scaler.unscale(*optimizer);
+    ddp.clipGradNorm(o.clipGradNorm);
+  }
+  if (optimizer) scaler.step(*optimizer);
+  if (zero) zero->broadcastShares();
+  scaler.update();
+  out.loss = lossSum.item<double>() / static_cast<double>(micro);
+  out.phases.optimizer += lap();
+  return out;
+}
+
+// --sync parameter-server. A worker accumulates its micro-batches' gradients locally (nothing to
+// synchronise before the push), then ParameterServer::step pushes them and returns with the updated
+// weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
+// every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
+// there).
+StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
+                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
+  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
+  StepOutcome out;
+  Lap lap;
+  if (ps.isServer()) {
+    sampler.advance(std::min(sampler.remaining(), micro * o.batchSize));
+    if (!ps.serveStep()) throw std::logic_error("the workers finished before the sampler's epoch did");
+    out.phases.optimizer = lap();
+    return out;
+  }
+  ps.zeroGrad();
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
+  for (std::int64_t m = 0; m < micro; ++m) {
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    torch::Tensor loss;
+    {
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(model.output(), model.forward(inputs), targets);
+    }
+    (micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
+    lossSum += loss.detach();
+    out.phases.forwardBackward += lap();
+  }
+  ps.step();
+  out.loss = lossSum.item<double>() / static_cast<double>(micro);
+  out.phases.optimizer += lap();
+  return out;
+}
+
+// ---- the strategies ------------------------------------------------------------------------------
+
+// DDP: every rank a whole replica; the whole optimizer on every rank, or (--sharding optimizer)
+// ZeRO-1's share of it.
+class DataParallel final : public Strategy {
+ public:
+  DataParallel(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
+    ddp_ = std::make_unique<DDP>(model, DDPOptions()
+                                            .bucketCapMb(o.bucketCapMb)
+                                            .commHook(commHookOf(o.commHook))
+                                            .gradientReduction(reductionOf(o.gradientReduction))
+                                            .findUnusedParameters(o.findUnusedParameters)
+                                            .gradientAsBucketView(o.gradientAsBucketView));
+    if (o.sharding == ShardingChoice::kOptimizer)
+      zero_ = std::make_unique<ZeroRedundancyOptimizer>(
+          ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
+    else
+      optimizer_ = makeOptimizer(o, ddp_->parameters());
+  }
+  int dataRanks() const override { return getWorldSize(); }
+  int samplerRank() const override { return getRank(); }
+  StepOutcome step(const StepInputs& in) override {
+    return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
+                     in.options, in.device);
+  }
+  torch::optim::Optimizer* stepping() override { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
+  void trackModel(ResilientTraining& t) override { t.track(*ddp_); }
+  void trackOptimizer(ResilientTraining& t) override {
+    if (zero_) t.track(*zero_);
+    else t.track(*optimizer_);
+  }
+  std::string averaging(int worldSize) const override {
+    return worldSize > 1 ? "; gradients averaged by " + gradientPath(*ddp_) : std::string();
+  }
+  std::string inPlaceRecoveryOffWith() const override {
+    return zero_ ? "--sharding " + std::string(toString(o_.sharding)) : std::string();
+  }
+  std::optional<GradientReductionStats> reductionStats() const override { return ddp_->sharedMemoryStats(); }
+
+ private:
+  const TrainOptions& o_;
+  std::unique_ptr<DDP> ddp_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;  // the whole optimizer (--sharding none)
+  std::unique_ptr<ZeroRedundancyOptimizer> zero_;       // --sharding optimizer (ZeRO-1)
+};
+
+// FSDP (--sharding grad-op|full): parameters, gradients and the optimizer's state sharded.
+class FullySharded final : public Strategy {
+ public:
+  FullySharded(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
+    fsdp_ = std::make_unique<FSDP>(model, FSDPOptions()
+                                              .autoWrapPolicy(trainerWrapPolicy())
+                                              .reshardAfterForward(o.sharding == ShardingChoice::kFull));
+    optimizer_ = makeOptimizer(o, fsdp_->parameters());
+  }
+  int dataRanks() const override { return getWorldSize(); }
+  int samplerRank() const override { return getRank(); }
+  StepOutcome step(const StepInputs& in) override {
+    return trainStep(Replica{nullptr, fsdp_.get()}, in.model, optimizer_.get(), nullptr, in.scaler, in.loader,
+                     in.sampler, in.options, in.device);
+  }
+  torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
+  void trackModel(ResilientTraining& t) override { t.track(*fsdp_); }
+  void trackOptimizer(ResilientTraining& t) override { t.track(*optimizer_); }
+  std::string averaging(int worldSize) const override {
+    return worldSize > 1 ? "; gradients averaged by " + shardingPath(*fsdp_) : std::string();
+  }
+  std::string inPlaceRecoveryOffWith() const override { return "--sharding " + std::string(toString(o_.sharding)); }
+  EvalForward prepareEvaluation() override {
+    return [this](const torch::Tensor& x) { return (*fsdp_)(x); };
+  }
+  void withFullWeights(const std::function<void()>& write) override { fsdp_->summonFullParameters(write); }
+
+ private:
+  const TrainOptions& o_;
+  std::unique_ptr<FSDP> fsdp_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// --sync parameter-server: workers compute gradients, the servers (the last ranks) average them and
+// run the optimizer over their shares.
+class ParameterServing final : public Strategy {
+ public:
+  ParameterServing(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o), model_(model) {
+    ps_ = std::make_unique<ParameterServer>(
+        model->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); },
+        ParameterServerOptions().servers(o.psServers).timeout(std::chrono::milliseconds(o.timeout)));
+  }
+  int dataRanks() const override { return ps_->numWorkers(); }
+  // A server keeps worker 0's count of the data.
+  int samplerRank() const override { return ps_->isServer() ? 0 : getRank(); }
+  StepOutcome step(const StepInputs& in) override {
+    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device);
+  }
+  torch::optim::Optimizer* stepping() override { return ps_->localOptimizer(); }
+  // Rank 0 is a worker: its model holds the current weights.
+  void trackModel(ResilientTraining& t) override { t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_); }
+  void trackOptimizer(ResilientTraining&) override {}  // the servers' shares, tracked with the model
+  const char* dataRankNoun() const override { return "worker"; }
+  std::string averaging(int worldSize) const override {
+    const int workers = ps_->numWorkers();
+    return "; gradients averaged by " + std::to_string(ps_->numServers()) + " parameter server" +
+           (ps_->numServers() == 1 ? " (rank " + std::to_string(workers) + ")"
+                                   : "s (ranks " + std::to_string(workers) + "-" + std::to_string(worldSize - 1) + ")") +
+           ", which run the optimizer";
+  }
+  std::string inPlaceRecoveryOffWith() const override { return "--sync parameter-server"; }
+  EvalForward prepareEvaluation() override {
+    ps_->syncReplicas();  // a server's replica is current in its own share only
+    return EvalForward();
+  }
+
+ private:
+  const TrainOptions& o_;
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<ParameterServer> ps_;
+};
+
+} // namespace
+
+std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  if (o.sync == SyncChoice::kParameterServer) return std::make_unique<ParameterServing>(o, model);
+  if (o.sharding == ShardingChoice::kGradOp || o.sharding == ShardingChoice::kFull)
+    return std::make_unique<FullySharded>(o, model);
+  return std::make_unique<DataParallel>(o, model);
+}
+
+} // namespace ctorch::train
