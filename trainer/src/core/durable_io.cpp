@@ -276,8 +276,8 @@ namespace ctorch {
 
 void writeFileAtomically(const std::filesystem::path& path, std::string_view content) {
   const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-  const auto tmp = detail::writeTempFile(dir, "." + path.filename().string() + ".tmp-", content.data(),
-                                 content.size());
+  const auto tmp =
+      detail::writeTempFile(dir, "." + path.filename().string() + ".tmp-", content.data(), content.size());
   try {
     detail::renameFile(tmp, path);
   } catch (...) {

@@ -1,5 +1,6 @@
 // Snapshot files: crash-safe writing with rotation, verified loading, newest-valid search.
 #include "ctorch/snapshot.hpp"
+#include "ctorch/durable_io.hpp"
 
 #include "core/file_io.hpp"
 #include "snapshot/portable_archive.hpp"
@@ -242,15 +243,7 @@ std::size_t saveStateDict(const torch::nn::Module& module, const fs::path& path)
   const std::vector<char> bytes = detail::portableArchive(c10::IValue(captureModelState(module)));
   const fs::path dir = directoryOf(path);
   fs::create_directories(dir);
-  const fs::path tmp = detail::writeTempFile(dir, "." + path.filename().string() + ".tmp-", bytes.data(),
-                                             bytes.size());
-  try {
-    detail::renameFile(tmp, path);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  detail::fsyncDirectory(dir);
+  writeFileAtomically(path, std::string_view(bytes.data(), bytes.size()));
   return bytes.size();
 }
 
