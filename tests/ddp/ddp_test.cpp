@@ -187,7 +187,7 @@ double maxDiff(const std::vector<torch::Tensor>& a, const std::vector<torch::Ten
 struct Outcome {
   double params = 0, buffers = 0;
   size_t buckets = 0;
-  std::string hookInUse;
+  ctorch::CommHook hookInUse = ctorch::CommHook::kNone;
 };
 
 // Trains `cfg` under DDP and as the single-process reference, side by side, in this worker.
@@ -359,11 +359,11 @@ CTORCH_TEST_WORKER(ddp_matrix) {
     if (cfg.hook == ctorch::CommHook::kFp16Compress) ok = ok && o.params > 1e-6;
     if (cfg.smallBuckets) ok = ok && o.buckets > 1;
     // Every rank of these groups is on this host: the shared-memory path must be the one taken.
-    if (cfg.hook == ctorch::CommHook::kSharedMemory) ok = ok && o.hookInUse == "shared memory";
+    if (cfg.hook == ctorch::CommHook::kSharedMemory) ok = ok && o.hookInUse == ctorch::CommHook::kSharedMemory;
     ++count;
     if (!ok) ++failures;
     std::cout << (ok ? "PASS " : "FAIL ") << cfg.name() << " : params " << o.params << " buffers " << o.buffers
-              << " buckets " << o.buckets << " hook in use " << o.hookInUse << " tolerance " << tol << "\n";
+              << " buckets " << o.buckets << " hook in use " << toString(o.hookInUse) << " tolerance " << tol << "\n";
   }
   std::cout << "skipped " << skipped << " fp16-hook configurations\n";
   std::cout << "static-graph accumulation refused " << skippedStaticAccumulation << "\n";
@@ -577,7 +577,7 @@ CTORCH_TEST_WORKER(ddp_sparse_shm) {
     }
     std::vector<torch::Tensor> g;
     for (const auto& p : model->parameters()) g.push_back(p.grad().is_sparse() ? p.grad().to_dense() : p.grad().clone());
-    std::cout << "mode " << mode << " hook " << ddp.commHookInUse() << std::endl;
+    std::cout << "mode " << mode << " hook " << toString(ddp.commHookInUse()) << std::endl;
     results.push_back(g);
   }
   const double overlapped = maxDiff(results[1], results[0]), after = maxDiff(results[2], results[0]);
@@ -593,7 +593,9 @@ CTORCH_TEST_WORKER(ddp_custom_hook) {
   torch::manual_seed(0);
   Mlp model;
   ctorch::DistributedDataParallel ddp(model);
+  if (ddp.commHookInUse() != ctorch::CommHook::kNone) return 1;
   ddp.registerCommHook(std::make_unique<SumHook>(ctorch::getDefaultGroup()));
+  if (ddp.commHookInUse() != ctorch::CommHook::kCustom) return 1;
   auto b = shard("mlp", 0, 0, rank, world);
   torch::mse_loss(ddp(b.x), b.y).backward();
   // Expected: the sum over ranks of each rank's local gradient, recomputed here.
@@ -653,6 +655,10 @@ CTORCH_TEST_WORKER(ddp_single_process) {
   };
   expect(configErrorOf([] { ctorch::DDPOptions().bucketCapMb(0).validate(); }),
          "DDPOptions::bucketCapMb must be a positive number of MiB, got 0");
+  expect(configErrorOf([] {
+           ctorch::DistributedDataParallel ddp(torch::nn::Linear(4, 2), ctorch::DDPOptions().commHook(ctorch::CommHook::kCustom));
+         }),
+         "DDPOptions::commHook cannot be CommHook::kCustom: give your hook to registerCommHook");
   expect(configErrorOf([] { ctorch::DistributedDataParallel ddp{torch::nn::ReLU()}; }),
          "no parameter that requires a gradient");
   {  // noSync with staticGraph: refused where the Reducer accumulates wrongly, allowed elsewhere.

@@ -83,33 +83,15 @@ WrapPolicy trainerWrapPolicy() {
   };
 }
 
-CommHook commHookOf(CommHookChoice c) {
-  switch (c) {
-    case CommHookChoice::kSharedMemory: return CommHook::kSharedMemory;
-    case CommHookChoice::kAllreduce: return CommHook::kAllreduce;
-    case CommHookChoice::kFp16: return CommHook::kFp16Compress;
-    case CommHookChoice::kNone: break;
-  }
-  return CommHook::kNone;
-}
-
-GradientReduction reductionOf(ReductionChoice c) {
-  switch (c) {
-    case ReductionChoice::kAfterBackward: return GradientReduction::kAfterBackward;
-    case ReductionChoice::kOverlapped: break;
-  }
-  return GradientReduction::kOverlapped;
-}
-
 std::string gradientPath(const DDP& ddp) {
-  const std::string hook = ddp.commHookInUse();
-  if (hook == "shared memory")
+  const CommHook hook = ddp.commHookInUse();
+  if (hook == CommHook::kSharedMemory)
     return std::string("shared memory (every rank on this host), ") +
            (ddp.options().gradientReduction() == GradientReduction::kAfterBackward
                 ? "after the backward pass, on the computing thread"
                 : "each bucket when ready, on a helper thread");
-  if (hook == "none") return "the process group's allreduce";
-  return "the " + hook + " hook";
+  if (hook == CommHook::kNone) return "the process group's allreduce";
+  return std::string("the ") + toString(hook) + " hook";
 }
 
 std::string shardingPath(const FSDP& fsdp) {
@@ -223,8 +205,8 @@ class DataParallel final : public Strategy {
   DataParallel(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
     ddp_ = std::make_unique<DDP>(model, DDPOptions()
                                             .bucketCapMb(o.bucketCapMb)
-                                            .commHook(commHookOf(o.commHook))
-                                            .gradientReduction(reductionOf(o.gradientReduction))
+                                            .commHook(o.commHook)
+                                            .gradientReduction(o.gradientReduction)
                                             .findUnusedParameters(o.findUnusedParameters)
                                             .gradientAsBucketView(o.gradientAsBucketView));
     if (o.sharding == ShardingChoice::kOptimizer)

@@ -4,6 +4,7 @@
 // Construction and every forward are collectives: all ranks must make the same calls.
 #pragma once
 
+#include "ctorch/comm_hook.hpp"
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
 #include "ctorch/module_traversal.hpp"
@@ -28,29 +29,6 @@ class CommHookInterface;
 }
 
 namespace ctorch {
-
-// Built-in gradient communication hooks (c10d's, as Python's register_comm_hook with
-// default_hooks.allreduce_hook / fp16_compress_hook).
-enum class CommHook {
-  kNone,          // the Reducer's own allreduce (gradients divided by the world size)
-  kAllreduce,     // the built-in ALLREDUCE hook: same result, through the hook path
-  kFp16Compress,  // gradients cast to float16 for the allreduce, back to their dtype after
-  // ctorch's own: when every rank can map one shared-memory segment (all on one host, CPU tensors),
-  // buckets are averaged through it (SharedMemoryAllreduce: no sockets, the same bits on every rank);
-  // otherwise (other hosts, NCCL) the Reducer's own allreduce, as kNone. commHookInUse() says which.
-  kSharedMemory,
-};
-
-// When CommHook::kSharedMemory reduces the gradient buckets (the same bits either way).
-enum class GradientReduction {
-  // Each bucket as soon as its gradients are ready, on a helper thread, while the backward pass
-  // goes on. Faster even where every core computes: a rank that waits for a slower one leaves its
-  // core to the other's helper thread (docs/performance.md).
-  kOverlapped,
-  // Every bucket at the end of the backward pass, on the thread that ran it: the ranks meet once per
-  // step, and no helper thread runs beside the computation.
-  kAfterBackward,
-};
 
 // Where a rank's time in the shared-memory hook's reductions went (DistributedDataParallel::
 // sharedMemoryStats()).
@@ -129,8 +107,8 @@ class DDPCore {
   void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group,
               const std::optional<std::vector<std::vector<size_t>>>& buckets);
   const DDPOptions& options() const;
-  // "none", "allreduce", "fp16 compress", "shared memory" or "custom" (registerCommHook).
-  std::string commHookInUse() const;
+  // The hook gradients travel through (CommHook::kCustom after registerCommHook).
+  CommHook commHookInUse() const;
   std::optional<GradientReductionStats> sharedMemoryStats() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
@@ -228,10 +206,10 @@ class DistributedDataParallel {
   bool isTraining() const { return detail::modulePointer(module_)->is_training(); }
 
   const DDPOptions& options() const { return core_->options(); }
-  // How gradients travel: "none" (the Reducer's allreduce), "allreduce", "fp16 compress",
-  // "shared memory", or "custom" (registerCommHook). CommHook::kSharedMemory says "none" where the
-  // ranks do not share memory.
-  std::string commHookInUse() const { return core_->commHookInUse(); }
+  // How gradients travel: kNone (the Reducer's allreduce), kAllreduce, kFp16Compress, kSharedMemory,
+  // or kCustom (registerCommHook); toString(hook) names it. Asked for kSharedMemory, it is kNone
+  // where the ranks do not share memory.
+  CommHook commHookInUse() const { return core_->commHookInUse(); }
   // The shared-memory hook's time in the reductions so far (its own thread's with kOverlapped),
   // and how much of it was waiting for the other ranks; empty when it is not in use.
   std::optional<GradientReductionStats> sharedMemoryStats() const { return core_->sharedMemoryStats(); }

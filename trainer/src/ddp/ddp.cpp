@@ -129,6 +129,8 @@ void DDPOptions::validate() const {
   };
   positive(bucketCapMb_, "bucketCapMb");
   positive(firstBucketCapMb_, "firstBucketCapMb");
+  if (commHook_ == CommHook::kCustom)
+    throw ConfigError("DDPOptions::commHook cannot be CommHook::kCustom: give your hook to registerCommHook");
 }
 
 struct detail::DDPCore::Impl {
@@ -467,13 +469,13 @@ std::optional<GradientReductionStats> detail::DDPCore::sharedMemoryStats() const
   return GradientReductionStats{s.calls, s.total, s.waiting};
 }
 
-std::string detail::DDPCore::commHookInUse() const {
+CommHook detail::DDPCore::commHookInUse() const {
   const Impl& s = *impl_;
-  if (s.sharedMemory) return "shared memory";
+  if (s.sharedMemory) return CommHook::kSharedMemory;
   switch (s.options.commHook()) {
-    case CommHook::kAllreduce: return "allreduce";
-    case CommHook::kFp16Compress: return "fp16 compress";
-    default: return s.hookRegistered ? "custom" : "none";
+    case CommHook::kAllreduce:
+    case CommHook::kFp16Compress: return s.options.commHook();
+    default: return s.hookRegistered ? CommHook::kCustom : CommHook::kNone;
   }
 }
 c10::intrusive_ptr<c10d::ProcessGroup> detail::DDPCore::processGroup() const { return impl_->group; }

@@ -3,6 +3,8 @@
 // directly. docs/trainer.md lists every flag.
 #pragma once
 
+#include "ctorch/comm_hook.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -13,6 +15,9 @@
 #include <vector>
 
 namespace ctorch::train {
+
+using ctorch::CommHook;
+using ctorch::GradientReduction;
 
 // A value the user gave that cannot work. One line, naming the flag and quoting the value; the
 // program exits with contract::kExitUsage.
@@ -27,9 +32,6 @@ enum class DeviceChoice { kAuto, kCpu, kCuda };
 enum class BackendChoice { kAuto, kGloo, kNccl };
 enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
-enum class CommHookChoice { kSharedMemory, kNone, kAllreduce, kFp16 };
-// When the shared-memory hook reduces the buckets (ctorch::GradientReduction).
-enum class ReductionChoice { kOverlapped, kAfterBackward };
 // What is sharded over the ranks: nothing (DDP), the optimizer's state (ZeRO-1; Python's
 // ZeroRedundancyOptimizer), also the gradients and, between steps, the parameters (FSDP's
 // SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD).
@@ -44,8 +46,6 @@ const char* toString(DeviceChoice v);
 const char* toString(BackendChoice v);
 const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
-const char* toString(CommHookChoice v);
-const char* toString(ReductionChoice v);
 const char* toString(ShardingChoice v);
 const char* toString(SyncChoice v);
 
@@ -118,8 +118,8 @@ struct TrainOptions {
   double bucketCapMb = 25.0;
   // How DDP moves gradients: through shared memory where every rank shares it (one host, CPU),
   // else the Reducer's allreduce.
-  CommHookChoice commHook = CommHookChoice::kSharedMemory;
-  ReductionChoice gradientReduction = ReductionChoice::kOverlapped;  // --gradient-reduction
+  CommHook commHook = CommHook::kSharedMemory;                           // --comm-hook
+  GradientReduction gradientReduction = GradientReduction::kOverlapped;  // --gradient-reduction
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
