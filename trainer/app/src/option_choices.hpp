@@ -1,0 +1,80 @@
+// What both halves of ctorch-train's options share (private to the app): the names each choice flag
+// takes (the tables parse and toString read), and the text helpers of the one-line usage errors.
+// options.cpp validates TrainOptions; command_line.cpp fills it from argv with CLI11.
+#pragma once
+
+#include "ctorch/train/options.hpp"
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ctorch::train::choices {
+
+inline const std::vector<std::string> kModels = {"linear", "mnist-cnn", "simple-cnn", "resnet18"};
+inline const std::vector<std::string> kDatasets = {"fashion-mnist", "mnist", "cifar10", "synthetic-regression",
+                                            "synthetic-images"};
+
+inline std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+// The shortest text that reads back as exactly `v` (0.05, not 0.050000000000000003).
+inline std::string number(double v) {
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::ostringstream os;
+    os.precision(precision);
+    os << v;
+    if (std::stod(os.str()) == v || !std::isfinite(v)) return os.str();
+  }
+  return std::to_string(v);
+}
+
+[[noreturn]] inline void bad(const std::string& flag, const std::string& value, const std::string& why) {
+  throw UsageError(flag + " '" + value + "' " + why);
+}
+
+inline const std::vector<std::pair<std::string, OptimizerKind>> kOptimizers = {
+    {"sgd", OptimizerKind::kSgd},         {"adam", OptimizerKind::kAdam},      {"adamw", OptimizerKind::kAdamW},
+    {"rmsprop", OptimizerKind::kRmsprop}, {"adagrad", OptimizerKind::kAdagrad}};
+inline const std::vector<std::pair<std::string, LrDecay>> kDecays = {{"none", LrDecay::kNone},
+                                                              {"cosine", LrDecay::kCosine},
+                                                              {"step", LrDecay::kStep},
+                                                              {"linear", LrDecay::kLinear},
+                                                              {"onecycle", LrDecay::kOneCycle}};
+inline const std::vector<std::pair<std::string, DeviceChoice>> kDevices = {
+    {"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
+inline const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
+    {"auto", BackendChoice::kAuto}, {"gloo", BackendChoice::kGloo}, {"nccl", BackendChoice::kNccl}};
+inline const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{"none", ShardingChoice::kNone},
+                                                                       {"optimizer", ShardingChoice::kOptimizer},
+                                                                       {"grad-op", ShardingChoice::kGradOp},
+                                                                       {"full", ShardingChoice::kFull}};
+inline const std::vector<std::pair<std::string, SyncChoice>> kSyncs = {{"allreduce", SyncChoice::kAllreduce},
+                                                               {"parameter-server", SyncChoice::kParameterServer}};
+// Straight into the library's own enums (ctorch/comm_hook.hpp).
+inline const std::vector<std::pair<std::string, CommHook>> kCommHooks = {{"shared-memory", CommHook::kSharedMemory},
+                                                                  {"none", CommHook::kNone},
+                                                                  {"allreduce", CommHook::kAllreduce},
+                                                                  {"fp16", CommHook::kFp16Compress}};
+inline const std::vector<std::pair<std::string, GradientReduction>> kReductions = {
+    {"overlapped", GradientReduction::kOverlapped}, {"after-backward", GradientReduction::kAfterBackward}};
+inline const std::vector<std::pair<std::string, ProgressMode>> kProgress = {{"auto", ProgressMode::kAuto},
+                                                                     {"bar", ProgressMode::kBar},
+                                                                     {"lines", ProgressMode::kLines},
+                                                                     {"none", ProgressMode::kNone}};
+inline const std::vector<std::pair<std::string, AugmentChoice>> kAugment = {
+    {"auto", AugmentChoice::kAuto}, {"on", AugmentChoice::kOn}, {"off", AugmentChoice::kOff}};
+
+template <class E>
+const char* nameOf(E value, const std::vector<std::pair<std::string, E>>& choices) {
+  for (const auto& [name, e] : choices)
+    if (e == value) return name.c_str();
+  return "?";
+}
+
+}  // namespace ctorch::train::choices
