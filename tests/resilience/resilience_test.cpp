@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <sys/stat.h>
 #include <cstdio>
 #include <fstream>
 #include <unistd.h>
@@ -382,6 +383,11 @@ TEST_CASE("resilience: options and calls in the wrong order are refused with one
   TempDir dir("ctorch-resilience-options");
   CHECK_THROWS_WITH(ctorch::ResilientTraining(ctorch::ResilienceOptions().snapshotPath(dir.path())),
                     Catch::Contains("is a directory"));
+  const auto fifo = dir.path() / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH(ctorch::ResilientTraining(ctorch::ResilienceOptions().snapshotPath(fifo)),
+                    Catch::Equals("ResilienceOptions::snapshotPath '" + fifo.string() +
+                                  "' is not a regular file (a FIFO, socket or device): name a file"));
   CHECK_THROWS_WITH(ctorch::ResilientTraining(ctorch::ResilienceOptions().runName("")),
                     Catch::Contains("runName is empty"));
 }

@@ -5,6 +5,7 @@
 #include "multiproc.hpp"
 
 #include <csignal>
+#include <sys/stat.h>
 #include <fstream>
 #include <thread>
 
@@ -193,6 +194,33 @@ TEST_CASE("slot options are validated", "[snapshot][files]") {
   CHECK_THROWS_WITH(ctorch::saveSnapshot(s, slot("/tmp/x/", 1)), Catch::Contains("does not name a file"));
   CHECK_THROWS_WITH(ctorch::saveSnapshot(s, slot("/tmp/x.pt", -1)),
                     Catch::Contains("keep-previous must be in [0, 1000], got -1"));
+}
+
+// One rule for a slot's path, asked by every layer in its own terms (issue 41.5).
+TEST_CASE("a slot's path: a file name, and what is there a regular file or a link", "[snapshot][files]") {
+  TempDir dir("snap-path");
+  const fs::path fifo = dir / "fifo", sub = dir / "sub", file = dir / "file.pt", link = dir / "link.pt";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  fs::create_directories(sub);
+  writeBytes(file, "x");
+  fs::create_symlink(file, link);
+  const auto problem = [](const fs::path& p) { return ctorch::snapshotPathProblem(p, "--snapshot-path").value_or("ok"); };
+  CHECK(problem("") == "--snapshot-path is empty");
+  CHECK(problem(dir / "") == "--snapshot-path '" + (dir / "").string() + "' does not name a file");
+  CHECK(problem(dir / "..") == "--snapshot-path '" + (dir / "..").string() + "' does not name a file");
+  CHECK(problem(sub) == "--snapshot-path '" + sub.string() + "' is a directory: name a file in it (e.g. --snapshot-path " +
+                            (sub / "snapshot.pt").string() + ")");
+  CHECK(ctorch::snapshotPathProblem(sub, "ResilienceOptions::snapshotPath").value_or("") ==
+        "ResilienceOptions::snapshotPath '" + sub.string() + "' is a directory: name a file in it (e.g. '" +
+            (sub / "snapshot.pt").string() + "')");
+  CHECK(problem(fifo) == "--snapshot-path '" + fifo.string() + "' is not a regular file (a FIFO, socket or device): name a file");
+  CHECK(problem(file) == "ok");
+  CHECK(problem(link) == "ok");
+  CHECK(problem(dir / "absent.pt") == "ok");
+  // The slot itself refuses the FIFO before writing anything.
+  auto s = tinySnapshot(1);
+  CHECK_THROWS_WITH(ctorch::saveSnapshot(s, slot(fifo, 1)), Catch::Contains("is not a regular file"));
+  CHECK(fs::is_fifo(fifo));
 }
 
 // ---- Crashes ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // Catch2 for every test: Debian bookworm ships v2 (one header), sid ships v3 (a library with a
 // header per part and its matchers in Catch::Matchers). Tests include this and spell matchers as
-// v2 does (Catch::Contains, Catch::StartsWith, Catch::Matches, Catch::Message, Approx).
+// v2 does (Catch::Contains, Catch::Equals, Catch::StartsWith, Catch::Matches, Catch::Message, Approx).
 // The version is the one CMake found (CTORCH_CATCH2_MAJOR), not whichever headers come first on
 // the include path: a machine with a v3 in /usr/local and a v2 package handed to CMake links v2.
 #pragma once
@@ -18,6 +18,7 @@ inline Matchers::StringContainsMatcher Contains(const std::string& text,
                                                 CaseSensitive sensitivity = CaseSensitive::Yes) {
   return Matchers::ContainsSubstring(text, sensitivity);
 }
+using Matchers::Equals;
 using Matchers::Matches;
 using Matchers::Message;
 using Matchers::StartsWith;

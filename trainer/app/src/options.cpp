@@ -5,6 +5,7 @@
 #include "option_choices.hpp"
 
 #include <ctorch/amp.hpp>
+#include <ctorch/snapshot.hpp>
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/version.hpp>
 
@@ -130,8 +131,7 @@ void TrainOptions::validate() const {
   atLeast("--eval-batch-size", evalBatchSize, 1);
   atLeast("--log-interval", logInterval, 1);
 
-  if (snapshotPath.empty() || snapshotPath.filename().empty())
-    bad("--snapshot-path", snapshotPath.string(), "must name a file");
+  if (auto problem = snapshotPathProblem(snapshotPath, "--snapshot-path")) throw UsageError(*problem);
   atLeast("--save-every", saveEvery, 0);
   atLeast("--save-every-steps", saveEverySteps, 0);
   if (keepSnapshots < 0 || keepSnapshots > 100)
@@ -218,7 +218,10 @@ void checkOutputFile(const std::string& flag, const std::filesystem::path& file,
 }  // namespace
 
 void TrainOptions::checkOutputs() const {
-  checkOutputFile("--snapshot-path", snapshotPath, "snapshot.pt");
+  // The slot's own rule (ctorch::snapshotPathProblem, as validate() asked it), then its directory.
+  if (auto problem = snapshotPathProblem(snapshotPath, "--snapshot-path")) throw UsageError(*problem);
+  checkWritableDirectory("--snapshot-path '" + snapshotPath.string() + "'",
+                         snapshotPath.has_parent_path() ? snapshotPath.parent_path() : std::filesystem::path("."));
   checkWritableDirectory("--model-dir '" + outputDir().string() + "'", outputDir());
   checkOutputFile("--model-filename", finalModelPath(), "model.pt");
   if (const auto metrics = metricsPath())

@@ -158,6 +158,14 @@ enum class SnapshotWriteStep {
 };
 const char* writeStepName(SnapshotWriteStep step);
 
+// The one check of a snapshot slot's path, which every layer that takes one asks in its own terms
+// (SnapshotSlotOptions: "snapshot path", ResilienceOptions::snapshotPath, ctorch-train's
+// --snapshot-path): nullopt when `path` can be a slot, else one line naming `who` and the path. The path
+// must name a file ("", "run/", "." and ".." do not), and what is there already must be a regular file
+// or a symbolic link, not a directory, FIFO, socket or device. Every name derived from a slot (kept
+// snapshots, the epoch slot, the lock, shard files) is docs/snapshot.md's table.
+std::optional<std::string> snapshotPathProblem(const std::filesystem::path& path, const std::string& who);
+
 struct SnapshotSlotOptions {
   std::filesystem::path path;
   int keepPrevious = 2;  // K: how many older snapshots are kept next to the newest

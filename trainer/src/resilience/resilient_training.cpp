@@ -43,10 +43,7 @@ std::string describePoint(std::int64_t epoch, std::int64_t stepInEpoch, std::int
 }  // namespace
 
 void ResilienceOptions::validate() const {
-  if (snapshotPath_.empty()) throw ConfigError("ResilienceOptions::snapshotPath is empty");
-  if (std::filesystem::is_directory(snapshotPath_))
-    throw ConfigError("ResilienceOptions::snapshotPath '" + snapshotPath_.string() +
-                      "' is a directory; name the snapshot file (e.g. '" + (snapshotPath_ / "snapshot.pt").string() + "')");
+  if (auto problem = snapshotPathProblem(snapshotPath_, "ResilienceOptions::snapshotPath")) throw ConfigError(*problem);
   if (saveEverySteps_ < 0)
     throw ConfigError("ResilienceOptions::saveEverySteps must be >= 0, got " + std::to_string(saveEverySteps_));
   if (saveEveryEpochs_ < 0)

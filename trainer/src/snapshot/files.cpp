@@ -98,10 +98,31 @@ const char* writeStepName(SnapshotWriteStep step) {
   return "?";
 }
 
+namespace {
+
+bool namesAFile(const fs::path& path) {
+  return !path.empty() && path.has_filename() && path.filename() != "." && path.filename() != "..";
+}
+
+}  // namespace
+
+std::optional<std::string> snapshotPathProblem(const fs::path& path, const std::string& who) {
+  if (path.empty()) return who + " is empty";
+  const std::string named = who + " '" + path.string() + "'";
+  if (!namesAFile(path)) return named + " does not name a file";
+  std::error_code ec;
+  const auto st = fs::symlink_status(path, ec);
+  if (ec || !fs::exists(st) || fs::is_regular_file(st) || fs::is_symlink(st)) return std::nullopt;
+  if (fs::is_directory(st)) {
+    const std::string example = (path / "snapshot.pt").string();
+    return named + " is a directory: name a file in it (e.g. " +
+           (who.rfind("--", 0) == 0 ? who + " " + example : "'" + example + "'") + ")";
+  }
+  return named + " is not a regular file (a FIFO, socket or device): name a file";
+}
+
 void SnapshotSlotOptions::validate() const {
-  if (path.empty()) throw std::invalid_argument("snapshot path is empty");
-  if (!path.has_filename() || path.filename() == "." || path.filename() == "..")
-    throw std::invalid_argument("snapshot path '" + path.string() + "' does not name a file");
+  if (auto problem = snapshotPathProblem(path, "snapshot path")) throw std::invalid_argument(*problem);
   if (keepPrevious < 0 || keepPrevious > 1000)
     throw std::invalid_argument("snapshot keep-previous must be in [0, 1000], got " +
                                 std::to_string(keepPrevious));
@@ -238,7 +259,7 @@ SnapshotSearch loadNewestValid(const fs::path& slot, const LoadNewestOptions& op
 }
 
 std::size_t saveStateDict(const torch::nn::Module& module, const fs::path& path) {
-  if (path.empty() || !path.has_filename() || path.filename() == "." || path.filename() == "..")
+  if (!namesAFile(path))
     throw std::invalid_argument("state dict path '" + path.string() + "' does not name a file");
   const std::vector<char> bytes = detail::portableArchive(c10::IValue(captureModelState(module)));
   const fs::path dir = directoryOf(path);
