@@ -24,7 +24,7 @@ torch::Tensor MnistCnn::forward(torch::Tensor x) {
   // Each layer through ctorch::unitForward: a plain call, or a unit of FullyShardedDataParallel.
   x = F::relu(ctorch::unitForward(conv1, x));
   x = F::relu(ctorch::unitForward(conv2, x));
-  x = maxPool2x2(x);  // = F::max_pool2d(x, 2), bit for bit, ~8x faster on the CPU (ops.hpp)
+  x = maxPool2x2(x);  // = F::max_pool2d(x, 2), bit for bit, faster on the CPU (ops.hpp)
   x = dropout1(x);
   x = torch::flatten(x, 1);
   x = F::relu(ctorch::unitForward(fc1, x));

@@ -35,8 +35,7 @@ inline void poolOne(const float* a, const float* b, int64_t r0, int64_t r1, int6
 }
 
 // One output row of a plane. With SSE2, four outputs at a time, branch-free (on ReLU activations
-// the comparisons are unpredictable: the scalar loop ran at 6.3 ms for the MNIST CNN's 64x64x24x24,
-// this at 0.55 ms; LibTorch 1.13's kernel takes ~9 ms).
+// the comparisons are unpredictable, and a scalar loop was ten times slower: docs/performance.md).
 void poolRow(const float* a, const float* b, int64_t r0, int64_t r1, int64_t w, int64_t ow, float* out, int64_t* index) {
   int64_t j = 0;
 #if defined(__SSE2__)

@@ -13,7 +13,8 @@ constexpr int kMaxWorld = 1 << 20;
 constexpr std::int64_t kMaxGraceMs = 3600 * 1000;
 // A replacement that has not joined is evicted only after much longer than a silent survivor: it
 // starts a process, loads LibTorch and sets its program up, none of which the collectives' timeout
-// bounds (measured: 0.5 s alone, ~5 s with four busy loops per core beside it).
+// bounds, and which a loaded machine stretches tenfold (docs/performance.md, "Figures behind
+// choices in the code").
 constexpr int kStartGraceFactor = 4;
 constexpr std::chrono::milliseconds kMinStartGrace{20000};
 

@@ -1,7 +1,7 @@
 // Process-wide settings that make CPU training fast without changing any result: intra-op threads
 // sized to the CPUs this rank may use, OpenBLAS single-threaded under them (its own pool ignores
 // LibTorch's setting; LibTorch calls it from inside its parallel loops, and the two pools on the
-// same cores fight: the MNIST CNN at 1 rank, 2 threads, 2x faster with LibTorch 2.14), and a glibc
+// same cores fight), and a glibc
 // heap that keeps freed activation memory instead of returning it to the kernel after every step.
 // ctorch-train calls both first thing; a loop of your own should too (docs/ddp.md, "Fast CPU
 // training"; docs/trainer.md and docs/performance.md have the measurements).
@@ -36,8 +36,8 @@ int setBlasThreads(int threads);
 
 // glibc's mallopt: activations up to 32 MiB come from the heap, and up to 1 GiB of freed heap is
 // kept. Without it, glibc returns the freed activations of every step to the kernel and the next
-// step faults them in again, zeroed (the MNIST CNN's step: 85 ms -> 68 ms on the 2-core VM, one
-// thread). Call it before training allocates; it does nothing on other C libraries.
+// step faults them in again, zeroed (a fifth of the MNIST CNN's step: docs/performance.md). Call
+// it before training allocates; it does nothing on other C libraries.
 void tuneAllocator();
 
 }  // namespace ctorch

@@ -168,8 +168,8 @@ std::unique_ptr<contract::control::BlockingClient> awaitSpareAssignment(const st
 namespace {
 
 // A preloaded worker (ctorchrun --preloaded-workers) waits for its assignment here, while the program
-// starts: LibTorch's libraries are loaded and initialised (the slow part of a new process: ~0.4 s of
-// a new worker's ~0.5 s), the program's main() has not run. With its rank variables set it goes on
+// starts: LibTorch's libraries are loaded and initialised (most of a new process's start;
+// docs/performance.md has the figure), the program's main() has not run. With its rank variables set it goes on
 // and runs the program from the start, as the replacement a new process would have been. An error
 // ends it in one line (the agent then starts a new process for the next failure).
 bool awaitPreloadedAssignment() {

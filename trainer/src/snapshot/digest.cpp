@@ -47,8 +47,8 @@ inline std::uint64_t load64(const std::uint8_t* p) {
 
 // One round with its message schedule (RFC 7693, section 2.7) spelled out as constants: with the
 // schedule read from a table the compiler keeps the message words in memory and indexes them, and
-// the whole function ran at half the speed (0.93 s against 0.53 s for 512 MiB on the 2-core VM;
-// the digest is the snapshot writer's longest pass and the whole cost of verifying a load).
+// the whole function ran at half the speed (docs/performance.md, "Figures behind choices in the
+// code"; the digest is the snapshot writer's longest pass and the whole cost of verifying a load).
 #define CTORCH_B2_ROUND(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
   do {                                                                                       \
     CTORCH_B2_G(v0, v4, v8, v12, m[s0], m[s1]);                                              \

@@ -90,7 +90,7 @@ struct TrainOptions {
 
   // ---- evaluation and output
   std::int64_t evalEvery = 1;        // epochs between evaluations (0: only after the last epoch)
-  std::int64_t evalBatchSize = 100;  // 1000 (the seeds' value) is 2.2x slower on CPU: activations overflow the caches
+  std::int64_t evalBatchSize = 100;  // not the seeds' 1000: its activations overflow the CPU's caches (docs/performance.md)
   std::int64_t logInterval = 10;     // steps between progress lines / metrics records
   ProgressMode progress = ProgressMode::kAuto;
   std::optional<std::filesystem::path> metricsFile;  // unset: <outputDir()>/metrics.jsonl; empty: none
