@@ -1,8 +1,8 @@
 // Process-wide settings that make CPU training fast without changing any result: intra-op threads
 // sized to the CPUs this rank may use, OpenBLAS single-threaded under them (its own pool ignores
 // LibTorch's setting; LibTorch calls it from inside its parallel loops, and the two pools on the
-// same cores fight), and a glibc
-// heap that keeps freed activation memory instead of returning it to the kernel after every step.
+// same cores fight), and a glibc heap that keeps freed activation memory instead of returning it to
+// the kernel after every step.
 // ctorch-train calls both first thing; a loop of your own should too (docs/ddp.md, "Fast CPU
 // training"; docs/trainer.md and docs/performance.md have the measurements).
 #pragma once
