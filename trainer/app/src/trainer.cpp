@@ -21,29 +21,19 @@
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/data/error.hpp>
 #include <ctorch/data/loader.hpp>
-#include <ctorch/data/registry.hpp>
-#include <ctorch/data/transforms.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
-#include <ctorch/distributed_env.hpp>
 #include <ctorch/models/registry.hpp>
-#include <ctorch/models/resnet.hpp>
-#include <ctorch/parameter_server.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
-#include <ctorch/fully_sharded_data_parallel.hpp>
-#include <ctorch/zero_redundancy_optimizer.hpp>
 
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
-#include <torch/cuda.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <time.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
