@@ -28,6 +28,14 @@ TEST_CASE("text: join puts the separator between the pieces") {
   CHECK(join({}, ", ").empty());
 }
 
+TEST_CASE("text: numbers are plain decimal, nothing around them (issue 42.10)") {
+  for (const char* ok : {"0", "2", "-2", "+7", "12345678"}) CHECK(isDecimalInteger(ok));
+  for (const char* no : {"", " 2", "2 ", "0x10", "1e3", "2.", "+", "1_000", "٣"}) CHECK_FALSE(isDecimalInteger(no));
+  for (const char* ok : {"0", "0.5", ".5", "2.", "-1.5e-3", "1E3", "+3"}) CHECK(isDecimalNumber(ok));
+  for (const char* no : {"", ".", " 1", "1 ", "0x10", "inf", "nan", "1e", "1e+", "1_000", "--1", "1.2.3"})
+    CHECK_FALSE(isDecimalNumber(no));
+}
+
 TEST_CASE("text: lower case and seconds") {
   CHECK(toLower("TCP Yes") == "tcp yes");
   CHECK(secondsText(1500ms) == "1.5 s");

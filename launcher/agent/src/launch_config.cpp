@@ -38,14 +38,9 @@ namespace {
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-// Strict decimal integer in [lo, hi]; nullopt otherwise.
-std::optional<long long> toInt(const std::string& text, long long lo, long long hi) {
-  std::string s(trim(text));
-  if (s.empty() || s.size() > 18) return std::nullopt;
-  std::size_t i = (s[0] == '-' || s[0] == '+') ? 1 : 0;
-  if (i == s.size()) return std::nullopt;
-  for (std::size_t j = i; j < s.size(); ++j)
-    if (!std::isdigit(static_cast<unsigned char>(s[j]))) return std::nullopt;
+// Strict decimal integer in [lo, hi], nothing around it (" 2" is not one); nullopt otherwise.
+std::optional<long long> toInt(const std::string& s, long long lo, long long hi) {
+  if (s.size() > 18 || !text::isDecimalInteger(s)) return std::nullopt;
   long long v = std::stoll(s);
   if (v < lo || v > hi) return std::nullopt;
   return v;
@@ -237,7 +232,7 @@ StdSpec StdSpec::parse(const std::string& value, const std::string& flag) {
   StdSpec spec;
   std::string v(trim(value));
   if (v.find(':') == std::string::npos) {
-    auto n = toInt(v, 0, 3);
+    auto n = toInt(value, 0, 3);
     if (!n) throw bad("not a value between 0 and 3");
     spec.all = static_cast<StdStreams>(*n);
     return spec;
@@ -246,8 +241,8 @@ StdSpec StdSpec::parse(const std::string& value, const std::string& flag) {
   for (const auto& item : split(v, ',')) {
     auto colon = item.find(':');
     if (colon == std::string::npos) throw bad(quote(item) + " is not local_rank:value");
-    auto rank = toInt(item.substr(0, colon), 0, 1 << 20);
-    auto val = toInt(item.substr(colon + 1), 0, 3);
+    auto rank = toInt(std::string(trim(item.substr(0, colon))), 0, 1 << 20);  // "0:3, 1:1" as torchrun takes it
+    auto val = toInt(std::string(trim(item.substr(colon + 1))), 0, 3);
     if (!rank || !val) throw bad(quote(item) + " is not local_rank:value");
     if (spec.perRank.count(static_cast<int>(*rank)))
       throw bad("local rank " + std::to_string(*rank) + " is given twice");
@@ -260,7 +255,7 @@ std::pair<int, int> parseNnodes(const std::string& value) {
   auto bad = [&](const std::string& why) {
     return UsageError("--nnodes " + quote(value) + ": " + why + " (expected N or MIN:MAX)");
   };
-  std::string v(trim(value));
+  const std::string& v = value;
   auto colon = v.find(':');
   if (colon == std::string::npos) {
     auto n = toInt(v, 1, 1000000);
@@ -276,7 +271,7 @@ std::pair<int, int> parseNnodes(const std::string& value) {
 }
 
 int parseNproc(const std::string& value, const MachineProbe& probe, std::string* source) {
-  std::string v(trim(value));
+  const std::string& v = value;
   std::string lower = text::toLower(v);
   if (lower == "gpu" || lower == "auto") {
     int n = probe.visibleGpus ? probe.visibleGpus() : 0;
@@ -356,7 +351,7 @@ std::pair<std::string, std::optional<int>> parseEndpoint(const std::string& valu
 std::set<int> parseRanksFilter(const std::string& value) {
   std::set<int> ranks;
   for (const auto& item : split(value, ',')) {
-    auto n = toInt(item, 0, 1 << 20);
+    auto n = toInt(std::string(trim(item)), 0, 1 << 20);  // "0, 2" as torchrun takes it
     if (!n)
       throw UsageError("--local-ranks-filter " + quote(value) + ": " + quote(item) +
                        " is not a local rank (expected a comma-separated list such as 0,1,2)");
@@ -382,11 +377,11 @@ std::vector<int> parseSignals(const std::string& value) {
 }
 
 std::chrono::milliseconds parseSeconds(const std::string& value, const std::string& flag) {
-  std::string v(trim(value));
+  const std::string& v = value;
   char* end = nullptr;
   errno = 0;
-  double s = std::strtod(v.c_str(), &end);
-  if (v.empty() || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(s))
+  double s = text::isDecimalNumber(v) ? std::strtod(v.c_str(), &end) : 0.0;
+  if (!text::isDecimalNumber(v) || end != v.c_str() + v.size() || errno != 0 || !std::isfinite(s))
     throw UsageError(flag + " " + quote(value) + ": not a number of seconds");
   if (s < 0) throw UsageError(flag + " " + quote(value) + ": must not be negative");
   if (s > 1e7) throw UsageError(flag + " " + quote(value) + ": too large");

@@ -42,6 +42,38 @@ std::string toLower(std::string_view s) {
   return out;
 }
 
+namespace {
+
+bool isDigit(char c) { return c >= '0' && c <= '9'; }
+
+// Advances `i` past a run of digits; how many there were.
+std::size_t digits(std::string_view s, std::size_t& i) {
+  const std::size_t start = i;
+  while (i < s.size() && isDigit(s[i])) ++i;
+  return i - start;
+}
+
+std::size_t sign(std::string_view s, std::size_t i) { return i < s.size() && (s[i] == '+' || s[i] == '-') ? i + 1 : i; }
+
+}  // namespace
+
+bool isDecimalInteger(std::string_view s) {
+  std::size_t i = sign(s, 0);
+  return digits(s, i) > 0 && i == s.size();
+}
+
+bool isDecimalNumber(std::string_view s) {
+  std::size_t i = sign(s, 0);
+  std::size_t mantissa = digits(s, i);
+  if (i < s.size() && s[i] == '.') mantissa += digits(s, ++i);
+  if (mantissa == 0) return false;
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    i = sign(s, i + 1);
+    if (digits(s, i) == 0) return false;
+  }
+  return i == s.size();
+}
+
 std::string secondsText(std::chrono::milliseconds d, int significantDigits) {
   std::ostringstream os;
   os.precision(significantDigits);

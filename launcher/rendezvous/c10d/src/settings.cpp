@@ -26,7 +26,7 @@ milliseconds parseSeconds(const std::string& key, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != value.size() || value.empty() || !std::isfinite(v))
+  if (used != value.size() || !text::isDecimalNumber(value) || !std::isfinite(v))
     bad("--rdzv-conf " + key + "='" + value + "' is not a number of seconds");
   if (v <= 0) bad("--rdzv-conf " + key + "='" + value + "' must be positive");
   if (v > 1e9) bad("--rdzv-conf " + key + "='" + value + "' is too large");
@@ -43,7 +43,8 @@ int parseCount(const std::string& key, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != value.size() || value.empty()) bad("--rdzv-conf " + key + "='" + value + "' is not a whole number");
+  if (used != value.size() || !text::isDecimalInteger(value))
+    bad("--rdzv-conf " + key + "='" + value + "' is not a whole number");
   if (v < 1 || v > 1000000) bad("--rdzv-conf " + key + "='" + value + "' must be between 1 and 1000000");
   return static_cast<int>(v);
 }

@@ -26,6 +26,12 @@ std::string join(const std::vector<std::string>& pieces, std::string_view sep);
 // ASCII lower case.
 std::string toLower(std::string_view s);
 
+// A number written plainly in decimal, nothing around it: an optional sign, digits, and (for
+// isDecimalNumber) a fraction and an exponent ("-2", "0.5", "1e3", ".5"). Not " 2", "0x10", "inf",
+// "nan" or "1_000", which the C library's strtol/strtod or Python would take.
+bool isDecimalInteger(std::string_view s);
+bool isDecimalNumber(std::string_view s);
+
 // A duration in seconds for a log or an error line: "1.5 s", "30 s", "0.25 s"; at most
 // `significantDigits` significant digits (an ostream's precision).
 std::string secondsText(std::chrono::milliseconds d, int significantDigits = 6);
