@@ -30,6 +30,28 @@ else()
 endif()
 target_compile_features(ctorch_torch_deps INTERFACE cxx_std_${CTORCH_TORCH_CXX_STANDARD})
 message(STATUS "ctorch: LibTorch ${Torch_VERSION}, C++${CTORCH_TORCH_CXX_STANDARD}")
+
+# The release of a distribution's LibTorch, which its headers may not say (Debian's 1.13.1 calls
+# itself 1.13.0 in torch/version.h, TorchConfigVersion.cmake and the library's file name): the
+# version of the package that owns the library found, when dpkg knows it ("1.13.1+dfsg-4" from
+# libtorch1.13). Empty for pytorch.org's zip or a pip wheel, whose headers are right.
+set(CTORCH_TORCH_PACKAGE "")
+find_program(CTORCH_DPKG_QUERY dpkg-query)
+if(CTORCH_DPKG_QUERY AND TORCH_LIBRARY)
+  get_filename_component(_ctorch_torch_lib "${TORCH_LIBRARY}" REALPATH)
+  execute_process(COMMAND ${CTORCH_DPKG_QUERY} -S "${_ctorch_torch_lib}"
+                  OUTPUT_VARIABLE _ctorch_owner ERROR_QUIET RESULT_VARIABLE _ctorch_rc TIMEOUT 20)
+  if(_ctorch_rc EQUAL 0 AND _ctorch_owner MATCHES "^([^:, ]+(:[a-z0-9]+)?): ")
+    set(_ctorch_pkg "${CMAKE_MATCH_1}")
+    execute_process(COMMAND ${CTORCH_DPKG_QUERY} -W -f=\${Version} "${_ctorch_pkg}"
+                    OUTPUT_VARIABLE _ctorch_pkg_version ERROR_QUIET RESULT_VARIABLE _ctorch_rc TIMEOUT 20)
+    if(_ctorch_rc EQUAL 0 AND _ctorch_pkg_version MATCHES "^[0-9][0-9A-Za-z.+~:-]*$")
+      string(REGEX REPLACE ":.*" "" _ctorch_pkg_name "${_ctorch_pkg}")
+      set(CTORCH_TORCH_PACKAGE "${_ctorch_pkg_name} ${_ctorch_pkg_version}")
+      message(STATUS "ctorch: LibTorch from the package ${CTORCH_TORCH_PACKAGE}")
+    endif()
+  endif()
+endif()
 if(CTORCH_NEED_AUTOGRAD_CONTEXT_SHIM)
   target_include_directories(ctorch_torch_deps INTERFACE
     $<BUILD_INTERFACE:${CMAKE_SOURCE_DIR}/trainer/shim>

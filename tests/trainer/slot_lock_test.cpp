@@ -44,6 +44,7 @@ TEST_CASE("slot lock: a second job on a slot in use fails at once naming the fir
   CHECK(r.output.find("resume:") != std::string::npos);
   const auto snap = ctorch::loadSnapshot(dir / "run" / "snapshot.pt");
   CHECK(snap.header.config.at("seed") == "1");  // only the first job wrote the slot
+  CHECK_FALSE(std::filesystem::exists(dir / "run" / "snapshot.pt.lock"));  // a run that ends tidies up (issue 42.9)
 
   // The holder has exited: the slot is free (here for a fresh start of another configuration).
   auto fresh = slowToy("2");
@@ -51,4 +52,5 @@ TEST_CASE("slot lock: a second job on a slot in use fails at once naming the fir
   const auto third = ctorch::test::run(trainUnderLauncher(dir.path(), 2, fresh));
   INFO(show(third));
   CHECK(third.ok());
+  CHECK_FALSE(std::filesystem::exists(dir / "run" / "snapshot.pt.lock"));
 }

@@ -16,6 +16,10 @@ struct ThreadChoice {
   std::string reason;      // "requested", "OMP_NUM_THREADS=1", "2 CPUs / 1 local rank"
   int blasThreads = 0;     // OpenBLAS's thread count afterwards; 0 when OpenBLAS is not loaded
   std::string blasReason;  // "one per calling thread", "OPENBLAS_NUM_THREADS=2"
+  // Set when the count was chosen from the CPUs (not asked for) while other work already keeps them
+  // busy: one line saying so and what to do. Several threads per rank that wait for each other on
+  // a busy host can be ten times slower than one.
+  std::string busyHost;
 };
 
 // LibTorch's intra-op threads: requested > 0: that many. Else OMP_NUM_THREADS when set (LibTorch's
@@ -25,9 +29,14 @@ struct ThreadChoice {
 // OpenBLAS (when it is LibTorch's BLAS): 1 thread, so that the intra-op threads are the only pool,
 // unless OPENBLAS_NUM_THREADS (or GOTO_NUM_THREADS) is set: then OpenBLAS keeps what it read from
 // it (a model whose time is in large matrix products called outside LibTorch's parallel loops, an
-// MLP with 4096 hidden units, runs 15-22 % faster at 1 rank on 2 cores with OpenBLAS's own 2
-// threads). Applies both and returns them.
+// MLP with 4096 hidden units, runs faster with OpenBLAS's own threads: docs/performance.md).
+// Applies both and returns them.
 ThreadChoice configureThreads(int requested = 0, int localWorldSize = 0);
+
+// The line ThreadChoice::busyHost holds: "the host is busy (load 3.9 ... on 2 CPUs): ..." when a
+// rank would run `threadsPerRank` >= 2 threads while the host's load over the last minute
+// (/proc/loadavg) is already at least its online CPUs; "" otherwise.
+std::string busyHostWarning(int threadsPerRank, int localWorldSize, double loadAverage, int cpus);
 
 // OpenBLAS's own pool from code (what OPENBLAS_NUM_THREADS sets before it loads), e.g. after
 // configureThreads for such a model. Returns the count OpenBLAS reports afterwards; 0 when LibTorch's

@@ -6,8 +6,14 @@
 #include <malloc.h>
 #include <sched.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <sstream>
 
 namespace ctorch {
 
@@ -46,6 +52,29 @@ int setBlasThreads(int threads) {
   return std::max(0, get());
 }
 
+namespace {
+
+// The host's load over the last minute (/proc/loadavg), or nullopt.
+std::optional<double> loadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double load = 0;
+  if (in >> load && std::isfinite(load) && load >= 0) return load;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string busyHostWarning(int threads, int localWorldSize, double load, int cpus) {
+  if (threads < 2 || cpus < 1 || !(load >= static_cast<double>(cpus))) return "";
+  std::ostringstream os;
+  os.precision(3);
+  os << "the host is busy (load " << load << " over the last minute on " << cpus << " CPUs): " << threads
+     << " threads per rank for " << localWorldSize << " local rank" << (localWorldSize == 1 ? "" : "s")
+     << " will wait for each other; OMP_NUM_THREADS=1 (or fewer threads) may run much faster. "
+        "A resumed run is bit-identical only with the same number of threads";
+  return os.str();
+}
+
 ThreadChoice configureThreads(int requested, int localWorldSize) {
   if (localWorldSize < 1) {
     const char* env = std::getenv("LOCAL_WORLD_SIZE");
@@ -65,6 +94,9 @@ ThreadChoice configureThreads(int requested, int localWorldSize) {
     choice.threads = std::max(1, cpus / std::max(1, localWorldSize));
     choice.reason = std::to_string(cpus) + " CPUs / " + std::to_string(localWorldSize) + " local rank" +
                     (localWorldSize == 1 ? "" : "s");
+    if (const auto load = loadAverage())
+      choice.busyHost = busyHostWarning(choice.threads, localWorldSize, *load,
+                                        static_cast<int>(std::min<long>(::sysconf(_SC_NPROCESSORS_ONLN), 1 << 20)));
   }
   if (at::get_num_threads() != choice.threads) at::set_num_threads(choice.threads);
   // OpenBLAS on the calling thread: LibTorch calls BLAS from inside its own parallel loops (the

@@ -46,8 +46,25 @@ std::string describeHolder(const std::string& line) {
 
 } // namespace
 
+namespace {
+
+// Whether `path` still names the file open on `fd` (the holder before us may have removed it, and a
+// newer holder made another).
+bool namesOpenFile(const std::filesystem::path& path, int fd) {
+  struct stat open {}, named {};
+  return ::fstat(fd, &open) == 0 && ::lstat(path.c_str(), &named) == 0 && open.st_dev == named.st_dev &&
+         open.st_ino == named.st_ino;
+}
+
+}  // namespace
+
+// The holder removes the file before it lets go, while it still holds the lock: a run that ends
+// leaves no "<slot>.lock" behind. A process that opened the file before the removal takes the lock
+// on a file no longer named (acquire sees that and opens the path again).
 SlotLock::~SlotLock() {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ < 0) return;
+  if (namesOpenFile(path_, fd_)) ::unlink(path_.c_str());
+  ::close(fd_);
 }
 
 SlotLock::Result SlotLock::acquire(const std::filesystem::path& slot, const std::string& runId,
@@ -59,6 +76,16 @@ SlotLock::Result SlotLock::acquire(const std::filesystem::path& slot, const std:
     std::error_code ec;
     std::filesystem::create_directories(slot.parent_path(), ec);
   }
+  for (int attempt = 0;; ++attempt) {
+    const Result r = lockOnce(runId, sameRunWait, detail);
+    if (r != Result::kHeld || namesOpenFile(path_, fd_) || attempt >= 100) return r;
+    ::close(fd_);  // locked a file its holder removed as it let go: the lock is the new file's
+    fd_ = -1;
+  }
+}
+
+SlotLock::Result SlotLock::lockOnce(const std::string& runId, std::chrono::milliseconds sameRunWait,
+                                    std::string& detail) {
   // O_NONBLOCK: a FIFO put in its place must not block the open; O_NOFOLLOW: never someone's link.
   const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY, 0644);
   if (fd < 0) {

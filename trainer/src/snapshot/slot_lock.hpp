@@ -1,7 +1,8 @@
 // One job per snapshot slot: rank 0 holds an advisory lock (flock) on "<slot>.lock" for the run's
 // life; the file names the holder (run id, pid, host, start time) for the refusal of a second job.
 // The kernel lets go when the holder exits, however it ends, so a restart of the same job is never
-// refused by a dead holder. Private to the library (ResilientTraining).
+// refused by a dead holder; a holder that ends normally removes the file (only a killed one leaves
+// it). Private to the library (ResilientTraining).
 #pragma once
 
 #include <chrono>
@@ -29,6 +30,8 @@ class SlotLock {
   std::filesystem::path path() const { return path_; }
 
  private:
+  Result lockOnce(const std::string& runId, std::chrono::milliseconds sameRunWait, std::string& detail);
+
   int fd_ = -1;
   std::filesystem::path path_;
 };
