@@ -41,3 +41,11 @@ install(FILES
   ${CMAKE_BINARY_DIR}/ctorchConfig.cmake
   ${CMAKE_BINARY_DIR}/ctorchConfigVersion.cmake
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/ctorch)
+
+# What a user reads: the license, README and docs/ (README's links into docs/ keep working), and the
+# metrics plotter as a program. ctorch-train's --help finds the docs from its own path, so a moved
+# prefix still points at them.
+install(FILES ${CMAKE_SOURCE_DIR}/LICENSE ${CMAKE_SOURCE_DIR}/README.md DESTINATION ${CMAKE_INSTALL_DOCDIR})
+install(DIRECTORY ${CMAKE_SOURCE_DIR}/docs/ DESTINATION ${CMAKE_INSTALL_DOCDIR}/docs FILES_MATCHING PATTERN "*.md")
+install(PROGRAMS ${CMAKE_SOURCE_DIR}/scripts/plot_metrics.py DESTINATION ${CMAKE_INSTALL_BINDIR}
+        RENAME ctorch-plot-metrics)

@@ -51,6 +51,18 @@ if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero
   fail "an installed header includes one that is not installed (above)"
 fi
 mv "$tmp/installed" "$tmp/prefix"
+# What a user reads comes with the package (issue 42.5, 42.6): the license, README and docs, the
+# metrics plotter as a program, and ctorch-train's --help naming the docs where they now are.
+docdir=$(cd "$tmp/prefix" && ls -d share/doc/ctorch 2>/dev/null) || fail "no share/doc/ctorch in the installed prefix"
+for f in LICENSE README.md docs/trainer.md docs/snapshot.md; do
+  [ -f "$tmp/prefix/$docdir/$f" ] || fail "not installed: $docdir/$f"
+done
+grep -q "BSD 3-Clause" "$tmp/prefix/$docdir/LICENSE" || fail "the installed LICENSE is not the BSD 3-Clause license"
+[ -x "$tmp/prefix/bin/ctorch-plot-metrics" ] || fail "ctorch-plot-metrics is not installed as a program"
+"$tmp/prefix/bin/ctorch-plot-metrics" --help >/dev/null || fail "ctorch-plot-metrics --help failed"
+help=$("$tmp/prefix/bin/ctorch-train" --help) || fail "the installed ctorch-train --help failed"
+grep -qF "Documentation: $tmp/prefix/$docdir/docs/trainer.md." <<<"$help" ||
+  fail "the installed ctorch-train --help does not name $tmp/prefix/$docdir/docs/trainer.md: $(tail -1 <<<"$help")"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the fresh temporary prefix differ on every run: relative to it, ccache hits again.

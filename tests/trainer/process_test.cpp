@@ -122,6 +122,16 @@ TEST_CASE("ctorch-train: a mistyped flag or value is one line saying what to typ
   CHECK(number.output == "ctorch-train: error: --lr 'abc' is not a number\n");
 }
 
+// torchrun users write --amp and expect torch.autocast's choice for the device (issue 42.7).
+TEST_CASE("ctorch-train: --amp alone trains on the CPU in bfloat16", "[trainer][process][amp]") {
+  TempDir dir("train-amp");
+  const auto r = ctorch::test::run(trainAlone(dir.path(), {"--amp", "--train-limit", "64", "--test-limit", "32",
+                                                           "--batch-size", "32", "--epochs", "1", "--device", "auto"}));
+  INFO(show(r));
+  CHECK(r.exitCode == 0);
+  CHECK(r.output.find("bfloat16") != std::string::npos);
+}
+
 TEST_CASE("ctorch-train: a malformed data file is one line with its message, no C++ type", "[trainer][process][errors]") {
   TempDir dir("train-format");
   fs::create_directories(dir / "bad-data");

@@ -6,6 +6,7 @@
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/errors.hpp>
 #include <ctorch/process_tuning.hpp>
+#include <ctorch/version.hpp>
 #include <ctorch/train/evaluate.hpp>
 #include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
@@ -22,6 +23,8 @@
 #include <sched.h>
 
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <cmath>
 #include <mutex>
 #include <thread>
@@ -90,6 +93,44 @@ TEST_CASE("trainer options: --help and --version exit 0 with text on stdout", "[
   CHECK(version.message.find("ctorch") != std::string::npos);
 }
 
+namespace {
+
+// One line of a command's output ("" when it fails).
+std::string commandLine(const std::string& command) {
+  std::string out;
+  if (FILE* p = ::popen(command.c_str(), "r")) {
+    char buffer[512];
+    if (std::fgets(buffer, sizeof buffer, p)) out = buffer;
+    if (::pclose(p) != 0) out.clear();
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+// Debian's LibTorch 1.13.1 says 1.13.0 in its headers; --version names the release that is installed.
+TEST_CASE("trainer options: --version names the LibTorch release this process loaded (issue 42.10)", "[trainer][options]") {
+  std::string library;  // the libtorch_cpu this test runs with, from its own memory map
+  {
+    std::ifstream maps("/proc/self/maps");
+    for (std::string line; std::getline(maps, line) && library.empty();)
+      if (const auto at = line.find('/'); at != std::string::npos && line.find("/libtorch_cpu.so") != std::string::npos)
+        library = line.substr(at);
+  }
+  REQUIRE_FALSE(library.empty());
+  const std::string owner = commandLine("dpkg-query -S '" + library + "' 2>/dev/null");
+  if (owner.empty()) CTORCH_SKIP("no package owns " << library << " (not a Debian LibTorch)");
+  const std::string package = owner.substr(0, owner.find(':'));
+  const std::string version = commandLine("dpkg-query -W -f='${Version}' " + package);
+  REQUIRE_FALSE(version.empty());
+  std::string upstream = version.substr(version.find(':') == std::string::npos ? 0 : version.find(':') + 1);
+  upstream = upstream.substr(0, upstream.find_first_of("+-~"));
+  INFO(ctorch::versionString() << " / " << package << " " << version);
+  CHECK(ctorch::versionString().find("(LibTorch " + upstream + ",") != std::string::npos);
+  CHECK(ctorch::versionString().find(version) != std::string::npos);
+}
+
 TEST_CASE("trainer options: every bad value is one line naming the flag and the value", "[trainer][options]") {
   struct Bad {
     std::vector<std::string> args;
@@ -152,7 +193,19 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
 
 TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch autocasts the CPU to float16, "
           "bfloat16 everywhere, by any of its names", "[trainer][options]") {
-  const auto half = parse({"--device", "cpu", "--amp"});
+  // --amp alone takes the device's autocast type, as torch.autocast does (issue 42.7).
+  const auto natural = parse({"--device", "cpu", "--amp"});
+  REQUIRE(natural.options);
+  CHECK(natural.options->ampDtype == "bfloat16");
+  CHECK(parse({"--device", "cuda", "--amp"}).options->ampDtype == "float16");
+  auto deferred = parse({"--amp"});  // --device auto: known once the run looks for a GPU
+  REQUIRE(deferred.options);
+  CHECK(deferred.options->ampDtype == "auto");
+  deferred.options->resolveAmpDtype(false);
+  CHECK(deferred.options->ampDtype == "bfloat16");
+  deferred.options->resolveAmpDtype(true);  // made concrete once, not again
+  CHECK(deferred.options->ampDtype == "bfloat16");
+  const auto half = parse({"--device", "cpu", "--amp", "--amp-dtype", "float16"});
   if (ctorch::amp::autocastSupported(torch::kCPU, torch::kHalf)) {
     CHECK(half.options);
   } else {
@@ -514,6 +567,19 @@ TEST_CASE("snapshot writer: a failed background write is reported at once and se
                              Catch::Contains("not-a-dir"));
   }
   CHECK_THROWS(writer.wait());  // the loop stops with it
+}
+
+// A 1-rank run on a busy 2-core host took 54 s with 2 automatic threads, 5.2 s with one (issue 42.10).
+TEST_CASE("configureThreads: a busy host is named when several threads per rank would share it", "[trainer][threads]") {
+  CHECK(ctorch::busyHostWarning(2, 1, 3.9, 2) ==
+        "the host is busy (load 3.9 over the last minute on 2 CPUs): 2 threads per rank for 1 local rank will wait "
+        "for each other; OMP_NUM_THREADS=1 (or fewer threads) may run much faster. A resumed run is bit-identical "
+        "only with the same number of threads");
+  CHECK(ctorch::busyHostWarning(4, 2, 8.0, 8).find("4 threads per rank for 2 local ranks") != std::string::npos);
+  CHECK(ctorch::busyHostWarning(1, 1, 10.0, 2).empty());        // one thread waits for nobody of its own
+  CHECK(ctorch::busyHostWarning(2, 1, 1.5, 2).empty());         // room left
+  CHECK(ctorch::busyHostWarning(2, 1, std::nan(""), 2).empty());  // no reading, no claim
+  CHECK(ctorch::busyHostWarning(2, 1, 5.0, 0).empty());
 }
 
 TEST_CASE("configureThreads: requested, OMP_NUM_THREADS, else CPUs over LOCAL_WORLD_SIZE, OpenBLAS at one", "[trainer][threads]") {

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <regex>
 #include <sstream>
 #include <type_traits>
 
@@ -95,11 +96,11 @@ bool isWholeNumber(const std::string& text, ValueKind kind) {
   return kind != ValueKind::kInt32 || (v >= INT_MIN && v <= INT_MAX);
 }
 
+// Plain decimal, as Python's argparse users write it: "0.05", "-1", "1e-3", ".5". Not what strtod
+// alone would also take: "0x10" (16), "inf", "nan", " 2".
 bool isNumber(const std::string& text) {
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return false;
-  char* end = nullptr;
-  std::strtod(text.c_str(), &end);
-  return *end == '\0';
+  static const std::regex decimal(R"([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
+  return std::regex_match(text, decimal);
 }
 
 // Throws UsageError for the first argument that is not a known option, lacks its value, or has a
@@ -163,14 +164,39 @@ std::vector<std::int64_t> parseShape(const std::string& text) {
   return shape;
 }
 
+std::string lowerCase(std::string text) {
+  for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return text;
+}
+
+// A choice by its name, in any case ("Adam", "SGD"), or by Python's spelling of it (`python`:
+// "FULL_SHARD" for full); otherwise one line listing the names, and Python's where it has them.
 template <class E>
-E pick(const char* flag, const std::string& value, const std::vector<std::pair<std::string, E>>& choices) {
+E pick(const char* flag, const std::string& value, const std::vector<std::pair<std::string, E>>& choices,
+       const std::vector<std::pair<std::string, E>>& python = {}) {
   std::vector<std::string> names;
   for (const auto& [name, e] : choices) {
-    if (name == value) return e;
+    if (lowerCase(name) == lowerCase(value)) return e;
     names.push_back(name);
   }
-  bad(flag, value, "is not one of: " + joined(names));
+  std::string spellings;
+  for (const auto& [name, e] : python) {
+    if (lowerCase(name) == lowerCase(value)) return e;
+    spellings += std::string(spellings.empty() ? " (Python's " : ", ") + name + " is " + nameOf(e, choices);
+  }
+  bad(flag, value, "is not one of: " + joined(names) + (spellings.empty() ? "" : spellings + ")"));
+}
+
+// Where trainer.md is: beside an installed ctorch-train (<prefix>/<docdir>/docs, found from the
+// program's own path, so that a moved prefix still finds it), else in the sources.
+std::string documentation() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const auto doc = exe.parent_path().parent_path() / CTORCH_INSTALL_DOCDIR / "docs" / "trainer.md";
+    if (std::filesystem::is_regular_file(doc, ec)) return doc.lexically_normal().string();
+  }
+  return "docs/trainer.md in ctorch's sources";
 }
 
 std::string epilog() {
@@ -181,7 +207,7 @@ std::string epilog() {
      << contract::kExitFailure << " any other failure (recorded in TORCHELASTIC_ERROR_FILE when set).\n"
      << "Run it under ctorchrun (ctorchrun --standalone --nproc-per-node 2 ctorch-train ...), torchrun, plain\n"
      << "srun, or alone (a world of 1). Every flag also accepts its underscore spelling (--batch_size).\n"
-     << "Documentation: docs/trainer.md.";
+     << "Documentation: " << documentation() << ".";
   return os.str();
 }
 
@@ -331,7 +357,8 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--device", t.device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
   f.option("--backend", t.backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
   f.flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
-  f.option("--amp-dtype", o.ampDtype, "float16 (CUDA) or bfloat16 (CUDA or CPU)")->group(kSys)->capture_default_str();
+  f.option("--amp-dtype", o.ampDtype,
+           "auto (as torch.autocast: float16 on CUDA, bfloat16 on the CPU), float16 (CUDA) or bfloat16")->group(kSys)->capture_default_str();
   f.option("--timeout", t.timeoutS, "seconds any collective may wait for a peer before the run fails")
       ->group(kSys)->capture_default_str();
   f.option("--threads", o.threads, "intra-op threads per rank (0: OMP_NUM_THREADS if set, else CPUs / ranks on this node)")
@@ -434,7 +461,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.augment = pick("--augment", t.augment, kAugment);
   o.commHook = pick("--comm-hook", t.commHook, kCommHooks);
   o.gradientReduction = pick("--gradient-reduction", t.gradientReduction, kReductions);
-  o.sharding = pick("--sharding", t.sharding, kShardings);
+  o.sharding = pick("--sharding", t.sharding, kShardings, kPythonShardings);
   o.sync = pick("--sync", t.sync, kSyncs);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
     bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");
@@ -451,10 +478,13 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.profileFile = t.profileFile;
   o.gradientAsBucketView = !t.noBucketView;
   try {  // bf16, BFloat16, fp16, half: the canonical name, which the binding configuration records
-    o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));
+    if (lowerCase(o.ampDtype) == "auto") o.ampDtype = "auto";
+    else o.ampDtype = amp::dtypeName(amp::parseDtype(o.ampDtype));
   } catch (const std::invalid_argument&) {
-    bad("--amp-dtype", o.ampDtype, "must be float16 or bfloat16");
+    bad("--amp-dtype", o.ampDtype, "must be auto, float16 or bfloat16");
   }
+  // With the device named, auto is known now (and what float16 rules out is refused here).
+  if (o.device != DeviceChoice::kAuto) o.resolveAmpDtype(o.device == DeviceChoice::kCuda);
   if (t.timeoutS < 1) bad("--timeout", std::to_string(t.timeoutS), "must be in [1, 604800] seconds");
 }
 

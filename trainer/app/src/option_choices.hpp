@@ -54,6 +54,12 @@ inline const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{
                                                                        {"optimizer", ShardingChoice::kOptimizer},
                                                                        {"grad-op", ShardingChoice::kGradOp},
                                                                        {"full", ShardingChoice::kFull}};
+// FSDP's ShardingStrategy names and ZeRO's, as a Python user types them.
+inline const std::vector<std::pair<std::string, ShardingChoice>> kPythonShardings = {
+    {"NO_SHARD", ShardingChoice::kNone},
+    {"ZeroRedundancyOptimizer", ShardingChoice::kOptimizer},
+    {"SHARD_GRAD_OP", ShardingChoice::kGradOp},
+    {"FULL_SHARD", ShardingChoice::kFull}};
 inline const std::vector<std::pair<std::string, SyncChoice>> kSyncs = {{"allreduce", SyncChoice::kAllreduce},
                                                                {"parameter-server", SyncChoice::kParameterServer}};
 // Straight into the library's own enums (ctorch/comm_hook.hpp).

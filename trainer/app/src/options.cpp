@@ -147,7 +147,8 @@ void TrainOptions::validate() const {
 
   if (device == DeviceChoice::kCpu && backend == BackendChoice::kNccl)
     throw UsageError("--backend 'nccl' needs CUDA tensors, but --device is 'cpu' (use --backend gloo or auto)");
-  if (ampDtype != "float16" && ampDtype != "bfloat16") bad("--amp-dtype", ampDtype, "must be float16 or bfloat16");
+  if (ampDtype != "auto" && ampDtype != "float16" && ampDtype != "bfloat16")
+    bad("--amp-dtype", ampDtype, "must be auto, float16 or bfloat16");
   if (device == DeviceChoice::kCpu && amp && ampDtype == "float16" && !amp::autocastSupported(torch::kCPU, torch::kHalf))
     throw UsageError("--amp with float16 needs CUDA, but --device is 'cpu' (use --amp-dtype bfloat16 on the CPU, or --device cuda)");
   // GradScaler checks the gradients of the optimizer it steps: a rank's share only, so the ranks could
@@ -216,6 +217,10 @@ void checkOutputFile(const std::string& flag, const std::filesystem::path& file,
 }
 
 }  // namespace
+
+void TrainOptions::resolveAmpDtype(bool cuda) {
+  if (ampDtype == "auto") ampDtype = cuda ? "float16" : "bfloat16";
+}
 
 void TrainOptions::checkOutputs() const {
   // The slot's own rule (ctorch::snapshotPathProblem, as validate() asked it), then its directory.
@@ -303,6 +308,7 @@ std::string TrainOptions::describe() const {
   if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";
   if (clipGradNorm > 0) os << ", gradients clipped to norm " << number(clipGradNorm);
+  if (amp) os << ", " << ampDtype << " autocast" << (ampDtype == "float16" ? " with loss scaling" : "");
   if (sharding == ShardingChoice::kOptimizer) os << ", optimizer state sharded over the ranks (ZeRO-1)";
   if (sharding == ShardingChoice::kGradOp) os << ", gradients and optimizer state sharded over the ranks (FSDP SHARD_GRAD_OP)";
   if (sharding == ShardingChoice::kFull) os << ", parameters, gradients and optimizer state sharded over the ranks (FSDP FULL_SHARD)";

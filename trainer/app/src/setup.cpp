@@ -23,8 +23,10 @@ std::string shapeText(const std::vector<std::int64_t>& shape) {
 
 // ---- devices and the process group ----------------------------------------------------------------
 
-torch::Device chooseDevice(const TrainOptions& o) {
+torch::Device chooseDevice(TrainOptions& o) {
   const bool cuda = torch::cuda::is_available();
+  o.resolveAmpDtype(o.device == DeviceChoice::kCuda || (o.device == DeviceChoice::kAuto && cuda));
+  o.validate();
   if (o.device == DeviceChoice::kCuda && !cuda)
     throw UsageError("--device 'cuda' but no CUDA device is available to this LibTorch");
   const bool useCuda = o.device == DeviceChoice::kCuda || (o.device == DeviceChoice::kAuto && cuda);

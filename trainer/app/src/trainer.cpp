@@ -266,6 +266,8 @@ class Trainer {
                   (threads.blasThreads > 0 ? ", OpenBLAS " + std::to_string(threads.blasThreads) + " (" +
                                                  threads.blasReason + ")"
                                            : std::string()));
+    if (!threads.busyHost.empty() && ctorch::isMainProcess())
+      std::cerr << ("ctorch-train: warning: " + threads.busyHost + "\n") << std::flush;
     console_.line("config: " + o.describe());
     data_ = std::move(data);
     dataSeconds_ = dataSeconds;
@@ -862,8 +864,9 @@ RunResult Trainer::stopped(RunResult result, bool stepLimit) {
 
 }  // namespace
 
-RunResult runTraining(const TrainOptions& o, const RunHooks& hooks) {
-  o.validate();
+RunResult runTraining(const TrainOptions& given, const RunHooks& hooks) {
+  given.validate();
+  TrainOptions o = given;  // --amp-dtype auto is made concrete once the device is known
   // Before the data and the model are loaded: a place the run cannot write fails now, in flag
   // names, not minutes later in a library's words. Rank 0 writes (RANK, before the group exists).
   // A spare (no rank yet) or a bad environment skips it: initProcessGroup says what is wrong.

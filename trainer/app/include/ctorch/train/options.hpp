@@ -112,7 +112,9 @@ struct TrainOptions {
   DeviceChoice device = DeviceChoice::kAuto;
   BackendChoice backend = BackendChoice::kAuto;
   bool amp = false;                  // automatic mixed precision (autocast; float16 adds loss scaling)
-  std::string ampDtype = "float16";  // --amp-dtype: float16 (CUDA) or bfloat16 (CUDA or CPU)
+  // --amp-dtype: float16 (CUDA) or bfloat16 (CUDA or CPU); auto is torch.autocast's default for the
+  // device: float16 on CUDA, bfloat16 on the CPU (made concrete by resolveAmpDtype).
+  std::string ampDtype = "auto";
   std::chrono::seconds timeout{300}; // every collective; a stuck peer becomes an error exit
   int threads = 0;                   // intra-op threads (0: OMP_NUM_THREADS, else CPUs / local ranks)
   double bucketCapMb = 25.0;
@@ -137,6 +139,9 @@ struct TrainOptions {
 
   // Throws UsageError naming the first bad value.
   void validate() const;
+  // --amp-dtype auto becomes the device's autocast type (float16 on CUDA, bfloat16 on the CPU);
+  // validate() again after it for what float16 rules out. Nothing when the type was given.
+  void resolveAmpDtype(bool cuda);
   // The files the run will write (snapshot slot, --model-dir, metrics, final weights), checked on
   // the file system before anything is loaded: each directory made and writable, no directory or
   // FIFO where a file goes. Throws UsageError naming the flag and the path. Rank 0 writes them.

@@ -21,9 +21,10 @@
 
 namespace ctorch::train {
 
-// The device the options ask for: CUDA (its index chosen by bindDevice) or the CPU. Throws UsageError
-// for --device cuda without a GPU, --amp float16 or --backend nccl on the CPU.
-torch::Device chooseDevice(const TrainOptions& o);
+// The device the options ask for: CUDA (its index chosen by bindDevice) or the CPU, with --amp-dtype
+// auto made that device's autocast type in `o` (validated again). Throws UsageError for --device cuda
+// without a GPU, --amp float16 or --backend nccl on the CPU, or what float16 rules out.
+torch::Device chooseDevice(TrainOptions& o);
 // Gloo on the CPU; NCCL on CUDA unless --backend gloo; the collectives' --timeout.
 ProcessGroupOptions processGroupOptions(const TrainOptions& o, const torch::Device& device);
 // cuda:LOCAL_RANK (cuda:0 when each rank sees one GPU), made the current device; the CPU as is.
