@@ -38,6 +38,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <fstream>
 #include <thread>
 #include <vector>
 
@@ -199,7 +200,7 @@ CTORCH_TEST_WORKER(ps_resume) {
   return 0;
 }
 
-// A silent worker (args: none): worker 1 neither steps nor finishes; the server and worker 0 must give
+// A silent worker (args: dir=<a scratch directory>): worker 1 neither steps nor finishes; the server and worker 0 must give
 // up after the parameter server's timeout (2 s) with a DistributedTimeout, not hang. Prints
 // "timeout after <ms> ms: <message>" on those ranks.
 CTORCH_TEST_WORKER(ps_silent) {
@@ -229,8 +230,16 @@ CTORCH_TEST_WORKER(ps_silent) {
       std::cout << "timeout after " << ms.count() << " ms: " << e.what() << "\n";
     }
     // The server's wait may end first (it began first): it stays until the other worker's own
-    // wait has ended too, or that worker would see the connection close instead of its timeout.
-    if (ps.isServer()) std::this_thread::sleep_for(std::chrono::seconds(4));
+    // wait has ended too (that worker says so with a file), or that worker would see the connection
+    // close instead of its timeout. A fixed pause was not enough on a loaded machine, where the
+    // worker's forward and backward alone can outlast it. Bounded: the silent worker wakes at 12 s.
+    const auto done = std::filesystem::path(arg(args, "dir")) / "worker-waited";
+    if (ps.isServer()) {
+      for (int i = 0; i < 300 && !std::filesystem::exists(done); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } else {
+      std::ofstream(done) << "done\n";
+    }
   }
   std::cout << std::flush;
   std::_Exit(0);  // the group is broken: no orderly teardown to wait for
@@ -489,7 +498,9 @@ TEST_CASE("parameter server: the control - resumed without the servers' optimize
 }
 
 TEST_CASE("parameter server: a silent worker is a DistributedTimeout on the server and the other worker after the timeout, not a hang", "[parameter_server][timeout]") {
-  auto results = runWorkerGroup({.worker = "ps_silent", .worldSize = 3, .timeout = std::chrono::seconds(60)});
+  TempDir dir("ctorch-ps-silent");
+  auto results = runWorkerGroup(
+      {.worker = "ps_silent", .worldSize = 3, .args = {"dir=" + dir.path().string()}, .timeout = std::chrono::seconds(60)});
   requireAllOk(results);
   for (int rank : {0, 2}) {
     const std::string& out = results[static_cast<std::size_t>(rank)].output;
