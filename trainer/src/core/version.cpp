@@ -5,6 +5,12 @@
 
 #include <string_view>
 
+// Set by trainer/CMakeLists.txt from dpkg (empty when no package owns LibTorch); a build of these
+// sources by other means (the fuzzers) knows no package.
+#ifndef CTORCH_TORCH_PACKAGE
+#define CTORCH_TORCH_PACKAGE ""
+#endif
+
 namespace ctorch {
 
 namespace {
