@@ -208,6 +208,13 @@ CTORCH_TEST_WORKER(ps_silent) {
   torch::manual_seed(11);
   Net net;
   auto params = net->parameters();
+  // Worker 0's gradients before anything is timed: its push must reach the server within the
+  // server's 2 s wait (on a loaded machine the forward and backward alone outlasted it, and the push
+  // then met a connection the server's timeout had closed).
+  {
+    auto [x, y] = batch(0, 0);
+    torch::mse_loss(net(x), y).backward();
+  }
   ctorch::barrier();  // the construction's broadcast is bounded by the same 2 s: start it together
   ctorch::ParameterServer ps(
       params, [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); },
@@ -220,8 +227,6 @@ CTORCH_TEST_WORKER(ps_silent) {
       if (ps.isServer()) {
         ps.serveStep();
       } else {
-        auto [x, y] = batch(0, 0);
-        torch::mse_loss(net(x), y).backward();
         ps.step();
       }
       std::cout << "no error\n";
@@ -474,7 +479,7 @@ TEST_CASE("parameter server: a run stopped after step 2 resumes bit-identically,
       INFO("the first part's worker 0:\n" << first.front().output);
       CHECK(stepLines(first.front().output) == std::vector<std::string>(expected.begin(), expected.begin() + 2));
       // Every rank wrote its shard file beside the snapshot; the servers' hold the optimizer state.
-      CHECK(ctorch::optimizerShardFiles(parts / "snapshot.pt").size() == static_cast<std::size_t>(2 + servers));
+      CHECK(ctorch::snapshotShardFiles(parts / "snapshot.pt").size() == static_cast<std::size_t>(2 + servers));
       auto second = runWorkerGroup({.worker = "ps_resume", .worldSize = 2 + servers, .args = {common[0], common[1], "dir=" + parts.path().string()}});
       requireAllOk(second);
       INFO("the second part's worker 0:\n" << second.front().output);
@@ -630,7 +635,7 @@ TEST_CASE("parameter server, asynchronous: snapshots at the rounds' ends - a run
   const auto expected = roundLines(through.front().output);
   REQUIRE(expected.size() == 3);
   requireAllOk(runWorkerGroup({.worker = "ps_async_resume", .worldSize = 2, .args = {"dir=" + parts.path().string(), "stop-after=1"}}));
-  CHECK(ctorch::optimizerShardFiles(parts / "snapshot.pt").size() == 2);
+  CHECK(ctorch::snapshotShardFiles(parts / "snapshot.pt").size() == 2);
   auto second = runWorkerGroup({.worker = "ps_async_resume", .worldSize = 2, .args = {"dir=" + parts.path().string()}});
   requireAllOk(second);
   INFO("the second part's worker 0:\n" << second.front().output);
