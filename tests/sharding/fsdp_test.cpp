@@ -204,6 +204,70 @@ CTORCH_TEST_WORKER(fsdp_refusals) {
   return 0;
 }
 
+// Models whose units FSDP reaches with no ctorch::unitForward in them (issue 42.8): a root
+// torch::nn::Sequential, and a parent calling a ctorch::UnitSequential of blocks like any Sequential.
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    blocks = register_module("blocks", ctorch::UnitSequential(Block(12, 24), Block(24, 24), Block(24, 16)));
+    head = register_module("head", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(blocks->forward(x)); }  // no unitForward
+  ctorch::UnitSequential blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Stack);
+
+torch::nn::Sequential plainSequential() {
+  return torch::nn::Sequential(torch::nn::Linear(12, 40), torch::nn::Functional(torch::tanh), torch::nn::Linear(40, 16),
+                               torch::nn::Functional(torch::relu), torch::nn::Linear(16, 3));
+}
+
+// FSDP (units by `policy`) against DDP with Adam, 3 steps on each rank's own batches: prints the units
+// and "container step k max difference D" (0 = bit-identical).
+template <typename M>
+void compareContainer(const std::function<M()>& make, ctorch::WrapPolicy policy, int rank) {
+  torch::manual_seed(5);
+  M whole = make(), sharded = make();
+  {
+    torch::NoGradGuard noGrad;
+    for (std::size_t i = 0; i < whole->parameters().size(); ++i) sharded->parameters()[i].copy_(whole->parameters()[i]);
+  }
+  ctorch::DistributedDataParallel<M> ddp(whole);
+  auto reference = makeOptimizer("adam", ddp.parameters());
+  ctorch::FullyShardedDataParallel<M> fsdp(sharded, ctorch::FSDPOptions().autoWrapPolicy(std::move(policy)));
+  auto optimizer = makeOptimizer("adam", fsdp.parameters());
+  std::cout << "units";
+  for (const auto& name : fsdp.unitNames()) std::cout << " [" << name << "]";
+  std::cout << "\n";
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(2000 + 13 * step + rank);
+    const auto x = torch::randn({8, 12}), y = torch::randn({8, 3});
+    reference->zero_grad();
+    optimizer->zero_grad();
+    torch::mse_loss(ddp(x), y).backward();
+    torch::mse_loss(fsdp(x), y).backward();
+    reference->step();
+    optimizer->step();
+    const auto state = fsdp.fullStateDict();
+    double most = 0;
+    for (const auto& p : whole->named_parameters()) {
+      const auto* got = state.find(p.key());
+      most = std::max(most, got == nullptr ? 1e300 : (*got - p.value().detach()).abs().max().template item<double>());
+    }
+    std::cout << "container step " << step << " max difference " << most << "\n";
+  }
+}
+
+CTORCH_TEST_WORKER(fsdp_containers) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  const int rank = ctorch::getRank();
+  compareContainer<torch::nn::Sequential>(plainSequential, ctorch::moduleTypeWrapPolicy<torch::nn::LinearImpl>(), rank);
+  compareContainer<Stack>([] { return Stack(); }, ctorch::moduleTypeWrapPolicy<BlockImpl>(), rank);
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return 0;
+}
+
 // Two phases of one run (args: phase=<save|resume> dir=<folder> optimizer=<sgd|adam>): `save` trains
 // 2 steps and leaves each rank's parameter and optimizer shards plus the reference's whole state;
 // `resume` (on another world size) restores both runs from them - FSDP resharded from the shards - and
@@ -395,6 +459,27 @@ TEST_CASE("fsdp: parameter and optimizer shards saved on 4 ranks load exactly on
         for (double x : d) CHECK(x <= 1e-5);
       }
     }
+}
+
+TEST_CASE("fsdp: the children of a root Sequential and of a UnitSequential are units with no unitForward in the model, "
+          "bit-identical to DDP (issue 42.8)",
+          "[sharding][fsdp]") {
+  auto results = runWorkerGroup({.worker = "fsdp_containers", .worldSize = 2});
+  requireAllOk(results);
+  for (const auto& r : results) {
+    INFO(r.output);
+    CHECK_THAT(r.output, Catch::Contains("units [] [0] [2] [4]\n"));  // the root Sequential's Linears
+    CHECK_THAT(r.output, Catch::Contains("units [] [blocks.0] [blocks.1] [blocks.2]\n"));
+    const auto count = [&](const std::string& text) {
+      std::size_t n = 0;
+      for (auto at = r.output.find(text); at != std::string::npos; at = r.output.find(text, at + 1)) ++n;
+      return n;
+    };
+    CHECK(count("container step ") == 6);
+    CHECK(count("container step 0 max difference 0\n") == 2);
+    CHECK(count("container step 2 max difference 0\n") == 2);
+    CHECK(count(" max difference 0\n") >= 6);
+  }
 }
 
 TEST_CASE("fsdp: a unit not called through unitForward, or of two dtypes, is refused by name", "[sharding][fsdp]") {

@@ -25,6 +25,7 @@
 #include "ctorch/fsdp_unit.hpp"
 #include "ctorch/module_traversal.hpp"
 #include "ctorch/state_dict.hpp"
+#include "ctorch/unit_sequential.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -138,10 +139,16 @@ class FullyShardedDataParallel {
       : module_(std::move(module)),
         core_(std::make_unique<detail::FSDPCore>(detail::modulePointer(module_), std::move(options))) {}
 
+  // A root torch::nn::Sequential calls its children through their units (unit_sequential.hpp).
   template <typename... Args>
   auto forward(Args&&... args) {
     core_->beginRootForward();
-    auto output = module_->forward(std::forward<Args>(args)...);
+    auto output = [&] {
+      if constexpr (std::is_base_of_v<torch::nn::SequentialImpl, std::remove_reference_t<decltype(*module_)>>)
+        return detail::sequentialUnitForward<at::Tensor>(*module_, std::forward<Args>(args)...);
+      else
+        return module_->forward(std::forward<Args>(args)...);
+    }();
     std::vector<at::Tensor> tensors;
     auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
     detail::visitTensors(output, collect);
