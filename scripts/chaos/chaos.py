@@ -968,9 +968,9 @@ def slurm_suite(h):
                 problems.append(f"job output lacks '{want}'")
         t_resumed = None
         # Time from the release of the requeued job to its first step (Slurm start + rendezvous + resume).
-        m = re.search(r"resuming from snapshot.pt at epoch (\d+), step (\d+)", text)
+        m = re.search(r"resuming from snapshot.pt after ([^(]*)\(global step (\d+)\)", text)
         if m:
-            h.log(f"slurm: preempted at step ~{step_at}, resumed at epoch {m.group(1)} step {m.group(2)}")
+            h.log(f"slurm: preempted at step ~{step_at}, resumed after {m.group(1).strip()} (global step {m.group(2)})")
         model = os.path.join(d, "model.pt")
         diff = compare_weights(ref, model) if os.path.exists(model) else "no model.pt"
         if diff:

@@ -60,6 +60,8 @@ done
 grep -q "BSD 3-Clause" "$tmp/prefix/$docdir/LICENSE" || fail "the installed LICENSE is not the BSD 3-Clause license"
 [ -x "$tmp/prefix/bin/ctorch-plot-metrics" ] || fail "ctorch-plot-metrics is not installed as a program"
 "$tmp/prefix/bin/ctorch-plot-metrics" --help >/dev/null || fail "ctorch-plot-metrics --help failed"
+[ -x "$tmp/prefix/bin/ctorch-snapshot" ] || fail "ctorch-snapshot is not installed"
+"$tmp/prefix/bin/ctorch-snapshot" --help >/dev/null || fail "ctorch-snapshot --help failed"
 help=$("$tmp/prefix/bin/ctorch-train" --help) || fail "the installed ctorch-train --help failed"
 grep -qF "Documentation: $tmp/prefix/$docdir/docs/trainer.md." <<<"$help" ||
   fail "the installed ctorch-train --help does not name $tmp/prefix/$docdir/docs/trainer.md: $(tail -1 <<<"$help")"

@@ -24,9 +24,9 @@ PUBLIC = {
     "version": "core", "durable_io": "core", "state_dict": "core", "module_traversal": "core",
     "distributed": "comm", "distributed_env": "comm", "collectives": "comm", "flat_collectives": "comm",
     "sampler": "sampler", "ddp": "ddp", "comm_hook": "ddp", "amp": "amp",
-    "fsdp_unit": "fsdp", "fully_sharded_data_parallel": "fsdp",
+    "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
-    "snapshot": "snapshot", "resilience": "resilience",
+    "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([A-Za-z0-9_]+)/([A-Za-z0-9_/]+)\.hpp[>"]', re.M)
 

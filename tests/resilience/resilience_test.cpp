@@ -220,14 +220,14 @@ TEST_CASE("resilience: a user's loop stopped twice by a signal on one rank ends 
 
     const auto first = runs.run("stopped", {"--stop-at", overlap ? "4" : "5"});
     requireExit(first, 75);
-    CHECK(first[0].output.find("log: stopped on request after global step 5 (epoch 1, step 5)") != std::string::npos);
-    CHECK(first[1].output.find("ctorch: rank 1/2 stopped after global step 5 (epoch 1, step 5): User defined signal 1 here") !=
+    CHECK(first[0].output.find("log: stopped on request after 5 steps (global step 5)") != std::string::npos);
+    CHECK(first[1].output.find("ctorch: rank 1/2 stopped after 5 steps (global step 5): User defined signal 1 here") !=
           std::string::npos);
     const auto second = runs.run("stopped", {"--stop-at", "12"});
     requireExit(second, 75);
     CHECK(second[0].output.find("start: epoch 0 step 5 global 5 resumed") != std::string::npos);
-    CHECK(second[0].output.find(overlap ? "log: stopped on request after the end of epoch 2 (global step 12)"
-                                        : "log: stopped on request after global step 12 (epoch 2, step 6)") !=
+    CHECK(second[0].output.find(overlap ? "log: stopped on request after 2 epochs (global step 12)"
+                                        : "log: stopped on request after 1 epoch + 6 steps (global step 12)") !=
           std::string::npos);
     const auto last = runs.run("stopped", {});
     ctorch::test::requireAllOk(last);
@@ -523,9 +523,9 @@ TEST_CASE("resilience: ZeRO-1 stopped twice and resumed ends bit-identical to th
   ctorch::test::requireAllOk(reference);
   requireExit(runs.run("zero", {"--zero", "1", "--stop-at", "5"}), 75);
   // Every rank's shard beside the slot, and the snapshot itself holds no optimizer state.
-  for (int r = 0; r < 2; ++r) CHECK(fs::exists(runs.dir / "zero" / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  for (int r = 0; r < 2; ++r) CHECK(fs::exists(runs.dir / "zero" / "snapshot.pt.shards" / ("rank" + std::to_string(r) + ".pt")));
   CHECK(ctorch::loadSnapshot(runs.dir / "zero" / "snapshot.pt").optimizerType.empty());
-  CHECK(ctorch::loadSnapshot(runs.dir / "zero" / "snapshot.pt.optim-rank1").optimizerType == "SGD");
+  CHECK(ctorch::loadSnapshot(runs.dir / "zero" / "snapshot.pt.shards" / "rank1.pt").optimizerType == "SGD");
   requireExit(runs.run("zero", {"--zero", "1", "--stop-at", "12"}), 75);
   const auto last = runs.run("zero", {"--zero", "1"});
   ctorch::test::requireAllOk(last);
@@ -551,7 +551,7 @@ TEST_CASE("resilience: FSDP stopped twice and resumed ends bit-identical to DDP,
   ctorch::test::requireAllOk(reference);
   requireExit(runs.run("fsdp", {"--fsdp", "1", "--stop-at", "5"}), 75);
   // Every rank's shard beside the slot; the snapshot itself holds no parameters and no optimizer.
-  for (int r = 0; r < 2; ++r) CHECK(fs::exists(runs.dir / "fsdp" / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  for (int r = 0; r < 2; ++r) CHECK(fs::exists(runs.dir / "fsdp" / "snapshot.pt.shards" / ("rank" + std::to_string(r) + ".pt")));
   const auto snapshot = ctorch::loadSnapshot(runs.dir / "fsdp" / "snapshot.pt");
   CHECK(snapshot.optimizerType.empty());
   CHECK(snapshot.modelState.empty());
@@ -599,15 +599,45 @@ TEST_CASE("resilience: a ZeRO snapshot missing a rank's shard is named, set asid
   const auto reference = runs.run("reference", {});
   ctorch::test::requireAllOk(reference);
   requireExit(runs.run("lost", {"--stop-at", "8"}), 75);  // snapshots at steps 3, 6 and the stop at 8
-  fs::remove(runs.dir / "lost" / "snapshot.pt.optim-rank1");  // as if rank 1 died before its shard was durable
+  fs::remove(runs.dir / "lost" / "snapshot.pt.shards" / "rank1.pt");  // as if rank 1 died before its shard was durable
   const auto resumed = runs.run("lost", {});
   ctorch::test::requireAllOk(resumed);
   const std::string newest = (runs.dir / "lost" / "snapshot.pt").string();
   CHECK(resumed[0].output.find("skipped " + newest) != std::string::npos);
-  CHECK(resumed[0].output.find("lacks rank 1's optimizer shard") != std::string::npos);
+  CHECK(resumed[0].output.find("lacks rank 1's shard") != std::string::npos);
   CHECK(resumed[0].output.find("start: epoch 1 step 0 global 6 resumed") != std::string::npos);
   CHECK(fs::exists(newest + ".unusable"));
   CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "lost")) == "");
+}
+
+TEST_CASE("resilience: a shard of another save (another run's, copied in) is refused by name, its snapshot set aside "
+          "(issue 42.2)",
+          "[resilience][sharding]") {
+  Runs runs;
+  runs.common = {"--save-every", "3", "--zero", "1"};
+  const auto reference = runs.run("reference", {});
+  ctorch::test::requireAllOk(reference);
+  // Two runs of the same configuration stopped at the same step: their shards match in everything
+  // but the save they belong to.
+  requireExit(runs.run("mine", {"--stop-at", "8"}), 75);
+  requireExit(runs.run("other", {"--stop-at", "8"}), 75);
+  const fs::path newest = runs.dir / "mine" / "snapshot.pt";
+  const auto mine = ctorch::snapshotShardFiles(newest), theirs = ctorch::snapshotShardFiles(runs.dir / "other" / "snapshot.pt");
+  REQUIRE(mine.size() == 2);
+  REQUIRE(theirs.size() == 2);
+  const auto saveOf = [](const fs::path& file) { return ctorch::loadSnapshot(file).header.saveId; };
+  CHECK(saveOf(newest) == saveOf(mine[1]));
+  CHECK(saveOf(newest) != saveOf(theirs[1]));
+  CHECK(saveOf(newest).substr(saveOf(newest).find('-')) == "-" + std::to_string(ctorch::loadSnapshot(newest).globalStep));
+  fs::copy_file(theirs[1], mine[1], fs::copy_options::overwrite_existing);
+  const auto resumed = runs.run("mine", {});
+  ctorch::test::requireAllOk(resumed);
+  CHECK(resumed[0].output.find("skipped " + newest.string()) != std::string::npos);
+  CHECK(resumed[0].output.find(mine[1].filename().string() + " belongs to save " + saveOf(theirs[1]) +
+                               ", the snapshot to save " + saveOf(newest.string() + ".unusable")) != std::string::npos);
+  CHECK(resumed[0].output.find("start: epoch 1 step 0 global 6 resumed") != std::string::npos);
+  CHECK(fs::exists(newest.string() + ".unusable"));
+  CHECK(difference(finalState(runs.dir / "reference"), finalState(runs.dir / "mine")) == "");
 }
 
 TEST_CASE("resilience: ZeRO-1 shards saved on 2 ranks reshard onto 3 at the epoch boundary, as the whole optimizer does",

@@ -81,17 +81,18 @@ TEST_CASE("disk full: with --sharding optimizer, rank 1's failed shard write sto
   std::vector<std::string> args = kDiskToy;
   args.insert(args.end(), {"--sharding", "optimizer"});
   auto o = trainUnderLauncher(dir.path(), 2, args, {"--max-restarts", "3"});
-  o.setEnv["CTORCH_TEST_IO_FAULT"] = "write:3:ENOSPC:snapshot.pt.optim-rank1";  // only rank 1 writes these
+  o.setEnv["CTORCH_TEST_IO_FAULT"] = "write:3:ENOSPC:rank1.pt";  // only rank 1 writes these
   const auto r = ctorch::test::run(o);
   INFO(show(r));
   CHECK(r.exitCode == ctorch::contract::kExitWriteFailed);
-  CHECK_THAT(r.output, Catch::Contains("write ./snapshot.pt.optim-rank1.tmp-"));
+  CHECK_THAT(r.output, Catch::Contains("write ./snapshot.pt.shards/rank1.pt.tmp-"));
   CHECK_THAT(r.output, Catch::Contains("No space left on device"));
   CHECK_THAT(r.output, Catch::Contains("rank 0: stopped at global step"));  // rank 0's own write was fine
   CHECK_THAT(r.output, Catch::Contains("a rank could not write its part of the snapshot"));
   CHECK_THAT(r.output, Catch::Contains("not restarting"));
   CHECK(r.output.find("terminate called") == std::string::npos);
   CHECK(temporaries(dir.path()).empty());
+  CHECK(temporaries(dir / "snapshot.pt.shards").empty());
   std::smatch m;
   REQUIRE(std::regex_search(r.output, m, std::regex(R"(every rank stopped at global step (\d+))")));
   CHECK_THAT(r.output, Catch::Contains("rank 0: stopped at global step " + std::string(m[1])));
@@ -101,7 +102,7 @@ TEST_CASE("disk full: with --sharding optimizer, rank 1's failed shard write sto
   INFO(show(r2));
   REQUIRE(r2.ok());
   // The snapshot rank 0 wrote at the failed step has no shard of rank 1: skipped, the one before resumes.
-  CHECK_THAT(r2.output, Catch::Contains("lacks rank 1's optimizer shard"));
+  CHECK_THAT(r2.output, Catch::Contains("lacks rank 1's shard"));
   CHECK_THAT(r2.output, Catch::Contains("exactly where it stopped"));
   CHECK(fs::exists(dir / "model.pt"));
 }

@@ -219,12 +219,14 @@ TEST_CASE("loop: --sharding optimizer (ZeRO-1) on 2 ranks ends bit-identical to 
   const std::string out = run(zero.path(), {"sharding=optimizer", "checkpoint-every=1", "keep-checkpoints=1"});
   CHECK(out.find("optimizer state sharded over the ranks (ZeRO-1)") != std::string::npos);
   CHECK(same(ddp.path(), zero.path()));
-  for (int r = 0; r < 2; ++r) CHECK(fs::exists(zero.path() / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  for (int r = 0; r < 2; ++r) CHECK(fs::exists(zero.path() / "snapshot.pt.shards" / ("rank" + std::to_string(r) + ".pt")));
   // A pruned checkpoint takes its shards along; the kept one has every rank's.
-  CHECK(ctorch::optimizerShardFiles(zero.path() / "checkpoint_epoch_2.pt") ==
-        std::vector<fs::path>{zero.path() / "checkpoint_epoch_2.pt.optim-rank0", zero.path() / "checkpoint_epoch_2.pt.optim-rank1"});
+  CHECK(ctorch::snapshotShardFiles(zero.path() / "checkpoint_epoch_2.pt") ==
+        std::vector<fs::path>{zero.path() / "checkpoint_epoch_2.pt.shards" / "rank0.pt",
+                              zero.path() / "checkpoint_epoch_2.pt.shards" / "rank1.pt"});
   CHECK_FALSE(fs::exists(zero.path() / "checkpoint_epoch_1.pt"));
-  CHECK(ctorch::optimizerShardFiles(zero.path() / "checkpoint_epoch_1.pt").empty());
+  CHECK(ctorch::snapshotShardFiles(zero.path() / "checkpoint_epoch_1.pt").empty());
+  CHECK_FALSE(fs::exists(zero.path() / "checkpoint_epoch_1.pt.shards"));  // removed with its last shard
 
   run(stopped.path(), {"sharding=optimizer", "max-steps=10"});  // mid-epoch 1 (16 steps per epoch)
   CHECK(run(stopped.path(), {"sharding=optimizer"}).find("exactly where it stopped") != std::string::npos);
@@ -269,7 +271,7 @@ TEST_CASE("loop: --sharding full and grad-op (FSDP) on 2 ranks end bit-identical
   CHECK(out.find("parameters, gradients and optimizer state sharded over the ranks (FSDP FULL_SHARD)") != std::string::npos);
   CHECK(out.find("reduce-scatter into 5 flat shards") != std::string::npos);
   CHECK(same(ddp.path(), full.path()));
-  for (int r = 0; r < 2; ++r) CHECK(fs::exists(full.path() / ("snapshot.pt.optim-rank" + std::to_string(r))));
+  for (int r = 0; r < 2; ++r) CHECK(fs::exists(full.path() / "snapshot.pt.shards" / ("rank" + std::to_string(r) + ".pt")));
   run(gradOp.path(), {"sharding=grad-op"});
   CHECK(same(ddp.path(), gradOp.path()));
 
@@ -316,8 +318,8 @@ TEST_CASE("loop: a stop request on one rank stops every rank after the same step
     CHECK(r[rank].exitCode == ctorch::contract::kExitPreempted);
     CHECK(r[rank].output.find("result status=1 global=6 ") != std::string::npos);
   }
-  CHECK(r[0].output.find("stopped on request after global step 6 (epoch 1, step 6)") != std::string::npos);
-  CHECK(r[1].output.find("rank 1/2 stopped after global step 6 (epoch 1, step 6): User defined signal 1 here") !=
+  CHECK(r[0].output.find("stopped on request after 6 steps (global step 6)") != std::string::npos);
+  CHECK(r[1].output.find("rank 1/2 stopped after 6 steps (global step 6): User defined signal 1 here") !=
         std::string::npos);
   CHECK(r[0].output.find("a stop signal on another rank") != std::string::npos);
   const auto snap = ctorch::loadSnapshot(dir / "snapshot.pt");
@@ -334,7 +336,7 @@ TEST_CASE("loop: a stop request on one rank stops every rank after the same step
                                                     "batch-size=8", "epochs=3", "test-limit=64"}});
   requireAllOk(resumed);
   CHECK(resumed[0].output.find("resuming from " + (dir / "snapshot.pt").string() +
-                               " at epoch 1, step 6 (global step 6), exactly where it stopped") != std::string::npos);
+                               " after 6 steps (global step 6), exactly where it stopped") != std::string::npos);
   TempDir reference("train-stop-ref");
   const auto uninterrupted = runWorkerGroup({"train", 2, {reference.path().string(), "model=linear",
                                                           "dataset=synthetic-regression", "synthetic-size=512",
@@ -369,7 +371,7 @@ TEST_CASE("loop: a stop request while starting up, or during an epoch's evaluati
     CHECK(r.output.find("result status=1 global=16 epochs=1") != std::string::npos);
   }
   CHECK(late[0].output.find("epoch 1/3 test: loss") != std::string::npos);  // the evaluation ran first
-  CHECK(late[0].output.find("stopped on request after the end of epoch 1 (global step 16)") != std::string::npos);
+  CHECK(late[0].output.find("stopped on request after 1 epoch (global step 16)") != std::string::npos);
   const auto snap = ctorch::loadSnapshot(dir / "snapshot.pt");
   CHECK(snap.epochsRun == 1);
   CHECK(snap.stepInEpoch == 0);
@@ -490,7 +492,7 @@ TEST_CASE("resume: 3 ranks stopped after their first step, then mid-epoch, end b
   }
   const auto resumed = run(dir.path(), {});
   requireAllOk(resumed);
-  CHECK(resumed[0].output.find("at epoch 2, step 2 (global step 6), exactly where it stopped") != std::string::npos);
+  CHECK(resumed[0].output.find("after 1 epoch + 2 steps (global step 6), exactly where it stopped") != std::string::npos);
   CHECK(bitDifference(dir / "model.pt", reference / "model.pt").empty());
 }
 

@@ -464,7 +464,7 @@ TEST_CASE("resume decision: exact continuation under the same world size", "[tra
   const auto plan = planResume(point(2, 1, 30, 130), std::nullopt, 2, "run/snapshot-epoch.pt");
   CHECK(plan.source == ResumeSource::kNewest);
   CHECK(plan.exact);
-  CHECK(plan.message.find("epoch 2, step 30") != std::string::npos);
+  CHECK(plan.message.find("after 1 epoch + 30 steps (global step 130)") != std::string::npos);
   CHECK_FALSE(needsEpochBoundary(point(2, 1, 30, 130), 2));
 
   const auto fresh = planResume(std::nullopt, std::nullopt, 4, "run/snapshot-epoch.pt");
@@ -486,8 +486,8 @@ TEST_CASE("resume decision: another world size continues at an epoch boundary an
   CHECK(needsEpochBoundary(mid, 1));
   const auto plan = planResume(mid, point(2, 2, 0, 200, false, "run/snapshot-epoch.pt"), 1, "run/snapshot-epoch.pt");
   CHECK(plan.source == ResumeSource::kBoundary);
-  CHECK(plan.message.find("run/snapshot.pt stopped mid-epoch at epoch 3, step 40") != std::string::npos);
-  CHECK(plan.message.find("resuming from run/snapshot-epoch.pt at start of epoch 3") != std::string::npos);
+  CHECK(plan.message.find("run/snapshot.pt stopped mid-epoch after 2 epochs + 40 steps (global step 240)") != std::string::npos);
+  CHECK(plan.message.find("resuming from run/snapshot-epoch.pt after 2 epochs (global step 200)") != std::string::npos);
   CHECK(plan.message.find("the 40 steps after it are redone with 1 rank") != std::string::npos);
 }
 
@@ -520,9 +520,10 @@ TEST_CASE("snapshot slot layout: every file name derived from a slot's path, as 
   const std::filesystem::path slot = "run/snapshot.pt";
   CHECK(d::keptFile(slot, 2) == std::filesystem::path("run/snapshot.pt.2"));
   CHECK(d::lockFile(slot) == std::filesystem::path("run/snapshot.pt.lock"));
-  CHECK(d::shardFile(slot, 3) == std::filesystem::path("run/snapshot.pt.optim-rank3"));
-  CHECK(d::shardFile(d::keptFile(slot, 1), 0) == std::filesystem::path("run/snapshot.pt.1.optim-rank0"));
-  CHECK(d::shardPrefix(slot) == "snapshot.pt.optim-rank");
+  CHECK(d::shardFile(slot, 3) == std::filesystem::path("run/snapshot.pt.shards/rank3.pt"));
+  CHECK(d::shardFile(d::keptFile(slot, 1), 0) == std::filesystem::path("run/snapshot.pt.1.shards/rank0.pt"));
+  CHECK(d::legacyShardFile(slot, 3) == std::filesystem::path("run/snapshot.pt.optim-rank3"));
+  CHECK(d::legacyShardPrefix(slot) == "snapshot.pt.optim-rank");
   CHECK(d::unusableFile(slot) == std::filesystem::path("run/snapshot.pt.unusable"));
   CHECK(d::temporaryPrefix(slot) == "snapshot.pt.tmp-");
 }

@@ -336,6 +336,9 @@ void addSnapshotFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--save-every-steps", o.saveEverySteps, "also a snapshot every N optimizer steps (0: off)")
       ->group(kSnap)->capture_default_str();
   f.option("--keep-snapshots", o.keepSnapshots, "previous snapshots kept next to the newest")->group(kSnap)->capture_default_str();
+  f.flag("--log-saves", o.logSaves,
+         "a 'snapshot written' line for every save (default: only at epoch ends, a stop and the end)")
+      ->group(kSnap);
   f.option("--resume", t.resume, "auto (newest valid snapshot, if any), never, or a snapshot file")
       ->group(kSnap)->capture_default_str();
   f.flag("--allow-config-change", o.allowConfigChange,

@@ -134,13 +134,8 @@ std::vector<std::filesystem::path> checkpointFiles(const std::filesystem::path& 
 }
 
 
-// A checkpoint file and, with --sharding optimizer, every rank's optimizer shard beside it
-// ("<file>.optim-rank<r>", each rank's copy of that epoch's shard).
-void removeCheckpoint(const std::filesystem::path& file) {
-  std::filesystem::remove(file);
-  std::error_code ec;
-  for (const auto& shard : optimizerShardFiles(file)) std::filesystem::remove(shard, ec);
-}
+// A checkpoint file and, with --sharding, every rank's shard of it.
+void removeCheckpoint(const std::filesystem::path& file) { removeSnapshotFiles(file); }
 
 // ---- one optimizer step --------------------------------------------------------------------------------
 
@@ -149,8 +144,9 @@ void removeCheckpoint(const std::filesystem::path& file) {
 // The epoch's training-loss totals as every rank knows them (summed over the ranks in a step's
 // agreement), tracked in the snapshot: a run resumed mid-epoch writes the same "train" and "epoch"
 // records as one never interrupted (issue 28.5). The losses are summed at the steps that log and at
-// the steps that save on schedule, so a snapshot holds every step before it; a stop that saves
-// between two sums loses the losses of the steps since the last one (rank-local until then).
+// the steps that save on schedule; a stop that saves between two sums keeps each rank's own sum
+// of the steps since the last one (interval_local_loss, per rank), so a snapshot holds every step's
+// loss before it.
 struct EpochTally {
   double epochLoss = 0.0;           // sum of the summed steps' losses (mean over the ranks)
   std::int64_t epochLossSteps = 0;  // the steps that covers
@@ -206,8 +202,7 @@ struct EpochTally {
     t.intervalSteps = static_cast<std::int64_t>(l[3]);
     t.unsummed = static_cast<std::int64_t>(l[4]);
     t.lostSteps = static_cast<std::int64_t>(l[5]);
-    t.dropUnsummed();
-    return t;
+    return t;  // the unsummed steps stay when each rank gets its own losses of them back (interval_local_loss)
   }
 };
 
@@ -327,6 +322,7 @@ class Trainer {
   double trainSecondsBefore_ = 0;  // training time of earlier processes of this run
   EpochTally tally_;
   bool tallyRestored_ = false;          // a snapshot (or a peer, in place) gave tally_
+  bool localLossRestored_ = false;      // ... and this rank's intervalLocalLoss_ (a snapshot, same world size)
   double intervalLocalLoss_ = 0.0;      // this rank's losses of the tally's unsummed steps
   const std::vector<double>* summing_ = nullptr;  // the sums of the step being agreed, for a capture in it
   bool summingLogs_ = false;
@@ -392,6 +388,7 @@ void Trainer::buildResilience() {
       .saveEverySteps(o_.saveEverySteps)
       .saveEveryEpochs(o_.saveEvery)
       .keepPrevious(o_.keepSnapshots)
+      .logEverySave(o_.logSaves)
       .resume(o_.resume.kind != ResumeChoice::Kind::kNever)
       .runName(o_.model)
       .config(o_.bindingConfig())
@@ -430,8 +427,16 @@ void Trainer::buildResilience() {
           [this](const c10::IValue& v) {
             tally_ = EpochTally::resumedFrom(v);
             tallyRestored_ = true;
+            localLossRestored_ = false;
             intervalLocalLoss_ = 0.0;
           });
+  // Each rank's losses of the steps not summed yet (a stop between two sums): a resume under the
+  // same world size goes on adding to them, so its sums are those of a run never stopped.
+  t.trackPerRank("interval_local_loss", [this] { return summing_ ? 0.0 : intervalLocalLoss_; },
+                 [this](std::optional<double> v) {
+                   localLossRestored_ = v.has_value();
+                   intervalLocalLoss_ = v.value_or(0.0);
+                 });
   t.track("steps_per_epoch", [this] { return c10::IValue(stepsPerEpoch_); }, [](const c10::IValue&) {});
   t.trackItems([this](ItemDict& d) { scaler_->saveTo(d); }, [this](const ItemDict& d) { scaler_->loadFrom(d); });
 }
@@ -445,6 +450,9 @@ void Trainer::resume() {
   } catch (const ResumeRefused& e) {
     refuseResume(e);
   }
+  // Without every rank's own losses of the steps not summed yet (a snapshot of an older trainer, or
+  // under another world size) those steps' losses are lost: counted, and out of the interval.
+  if (tallyRestored_ && !localLossRestored_) tally_.dropUnsummed();
   if (ctorch::isMainProcess() && o_.metricsPath()) {
     metrics_.emplace(*o_.metricsPath(), training_->globalStep());
     if (at.resumed) {  // marked in metrics.png
@@ -460,10 +468,7 @@ void Trainer::resume() {
 
 std::string Trainer::point() const {
   const ResilientTraining& t = *training_;
-  if (t.stepInEpoch() == 0 && t.epoch() > 0)
-    return "the end of epoch " + std::to_string(t.epoch()) + " (global step " + std::to_string(t.globalStep()) + ")";
-  return "global step " + std::to_string(t.globalStep()) + " (epoch " + std::to_string(t.epoch() + 1) + ", step " +
-         std::to_string(t.stepInEpoch()) + ")";
+  return describeProgress(t.epoch(), t.stepInEpoch(), t.globalStep());
 }
 
 RunResult Trainer::run() {

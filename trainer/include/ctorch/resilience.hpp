@@ -103,6 +103,9 @@ struct ResilienceOptions {
   // its write has finished) instead of fresh memory: no page faults and no zeroing at the step
   // that saves. Costs one snapshot's worth of memory held between saves; false frees it.
   TORCH_ARG(bool, reuseCaptureBuffers) = true;
+  // A "snapshot written" line for every save. false: only for the saves at an epoch's end and for a
+  // stop's (saveEverySteps(10) would otherwise print a line every 10 steps); a failed write is always said.
+  TORCH_ARG(bool, logEverySave) = false;
   // Rank 0's progress lines (resume decisions, snapshots written, stops). Unset: stderr.
   TORCH_ARG(std::function<void(const std::string&)>, log);
   // Names the program on stderr lines: every rank's stop line, a failed write, the default log.
@@ -140,6 +143,11 @@ struct ResumePoint {
   std::string message;            // one line: what was done and why
 };
 
+// How ctorch's messages name a point of training, in the numbers ResilientTraining's epoch(),
+// stepInEpoch() and globalStep() return (epochs completed, steps done in the current one):
+// "1 epoch + 7 steps (global step 23)", "2 epochs (global step 32)", "7 steps (global step 7)".
+std::string describeProgress(std::int64_t epochsDone, std::int64_t stepsInEpoch, std::int64_t globalStep);
+
 // Extra files and work for one save (e.g. a checkpoint_epoch_N.pt copy and pruning old ones).
 struct SaveExtras {
   bool force = false;                           // save even when no schedule asks for it
@@ -153,9 +161,16 @@ enum class TrainingStatus {
   kFinished,  // finish() returned
 };
 
-// The optimizer shards a sharded run (track(ZeroRedundancyOptimizer&)) wrote beside `snapshotFile`
-// ("<file>.optim-rank<r>"), every rank's that exists: for a loop that removes its own extra copies.
-std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile);
+// The shards a sharded run (ZeRO, FSDP, a parameter server) wrote for `snapshotFile`
+// ("<file>.shards/rank<r>.pt"; "<file>.optim-rank<r>" beside it from ctorch before issue 42), every
+// rank's that exists, by rank. docs/snapshot.md.
+std::vector<std::filesystem::path> snapshotShardFiles(const std::filesystem::path& snapshotFile);
+// The former name of snapshotShardFiles.
+[[deprecated("use snapshotShardFiles")]] std::vector<std::filesystem::path> optimizerShardFiles(
+    const std::filesystem::path& snapshotFile);
+// Removes a snapshot file with its shards (and their folder once empty): for a loop that removes its
+// own extra copies. What is not there is not an error.
+void removeSnapshotFiles(const std::filesystem::path& snapshotFile);
 
 // Rank 0 writes, every rank restores. Not copyable; one per training run.
 class ResilientTraining {
@@ -173,7 +188,7 @@ class ResilientTraining {
     return trackModule(*detail::modulePointer(ddp.module()), &ddp.core());
   }
   // A fully sharded model: every rank writes its shards of the parameters and of the tracked
-  // optimizer's state (built over fsdp.parameters()) beside each snapshot file ("<file>.optim-rank<r>";
+  // optimizer's state (built over fsdp.parameters()) in each snapshot's shard folder ("<file>.shards/rank<r>.pt";
   // the snapshot itself holds neither); a resume reshards them when the world size changed. As with
   // ZeRO, recover() is off: a lost rank's shards come back from the files with a group restart.
   template <typename M>
@@ -189,7 +204,7 @@ class ResilientTraining {
   // SGD, Adam, AdamW, RMSprop, Adagrad: state and hyper-parameters (the learning rate included).
   ResilientTraining& track(torch::optim::Optimizer& optimizer);
   // A sharded optimizer (ZeRO-1): every rank writes its own shard beside each snapshot file
-  // ("<file>.optim-rank<r>"); a resume finds the shards of the chosen snapshot (one whose shards are
+  // ("<file>.shards/rank<r>.pt"); a resume finds the shards of the chosen snapshot (one whose shards are
   // not all there is skipped) and reshards them when the world size changed. recover() is off for
   // it: a lost rank's shard comes back from the files with a group restart. docs/sharding.md.
   ResilientTraining& track(ZeroRedundancyOptimizer& optimizer);
@@ -213,6 +228,13 @@ class ResilientTraining {
   ResilientTraining& track(amp::GradScaler& scaler);
   // Several entries at once, straight into USER_STATE (load gets the whole dict).
   ResilientTraining& trackItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
+  // A number each rank has its own of (a rank's running loss sum not summed over the ranks yet):
+  // every rank's value is saved, USER_STATE[name] = [rank 0's, rank 1's, ...] (one small allreduce
+  // per save gathers them), and each rank gets its own back under the same world size; `load` gets
+  // nullopt otherwise (another world size, an older snapshot, a state sent in place). The values
+  // the other track() calls save are rank 0's, which every rank restores.
+  ResilientTraining& trackPerRank(const std::string& name, std::function<double()> save,
+                                  std::function<void(std::optional<double>)> load);
   // Anything else: `save` returns a value (numbers, strings, tensors, lists and dicts of them);
   // `load` gets it back (not called when a snapshot lacks the name: a snapshot of an older loop).
   ResilientTraining& track(const std::string& name, std::function<c10::IValue()> save,

@@ -48,6 +48,10 @@ struct SnapshotHeader {
   std::string ctorchVersion;       // versionString() of the writer
   std::string torchVersion;        // LibTorch of the writer
   std::string contentDigest;       // set by encodeSnapshot / checked by decodeSnapshot
+  // The save this file belongs to ("<run id>-<global step>"): a sharded run's snapshot and each of
+  // its shard files carry the same, so that a shard of another save is never taken for one of this
+  // save's. Empty: written without one (an older ctorch, or a file saved outside ResilientTraining).
+  std::string saveId;
 };
 
 struct RngState {

@@ -136,6 +136,14 @@ void FSDPCore::loadFullStateDict(const torch::OrderedDict<std::string, at::Tenso
 ItemDict FSDPCore::shardStateDict() const {
   const auto& s = *impl_;
   ItemDict out = newItemDict();
+  // Which parameter lies where in each flat buffer, so that the shards alone (offline, without the
+  // model: ctorch-snapshot consolidate) give back the whole state dict; and the parameters' order.
+  std::unordered_map<c10::TensorImpl*, std::string> names;
+  c10::impl::GenericList order(c10::StringType::get());
+  for (const auto& p : s.root->named_parameters()) {
+    names[p.value().unsafeGetTensorImpl()] = p.key();
+    order.push_back(p.key());
+  }
   c10::impl::GenericDict flats(c10::StringType::get(), c10::AnyType::get());
   for (const auto& unit : s.units)
     for (const auto& flat : unit->flats) {
@@ -145,9 +153,20 @@ ItemDict FSDPCore::shardStateDict() const {
       entry.insert("numel", flat.numel);
       entry.insert("begin", begin);
       entry.insert("data", flat.shard.detach().narrow(0, 0, end - begin).clone());
+      c10::impl::GenericList layout(c10::AnyType::get());
+      for (std::size_t i = 0; i < flat.params.size(); ++i) {
+        c10::impl::GenericDict piece(c10::StringType::get(), c10::AnyType::get());
+        const auto found = names.find(flat.params[i].unsafeGetTensorImpl());
+        piece.insert("name", found == names.end() ? std::string() : found->second);
+        piece.insert("offset", flat.offsets[i]);
+        piece.insert("shape", flat.params[i].sizes().vec());
+        layout.push_back(piece);
+      }
+      entry.insert("layout", layout);
       flats.insert(flat.name, entry);
     }
   out.insert("flat_parameters", flats);
+  out.insert("parameter_order", order);
   c10::impl::GenericDict buffers(c10::StringType::get(), c10::AnyType::get());
   for (const auto& b : s.root->named_buffers()) buffers.insert(b.key(), b.value().detach().clone());
   out.insert("buffers", buffers);
@@ -215,6 +234,7 @@ ItemDict FSDPCore::optimizerShardStateDict(const torch::optim::Optimizer& optimi
       c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
       entry.insert("numel", flat.numel);
       entry.insert("begin", begin);
+      entry.insert("index", index);  // the flat buffer's place among the optimizer's parameters (-1: none)
       entry.insert("has_state", has);
       entry.insert("pieces", pieces);
       entry.insert("scalars", scalars);

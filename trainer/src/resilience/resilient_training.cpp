@@ -19,9 +19,11 @@
 #include <torch/optim/optimizer.h>
 #include <torch/utils.h>
 
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <random>
 
 namespace ctorch {
 
@@ -32,12 +34,17 @@ std::uint64_t stepSeedFor(std::uint64_t seed, int rank, std::int64_t step) {
   return mixBits(seed, static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step));
 }
 
-// "epoch 2, step 120 (global step 589)" / "the end of epoch 2 (global step 600)", from 1.
-std::string describePoint(std::int64_t epoch, std::int64_t stepInEpoch, std::int64_t globalStep) {
-  if (stepInEpoch == 0 && epoch > 0)
-    return "the end of epoch " + std::to_string(epoch) + " (global step " + std::to_string(globalStep) + ")";
-  return "global step " + std::to_string(globalStep) + " (epoch " + std::to_string(epoch + 1) + ", step " +
-         std::to_string(stepInEpoch) + ")";
+// A random whole number below 2^52 (exact in the double the agreement carries), at least 1.
+double drawRunId() {
+  std::random_device device;
+  const std::uint64_t bits = (static_cast<std::uint64_t>(device()) << 32) ^ device();
+  return static_cast<double>((bits & ((std::uint64_t{1} << 52) - 1)) | 1);
+}
+
+std::string runIdText(double id) {
+  char text[24];
+  std::snprintf(text, sizeof text, "%013llx", static_cast<unsigned long long>(id));
+  return text;
 }
 
 }  // namespace
@@ -64,6 +71,9 @@ struct ResilientTraining::Impl {
   int world = 1;
 
   std::int64_t epoch = 0, stepInEpoch = 0, globalStep = 0;
+  // This launch's id, agreed by the ranks in resume(): with the global step, the id of each save
+  // (SnapshotHeader::saveId), which a snapshot and its shards carry.
+  std::string runId;
   bool resumed = false;
   bool stop = false;
   TrainingStatus status = TrainingStatus::kRunning;
@@ -75,6 +85,7 @@ struct ResilientTraining::Impl {
   }
 
   TrainingProgress progress() const { return TrainingProgress{epoch, stepInEpoch, globalStep}; }
+  std::string saveId() const { return runId.empty() ? std::string() : runId + "-" + std::to_string(globalStep); }
   SnapshotIdentity identity() const { return SnapshotIdentity{o.runName(), world, o.config()}; }
 
   // 1.0 when this process was asked to stop: summed over the ranks, whether any was.
@@ -124,29 +135,41 @@ struct ResilientTraining::Impl {
     return state.ddp()->bucketAssignment();
   }
 
-  std::string label(Kind kind) const {
-    std::string text = kind == Kind::kEpochBoundary && epoch > 0
-                           ? "end of epoch " + std::to_string(epoch)
-                           : "epoch " + std::to_string(epoch + 1) + ", step " + std::to_string(stepInEpoch);
-    return text + ", global step " + std::to_string(globalStep);
+  // "1 epoch + 7 steps, global step 23": in the numbers epoch() and stepInEpoch() return.
+  std::string label(Kind) const {
+    return progressText(epoch, stepInEpoch) + ", global step " + std::to_string(globalStep);
   }
 
   // Every rank calls it (the generator states are gathered); rank 0 captures a copy and hands it to
   // the writer (SnapshotSaver::write says where).
   using Targets = detail::SnapshotSaver::Targets;
-  void save(Kind kind, const SaveExtras& extras, Targets targets) {
+  // `announce`: a "snapshot written" line even for a save within an epoch (a stop's, the final one).
+  void save(Kind kind, const SaveExtras& extras, Targets targets, bool announce = false) {
     std::vector<RngState> rankRng;
     if (!o.stepSeed()) rankRng = ranks->gatherRng();
-    if (state.sharded())  // every rank writes its own shard (no gather to rank 0)
-      saver->writeShard(state.captureRankShard(identity(), progress()), kind == Kind::kEpochBoundary,
-                        extras, targets, label(kind));
+    // Every rank's own numbers (trackPerRank): each in its place, summed with zeros elsewhere.
+    std::vector<double> perRank;
+    if (state.hasPerRank()) {
+      const auto mine = state.perRankValues();
+      perRank.assign(mine.size() * static_cast<std::size_t>(world), 0.0);
+      std::copy(mine.begin(), mine.end(), perRank.begin() + static_cast<std::ptrdiff_t>(mine.size()) * rank);
+      perRank = ranks->allReduce(std::move(perRank), c10d::ReduceOp::SUM, "gathering the ranks' own values");
+    }
+    if (state.sharded()) {  // every rank writes its own shard (no gather to rank 0)
+      Snapshot shard = state.captureRankShard(identity(), progress());
+      shard.header.saveId = saveId();
+      saver->writeShard(std::move(shard), kind == Kind::kEpochBoundary, extras, targets, label(kind));
+    }
     if (rank == 0) {
       if (!state.model())
         throw ConfigError("ResilientTraining: no model registered (track(ddp) or track(model) before resume())");
       Snapshot s = state.capture(identity(), progress(), kind == Kind::kEpochComplete, ddpBuckets(),
                                  saver->pool(o.reuseCaptureBuffers()));
       s.rankRng = std::move(rankRng);
-      saver->write(std::move(s), kind == Kind::kEpochBoundary, extras, targets, label(kind), globalStep);
+      s.header.saveId = saveId();
+      if (state.hasPerRank()) state.insertPerRank(s.userState, perRank, world);
+      saver->write(std::move(s), kind == Kind::kEpochBoundary, extras, targets, label(kind), globalStep,
+                   announce || kind == Kind::kEpochBoundary);
     }
     if (targets == Targets::kSlotAndExtras) saver->markSaved(globalStep, kind == Kind::kEpochBoundary);
   }
@@ -155,11 +178,11 @@ struct ResilientTraining::Impl {
 
   // An agreed stop: the snapshot of exactly this point is durable on rank 0 before anyone leaves.
   bool stopHere() {
-    if (!saved()) save(currentKind(), {}, Targets::kSlotAndExtras);
+    if (!saved()) save(currentKind(), {}, Targets::kSlotAndExtras, /*announce=*/true);
     settleWrites("the stop's barrier");
     status = TrainingStatus::kStopped;
     const int signo = ctorch::stopSignal();
-    const std::string at = describePoint(epoch, stepInEpoch, globalStep);
+    const std::string at = describeProgress(epoch, stepInEpoch, globalStep);
     std::cerr << o.programName() << ": rank " << rank << "/" << world << " stopped after " << at << ": "
               << (signo != 0 ? std::string(strsignal(signo)) + " here" : std::string("a stop signal on another rank"))
               << std::endl;
@@ -186,6 +209,7 @@ struct ResilientTraining::Impl {
   bool joinWithState(std::int64_t heldStep, std::optional<detail::BucketLayout> buckets) {
     const auto exchange = recovery->exchangeState(*ranks, heldStep, stepInEpoch == 0 && epoch > 0, [&] {
       Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, buckets, nullptr);
+      mine.header.saveId = saveId();
       return encodeSnapshot(mine);
     });
     if (!exchange) {
@@ -193,6 +217,9 @@ struct ResilientTraining::Impl {
       return false;
     }
     if (exchange->received) {
+      // A replacement takes the run's id from the state it receives (its own draw was never agreed).
+      const std::string& id = exchange->received->header.saveId;
+      if (runId.empty() && id.find('-') != std::string::npos) runId = id.substr(0, id.find('-'));
       buckets = detail::bucketsOf(*exchange->received);
       restore(*exchange->received, /*rng=*/false);
       saver->forgetSaved();  // nothing on disk holds this point
@@ -201,7 +228,7 @@ struct ResilientTraining::Impl {
       state.sampler()->loadState(state.sampler()->state());
     }
     if (state.ddp()) state.ddp()->rejoin(ranks->group(), buckets);
-    say("in-place recovery: continuing from " + describePoint(epoch, stepInEpoch, globalStep) + " with rank " +
+    say("in-place recovery: continuing from " + describeProgress(epoch, stepInEpoch, globalStep) + " with rank " +
         std::to_string(exchange->donor) + "'s state (group generation " + std::to_string(groupGeneration()) + ")");
     agreed();
     return true;
@@ -215,7 +242,7 @@ struct ResilientTraining::Impl {
     point.epoch = epoch;
     point.stepInEpoch = stepInEpoch;
     point.globalStep = globalStep;
-    point.message = what + describePoint(epoch, stepInEpoch, globalStep);
+    point.message = what + describeProgress(epoch, stepInEpoch, globalStep);
     return point;
   }
 
@@ -292,6 +319,7 @@ struct ResilientTraining::Impl {
     const auto shards = resumeShards.find(snap.source);
     const SnapshotPoint p =
         state.restore(snap, options, shards == resumeShards.end() ? std::vector<ItemDict>{} : shards->second);
+    state.restorePerRank(snap, rank, world);
     epoch = p.epochsRun;
     stepInEpoch = p.stepInEpoch;
     globalStep = p.globalStep;
@@ -329,6 +357,7 @@ ResilientTraining::ResilientTraining(ResilienceOptions options) : impl_(std::mak
   saving.rank = s.rank;
   saving.keepPrevious = s.o.keepPrevious();
   saving.backgroundWrite = s.o.backgroundWrite();
+  saving.logEverySave = s.o.logEverySave();
   saving.programName = s.o.programName();
   saving.say = [impl = impl_.get()](const std::string& line) { impl->say(line); };
   s.saver = std::make_unique<detail::SnapshotSaver>(std::move(saving));
@@ -394,8 +423,10 @@ ResumePoint ResilientTraining::resume() {
 
   // Every rank read the files itself: all must stand at the same step. A stop requested while
   // starting up is agreed here too.
+  // This launch's id is agreed in the same allreduce: the largest of the ranks' draws.
   const double g = static_cast<double>(s.globalStep);
-  const auto agreed = s.ranks->allReduce({g, -g, s.stopFlag()}, c10d::ReduceOp::MAX, "resume");
+  const auto agreed = s.ranks->allReduce({g, -g, s.stopFlag(), drawRunId()}, c10d::ReduceOp::MAX, "resume");
+  s.runId = runIdText(agreed[3]);
   if (agreed[0] != -agreed[1])
     throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) + " to " +
                            std::to_string(agreed[0]) + "): every rank must see the same snapshot files (a shared file system)");
@@ -529,7 +560,7 @@ void ResilientTraining::save(const SaveExtras& extras) {
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before save()");
   s.checkFinished("save");
   if (s.stop) throw ConfigError("ResilientTraining::save() after the run stopped on request: return exitCode() from the loop");
-  s.save(s.currentKind(), extras, Impl::Targets::kSlotAndExtras);
+  s.save(s.currentKind(), extras, Impl::Targets::kSlotAndExtras, /*announce=*/true);
 }
 
 void ResilientTraining::wait() { impl_->saver->wait(); }
@@ -543,7 +574,7 @@ int ResilientTraining::finish() {
   // that step changes nothing (the final state is saved and the run ends with 0).
   s.finishAgreement();
   const bool scheduled = s.o.saveEverySteps() > 0 || s.o.saveEveryEpochs() > 0;
-  if (scheduled && !s.saved()) s.save(s.currentKind(), {}, Impl::Targets::kSlotAndExtras);
+  if (scheduled && !s.saved()) s.save(s.currentKind(), {}, Impl::Targets::kSlotAndExtras, /*announce=*/true);
   s.settleWrites("the final barrier");  // nobody exits before rank 0's snapshot is durable (or failed)
   s.status = TrainingStatus::kFinished;
   return contract::kExitSuccess;

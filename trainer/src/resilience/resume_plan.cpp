@@ -1,6 +1,7 @@
 #include "resilience/resume_plan.hpp"
 
 #include <ctorch/errors.hpp>
+#include <ctorch/resilience.hpp>
 
 #include <sstream>
 
@@ -10,20 +11,27 @@ namespace {
 
 std::string ranks(std::int64_t n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
 
-// "epoch 2, step 120 (global step 589)", epochs counted from 1 as the console shows them.
+// "1 epoch + 120 steps (global step 589)": a snapshot whose epoch's data ran out counts that epoch.
 std::string where(const SnapshotPoint& p) {
-  std::ostringstream os;
-  if (p.epochComplete)
-    os << "end of epoch " << p.epochsRun + 1;
-  else if (p.stepInEpoch == 0)
-    os << "start of epoch " << p.epochsRun + 1;
-  else
-    os << "epoch " << p.epochsRun + 1 << ", step " << p.stepInEpoch;
-  os << " (global step " << p.globalStep << ")";
-  return os.str();
+  return p.epochComplete ? describeProgress(p.epochsRun + 1, 0, p.globalStep)
+                         : describeProgress(p.epochsRun, p.stepInEpoch, p.globalStep);
+}
+
+std::string plural(std::int64_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
 }
 
 }  // namespace
+
+std::string progressText(std::int64_t epochsDone, std::int64_t stepsInEpoch) {
+  if (epochsDone > 0 && stepsInEpoch > 0) return plural(epochsDone, "epoch") + " + " + plural(stepsInEpoch, "step");
+  if (epochsDone > 0) return plural(epochsDone, "epoch");
+  return plural(stepsInEpoch, "step");
+}
+
+std::string describeProgress(std::int64_t epochsDone, std::int64_t stepsInEpoch, std::int64_t globalStep) {
+  return progressText(epochsDone, stepsInEpoch) + " (global step " + std::to_string(globalStep) + ")";
+}
 
 bool needsEpochBoundary(const std::optional<SnapshotPoint>& newest, std::int64_t worldSize) {
   return newest && newest->worldSize != worldSize && !newest->atEpochBoundary();
@@ -40,16 +48,16 @@ ResumePlan planResume(const std::optional<SnapshotPoint>& newest, const std::opt
   if (n.worldSize == worldSize) {
     plan.source = ResumeSource::kNewest;
     plan.exact = true;
-    plan.message = "resuming from " + n.file.string() + " at " + where(n) + ", exactly where it stopped";
+    plan.message = "resuming from " + n.file.string() + " after " + where(n) + ", exactly where it stopped";
     return plan;
   }
   if (n.atEpochBoundary()) {
     plan.source = ResumeSource::kNewest;
-    plan.message = "resuming from " + n.file.string() + " at " + where(n) + ": written by " + ranks(n.worldSize) +
+    plan.message = "resuming from " + n.file.string() + " after " + where(n) + ": written by " + ranks(n.worldSize) +
                    " at an epoch boundary, continued by " + ranks(worldSize);
     return plan;
   }
-  const std::string why = n.file.string() + " stopped mid-epoch at " + where(n) + " under " + ranks(n.worldSize) +
+  const std::string why = n.file.string() + " stopped mid-epoch after " + where(n) + " under " + ranks(n.worldSize) +
                           "; a run of " + ranks(worldSize) +
                           " can resume only at an epoch boundary (each rank's share of an epoch depends on the "
                           "world size)";
@@ -58,7 +66,7 @@ ResumePlan planResume(const std::optional<SnapshotPoint>& newest, const std::opt
   if (boundary && boundary->atEpochBoundary() && boundary->globalStep <= n.globalStep) {
     plan.source = ResumeSource::kBoundary;
     std::ostringstream os;
-    os << why << ": resuming from " << boundary->file.string() << " at " << where(*boundary) << "; the "
+    os << why << ": resuming from " << boundary->file.string() << " after " << where(*boundary) << "; the "
        << (n.globalStep - boundary->globalStep) << " steps after it are redone with " << ranks(worldSize);
     plan.message = os.str();
     return plan;

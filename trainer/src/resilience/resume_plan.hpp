@@ -35,6 +35,10 @@ struct ResumePlan {
   std::string message;            // one line saying what was done and why
 };
 
+// How a point of training is named in messages, in the numbers ResilientTraining's epoch() and
+// stepInEpoch() give: "1 epoch + 7 steps", "2 epochs", "7 steps" (0 steps: the start).
+std::string progressText(std::int64_t epochsDone, std::int64_t stepsInEpoch);
+
 // Whether planResume will need the epoch-boundary snapshot (load it only then).
 bool needsEpochBoundary(const std::optional<SnapshotPoint>& newest, std::int64_t worldSize);
 

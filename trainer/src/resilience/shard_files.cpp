@@ -1,4 +1,4 @@
-// The files of a ZeRO snapshot's optimizer shards: one per rank beside the slot, each a small
+// The files of a sharded snapshot's shards: one per rank in the snapshot's "<file>.shards/", each a small
 // self-checking snapshot file, found again by the global step of the snapshot that needs them.
 #include "resilience/shard_files.hpp"
 
@@ -64,36 +64,77 @@ ItemDict asShard(const Snapshot& file) {
 
 }  // namespace
 
-std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std::filesystem::path>& slots,
-                                 const SnapshotExpectation& expect) {
+ShardLookup lookForShard(const Snapshot& snapshot, int world, int rank, const std::vector<std::filesystem::path>& slots,
+                         const SnapshotExpectation& expect) {
+  ShardLookup out;
+  out.why = "no shard file";
+  std::set<std::filesystem::path> seen;
+  std::vector<std::filesystem::path> candidates;
+  for (const auto& slot : slots)
+    for (const auto& shardSlot : {shardFile(slot, rank), legacyShardFile(slot, rank)})
+      for (auto& file : listSnapshotFiles(shardSlot)) candidates.push_back(std::move(file));
+  out.file = candidates.empty() ? shardFile(slots.front(), rank) : candidates.front();
+  for (const auto& file : candidates) {
+    if (!seen.insert(file).second) continue;
+    try {
+      Snapshot s = loadSnapshot(file, expect);
+      if (s.globalStep != snapshot.globalStep || s.header.worldSize != world) continue;
+      // Same step and world size, but written by another save (another run, a copied file): its
+      // state is not this snapshot's, however close.
+      if (!snapshot.header.saveId.empty() && s.header.saveId != snapshot.header.saveId) {
+        out.file = file;
+        out.why = file.string() + " belongs to save " + (s.header.saveId.empty() ? "(none)" : s.header.saveId) +
+                  ", the snapshot to save " + snapshot.header.saveId;
+        continue;
+      }
+      if (s.header.configHash != snapshot.header.configHash) {
+        out.file = file;
+        out.why = file.string() + " was saved with another configuration";
+        continue;
+      }
+      out.file = file;
+      out.found = std::move(s);
+      return out;
+    } catch (const SnapshotError& e) {
+      out.file = file;
+      out.why = e.what();
+    }
+  }
+  return out;
+}
+
+int shardWorld(const Snapshot& snapshot) {
   const auto& saved = snapshot.userState.at(kZeroShardsKey);
   if (!saved.isInt() || saved.toInt() < 1 || saved.toInt() > (1 << 20))
     throw SnapshotCorrupt(snapshot.source, SnapshotCorrupt::Kind::BadContent, "zero_shards is not a world size");
-  const int world = static_cast<int>(saved.toInt());
+  return static_cast<int>(saved.toInt());
+}
+
+std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std::filesystem::path>& slots,
+                                 const SnapshotExpectation& expect) {
+  const int world = shardWorld(snapshot);
   std::vector<ItemDict> shards;
   for (int rank = 0; rank < world; ++rank) {
-    std::optional<ItemDict> found;
-    std::string why = "no shard file";
-    std::set<std::filesystem::path> seen;
-    for (const auto& slot : slots)
-      for (const auto& file : listSnapshotFiles(shardSlotFor(slot, rank))) {
-        if (found || !seen.insert(file).second) continue;
-        try {
-          const Snapshot s = loadSnapshot(file, expect);
-          if (s.globalStep != snapshot.globalStep || s.header.worldSize != world) continue;
-          found = asShard(s);
-        } catch (const SnapshotError& e) {
-          why = e.what();
-        }
-      }
-    if (!found)
+    ShardLookup shard = lookForShard(snapshot, world, rank, slots, expect);
+    if (!shard.found)
       throw SnapshotError(snapshot.source, "snapshot " + snapshot.source.string() + " (global step " +
                                                std::to_string(snapshot.globalStep) + ") lacks rank " + std::to_string(rank) +
-                                               "'s optimizer shard (" + shardSlotFor(slots.front(), rank).string() +
-                                               "...: " + why + ")");
-    shards.push_back(std::move(*found));
+                                               "'s shard (" + shardSlotFor(slots.front(), rank).string() + "...: " +
+                                               shard.why + ")");
+    shards.push_back(asShard(*shard.found));
   }
   return shards;
+}
+
+std::vector<std::filesystem::path> slotsOf(const std::filesystem::path& file) {
+  std::vector<std::filesystem::path> slots{file};
+  // "<slot>.N", a rotated snapshot: its shards rotated among the slot's.
+  const std::string name = file.filename().string();
+  const auto dot = name.rfind('.');
+  if (dot != std::string::npos && dot + 1 < name.size() &&
+      std::all_of(name.begin() + static_cast<std::ptrdiff_t>(dot) + 1, name.end(), [](unsigned char c) { return std::isdigit(c) != 0; }))
+    slots.push_back(file.parent_path() / name.substr(0, dot));
+  return slots;
 }
 
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot); }
@@ -101,21 +142,50 @@ ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapsh
 } // namespace ctorch::detail
 
 namespace ctorch {
+namespace {
 
-std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile) {
-  const std::string prefix = detail::shardPrefix(snapshotFile);
-  const std::filesystem::path dir = snapshotFile.has_parent_path() ? snapshotFile.parent_path() : ".";
-  std::vector<std::filesystem::path> files;
+bool allDigits(const std::string& text) {
+  return !text.empty() && text.size() <= 9 &&
+         std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
+// The files in `dir` named prefix + <rank> + suffix, by rank.
+std::vector<std::pair<int, std::filesystem::path>> rankFiles(const std::filesystem::path& dir, const std::string& prefix,
+                                                             const std::string& suffix) {
+  std::vector<std::pair<int, std::filesystem::path>> files;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    const std::string rank = name.substr(std::min(name.size(), prefix.size()));
-    if (name.rfind(prefix, 0) == 0 && !rank.empty() &&
-        std::all_of(rank.begin(), rank.end(), [](unsigned char c) { return std::isdigit(c) != 0; }))
-      files.push_back(entry.path());
+    if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string rank = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+    if (allDigits(rank)) files.emplace_back(std::stoi(rank), entry.path());
   }
-  std::sort(files.begin(), files.end());
   return files;
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> snapshotShardFiles(const std::filesystem::path& snapshotFile) {
+  const std::filesystem::path dir = snapshotFile.has_parent_path() ? snapshotFile.parent_path() : ".";
+  auto found = rankFiles(detail::shardDirectory(snapshotFile), "rank", ".pt");
+  for (auto& legacy : rankFiles(dir, detail::legacyShardPrefix(snapshotFile), "")) found.push_back(std::move(legacy));
+  std::sort(found.begin(), found.end());
+  std::vector<std::filesystem::path> files;
+  for (auto& [rank, file] : found) files.push_back(std::move(file));
+  return files;
+}
+
+std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile) {
+  return snapshotShardFiles(snapshotFile);
+}
+
+void removeSnapshotFiles(const std::filesystem::path& snapshotFile) {
+  std::error_code ec;
+  std::filesystem::remove(snapshotFile, ec);
+  for (const auto& shard : snapshotShardFiles(snapshotFile)) std::filesystem::remove(shard, ec);
+  std::filesystem::remove(detail::shardDirectory(snapshotFile), ec);  // only when nothing else is left in it
 }
 
 } // namespace ctorch

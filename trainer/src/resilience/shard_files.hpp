@@ -1,5 +1,5 @@
 // A sharded run's part of a snapshot: every rank writes its shard (ZeRO's optimizer share, or FSDP's
-// parameters and optimizer state) to its own file beside the slot ("<slot>.optim-rank<r>", rotated like
+// parameters and optimizer state) to its own file in the slot's shard folder ("<slot>.shards/rank<r>.pt", rotated like
 // the slot), and a chosen snapshot finds the shards it was saved with.
 #pragma once
 
@@ -8,6 +8,8 @@
 #include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <filesystem>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace ctorch::detail {
@@ -34,6 +36,23 @@ Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
 // FSDP's: this rank's parameter shard and, with `optimizer`, its optimizer's state shard.
 Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
+
+// One rank's shard of `snapshot` among the shard files of `slots`: the first intact one of its step,
+// world size, save and configuration; else why none fits (and the file that came closest).
+struct ShardLookup {
+  std::optional<Snapshot> found;
+  std::filesystem::path file;
+  std::string why;
+};
+ShardLookup lookForShard(const Snapshot& snapshot, int world, int rank, const std::vector<std::filesystem::path>& slots,
+                         const SnapshotExpectation& expect);
+
+// The world size the shards of `snapshot` (which records kZeroShardsKey) were saved at.
+int shardWorld(const Snapshot& snapshot);
+
+// Where the shards of the snapshot file `file` may be: its own, and its slot's when it is a rotated
+// "<slot>.N".
+std::vector<std::filesystem::path> slotsOf(const std::filesystem::path& file);
 
 // The shards of `snapshot` (which records kZeroShardsKey): every rank's, at the snapshot's global
 // step, from the shard files of `slots` (the snapshot's own file and the slots it may have been

@@ -92,12 +92,13 @@ std::vector<SnapshotSlotOptions> SnapshotSaver::files(bool boundary, const SaveE
 }
 
 void SnapshotSaver::write(Snapshot snapshot, bool boundary, const SaveExtras& extras, Targets targets,
-                          std::string label, std::int64_t globalStep) {
+                          std::string label, std::int64_t globalStep, bool announce) {
   SnapshotJob job;
   job.snapshot = std::move(snapshot);
   job.slots = files(boundary, extras, targets, o_.keepPrevious, 1, [](const std::filesystem::path& p) { return p; });
   submit(std::move(job), extras.afterWrite, std::move(label),
-         targets == Targets::kExtrasOnly ? std::nullopt : std::optional<std::int64_t>(globalStep), /*report=*/true);
+         targets == Targets::kExtrasOnly ? std::nullopt : std::optional<std::int64_t>(globalStep),
+         /*report=*/announce || o_.logEverySave);
 }
 
 void SnapshotSaver::writeShard(Snapshot shard, bool boundary, const SaveExtras& extras, Targets targets,
@@ -108,7 +109,7 @@ void SnapshotSaver::writeShard(Snapshot shard, bool boundary, const SaveExtras& 
   job.slots = files(boundary, extras, targets, o_.keepPrevious + 1, 2,
                     [this](const std::filesystem::path& p) { return shardSlotFor(p, o_.rank); });
   // Rank 0's progress line is the snapshot's; a shard's write says nothing unless it fails.
-  submit(std::move(job), nullptr, "rank " + std::to_string(o_.rank) + "'s optimizer shard, " + label, std::nullopt,
+  submit(std::move(job), nullptr, "rank " + std::to_string(o_.rank) + "'s shard, " + label, std::nullopt,
          /*report=*/false);
 }
 

@@ -26,6 +26,7 @@ class SnapshotSaver {
     int rank = 0;
     int keepPrevious = 2;
     bool backgroundWrite = true;
+    bool logEverySave = false;  // else only the writes write() is asked to announce
     std::string programName;
     std::function<void(const std::string&)> say;  // rank 0's progress lines
   };
@@ -52,10 +53,11 @@ class SnapshotSaver {
 
   // Rank 0: hands `snapshot` to the writer, for the slot (and the boundary slot when `boundary`)
   // and extras.alsoWriteTo, or (kExtrasOnly) extras.alsoWriteTo alone. After a failed write
-  // nothing more is written: the agreed stop comes at the next agreement.
+  // nothing more is written: the agreed stop comes at the next agreement. `announce`: rank 0 says
+  // "snapshot written" once it is durable (always with Options::logEverySave).
   enum class Targets { kSlotAndExtras, kExtrasOnly };
   void write(Snapshot snapshot, bool boundary, const SaveExtras& extras, Targets targets, std::string label,
-             std::int64_t globalStep);
+             std::int64_t globalStep, bool announce);
   // Every rank of a sharded run (a ZeroRedundancyOptimizer): this rank's shard, beside each file
   // write() writes (zero_shards.hpp), rotated one place more than the slot so that every kept
   // snapshot still finds its shards while the newest ones are in flight.

@@ -108,19 +108,67 @@ void TrackedState::addItems(std::function<void(ItemDict&)> save, std::function<v
   items_.push_back(Items{std::move(save), std::move(load)});
 }
 
-void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
-                            std::function<void(const c10::IValue&)> load) {
+void TrackedState::claimName(const std::string& name) {
   if (name.empty()) throw ConfigError("ResilientTraining::track: the name of a value is empty");
   if (name == kEpochCompleteKey || name == kDdpBucketsKey || name == kZeroShardsKey || name == kShardedModelKey)
     throw ConfigError("ResilientTraining::track: '" + name + "' is a name the library keeps for itself");
   for (const auto& n : names_)
     if (n == name) throw ConfigError("ResilientTraining::track: '" + name + "' is registered twice");
-  if (!save || !load) throw ConfigError("ResilientTraining::track('" + name + "'): needs a save and a load function");
   names_.push_back(name);
+}
+
+void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
+                            std::function<void(const c10::IValue&)> load) {
+  if (!save || !load) throw ConfigError("ResilientTraining::track('" + name + "'): needs a save and a load function");
+  claimName(name);
   addItems([name, save](ItemDict& d) { d.insert(name, save()); },
            [name, load](const ItemDict& d) {
              if (d.contains(name)) load(d.at(name));
            });
+}
+
+void TrackedState::addPerRank(const std::string& name, std::function<double()> save,
+                              std::function<void(std::optional<double>)> load) {
+  if (!save || !load) throw ConfigError("ResilientTraining::trackPerRank('" + name + "'): needs a save and a load function");
+  claimName(name);
+  perRank_.push_back(PerRank{name, std::move(save), std::move(load)});
+}
+
+std::vector<double> TrackedState::perRankValues() const {
+  std::vector<double> values;
+  for (const auto& item : perRank_) values.push_back(item.save());
+  return values;
+}
+
+void TrackedState::insertPerRank(ItemDict& userState, const std::vector<double>& all, int world) const {
+  const std::size_t count = perRank_.size();
+  for (std::size_t k = 0; k < count; ++k) {
+    std::vector<double> values;
+    for (int r = 0; r < world; ++r) values.push_back(all.at(static_cast<std::size_t>(r) * count + k));
+    userState.insert(perRank_[k].name, c10::IValue(values));
+  }
+}
+
+void TrackedState::restorePerRank(const Snapshot& snapshot, int rank, int world) const {
+  for (const auto& item : perRank_) {
+    std::optional<double> mine;
+    if (snapshot.userState.contains(item.name) && snapshot.header.worldSize == world) {
+      // A list of floats (as written), read back as a generic list by some LibTorch versions.
+      const c10::IValue& v = snapshot.userState.at(item.name);
+      std::vector<double> values;
+      if (v.isDoubleList()) {
+        for (double x : v.toDoubleList()) values.push_back(x);
+      } else if (v.isList()) {
+        for (const c10::IValue& x : v.toListRef())
+          if (x.isDouble()) values.push_back(x.toDouble());
+      }
+      if (values.size() != static_cast<std::size_t>(world))
+        throw SnapshotIncompatible(snapshot.source, {"USER_STATE['" + item.name + "'] is not one number per rank (" +
+                                                     std::to_string(world) + ")"});
+      mine = values[static_cast<std::size_t>(rank)];
+    }
+    item.load(mine);
+  }
 }
 
 Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,

@@ -55,6 +55,15 @@ class TrackedState {
   // USER_STATE[name]: a name of the library's own or one registered twice is refused.
   void addNamed(const std::string& name, std::function<c10::IValue()> save,
                 std::function<void(const c10::IValue&)> load);
+  // USER_STATE[name]: a number of each rank's own, saved as a list indexed by rank.
+  void addPerRank(const std::string& name, std::function<double()> save, std::function<void(std::optional<double>)> load);
+  bool hasPerRank() const { return !perRank_.empty(); }
+  // This rank's values, in registration order.
+  std::vector<double> perRankValues() const;
+  // Into `userState`: every rank's values (`all`: world x count, rank-major, as gathered).
+  void insertPerRank(ItemDict& userState, const std::vector<double>& all, int world) const;
+  // Each load gets this rank's value when `snapshot` holds one list per rank of `world` entries, else nullopt.
+  void restorePerRank(const Snapshot& snapshot, int rank, int world) const;
 
   torch::nn::Module* model() const { return model_; }
   DDPCore* ddp() const { return ddp_; }
@@ -76,6 +85,9 @@ class TrackedState {
                         const std::vector<ItemDict>& shards = {}) const;
 
  private:
+  // Refuses an empty name, one of the library's own, or one registered twice; records it.
+  void claimName(const std::string& name);
+
   struct Items {
     std::function<void(ItemDict&)> save;
     std::function<void(const ItemDict&)> load;
@@ -91,6 +103,12 @@ class TrackedState {
   std::function<void(const ItemDict&)> schedulerLoad_;
   std::vector<std::string> names_;  // registered user-state names
   std::vector<Items> items_;
+  struct PerRank {
+    std::string name;
+    std::function<double()> save;
+    std::function<void(std::optional<double>)> load;
+  };
+  std::vector<PerRank> perRank_;
 };
 
 } // namespace ctorch::detail

@@ -94,6 +94,12 @@ ResilientTraining& ResilientTraining::track(const std::string& name, std::functi
   return *this;
 }
 
+ResilientTraining& ResilientTraining::trackPerRank(const std::string& name, std::function<double()> save,
+                                                   std::function<void(std::optional<double>)> load) {
+  tracked().addPerRank(name, std::move(save), std::move(load));
+  return *this;
+}
+
 ResilientTraining& ResilientTraining::track(const std::string& name, double& value) {
   double* v = &value;
   return track(name, [v] { return c10::IValue(*v); },

@@ -143,7 +143,8 @@ std::size_t detail::writePreparedSnapshot(const PreparedArchive& prepared, const
   };
   // The archive is streamed from the tensors into the file, not built in memory first (for a large
   // model that copy, and its fresh pages, slowed the training steps running beside the writer).
-  fs::create_directories(dir);
+  // A folder made here (a sharded run's "<file>.shards") is made durable in its parent too.
+  if (fs::create_directories(dir) && dir.has_parent_path()) detail::fsyncDirectory(dir.parent_path());
   removeStaleTemporaries(slot);
 
   // 1. The new content, complete and durable, under a temporary name nobody reads.

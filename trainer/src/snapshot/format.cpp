@@ -431,6 +431,7 @@ detail::PreparedArchive detail::prepareSnapshot(Snapshot& s) {
   header.insert("created_utc", utcText(s.header.createdAt));
   header.insert("ctorch_version", s.header.ctorchVersion);
   header.insert("torch_version", s.header.torchVersion);
+  if (!s.header.saveId.empty()) header.insert("save_id", s.header.saveId);  // absent: files stay as before
 
   auto top = newStringDict();
   top.insert(kHeaderKey, header);
@@ -590,6 +591,10 @@ SnapshotHeader readHeader(const c10::IValue& top, const std::filesystem::path& f
       std::chrono::seconds(hr.integer(header, "created_unix", kHeaderKey)));
   h.ctorchVersion = hr.text(header, "ctorch_version", kHeaderKey);
   h.torchVersion = hr.text(header, "torch_version", kHeaderKey);
+  if (header.contains("save_id")) {
+    h.saveId = hr.text(header, "save_id", kHeaderKey);
+    if (h.saveId.size() > 64) hr.fail(std::string(kHeaderKey) + "['save_id'] is longer than 64 characters");
+  }
 
   return h;
 }

@@ -100,6 +100,7 @@ struct TrainOptions {
   std::int64_t saveEvery = 1;        // epochs between snapshots (0: none at epoch ends)
   std::int64_t saveEverySteps = 0;   // also every N optimizer steps (0: off)
   int keepSnapshots = 2;             // previous snapshots kept next to the newest
+  bool logSaves = false;             // a "snapshot written" line for every save, not only epoch ends and stops
   ResumeChoice resume;
   bool allowConfigChange = false;    // resume a snapshot whose configuration differs
   // Final weights, checkpoints and metrics; empty: beside the snapshot (one directory per run).
