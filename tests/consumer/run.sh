@@ -46,7 +46,7 @@ while IFS= read -r inc; do
   [ -f "$tmp/installed/include/$inc" ] || { echo "not installed: $inc"; missing=1; }
 done < <(grep -rhoE '#include [<"]ctorch/[A-Za-z0-9_/]+\.hpp[>"]' "$tmp/installed/include" |
          sed -E 's/#include [<"]//; s/[>"]$//' | sort -u)
-if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero|parameter_server|snapshot|resilience)/' \
+if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero|parameter_server|snapshot|resilience|tensorboard)/' \
     "$tmp/installed/include"; then
   fail "an installed header includes one that is not installed (above)"
 fi

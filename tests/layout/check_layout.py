@@ -13,7 +13,7 @@ import sys
 # Floors, from the ground up. A room may include its own floor and those below.
 FLOORS = {
     "core": 1,
-    "comm": 2, "sampler": 2,
+    "comm": 2, "sampler": 2, "tensorboard": 2,
     "snapshot": 3, "ddp": 3, "amp": 3, "zero": 3,
     "fsdp": 4, "parameter_server": 4,
     "resilience": 5,
@@ -26,7 +26,7 @@ PUBLIC = {
     "sampler": "sampler", "ddp": "ddp", "comm_hook": "ddp", "amp": "amp",
     "fsdp_unit": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
-    "snapshot": "snapshot", "resilience": "resilience",
+    "snapshot": "snapshot", "resilience": "resilience", "tensorboard": "tensorboard",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([A-Za-z0-9_]+)/([A-Za-z0-9_/]+)\.hpp[>"]', re.M)
 
