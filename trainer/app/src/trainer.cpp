@@ -323,7 +323,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> schedule_;
   std::int64_t stepsPerEpoch_ = 0;
   std::unique_ptr<ResilientTraining> training_;
-  std::optional<MetricsLog> metrics_;
+  std::optional<RunRecords> records_;  // rank 0's metrics file and TensorBoard events
   double trainSecondsBefore_ = 0;  // training time of earlier processes of this run
   EpochTally tally_;
   bool tallyRestored_ = false;          // a snapshot (or a peer, in place) gave tally_
@@ -445,15 +445,20 @@ void Trainer::resume() {
   } catch (const ResumeRefused& e) {
     refuseResume(e);
   }
-  if (ctorch::isMainProcess() && o_.metricsPath()) {
-    metrics_.emplace(*o_.metricsPath(), training_->globalStep());
+  if (ctorch::isMainProcess() && (o_.metricsPath() || !o_.tensorboardDir.empty())) {
+    records_.emplace(o_.metricsPath(),
+                     o_.tensorboardDir.empty() ? std::nullopt : std::optional<std::filesystem::path>(o_.tensorboardDir),
+                     training_->globalStep());
+    if (const auto events = records_->tensorboardFile())
+      console_.line("tensorboard: " + events->string() + " (view: tensorboard --logdir " + o_.tensorboardDir.string() +
+                    ")");
     if (at.resumed) {  // marked in metrics.png
       ResumeRecord r;
       r.step = at.globalStep;
       r.epoch = epochProgress(at.epoch, at.stepInEpoch, stepsPerEpoch_);
       r.exact = at.exact;
       r.time = trainSeconds();
-      metrics_->write(r);
+      records_->write(r);
     }
   }
 }
@@ -661,7 +666,7 @@ void Trainer::reportStep(EpochPass& pass, const AgreedStep& step, const Interval
   r.totalEtaSeconds = r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch_ * (o_.epochs - pass.epoch - 1));
   console_.progress(r, step.periodic);
   if (!step.periodic) return;
-  if (metrics_) {
+  if (records_) {
     TrainRecord m;
     m.step = t.globalStep();
     m.epoch = epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_);
@@ -670,7 +675,7 @@ void Trainer::reportStep(EpochPass& pass, const AgreedStep& step, const Interval
     m.samplesPerSecond = r.samplesPerSecond;
     m.time = trainSeconds();
     m.lossKind = lossKindName(model_->output());
-    metrics_->write(m);
+    records_->write(m);
   }
   pass.intervalSamples = 0;
   pass.intervalStart = Clock::now();
@@ -718,7 +723,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
                 " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
                 share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
                 share(phases.agreement) + ")" + reductionText);
-  if (!metrics_) return;
+  if (!records_) return;
   EpochRecord r;
   r.step = t.globalStep();
   r.epoch = epoch + 1;
@@ -737,7 +742,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   r.agreementSeconds = phases.agreement;
   r.reduceSeconds = reduceSeconds;
   r.reduceWaitSeconds = reduceWaitSeconds;
-  metrics_->write(r);
+  records_->write(r);
 }
 
 // Evaluation, then the epoch-boundary snapshot (and checkpoint file) with its result in it.
@@ -826,7 +831,7 @@ EvalTotals Trainer::evaluate(std::int64_t completed) {
     bestAccuracy_ = std::max(bestAccuracy_, totals.accuracy());
   }
   console_.line(line + " in " + formatDuration(secondsSince(evalStart)));
-  if (metrics_) {
+  if (records_) {
     EvalRecord r;
     r.step = training_->globalStep();
     r.epoch = static_cast<double>(completed);
@@ -835,7 +840,7 @@ EvalTotals Trainer::evaluate(std::int64_t completed) {
     r.correct = totals.correct;
     r.count = totals.count;
     r.time = trainSeconds();
-    metrics_->write(r);
+    records_->write(r);
   }
   return totals;
 }
