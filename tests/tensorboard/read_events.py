@@ -93,7 +93,12 @@ def unknown_fields(message):
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
-        items = value if field.label == field.LABEL_REPEATED else [value]
+        repeated = getattr(field, "is_repeated", None)  # newer protobufs; `label` before
+        if callable(repeated):
+            repeated = repeated()
+        if repeated is None:
+            repeated = field.label == field.LABEL_REPEATED
+        items = value if repeated else [value]
         count += sum(unknown_fields(item) for item in items)
     return count
 

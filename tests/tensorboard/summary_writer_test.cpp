@@ -68,7 +68,7 @@ struct ScopedFault {
 
 namespace sw = summary_writer_test;
 
-TEST_CASE("CRC-32C: RFC 3720's vectors, crc32c(\"123456789\"), continuation, and TFRecord's mask",
+TEST_CASE("CRC-32C: RFC 3720's vectors, the check value of 123456789, continuation, and TFRecord's mask",
           "[tensorboard][crc]") {
   using ctorch::tensorboard::crc32c;
   using ctorch::tensorboard::maskCrc;

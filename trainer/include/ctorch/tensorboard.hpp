@@ -3,8 +3,9 @@
 // `tensorboard --logdir` opens: TFRecord framing with masked CRC-32C, Event and Summary protobufs.
 //
 // The few protobuf messages are encoded by hand (trainer/src/tensorboard/event_encoding.cpp), not with
-// libprotobuf: LibTorch carries its own protobuf (pytorch.org's zips link it in), and a second one in
-// the same process risks clashing symbols; so the installed package needs nothing new. No LibTorch here.
+// libprotobuf: LibTorch brings a protobuf of its own (built into pytorch.org's zips), and another in
+// the same process risks clashing symbols; so the installed package needs nothing new
+// (docs/tensorboard.md). No LibTorch here.
 #pragma once
 
 #include <chrono>
