@@ -25,6 +25,7 @@ packages=(
   cmake ninja-build g++ make ccache pkg-config
   libcli11-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev zlib1g-dev
   libopenblas0-pthread dataset-fashion-mnist python3-matplotlib
+  python3-protobuf protobuf-compiler  # tests/tensorboard/read_events.py (tests only)
   procps psmisc iproute2 util-linux ca-certificates hyperfine
 )
 # CTORCH_MODERN_PACKAGES: the whole list instead (scripts/gpu/selftest.sh: only what a GPU machine has).

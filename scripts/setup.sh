@@ -16,6 +16,9 @@ packages=(
   python3-torch
   # scripts/plot_metrics.py (loss/accuracy curves of ctorch-train's metrics file)
   python3-matplotlib
+  # tests/tensorboard/read_events.py: TensorBoard's event messages compiled with protoc and read with
+  # protobuf's own parser (the tests only: the library writes event files without libprotobuf)
+  python3-protobuf protobuf-compiler
   # scripts/fuzz.sh: libFuzzer (the store's request parser, the snapshot loader), run by CI
   clang libclang-rt-14-dev
   # multi-node tests: network namespaces and a real single-host Slurm cluster

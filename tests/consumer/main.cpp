@@ -7,6 +7,7 @@
 //
 //   ctorchrun --standalone --nproc-per-node 2 consumer --epochs 3 --save-every-steps 4
 //   consumer                      # a world of 1, no launcher and no variables
+//   consumer --tensorboard-dir tb # also the losses as TensorBoard scalars (rank 0)
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/error_file.hpp>
@@ -15,6 +16,7 @@
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/stop_signal.hpp>
+#include <ctorch/tensorboard.hpp>
 #include <ctorch/version.hpp>
 
 #include <torch/torch.h>
@@ -46,11 +48,13 @@ struct Flags {
   double lr = 0.05;
   std::int64_t stepSeed = -1;    // >= 0: every step's randomness from (seed, rank, step)
   std::int64_t recoverInPlace = 1;  // 0: the README's loop without try / recover(): a failed step ends it
+  std::string tensorboardDir;       // non-empty: rank 0 writes the losses as TensorBoard scalars
 };
 
 constexpr const char* kUsage =
     "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
-    "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S] [--recover-in-place 0|1]";
+    "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S] [--recover-in-place 0|1]\n"
+    "                [--tensorboard-dir DIR]";
 
 // Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
 // nothing when every flag was understood.
@@ -88,6 +92,7 @@ std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
     else if (name == "--recover-in-place") ok = integer(value, 0, f.recoverInPlace) && f.recoverInPlace <= 1;
     else if (name == "--snapshot") ok = !(f.snapshot = value).empty();
     else if (name == "--out") ok = !(f.out = value).empty();
+    else if (name == "--tensorboard-dir") ok = !(f.tensorboardDir = value).empty();
     else if (name == "--lr") {
       std::istringstream in(value);
       ok = static_cast<bool>(in >> f.lr) && in.eof() && f.lr > 0;
@@ -171,6 +176,14 @@ int train(const Flags& f) {
   if (start.resumed && ctorch::isMainProcess())
     std::cout << "continuing at epoch " << start.epoch + 1 << " after step " << start.stepInEpoch
               << ", best loss so far " << std::fixed << std::setprecision(6) << bestLoss << std::endl;
+  // TensorBoard on rank 0: the file's START at the first step this process runs hides what a
+  // stopped process logged after the snapshot this one resumed from (docs/tensorboard.md).
+  std::optional<ctorch::SummaryWriter> tensorboard;
+  if (!f.tensorboardDir.empty() && ctorch::isMainProcess()) {
+    ctorch::SummaryWriterOptions tb;
+    tb.purgeStep = training.globalStep() + 1;
+    tensorboard.emplace(f.tensorboardDir, tb);
+  }
 
   const std::int64_t steps = (sampler.size() + f.batchSize - 1) / f.batchSize;
   // The loop follows training.epoch(): after an in-place recovery (below) it goes on from wherever
@@ -192,6 +205,7 @@ int train(const Flags& f) {
           std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " step "
                     << (sampler.position() + f.batchSize - 1) / f.batchSize << "/" << steps << " loss "
                     << std::fixed << std::setprecision(4) << lossSum[0] / world << std::endl;
+        if (tensorboard) tensorboard->addScalar("train/loss", lossSum[0] / world, training.globalStep());
         if (stop) return training.exitCode();  // SIGTERM/SIGUSR1: saved, exit 75, run me again
         if (f.stepDelayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.stepDelayMs));
       }
@@ -207,6 +221,7 @@ int train(const Flags& f) {
       if (ctorch::isMainProcess())
         std::cout << "epoch " << epoch + 1 << "/" << f.epochs << " done: loss " << std::fixed
                   << std::setprecision(6) << epochLoss << " best " << bestLoss << std::endl;
+      if (tensorboard) tensorboard->addScalar("epoch/loss", epochLoss, training.globalStep());
       if (training.epochDone()) return training.exitCode();
     } catch (const std::exception&) {
       if (f.recoverInPlace == 0) throw;  // as a loop without the try: ctorchrun restarts the group

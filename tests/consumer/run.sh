@@ -46,7 +46,7 @@ while IFS= read -r inc; do
   [ -f "$tmp/installed/include/$inc" ] || { echo "not installed: $inc"; missing=1; }
 done < <(grep -rhoE '#include [<"]ctorch/[A-Za-z0-9_/]+\.hpp[>"]' "$tmp/installed/include" |
          sed -E 's/#include [<"]//; s/[>"]$//' | sort -u)
-if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero|parameter_server|snapshot|resilience)/' \
+if [ $missing = 1 ] || grep -rnE '#include "(core|comm|ddp|sampler|amp|fsdp|zero|parameter_server|snapshot|resilience|tensorboard)/' \
     "$tmp/installed/include"; then
   fail "an installed header includes one that is not installed (above)"
 fi
@@ -89,12 +89,16 @@ err=$("$consumer" --epochs 2 --bogus 1 2>&1 >/dev/null) || rc=$?
 
 # A world of 1: no variables at all.
 mkdir "$tmp/alone"
-out=$(cd "$tmp/alone" && timeout 120 "$consumer" --epochs 1 --out alone.pt 2>&1)
+out=$(cd "$tmp/alone" && timeout 120 "$consumer" --epochs 1 --out alone.pt --tensorboard-dir tb 2>&1)
 echo "$out" | tail -n 3
 echo "$out" | grep -Eq "$expect" || fail "no line matches '$expect'"
 echo "$out" | grep -q "1 rank(s), no launcher" || fail "not a world of 1 without a launcher"
 echo "$out" | grep -Eq '^epoch 1/1 step 64/64 loss [0-9.]+$' || fail "no last step line"
 [ -s "$tmp/alone/alone.pt" ] && [ -s "$tmp/alone/snapshot.pt" ] || fail "alone: no alone.pt or snapshot.pt"
+# ctorch::SummaryWriter from the installed package: one event file (tests/tensorboard reads such
+# files with protobuf's own parser).
+events=("$tmp/alone/tb"/events.out.tfevents.*)
+[ ${#events[@]} -eq 1 ] && [ -s "${events[0]}" ] || fail "alone: no TensorBoard event file in $tmp/alone/tb"
 
 # Two ranks on 127.0.0.1, a port the OS says is free. Starts rank 0 and 1 in directory $1 with
 # flags $2..., logs in $1/rank{0,1}.log.

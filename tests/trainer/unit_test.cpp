@@ -52,13 +52,15 @@ TEST_CASE("trainer options: defaults train the seeds' CNN on Fashion-MNIST", "[t
   CHECK(o.resume.kind == ResumeChoice::Kind::kAuto);
   CHECK(o.finalModelPath() == std::filesystem::path(".") / "model.pt");
   CHECK(*o.metricsPath() == std::filesystem::path(".") / "metrics.jsonl");
+  CHECK(o.tensorboardDir.empty());  // TensorBoard only when asked for
 }
 
 TEST_CASE("trainer options: kebab and underscore spellings, values after = or a space", "[trainer][options]") {
   const auto p = parse({"--batch_size=32", "--grad-accum-steps", "2", "--lr", "0.1", "--optimizer", "adam",
                         "--lr_decay", "cosine", "--warmup-epochs", "0.5", "--save_every_steps", "7", "--resume",
                         "never", "--metrics-file", "none", "--no-gradient-as-bucket-view", "--timeout", "9",
-                        "--model", "linear", "--dataset", "synthetic-regression", "--max_steps", "11"});
+                        "--model", "linear", "--dataset", "synthetic-regression", "--max_steps", "11",
+                        "--tensorboard_dir", "runs/tb"});
   REQUIRE(p.options);
   const TrainOptions& o = *p.options;
   CHECK(o.batchSize == 32);
@@ -73,6 +75,7 @@ TEST_CASE("trainer options: kebab and underscore spellings, values after = or a 
   CHECK_FALSE(o.gradientAsBucketView);
   CHECK(o.timeout == std::chrono::seconds(9));
   CHECK(o.maxSteps == 11);
+  CHECK(o.tensorboardDir == "runs/tb");
 }
 
 TEST_CASE("trainer options: --help and --version exit 0 with text on stdout", "[trainer][options]") {
@@ -85,7 +88,7 @@ TEST_CASE("trainer options: --help and --version exit 0 with text on stdout", "[
                            "--snapshot-path", "--model-dir", "--model-filename", "--checkpoint-every",
                            "--keep-checkpoints", "--log-interval", "--eval-every", "--max-steps", "--device",
                            "--backend", "--amp", "--bucket-cap-mb", "--find-unused-parameters",
-                           "--grad-accum-steps", "--resume", "--timeout"})
+                           "--grad-accum-steps", "--resume", "--timeout", "--tensorboard-dir"})
     CHECK(help.message.find(flag) != std::string::npos);
   CHECK(help.message.find("75") != std::string::npos);  // the preemption exit code is documented
   auto version = parse({"--version"});

@@ -232,7 +232,7 @@ struct FlagTexts {
   std::string optimizer, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
       metrics;
   std::string sync;
-  std::string dataDir, snapshotPath, modelDir, syntheticShape;
+  std::string dataDir, snapshotPath, modelDir, syntheticShape, tensorboardDir;
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
   std::string profileSteps, profileFile;
@@ -325,6 +325,9 @@ void addEvaluationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--progress", t.progress, "auto (a bar when stdout is a terminal, else lines), bar, lines, none")
       ->group(kEval)->capture_default_str();
   f.option("--metrics-file", t.metrics, "JSONL metrics (default: <model-dir>/metrics.jsonl; 'none': off)")
+      ->group(kEval);
+  f.option("--tensorboard-dir", t.tensorboardDir,
+           "also write the metrics as TensorBoard scalars in this directory (tensorboard --logdir DIR; default: off)")
       ->group(kEval);
 }
 
@@ -472,6 +475,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.dataDir = t.dataDir;
   o.snapshotPath = t.snapshotPath;
   o.modelDir = t.modelDir;
+  o.tensorboardDir = t.tensorboardDir;
   if (app.count("--synthetic-shape")) o.syntheticShape = parseShape(t.syntheticShape);
   if (app.count("--metrics-file"))
     o.metricsFile = t.metrics == "none" ? std::filesystem::path() : std::filesystem::path(t.metrics);

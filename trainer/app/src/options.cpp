@@ -231,6 +231,8 @@ void TrainOptions::checkOutputs() const {
   checkOutputFile("--model-filename", finalModelPath(), "model.pt");
   if (const auto metrics = metricsPath())
     checkOutputFile("--metrics-file", *metrics, "metrics.jsonl", Links::kRefused);
+  if (!tensorboardDir.empty())
+    checkWritableDirectory("--tensorboard-dir '" + tensorboardDir.string() + "'", tensorboardDir);
   if (profileFirst > 0) checkOutputFile("--profile-file", profilePath(0), "trace.json");
 }
 

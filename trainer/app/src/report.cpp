@@ -1,4 +1,5 @@
 #include <ctorch/durable_io.hpp>
+#include <ctorch/errors.hpp>
 
 #include "ctorch/train/report.hpp"
 
@@ -6,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <iostream>
 #include <sstream>
 #include <system_error>
 
@@ -205,6 +207,56 @@ void MetricsLog::write(const ResumeRecord& r) {
   j["exact"] = r.exact;
   j["time"] = r.time;
   append(j.dump());
+}
+
+TensorBoardLog::TensorBoardLog(const std::filesystem::path& dir, std::int64_t resumeStep) {
+  ctorch::SummaryWriterOptions options;
+  options.purgeStep = resumeStep + 1;  // the first step this process runs; 1 for a fresh run
+  options.maxQueue = 16;               // a record's scalars go together: write() flushes
+  options.warn = [](const std::string& message) {
+    std::cerr << ("ctorch-train: warning: " + message + "\n") << std::flush;
+  };
+  try {
+    writer_.emplace(dir, std::move(options));
+  } catch (const std::exception& e) {
+    // checkOutputs() made and probed the directory before the run began: what stands there now.
+    std::cerr << ("ctorch-train: warning: cannot write TensorBoard events in " + dir.string() + " (" +
+                  ctorch::errorMessage(e) + "): the run goes on without them\n")
+              << std::flush;
+  }
+}
+
+std::optional<std::filesystem::path> TensorBoardLog::file() const {
+  if (!writer_) return std::nullopt;
+  return writer_->file();
+}
+
+void TensorBoardLog::write(const TrainRecord& r) {
+  if (!writer_) return;
+  writer_->addScalar("train/loss", r.loss, r.step);
+  writer_->addScalar("train/lr", r.lr, r.step);
+  writer_->addScalar("train/samples_per_s", r.samplesPerSecond, r.step);
+  writer_->flush();
+}
+
+void TensorBoardLog::write(const EvalRecord& r) {
+  if (!writer_) return;
+  writer_->addScalar("eval/loss", r.loss, r.step);
+  if (r.accuracy) writer_->addScalar("eval/accuracy", *r.accuracy, r.step);
+  writer_->flush();
+}
+
+void TensorBoardLog::write(const EpochRecord& r) {
+  if (!writer_) return;
+  writer_->addScalar("epoch/loss", r.loss, r.step);
+  writer_->addScalar("epoch/samples_per_s", r.samplesPerSecond, r.step);
+  writer_->flush();
+}
+
+RunRecords::RunRecords(const std::optional<std::filesystem::path>& metricsFile,
+                       const std::optional<std::filesystem::path>& tensorboardDir, std::int64_t resumeStep) {
+  if (metricsFile) metrics_.emplace(*metricsFile, resumeStep);
+  if (tensorboardDir) tensorboard_.emplace(*tensorboardDir, resumeStep);
 }
 
 }  // namespace ctorch::train

@@ -318,7 +318,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> schedule_;
   std::int64_t stepsPerEpoch_ = 0;
   std::unique_ptr<ResilientTraining> training_;
-  std::optional<MetricsLog> metrics_;
+  std::optional<RunRecords> records_;  // rank 0's metrics file and TensorBoard events
   double trainSecondsBefore_ = 0;  // training time of earlier processes of this run
   EpochTally tally_;
   bool tallyRestored_ = false;          // a snapshot (or a peer, in place) gave tally_
@@ -453,15 +453,21 @@ void Trainer::resume() {
   // Without every rank's own losses of the steps not summed yet (a snapshot of an older trainer, or
   // under another world size) those steps' losses are lost: counted, and out of the interval.
   if (tallyRestored_ && !localLossRestored_) tally_.dropUnsummed();
-  if (ctorch::isMainProcess() && o_.metricsPath()) {
-    metrics_.emplace(*o_.metricsPath(), training_->globalStep());
+  if (ctorch::isMainProcess() && (o_.metricsPath() || !o_.tensorboardDir.empty())) {
+    records_.emplace(o_.metricsPath(),
+                     o_.tensorboardDir.empty() ? std::nullopt : std::optional<std::filesystem::path>(o_.tensorboardDir),
+                     training_->globalStep());
+    if (const auto events = records_->tensorboardFile())
+      console_.line("tensorboard: " + events->string() + " (view: tensorboard --logdir " + o_.tensorboardDir.string() +
+                    ")");
+>>>>>>> tensorboard
     if (at.resumed) {  // marked in metrics.png
       ResumeRecord r;
       r.step = at.globalStep;
       r.epoch = epochProgress(at.epoch, at.stepInEpoch, stepsPerEpoch_);
       r.exact = at.exact;
       r.time = trainSeconds();
-      metrics_->write(r);
+      records_->write(r);
     }
   }
 }
@@ -666,7 +672,7 @@ void Trainer::reportStep(EpochPass& pass, const AgreedStep& step, const Interval
   r.totalEtaSeconds = r.epochEtaSeconds + perStep * static_cast<double>(stepsPerEpoch_ * (o_.epochs - pass.epoch - 1));
   console_.progress(r, step.periodic);
   if (!step.periodic) return;
-  if (metrics_) {
+  if (records_) {
     TrainRecord m;
     m.step = t.globalStep();
     m.epoch = epochProgress(pass.epoch, t.stepInEpoch(), stepsPerEpoch_);
@@ -675,7 +681,7 @@ void Trainer::reportStep(EpochPass& pass, const AgreedStep& step, const Interval
     m.samplesPerSecond = r.samplesPerSecond;
     m.time = trainSeconds();
     m.lossKind = lossKindName(model_->output());
-    metrics_->write(m);
+    records_->write(m);
   }
   pass.intervalSamples = 0;
   pass.intervalStart = Clock::now();
@@ -723,7 +729,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
                 " (rank 0's time: data " + share(phases.data) + ", forward+backward " +
                 share(phases.forwardBackward) + ", optimizer " + share(phases.optimizer) + ", agreement " +
                 share(phases.agreement) + ")" + reductionText);
-  if (!metrics_) return;
+  if (!records_) return;
   EpochRecord r;
   r.step = t.globalStep();
   r.epoch = epoch + 1;
@@ -742,7 +748,7 @@ void Trainer::reportEpoch(const EpochPass& pass) {
   r.agreementSeconds = phases.agreement;
   r.reduceSeconds = reduceSeconds;
   r.reduceWaitSeconds = reduceWaitSeconds;
-  metrics_->write(r);
+  records_->write(r);
 }
 
 // Evaluation, then the epoch-boundary snapshot (and checkpoint file) with its result in it.
@@ -831,7 +837,7 @@ EvalTotals Trainer::evaluate(std::int64_t completed) {
     bestAccuracy_ = std::max(bestAccuracy_, totals.accuracy());
   }
   console_.line(line + " in " + formatDuration(secondsSince(evalStart)));
-  if (metrics_) {
+  if (records_) {
     EvalRecord r;
     r.step = training_->globalStep();
     r.epoch = static_cast<double>(completed);
@@ -840,7 +846,7 @@ EvalTotals Trainer::evaluate(std::int64_t completed) {
     r.correct = totals.correct;
     r.count = totals.count;
     r.time = trainSeconds();
-    metrics_->write(r);
+    records_->write(r);
   }
   return totals;
 }

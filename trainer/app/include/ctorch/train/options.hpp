@@ -94,6 +94,7 @@ struct TrainOptions {
   std::int64_t logInterval = 10;     // steps between progress lines / metrics records
   ProgressMode progress = ProgressMode::kAuto;
   std::optional<std::filesystem::path> metricsFile;  // unset: <outputDir()>/metrics.jsonl; empty: none
+  std::filesystem::path tensorboardDir;  // --tensorboard-dir: TensorBoard event files (empty: none)
 
   // ---- snapshots, checkpoints, final weights
   std::filesystem::path snapshotPath = "snapshot.pt";
@@ -143,9 +144,10 @@ struct TrainOptions {
   // --amp-dtype auto becomes the device's autocast type (float16 on CUDA, bfloat16 on the CPU);
   // validate() again after it for what float16 rules out. Nothing when the type was given.
   void resolveAmpDtype(bool cuda);
-  // The files the run will write (snapshot slot, --model-dir, metrics, final weights), checked on
-  // the file system before anything is loaded: each directory made and writable, no directory or
-  // FIFO where a file goes. Throws UsageError naming the flag and the path. Rank 0 writes them.
+  // The files the run will write (snapshot slot, --model-dir, metrics, --tensorboard-dir, final
+  // weights), checked on the file system before anything is loaded: each directory made and
+  // writable, no directory or FIFO where a file goes. Throws UsageError naming the flag and the
+  // path. Rank 0 writes them.
   void checkOutputs() const;
 
   // The metrics file to write, or nullopt for none.

@@ -1,13 +1,15 @@
-// What rank 0 shows and records: a progress bar (stdout is a terminal) or plain periodic lines, and
-// the JSONL metrics file (one JSON object per line: "train" records every --log-interval steps,
-// "epoch" records when an epoch's steps are done, "eval" records after each evaluation). Other ranks hold a silent Console and no MetricsLog.
+// What rank 0 shows and records: a progress bar (stdout is a terminal) or plain periodic lines, the
+// JSONL metrics file (one JSON object per line: "train" records every --log-interval steps, "epoch"
+// records when an epoch's steps are done, "eval" records after each evaluation) and, with
+// --tensorboard-dir, the same numbers as TensorBoard scalars. Other ranks hold a silent Console and
+// no RunRecords.
 #pragma once
 
 #include "ctorch/train/options.hpp"
 
 #include <ctorch/durable_io.hpp>
+#include <ctorch/tensorboard.hpp>
 
-#include <optional>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -133,6 +135,48 @@ class MetricsLog {
   void disable(const std::exception& e, const std::string& kept);
   std::filesystem::path path_;
   std::optional<ctorch::AppendOnlyFile> out_;
+};
+
+// --tensorboard-dir: the metrics file's numbers as TensorBoard scalars tagged <kind>/<field>
+// (train/loss, train/lr, train/samples_per_s; epoch/loss, epoch/samples_per_s; eval/loss,
+// eval/accuracy), each at the record's global step (docs/tensorboard.md). A new event file per
+// process, opened with purgeStep resumeStep + 1, so TensorBoard hides what an earlier process logged
+// after the snapshot this one resumed from, as MetricsLog drops those records. A directory or file
+// that cannot be written is said once on stderr and the run goes on without TensorBoard events.
+class TensorBoardLog {
+ public:
+  TensorBoardLog(const std::filesystem::path& dir, std::int64_t resumeStep);
+  void write(const TrainRecord& record);
+  void write(const EvalRecord& record);
+  void write(const EpochRecord& record);
+  // The event file, or nothing when it could not be made.
+  std::optional<std::filesystem::path> file() const;
+
+ private:
+  std::optional<ctorch::SummaryWriter> writer_;
+};
+
+// Everything rank 0 records of the run: the metrics file and the TensorBoard events, each when asked for.
+class RunRecords {
+ public:
+  RunRecords(const std::optional<std::filesystem::path>& metricsFile,
+             const std::optional<std::filesystem::path>& tensorboardDir, std::int64_t resumeStep);
+  template <typename Record>
+  void write(const Record& record) {
+    if (metrics_) metrics_->write(record);
+    if (tensorboard_) tensorboard_->write(record);
+  }
+  void write(const ResumeRecord& record) {  // TensorBoard's own mark is the SessionLog START
+    if (metrics_) metrics_->write(record);
+  }
+  // The TensorBoard event file being written, if any.
+  std::optional<std::filesystem::path> tensorboardFile() const {
+    return tensorboard_ ? tensorboard_->file() : std::nullopt;
+  }
+
+ private:
+  std::optional<MetricsLog> metrics_;
+  std::optional<TensorBoardLog> tensorboard_;
 };
 
 }  // namespace ctorch::train
