@@ -460,7 +460,6 @@ void Trainer::resume() {
     if (const auto events = records_->tensorboardFile())
       console_.line("tensorboard: " + events->string() + " (view: tensorboard --logdir " + o_.tensorboardDir.string() +
                     ")");
->>>>>>> tensorboard
     if (at.resumed) {  // marked in metrics.png
       ResumeRecord r;
       r.step = at.globalStep;
