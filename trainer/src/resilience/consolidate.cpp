@@ -10,6 +10,7 @@
 #include "snapshot/generic_dict.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -160,6 +161,10 @@ void consolidateOptimizer(Snapshot& whole, const std::vector<ItemDict>& shards) 
 at::Tensor gather(const Snapshot& snapshot, const std::vector<std::pair<std::int64_t, at::Tensor>>& pieces, std::int64_t numel,
                   const std::string& what) {
   if (numel < 0 || pieces.empty()) bad(snapshot, "no pieces of '" + what + "'");
+  // Never more memory than the pieces hold (a crafted size cannot make this allocate without bound).
+  std::int64_t held = 0;
+  for (const auto& piece : pieces) held += piece.second.numel();
+  if (numel > held) bad(snapshot, "the shards hold " + std::to_string(held) + " elements of '" + what + "', not its " + std::to_string(numel));
   at::Tensor whole = at::zeros({numel}, pieces.front().second.options());
   std::vector<std::pair<std::int64_t, std::int64_t>> covered;
   for (const auto& [begin, data] : pieces) {
@@ -183,11 +188,16 @@ struct Piece {
   std::string name;
   std::int64_t offset = 0;
   std::vector<std::int64_t> shape;
-  std::int64_t numel() const {
+  // -1 when the product would pass `limit` (a crafted shape).
+  std::int64_t numel(std::int64_t limit) const {
     std::int64_t n = 1;
-    for (const auto d : shape) n *= d;
+    for (const auto d : shape) {
+      if (d != 0 && n > limit / d) return -1;
+      n *= d;
+    }
     return n;
   }
+  std::int64_t numel() const { return numel(std::numeric_limits<std::int64_t>::max()); }
 };
 
 std::vector<Piece> layoutOf(const Snapshot& snapshot, const c10::impl::GenericDict& entry, const std::string& flat,
@@ -206,7 +216,8 @@ std::vector<Piece> layoutOf(const Snapshot& snapshot, const c10::impl::GenericDi
       if (!dim.isInt() || dim.toInt() < 0 || dim.toInt() > numel) bad(snapshot, "a shape in '" + flat + "''s layout");
       piece.shape.push_back(dim.toInt());
     }
-    if (piece.name.empty() || piece.offset < 0 || piece.numel() > numel - piece.offset)
+    if (piece.name.empty() || piece.offset < 0 || piece.offset > numel || piece.numel(numel) < 0 ||
+        piece.numel(numel) > numel - piece.offset)
       bad(snapshot, "'" + flat + "''s layout places '" + piece.name + "' outside its " + std::to_string(numel) + " elements");
     pieces.push_back(std::move(piece));
   }

@@ -105,8 +105,9 @@ ShardLookup lookForShard(const Snapshot& snapshot, int world, int rank, const st
 
 int shardWorld(const Snapshot& snapshot) {
   const auto& saved = snapshot.userState.at(kZeroShardsKey);
-  if (!saved.isInt() || saved.toInt() < 1 || saved.toInt() > (1 << 20))
-    throw SnapshotCorrupt(snapshot.source, SnapshotCorrupt::Kind::BadContent, "zero_shards is not a world size");
+  if (!saved.isInt() || saved.toInt() < 1 || saved.toInt() > (1 << 20) || saved.toInt() != snapshot.header.worldSize)
+    throw SnapshotCorrupt(snapshot.source, SnapshotCorrupt::Kind::BadContent,
+                          "zero_shards is not the world size the snapshot was saved at");
   return static_cast<int>(saved.toInt());
 }
 
