@@ -133,6 +133,37 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
     CHECK(r.output == "10 44426 Adam [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] ['exp_avg', "
                       "'exp_avg_sq', 'step']\n");
   }
+  // Crafted shards (a valid file whose content lies: a flat buffer of 10^15 elements, a shape whose
+  // product overflows) are refused in one line, with nothing allocated for the lie.
+  for (const std::string lie : {"numel", "shape"}) {
+    TempDir crafted("tool-crafted");
+    fs::copy(fsdp / "snapshot.pt", crafted / "snapshot.pt");
+    fs::copy(fsdp / "snapshot.pt.shards", crafted / "snapshot.pt.shards", fs::copy_options::recursive);
+    // Every rank's shard tells the same lie (the layout is read from rank 0's).
+    for (const char* name : {"rank0.pt", "rank1.pt"}) {
+      const fs::path shard = crafted / "snapshot.pt.shards" / name;
+      ctorch::Snapshot s = ctorch::loadSnapshot(shard);
+      auto flats = s.userState.at("fsdp_model").toGenericDict().at("flat_parameters").toGenericDict();
+      auto entry = flats.begin()->value().toGenericDict();
+      if (lie == "numel") {
+        entry.insert_or_assign("numel", std::int64_t{1000000000000000});
+      } else {
+        auto piece = entry.at("layout").toListRef()[0].toGenericDict();
+        piece.insert_or_assign("shape", std::vector<std::int64_t>{4000000000, 4000000000, 4000000000});
+      }
+      ctorch::SnapshotSlotOptions slot;
+      slot.path = shard;
+      slot.keepPrevious = 0;
+      ctorch::saveSnapshot(s, slot);
+    }
+    const auto r = tool({"consolidate", (crafted / "snapshot.pt").string(), "-o", (crafted / "whole.pt").string()});
+    INFO(lie << ": " << show(r));
+    CHECK(r.exitCode == 1);
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+    CHECK_THAT(r.output, Catch::Contains(lie == "numel" ? "elements of 'conv1.flat', not its 1000000000000000"
+                                                        : "'conv1.flat''s layout gives a parameter a dimension outside"));
+    CHECK_FALSE(fs::exists(crafted / "whole.pt"));
+  }
   // A run without sharding resumes from each and ends where one never sharded ends.
   {
     const auto r = ctorch::test::run(trainUnderLauncher(noneLong.path(), 2, smallRun("none", "2")));

@@ -213,7 +213,7 @@ std::vector<Piece> layoutOf(const Snapshot& snapshot, const c10::impl::GenericDi
     piece.name = d.at("name").toStringRef();
     piece.offset = d.at("offset").toInt();
     for (const auto& dim : d.at("shape").toListRef()) {
-      if (!dim.isInt() || dim.toInt() < 0 || dim.toInt() > numel) bad(snapshot, "a shape in '" + flat + "''s layout");
+      if (!dim.isInt() || dim.toInt() < 0 || dim.toInt() > numel) bad(snapshot, "'" + flat + "''s layout gives a parameter a dimension outside 0.." + std::to_string(numel));
       piece.shape.push_back(dim.toInt());
     }
     if (piece.name.empty() || piece.offset < 0 || piece.offset > numel || piece.numel(numel) < 0 ||
