@@ -51,6 +51,24 @@ std::map<std::string, std::map<std::int64_t, nlohmann::json>> metricsRecords(con
   return byKind;
 }
 
+// Every train record of `b` has `a`'s loss to the last bit, and both epochs' records their loss over
+// all 16 steps (two epochs of 16 steps).
+void sameLossRecords(std::map<std::string, std::map<std::int64_t, nlohmann::json>>& a,
+                     std::map<std::string, std::map<std::int64_t, nlohmann::json>>& b) {
+  REQUIRE(a["train"].size() == b["train"].size());
+  for (const auto& [step, rec] : a["train"]) {
+    INFO("train record at step " << step);
+    REQUIRE(b["train"].count(step) == 1);
+    CHECK(b["train"][step]["loss"].get<double>() == rec["loss"].get<double>());
+  }
+  REQUIRE(b["epoch"].size() == 2);
+  for (const auto& [step, rec] : a["epoch"]) {
+    INFO("epoch record at step " << step);
+    CHECK(b["epoch"][step]["loss"].get<double>() == rec["loss"].get<double>());
+    CHECK(b["epoch"][step]["loss_steps"] == 16);
+  }
+}
+
 std::vector<std::int64_t> stoppedSteps(const std::string& output) {
   std::vector<std::int64_t> steps;
   const std::regex line(R"(rank \d/2 stopped after [^(]*\(global step (\d+)\))");
@@ -362,18 +380,7 @@ TEST_CASE("metrics: a run stopped by SIGTERM between two logged steps writes, on
   REQUIRE(resumed.ok());
   CHECK(resumed.output.find("exactly where it stopped") != std::string::npos);
   auto a = metricsRecords(reference / "metrics.jsonl"), b = metricsRecords(dir / "metrics.jsonl");
-  REQUIRE(a["train"].size() == b["train"].size());
-  for (const auto& [step, rec] : a["train"]) {
-    INFO("train record at step " << step);
-    REQUIRE(b["train"].count(step) == 1);
-    CHECK(b["train"][step]["loss"].get<double>() == rec["loss"].get<double>());
-  }
-  REQUIRE(b["epoch"].size() == 2);
-  for (const auto& [step, rec] : a["epoch"]) {
-    INFO("epoch record at step " << step);
-    CHECK(b["epoch"][step]["loss"].get<double>() == rec["loss"].get<double>());
-    CHECK(b["epoch"][step]["loss_steps"] == 16);
-  }
+  sameLossRecords(a, b);
   // The test means something only when the stop fell between two sums (it cannot be placed exactly).
   if (at % 7 == 0 || at == 16) WARN("the stop fell on a logged step (" << at << "): nothing was left unsummed");
 }
@@ -455,19 +462,8 @@ TEST_CASE("metrics: a run killed mid-epoch writes the same train and epoch recor
   CHECK((resumedAt == 20 || resumedAt == 25));
   CHECK(a["resume"].empty());
   // Every loss record, before and after the resume, to the last bit; the epoch's covers all 16 steps.
-  REQUIRE(a["train"].size() == b["train"].size());
-  for (const auto& [step, rec] : a["train"]) {
-    INFO("train record at step " << step);
-    REQUIRE(b["train"].count(step) == 1);
-    CHECK(b["train"][step]["loss"].get<double>() == rec["loss"].get<double>());
-  }
-  REQUIRE(b["epoch"].size() == 2);
-  for (const auto& [step, rec] : a["epoch"]) {
-    INFO("epoch record at step " << step);
-    CHECK(b["epoch"][step]["loss"].get<double>() == rec["loss"].get<double>());
-    CHECK(b["epoch"][step]["steps"] == 16);
-    CHECK(b["epoch"][step]["loss_steps"] == 16);
-  }
+  sameLossRecords(a, b);
+  for (const auto& [step, rec] : a["epoch"]) CHECK(b["epoch"][step]["steps"] == 16);
   CHECK(b["epoch"][32]["steps_run"].get<std::int64_t>() == 32 - resumedAt);
   CHECK(b["epoch"][32]["resumed_at"].get<std::int64_t>() == resumedAt - 16);
   CHECK(r.output.find("(resumed at step " + std::to_string(resumedAt - 16) + ")") != std::string::npos);
