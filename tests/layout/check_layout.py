@@ -13,7 +13,7 @@ import sys
 # Floors, from the ground up. A room may include its own floor and those below.
 FLOORS = {
     "core": 1,
-    "comm": 2, "sampler": 2, "tensorboard": 2,
+    "comm": 2, "sampler": 2, "tensorboard": 2, "optim": 2,
     "snapshot": 3, "ddp": 3, "amp": 3, "zero": 3,
     "fsdp": 4, "parameter_server": 4,
     "resilience": 5,
@@ -27,7 +27,7 @@ PUBLIC = {
     "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
     "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
-    "tensorboard": "tensorboard",
+    "tensorboard": "tensorboard", "optim": "optim",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([A-Za-z0-9_]+)/([A-Za-z0-9_/]+)\.hpp[>"]', re.M)
 
