@@ -217,6 +217,7 @@ std::string epilog() {
 struct FlagTexts {
   explicit FlagTexts(const TrainOptions& o)
       : optimizer(toString(o.optimizer)),
+        optimizerImpl(optim::toString(o.optimizerKernels)),
         lrDecay(toString(o.lrDecay)),
         device(toString(o.device)),
         backend(toString(o.backend)),
@@ -229,7 +230,7 @@ struct FlagTexts {
         snapshotPath(o.snapshotPath.string()),
         timeoutS(o.timeout.count()) {}
 
-  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
+  std::string optimizer, optimizerImpl, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
       metrics;
   std::string sync;
   std::string dataDir, snapshotPath, modelDir, syntheticShape, tensorboardDir;
@@ -290,6 +291,11 @@ void addOptimisationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "micro-steps per optimizer step; gradients are all-reduced on the last only")
       ->group(kOpt)->capture_default_str();
   f.option("--optimizer", t.optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
+      ->group(kOpt)->capture_default_str();
+  f.option("--optimizer-impl", t.optimizerImpl,
+           "how sgd, adam and adamw step: auto (fused kernels where this LibTorch has them for the device, "
+           "multi-tensor ones elsewhere), fused, foreach (torch::optim's arithmetic, bit for bit) or per-parameter "
+           "(torch::optim's own step)")
       ->group(kOpt)->capture_default_str();
   f.option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
   f.option("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
@@ -458,6 +464,8 @@ void parseProfileSteps(const std::string& text, TrainOptions& o) {
 // Throws UsageError for a value that is not one the flag takes.
 void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.optimizer = pick("--optimizer", t.optimizer, kOptimizers);
+  if (const auto kernels = optim::kernelsFromString(t.optimizerImpl)) o.optimizerKernels = *kernels;
+  else bad("--optimizer-impl", t.optimizerImpl, "must be auto, fused, foreach or per-parameter");
   // Python's AdamW decays by 0.01 unless told otherwise; the flag's 0 is for the others.
   if (o.optimizer == OptimizerKind::kAdamW && app.count("--weight-decay") == 0) o.weightDecay = 0.01;
   o.lrDecay = pick("--lr-decay", t.lrDecay, kDecays);

@@ -306,6 +306,7 @@ std::string TrainOptions::describe() const {
   if (gradAccumSteps > 1) os << " x " << gradAccumSteps << " micro-steps";
   os << ", " << toString(optimizer) << " lr " << number(lr);
   if (optimizer == OptimizerKind::kSgd) os << " momentum " << number(momentum);
+  if (optimizerKernels != optim::Kernels::kAuto) os << " (" << optim::toString(optimizerKernels) << " kernels)";
   if (weightDecay > 0) os << " weight decay " << number(weightDecay);
   if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";

@@ -4,6 +4,7 @@
 
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/optim.hpp>
 #include <ctorch/models/resnet.hpp>
 #include <ctorch/parameter_server.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
@@ -20,13 +21,16 @@
 
 namespace ctorch::train {
 
-// Python's defaults apart from the learning rate and weight decay (and SGD's momentum).
+// Python's defaults apart from the learning rate and weight decay (and SGD's momentum); SGD, Adam and
+// AdamW step all parameters at once (--optimizer-impl).
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
   switch (o.optimizer) {
     case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
+      return std::make_unique<optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay),
+                                           o.optimizerKernels);
     case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay));
+      return std::make_unique<optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay),
+                                            o.optimizerKernels);
     case OptimizerKind::kRmsprop:
       return std::make_unique<torch::optim::RMSprop>(params,
                                                      torch::optim::RMSpropOptions(o.lr).weight_decay(o.weightDecay));
@@ -36,8 +40,8 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, co
     case OptimizerKind::kSgd:
       break;
   }
-  return std::make_unique<torch::optim::SGD>(
-      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
+  return std::make_unique<optim::SGD>(
+      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay), o.optimizerKernels);
 }
 
 namespace {
