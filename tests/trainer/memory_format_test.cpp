@@ -62,8 +62,10 @@ ProcessResult trainIn(const fs::path& dir, const std::vector<std::string>& args)
 
 ctorch::train::ParsedCommandLine parse(std::vector<std::string> args) { return ctorch::train::parseCommandLine(args); }
 
-// 8 steps of the seeds' CNN (two convolutions, dropout) on 28x28 synthetic images.
-const std::vector<std::string> kCnn = {"--model", "mnist-cnn", "--dataset", "synthetic-images", "--synthetic-size",
+// 8 steps of a small CNN on 28x28 synthetic images. Not the seeds' mnist-cnn: its dropout after the
+// second convolution draws another mask for a channels-last tensor under LibTorch 2.x (which fills
+// it in memory order; 1.13 in logical order), another trajectory rather than another rounding.
+const std::vector<std::string> kCnn = {"--model", "simple-cnn", "--dataset", "synthetic-images", "--synthetic-size",
                                        "256", "--test-limit", "32", "--batch-size", "32", "--epochs", "1",
                                        "--augment", "off", "--lr", "0.01", "--progress", "none"};
 // A convolutional model without dropout or batch norm, whose step is the same function of the global
@@ -177,24 +179,24 @@ TEST_CASE("memory format: auto is channels-last for a convolutional model on CUD
 }
 
 // (a) The same float32 training in both layouts: within kLayoutBound, and the bound is tight enough
-// to see a real change (a learning rate 1% higher moves the weights far beyond it).
-TEST_CASE("memory format: 8 float32 steps of the CNN in channels-last end within the bound of NCHW",
+// to see a real change (a learning rate 10% higher moves the weights far beyond it).
+TEST_CASE("memory format: 8 float32 steps of a CNN in channels-last end within the bound of NCHW",
           "[trainer][memory-format][process]") {
   TempDir nchw("memfmt-nchw"), cl("memfmt-cl"), other("memfmt-lr");
   trainIn(nchw.path(), with(kCnn, {"--memory-format", "contiguous"}));
   const auto r = trainIn(cl.path(), with(kCnn, {"--memory-format", "channels-last"}));
   CHECK(r.output.find(", channels-last (--memory-format)") != std::string::npos);
   const double layout = maxAbsDifference(nchw / "model.pt", cl / "model.pt");
-  std::cout << "measured: mnist-cnn, 8 steps, channels-last vs NCHW: max relative difference " << layout << "\n";
+  std::cout << "measured: simple-cnn, 8 steps, channels-last vs NCHW: max relative difference " << layout << "\n";
   CHECK(layout <= kLayoutBound);
-  trainIn(other.path(), with(kCnn, {"--memory-format", "contiguous", "--lr", "0.0101"}));
+  trainIn(other.path(), with(kCnn, {"--memory-format", "contiguous", "--lr", "0.011"}));
   const double control = maxAbsDifference(nchw / "model.pt", other / "model.pt");
-  std::cout << "measured: mnist-cnn, 8 steps, lr 0.0101 vs 0.01: max relative difference " << control << "\n";
+  std::cout << "measured: simple-cnn, 8 steps, lr 0.011 vs 0.01: max relative difference " << control << "\n";
   CHECK(control > 10 * kLayoutBound);
 }
 
 // One step only: ResNet-18's batch norm over 8 samples amplifies the layouts' rounding from step to
-// step (3 steps: 1.2e-3 apart, as far as a 1% change of the learning rate takes it).
+// step (3 steps: 1.2e-3 apart).
 TEST_CASE("memory format: a float32 step of ResNet-18 in channels-last ends within the bound of NCHW",
           "[trainer][memory-format][process]") {
   TempDir nchw("memfmt-rn-nchw"), cl("memfmt-rn-cl");

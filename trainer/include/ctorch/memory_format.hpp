@@ -20,8 +20,8 @@ namespace ctorch {
 // When to call it:
 // - before wrapping the module in DistributedDataParallel. DDP's Reducer lays each gradient's view
 //   of its bucket out after the parameter's strides when it is built; parameters converted later
-//   still get the right gradients, but each one is copied into a bucket of the other layout at
-//   every step (and c10d warns "Grad strides do not match bucket view strides").
+//   still get the right gradients, but each one is then copied into a bucket view of the other
+//   layout at every step.
 // - before the optimizer's first step, so that its state (momentum, Adam's moments: made like the
 //   parameters) is in the same layout; an optimizer built earlier is fine.
 // - not with FullyShardedDataParallel (nor before it): FSDP keeps each unit's parameters as views of
