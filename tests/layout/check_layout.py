@@ -27,7 +27,7 @@ PUBLIC = {
     "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
     "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
-    "tensorboard": "tensorboard", "optim": "optim",
+    "tensorboard": "tensorboard", "optim": "optim", "memory_format": "core",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([A-Za-z0-9_]+)/([A-Za-z0-9_/]+)\.hpp[>"]', re.M)
 

@@ -237,6 +237,7 @@ struct FlagTexts {
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
   std::string profileSteps, profileFile;
+  std::string memoryFormat = "auto";
 };
 
 // CLI11's app as options are added to it, remembering what kind of value each flag takes (for
@@ -398,6 +399,11 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
          "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
          "which saves a copy)")
       ->group(kSys);
+  f.option("--memory-format", t.memoryFormat,
+           "layout of a convolutional model's weights and input batches: auto (channels-last on CUDA for a model "
+           "with convolutions, contiguous on the CPU and for other models), contiguous, channels-last (NHWC; "
+           "not with --sharding grad-op|full; a no-op, said once, for a model without convolutions)")
+      ->group(kSys)->capture_default_str();
 
   f.option("--profile-steps", t.profileSteps,
            "A:B (or A): a Chrome trace of global steps A to B by LibTorch's profiler, one file per rank "
@@ -477,6 +483,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.gradientReduction = pick("--gradient-reduction", t.gradientReduction, kReductions);
   o.sharding = pick("--sharding", t.sharding, kShardings, kPythonShardings);
   o.sync = pick("--sync", t.sync, kSyncs);
+  o.memoryFormat = pick("--memory-format", t.memoryFormat, kMemoryFormats, kPythonMemoryFormats);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
     bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");
   o.resume = ResumeChoice::parse(t.resume);

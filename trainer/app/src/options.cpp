@@ -52,6 +52,7 @@ const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
 const char* toString(ShardingChoice v) { return nameOf(v, kShardings); }
 const char* toString(SyncChoice v) { return nameOf(v, kSyncs); }
+const char* toString(MemoryFormatChoice v) { return nameOf(v, kMemoryFormats); }
 
 ResumeChoice ResumeChoice::parse(const std::string& text) {
   ResumeChoice r;
@@ -157,6 +158,12 @@ void TrainOptions::validate() const {
     throw UsageError(std::string("--sharding ") + toString(sharding) +
                      " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
   if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
+  // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
+  if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
+      (sharding == ShardingChoice::kGradOp || sharding == ShardingChoice::kFull))
+    throw UsageError(std::string("--memory-format channels-last with --sharding ") + toString(sharding) +
+                     " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
+                     "--memory-format auto or contiguous, or --sharding none or optimizer)");
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");

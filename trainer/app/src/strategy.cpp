@@ -4,6 +4,7 @@
 
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/memory_format.hpp>
 #include <ctorch/optim.hpp>
 #include <ctorch/models/resnet.hpp>
 #include <ctorch/parameter_server.hpp>
@@ -114,22 +115,25 @@ struct Lap {
   }
 };
 
-// The next micro-batch on `device`, counted in the sampler and in `out` (its wait as data time).
+// The next micro-batch on `device`, its images in `format` (the model's), counted in the sampler and
+// in `out` (its wait as data time).
 std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
-                                                       StepOutcome& out, Lap& lap, const torch::Device& device) {
+                                                       StepOutcome& out, Lap& lap, const torch::Device& device,
+                                                       at::MemoryFormat format) {
   auto batch = loader.next();
   out.phases.data += lap();
   if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
   sampler.advance(batch->size());
   out.samples += batch->size();
-  return {batch->inputs.to(device, /*non_blocking=*/true), batch->targets.to(device, /*non_blocking=*/true)};
+  return {toMemoryFormat(batch->inputs.to(device, /*non_blocking=*/true), format),
+          batch->targets.to(device, /*non_blocking=*/true)};
 }
 
 // `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
 // `zero`: then broadcasts every share after the step.
 StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
                       amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                      const TrainOptions& o, const torch::Device& device) {
+                      const TrainOptions& o, const torch::Device& device, at::MemoryFormat format) {
   ddp.zeroGrad();
   // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
@@ -137,7 +141,7 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   Lap lap;
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
     // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
     std::optional<NoSyncGuard> noSync;
     ddp.synchronise(m + 1 == micro, noSync);
@@ -171,7 +175,8 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
 // every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
 // there).
 StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
-                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
+                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device,
+                                at::MemoryFormat format) {
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
   Lap lap;
@@ -184,7 +189,7 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
   ps.zeroGrad();
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
     torch::Tensor loss;
     {
       amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
@@ -223,7 +228,7 @@ class DataParallel final : public Strategy {
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
     return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
-                     in.options, in.device);
+                     in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*ddp_); }
@@ -259,7 +264,7 @@ class FullySharded final : public Strategy {
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
     return trainStep(Replica{nullptr, fsdp_.get()}, in.model, optimizer_.get(), nullptr, in.scaler, in.loader,
-                     in.sampler, in.options, in.device);
+                     in.sampler, in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*fsdp_); }
@@ -292,7 +297,7 @@ class ParameterServing final : public Strategy {
   // A server keeps worker 0's count of the data.
   int samplerRank() const override { return ps_->isServer() ? 0 : getRank(); }
   StepOutcome step(const StepInputs& in) override {
-    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device);
+    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return ps_->localOptimizer(); }
   // Rank 0 is a worker: its model holds the current weights.

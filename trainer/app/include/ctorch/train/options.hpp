@@ -40,6 +40,9 @@ enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull };
 // How the replicas are kept in step: DDP's gradient allreduce, or a parameter server (the last
 // --ps-servers ranks hold the weights and the optimizer; the others compute).
 enum class SyncChoice { kAllreduce, kParameterServer };
+// The layout of a convolutional model's weights and input batches (--memory-format): auto is
+// channels-last on CUDA for a model with 4-D weights, contiguous otherwise (chooseMemoryFormat).
+enum class MemoryFormatChoice { kAuto, kContiguous, kChannelsLast };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
@@ -49,6 +52,7 @@ const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
 const char* toString(ShardingChoice v);
 const char* toString(SyncChoice v);
+const char* toString(MemoryFormatChoice v);
 
 // Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
 struct ResumeChoice {
@@ -133,6 +137,9 @@ struct TrainOptions {
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
   int psServers = 1;                         // --ps-servers: how many of the last ranks serve
+  // --memory-format. Not in bindingConfig: snapshots hold contiguous copies, so a run resumes in
+  // either layout (the trajectories differ only by the convolutions' rounding).
+  MemoryFormatChoice memoryFormat = MemoryFormatChoice::kAuto;
 
   // ---- profiling: a Chrome trace (LibTorch's profiler) of global steps [profileFirst, profileLast]
   std::int64_t profileFirst = 0;  // 0: off
