@@ -106,7 +106,8 @@ struct Decision {
 };
 
 // The next step's action. `blocker`: why a participant cannot be captured now (nullopt: nothing
-// blocks); `cudaGraphs`: whether this LibTorch can capture at all (false: CPU-only build).
+// blocks; it delays a capture, never a replay); `cudaGraphs`: whether this LibTorch can capture at all
+// (false: CPU-only build).
 Decision decide(const Record& record, const InputSignature& next, const CudaGraphOptions& options,
                 const std::optional<std::string>& blocker, bool cudaGraphs);
 
@@ -119,9 +120,11 @@ class GraphParticipant {
  public:
   virtual ~GraphParticipant() = default;
   virtual std::string name() const = 0;
-  // Why the step cannot be captured now (nullopt: it can). Asked before each capture and replay.
+  // Why the step cannot be captured now (nullopt: it can). Asked before each step; it delays a
+  // capture (the step runs as warm-up), never a replay.
   virtual std::optional<std::string> captureBlocker() const { return std::nullopt; }
-  // Host values the capture bakes into kernels' arguments; a change means a new capture.
+  // Host values the capture bakes into the graph (kernels' arguments, DDP's communicator); a change
+  // means a new warm-up and capture.
   virtual std::vector<double> bakedValues() const { return {}; }
   virtual void beginCapture() {}  // right before the capture
   virtual void endCapture() {}    // right after it (also when it failed)
@@ -130,7 +133,8 @@ class GraphParticipant {
 };
 
 // DDP: refuses what cannot be captured (Gloo for CUDA gradients, the unused-parameter search without
-// staticGraph, a custom hook, the Reducer's timed iterations); nothing to do around a replay.
+// staticGraph, a custom hook, the Reducer's timed iterations); bakes its Reducer's generation (a
+// re-formed group after in-place recovery has another communicator: a new capture).
 std::unique_ptr<GraphParticipant> graphParticipant(detail::DDPCore& ddp);
 template <typename ModuleType>
 std::unique_ptr<GraphParticipant> graphParticipant(DistributedDataParallel<ModuleType>& ddp) {

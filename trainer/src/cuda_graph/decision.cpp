@@ -92,10 +92,9 @@ Decision decide(const Record& r, const InputSignature& next, const CudaGraphOpti
     if (!next.inputs[i].device.is_cuda())
       return eager("input " + std::to_string(i) + " is " + describe(next.inputs[i]) + ": CUDA graphs need CUDA tensors");
   if (r.controlFlow) return eager(*r.controlFlow);
-  if (r.captured && r.captured->input == next) {
-    if (blocker) return eager(*blocker);
-    return {Action::kReplay, ""};
-  }
+  // A blocker is about capturing: a replay runs none of the participants' host side (DDP's timed
+  // iterations, say, are not reached by it). What would make a graph stale is in the signature.
+  if (r.captured && r.captured->input == next) return {Action::kReplay, ""};
   // Not the captured shapes (or nothing captured yet): warm up towards a capture of these.
   const bool sameAsLast = r.last && r.last->input == next;
   const std::int64_t seen = sameAsLast ? r.repeats : 0;

@@ -17,6 +17,7 @@ class DdpParticipant final : public GraphParticipant {
   explicit DdpParticipant(detail::DDPCore& core) : core_(core) {}
   std::string name() const override { return "DistributedDataParallel"; }
   std::optional<std::string> captureBlocker() const override { return core_.captureBlocker(); }
+  std::vector<double> bakedValues() const override { return {static_cast<double>(core_.reducerGeneration())}; }
 
  private:
   detail::DDPCore& core_;

@@ -151,6 +151,7 @@ struct detail::DDPCore::Impl {
   // CommHook::kSharedMemory, when every rank could map the segment (else the Reducer's allreduce).
   std::shared_ptr<SharedMemoryAllreduce> sharedMemory;
   int64_t numIterations = 0;
+  int64_t reducerGeneration = 0;  // Reducers built so far
   // Static graph: whether the first synchronised backward has queued delay_all_reduce. 1.13's Python
   // keys this on num_iterations == 1 only, which queues it again from a no_sync backward of the next
   // step (an internal assert in the Reducer); 2.x keeps this flag, and so do we.
@@ -189,6 +190,7 @@ struct detail::DDPCore::Impl {
     // The previous Reducer (resetReducer) removes its autograd hooks when it goes.
     logger.reset();
     reducer.reset();
+    ++reducerGeneration;
     reducer = compat::makeReducer(params, std::move(indices), std::move(perBucketLimits), group, expectSparse,
                                   bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
                                   names, firstBucketBytes);
@@ -463,6 +465,8 @@ std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
 }
 
 const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
+
+std::int64_t detail::DDPCore::reducerGeneration() const { return impl_->reducerGeneration; }
 
 std::optional<std::string> detail::DDPCore::captureBlocker() const {
   const Impl& s = *impl_;
