@@ -369,6 +369,9 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   const char* kSys = "Devices, communication, DDP";
   f.option("--device", t.device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
   f.option("--backend", t.backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
+  f.flag("--cuda-graphs", o.cudaGraphs,
+         "capture the whole step (forward, backward, DDP's allreduce, optimizer) in a CUDA graph after 11 warm-up "
+         "steps and replay it; steps of other shapes run eagerly (CUDA, SGD, DDP on NCCL)")->group(kSys);
   f.flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
   f.option("--amp-dtype", o.ampDtype,
            "auto (as torch.autocast: float16 on CUDA, bfloat16 on the CPU), float16 (CUDA) or bfloat16")->group(kSys)->capture_default_str();

@@ -95,6 +95,21 @@ void validateParameterServer(const TrainOptions& o) {
                      "bfloat16 or --sync allreduce");
 }
 
+// --cuda-graphs: the step must be one static graph with no host synchronisation inside.
+void validateCudaGraphs(const TrainOptions& o) {
+  auto refuse = [](const std::string& with, const std::string& why) {
+    throw UsageError("--cuda-graphs with " + with + ": " + why);
+  };
+  if (o.device == DeviceChoice::kCpu) refuse("--device cpu", "CUDA graphs need CUDA (use --device cuda or auto)");
+  if (o.sync == SyncChoice::kParameterServer) refuse("--sync parameter-server", "its push and pull run on the host");
+  if (o.sharding != ShardingChoice::kNone)
+    refuse(std::string("--sharding ") + toString(o.sharding), "only DDP's step is captured (use --sharding none)");
+  if (o.clipGradNorm > 0) refuse("--clip-grad-norm", "the norm is read back to the host every step");
+  if (o.optimizer != OptimizerKind::kSgd)
+    refuse(std::string("--optimizer ") + toString(o.optimizer), "its step counts live on the host and a replay would repeat them (use sgd)");
+  if (o.gradAccumSteps > 1) refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "one micro-step per step only");
+}
+
 }  // namespace
 
 void TrainOptions::validate() const {
@@ -164,6 +179,7 @@ void TrainOptions::validate() const {
     throw UsageError(std::string("--memory-format channels-last with --sharding ") + toString(sharding) +
                      " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
                      "--memory-format auto or contiguous, or --sharding none or optimizer)");
+  if (cudaGraphs) validateCudaGraphs(*this);
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");

@@ -35,6 +35,7 @@ torch::Device chooseDevice(TrainOptions& o) {
       throw UsageError("--amp with " + o.ampDtype + " needs CUDA, and this run uses the CPU (use --amp-dtype bfloat16)");
     if (o.backend == BackendChoice::kNccl)
       throw UsageError("--backend 'nccl' needs CUDA tensors, and this run uses the CPU");
+    if (o.cudaGraphs) throw UsageError("--cuda-graphs needs CUDA, and this run uses the CPU (no CUDA device here)");
     return torch::kCPU;
   }
   return torch::Device(torch::kCUDA);  // the index is chosen once the local rank is known

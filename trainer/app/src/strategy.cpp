@@ -2,6 +2,7 @@
 // and the parameter server, each with its step, what it tracks and how it describes itself.
 #include "ctorch/train/strategy.hpp"
 
+#include <ctorch/cuda_graph.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
 #include <ctorch/memory_format.hpp>
@@ -18,6 +19,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <iostream>
 #include <stdexcept>
 
 namespace ctorch::train {
@@ -169,6 +171,40 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   return out;
 }
 
+// --cuda-graphs: one micro-batch, no clipping (options.cpp refuses the rest). The step function reads
+// the static inputs and returns the loss without reading it (an .item() would end the capture); the
+// loss is read after the step, from the graph's output once captured. An eager step (warm-up, another
+// shape, a blocker) says why once per reason.
+StepOutcome graphedTrainStep(CudaGraphStep& graphed, Replica ddp, Model& model, torch::optim::Optimizer& optimizer,
+                             amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
+                             const TrainOptions& o, const torch::Device& device, std::string& lastReason) {
+  StepOutcome out;
+  Lap lap;
+  const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+  const auto outputs = graphed.run({inputs, targets}, [&](const std::vector<at::Tensor>& in) {
+    ddp.zeroGrad();
+    torch::Tensor loss;
+    {
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(model.output(), ddp(in[0]), in[1]);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(optimizer);
+    scaler.update();
+    return std::vector<at::Tensor>{loss.detach()};
+  });
+  const auto& decision = graphed.lastDecision();
+  const bool warmupCount = decision.reason.rfind("warm-up step ", 0) == 0;
+  if (!decision.reason.empty() && !warmupCount && decision.reason != lastReason && isMainProcess())
+    std::cerr << "ctorch-train: --cuda-graphs: step runs eagerly: " << decision.reason << std::endl;
+  if (decision.action == cuda_graph::Action::kCapture && isMainProcess())
+    std::cerr << "ctorch-train: --cuda-graphs: the step is captured; replaying it from now on" << std::endl;
+  lastReason = decision.reason;
+  out.phases.forwardBackward += lap();
+  out.loss = outputs.at(0).item<double>();
+  return out;
+}
+
 // --sync parameter-server. A worker accumulates its micro-batches' gradients locally (nothing to
 // synchronise before the push), then ParameterServer::step pushes them and returns with the updated
 // weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
@@ -212,6 +248,13 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
 class DataParallel final : public Strategy {
  public:
   DataParallel(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
+    // --cuda-graphs: DDP keeps the gradient accumulators, whose backward runs on the stream current at
+    // its construction: the graph's side stream.
+    std::optional<CudaGraphStep::StreamScope> graphStream;
+    if (o.cudaGraphs) {
+      graphed_ = std::make_unique<CudaGraphStep>(model->parameters());
+      graphStream.emplace(graphed_->sideStream(model->parameters().front().device()));
+    }
     ddp_ = std::make_unique<DDP>(model, DDPOptions()
                                             .bucketCapMb(o.bucketCapMb)
                                             .commHook(o.commHook)
@@ -223,10 +266,17 @@ class DataParallel final : public Strategy {
           ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
     else
       optimizer_ = makeOptimizer(o, ddp_->parameters());
+    graphStream.reset();
+    if (graphed_) graphed_->add(graphParticipant(*ddp_)).add(graphParticipant(*optimizer_));
   }
   int dataRanks() const override { return getWorldSize(); }
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
+    if (graphed_) {
+      if (!scalerAdded_) graphed_->add(graphParticipant(in.scaler)), scalerAdded_ = true;
+      return graphedTrainStep(*graphed_, Replica{ddp_.get(), nullptr}, in.model, *optimizer_, in.scaler, in.loader,
+                              in.sampler, in.options, in.device, lastGraphReason_);
+    }
     return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
                      in.options, in.device, in.memoryFormat);
   }
@@ -249,6 +299,9 @@ class DataParallel final : public Strategy {
   std::unique_ptr<DDP> ddp_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // the whole optimizer (--sharding none)
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;       // --sharding optimizer (ZeRO-1)
+  std::unique_ptr<CudaGraphStep> graphed_;              // --cuda-graphs
+  bool scalerAdded_ = false;
+  std::string lastGraphReason_;
 };
 
 // FSDP (--sharding grad-op|full): parameters, gradients and the optimizer's state sharded.

@@ -324,6 +324,27 @@ inline std::optional<std::chrono::milliseconds> glooTimeout(const c10::intrusive
   return std::nullopt;
 }
 
+// ---- the backend that reduces a device type's tensors ------------------------------------------------
+// 1.13: the group is its one backend; 2.x: the backend registered for the device type ("" when none).
+inline std::string backendNameFor(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::DeviceType device) {
+  if (!group) return "";
+#if CTORCH_TORCH_HAS_BACKENDS
+  try {
+    auto backend = group->getBackend(device);
+    return backend ? backend->getBackendName() : std::string();
+  } catch (const std::exception&) {
+    return "";
+  }
+#else
+  (void)device;
+  try {
+    return group->getBackendName();
+  } catch (const std::exception&) {
+    return "";
+  }
+#endif
+}
+
 // ---- flat reduce-scatter and all-gather (NCCL's) --------------------------------------------------------
 // 1.13 and earlier 2.x: ProcessGroup::_reduce_scatter_base / _allgather_base. Later 2.x (2.14) names
 // them reduce_scatter_single / all_gather_single and deprecates the old names. Detected.

@@ -121,6 +121,7 @@ struct TrainOptions {
   // ---- devices, communication, DDP
   DeviceChoice device = DeviceChoice::kAuto;
   BackendChoice backend = BackendChoice::kAuto;
+  bool cudaGraphs = false;           // --cuda-graphs: capture the whole step once warmed up, replay it (CUDA)
   bool amp = false;                  // automatic mixed precision (autocast; float16 adds loss scaling)
   // --amp-dtype: float16 (CUDA) or bfloat16 (CUDA or CPU); auto is torch.autocast's default for the
   // device: float16 on CUDA, bfloat16 on the CPU (made concrete by resolveAmpDtype).
