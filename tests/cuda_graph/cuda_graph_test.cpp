@@ -116,7 +116,7 @@ TEST_CASE("cuda_graph: gradients that come and go between steps of the same shap
   CHECK_FALSE(s.controlFlow);
 }
 
-TEST_CASE("cuda_graph: a blocker keeps warming up, with its reason; it never stops a replay", "[cuda_graph]") {
+TEST_CASE("cuda_graph: a blocker keeps warming up, with its reason, and never stops a replay", "[cuda_graph]") {
   Record r;
   const auto in = inputs(8);
   for (int i = 0; i < 3; ++i) record(r, step(in));

@@ -123,7 +123,7 @@ TEST_CASE("memory format: toMemoryFormat converts a module's 4-D tensors in plac
   CHECK(std::string(ctorch::memoryFormatName(at::MemoryFormat::ChannelsLast)) == "channels-last");
 }
 
-TEST_CASE("memory format: --memory-format takes its names and Python's, auto by default; a bad value is one line",
+TEST_CASE("memory format: --memory-format takes its names and Python's, auto by default, and a bad value is one line",
           "[trainer][memory-format][cli]") {
   CHECK(parse({}).options->memoryFormat == MemoryFormatChoice::kAuto);
   CHECK(parse({"--memory-format", "channels-last"}).options->memoryFormat == MemoryFormatChoice::kChannelsLast);
