@@ -294,8 +294,8 @@ void addOptimisationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--optimizer", t.optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
       ->group(kOpt)->capture_default_str();
   f.option("--optimizer-impl", t.optimizerImpl,
-           "how sgd, adam and adamw step: auto (fused kernels where this LibTorch has them for the device, "
-           "multi-tensor ones elsewhere), fused, foreach (torch::optim's arithmetic, bit for bit) or per-parameter "
+           "how sgd, adam and adamw step: auto (fused kernels on CUDA where this LibTorch has them, "
+           "multi-tensor ones elsewhere), fused (on the CPU too: faster, but sharded runs no longer equal DDP), foreach (torch::optim's arithmetic, bit for bit) or per-parameter "
            "(torch::optim's own step)")
       ->group(kOpt)->capture_default_str();
   f.option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();

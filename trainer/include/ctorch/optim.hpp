@@ -24,8 +24,10 @@
 //                  bias corrections and the update in another order; docs/optimizers.md states the
 //                  bound measured). Throws ConfigError where this LibTorch has no such kernel for
 //                  the parameters' device and dtype.
-//   kAuto          kFused where this LibTorch has the kernel for the group's device and dtype,
-//                  kForEach elsewhere (LibTorch 1.13, or another device).
+//   kAuto          kFused on CUDA where this LibTorch has the kernel for the group's dtype,
+//                  kForEach elsewhere. Never a fused CPU kernel: LibTorch's (2.14) round an
+//                  element's update by its place in the tensor (vectorised body or tail), so a
+//                  flat shard (ZeRO, FSDP) would step unlike the whole parameter (DDP).
 //   kPerParameter  torch::optim's own step (for comparisons).
 #pragma once
 

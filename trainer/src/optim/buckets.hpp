@@ -52,11 +52,13 @@ inline bool sameLayout(const at::Tensor& p, const at::Tensor& other) {
 inline Kernels resolve(Kernels asked, const char* optimizer, const Bucket& b) {
   if (asked != Kernels::kAuto && asked != Kernels::kFused) return asked;
   bool fused = hasFusedKernel(optimizer, b.device.type(), b.dtype);
-  // LibTorch's fused CPU SGD rounds an element's momentum update differently in the vectorised body
-  // of a tensor and in its tail: the same element would step differently in a whole parameter (DDP)
-  // and in a flat shard (FSDP). Measured with 2.14; asked for explicitly, it runs.
-  if (asked == Kernels::kAuto && std::string(optimizer) == "SGD" && b.device.type() == c10::DeviceType::CPU)
-    fused = false;
+  // LibTorch's fused CPU kernels round an element's update differently in the vectorised body of a
+  // tensor and in its tail (SGD's momentum, Adam's and AdamW's exp_avg_sq; measured with 2.14): the
+  // same element would step differently in a whole parameter (DDP) and in a flat shard (FSDP, ZeRO),
+  // and a sharded run would leave the run without sharding. kAuto keeps the CPU on the multi-tensor
+  // kernels, which are exact; asked for explicitly, the fused CPU kernels run.
+  const bool autoOnCpu = asked == Kernels::kAuto && b.device.type() == c10::DeviceType::CPU;
+  if (autoOnCpu) fused = false;
   if (asked == Kernels::kFused && !fused)
     throw ConfigError(std::string("ctorch::optim::") + optimizer + ": this LibTorch has no fused " + optimizer +
                       " kernel for " + c10::toString(b.dtype) + " tensors on " + b.device.str() +

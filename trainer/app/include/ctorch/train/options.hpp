@@ -79,7 +79,7 @@ struct TrainOptions {
   std::int64_t batchSize = 64;       // per rank, per micro-step
   std::int64_t gradAccumSteps = 1;   // micro-steps per optimizer step (no allreduce but on the last)
   OptimizerKind optimizer = OptimizerKind::kSgd;
-  // SGD, Adam and AdamW: fused kernels where this LibTorch has them for the device, multi-tensor
+  // SGD, Adam and AdamW: fused kernels on CUDA where this LibTorch has them, multi-tensor
   // (foreach) kernels elsewhere (ctorch/optim.hpp); rmsprop and adagrad step per parameter.
   optim::Kernels optimizerKernels = optim::Kernels::kAuto;
   double lr = 0.05;                  // peak learning rate
