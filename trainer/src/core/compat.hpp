@@ -324,6 +324,23 @@ inline std::optional<std::chrono::milliseconds> glooTimeout(const c10::intrusive
   return std::nullopt;
 }
 
+// ---- where a group's CUDA tensors go ------------------------------------------------------------------
+// Whether `group` hands CUDA tensors to NCCL (2.x: the backend registered for CUDA; 1.13: the group
+// itself). False for Gloo, which takes CUDA tensors in its collectives (through host copies) but
+// not in send / recv: those read the tensor's pointer as host memory.
+inline bool cudaGoesToNccl(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  try {
+#if CTORCH_TORCH_HAS_BACKENDS
+    auto backend = group->getBackend(c10::DeviceType::CUDA);
+    return backend && backend->getBackendName() == "nccl";
+#else
+    return group->getBackendName() == "nccl";
+#endif
+  } catch (const std::exception&) {
+    return false;  // no backend for CUDA tensors
+  }
+}
+
 // ---- flat reduce-scatter and all-gather (NCCL's) --------------------------------------------------------
 // 1.13 and earlier 2.x: ProcessGroup::_reduce_scatter_base / _allgather_base. Later 2.x (2.14) names
 // them reduce_scatter_single / all_gather_single and deprecates the old names. Detected.
