@@ -253,15 +253,16 @@ acc=$(grep -oE 'test accuracy [0-9.]+%' "$out/train-cnn.txt" 2>/dev/null | tail 
 
 # ResNet-18 bfloat16 side by side, world 1, data on the device: Python eager, channels-last and
 # torch.compile against ctorch eager, multi-tensor SGD + channels-last and CUDA graphs (where built), at
-# batch 256 and 32, 5 rounds of 200 steps each, interleaved (bench/gpu/step_bench.sh). On the GPU
-# machine of the first run a step at batch 256 took ~16 ms: ~200 s of steps and warm-ups, ~60 s of
-# process starts and torch.compile's first compile per batch size; whatever is left of the budget is
-# its time box, and what it measured so far is kept.
+# batch 256 and 32, 5 rounds of 200 steps each, interleaved (bench/gpu/step_bench.sh). Estimated from
+# the first GPU machine (a step at batch 256 ~16 ms): ~110 s of measured steps, ~60 s of process
+# starts and warm-ups, ~60-150 s for torch.compile (a cold compile per batch size, then its cache):
+# about what is left after the build and the CUDA tests. Whatever is left of the budget is its time
+# box; a process that cannot start in time is recorded "not-run", and what was measured is kept.
 bench() {
   local left_s=$bench_budget
   if [ "$GPUS" -gt 0 ]; then
     PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" --model resnet18 --precision bf16 \
-      --batches "256 32" --rounds 5 --steps 200 --warmup 15 --budget-s "$left_s"
+      --batches "256 32" --rounds 5 --steps 200 --warmup 10 --budget-s "$left_s"
   else  # the CPU rehearsal: tiny, and torch.compile traced by its "eager" backend (no C++ codegen)
     PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" --model resnet18 --precision bf16 \
       --batches "8 4" --rounds 2 --steps 2 --warmup 1 --compile-backend eager --budget-s "$left_s"
