@@ -237,20 +237,6 @@ cpu_tests() { ctest --test-dir "$build" -L amp --output-on-failure --timeout 60;
 export -f cpu_tests
 [ "$GPUS" -gt 0 ] || step cpu-tests 60 "" -- cpu_tests
 
-# The seeds' CNN on Fashion-MNIST, one worker per GPU (on the CPU: one short epoch).
-train_cnn() {
-  rm -rf "$work/cnn"
-  mkdir -p "$work/cnn"
-  local extra=(--epochs 3)
-  [ "$GPUS" -gt 0 ] || extra=(--epochs 1 --train-limit 2048 --test-limit 1000)
-  (cd "$work/cnn" && "$ctorchrun" --standalone --nproc-per-node "$([ "$GPUS" -gt 0 ] && echo gpu || echo 1)" \
-     "$train" --data-dir "$pack/data/fashion-mnist" --snapshot-path "$work/cnn/snapshot.pt" "${extra[@]}")
-}
-export -f train_cnn
-step train-cnn 100 "$out/train-cnn.txt" -- train_cnn
-acc=$(grep -oE 'test accuracy [0-9.]+%' "$out/train-cnn.txt" 2>/dev/null | tail -n 1)
-[ -n "$acc" ] && note "train-cnn: final $acc (goal on a GPU, 3 epochs: >= 90 %); $(grep -oE 'epoch [0-9]+/[0-9]+ done: [^(]*' "$out/train-cnn.txt" | tail -n 1)"
-
 # ResNet-18 bfloat16 side by side, world 1, data on the device: Python eager, channels-last and
 # torch.compile against ctorch eager, multi-tensor SGD + channels-last and CUDA graphs (where built), at
 # batch 256 and 32, 5 rounds of 200 steps each, interleaved (bench/gpu/step_bench.sh). Estimated from
@@ -274,6 +260,20 @@ bench_budget=$(( $(left) - 20 ))
 export bench_budget
 step bench 330 "$out/bench-resnet18.txt" -- bench
 grep -h '^step_bench: ' "$out/bench-resnet18.txt" 2>/dev/null | grep -v '^step_bench: round: ' | sed 's/^step_bench: /bench: /' >>"$summary"
+
+# The seeds' CNN on Fashion-MNIST, one worker per GPU (on the CPU: one short epoch).
+train_cnn() {
+  rm -rf "$work/cnn"
+  mkdir -p "$work/cnn"
+  local extra=(--epochs 3)
+  [ "$GPUS" -gt 0 ] || extra=(--epochs 1 --train-limit 2048 --test-limit 1000)
+  (cd "$work/cnn" && "$ctorchrun" --standalone --nproc-per-node "$([ "$GPUS" -gt 0 ] && echo gpu || echo 1)" \
+     "$train" --data-dir "$pack/data/fashion-mnist" --snapshot-path "$work/cnn/snapshot.pt" "${extra[@]}")
+}
+export -f train_cnn
+step train-cnn 100 "$out/train-cnn.txt" -- train_cnn
+acc=$(grep -oE 'test accuracy [0-9.]+%' "$out/train-cnn.txt" 2>/dev/null | tail -n 1)
+[ -n "$acc" ] && note "train-cnn: final $acc (goal on a GPU, 3 epochs: >= 90 %); $(grep -oE 'epoch [0-9]+/[0-9]+ done: [^(]*' "$out/train-cnn.txt" | tail -n 1)"
 
 # ResNet-18 on CIFAR-shaped synthetic images in bfloat16 through the trainer.
 train_resnet() {
