@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 
+import os
 import torch
 import torch.distributed as dist
 
@@ -87,11 +88,15 @@ def main() -> None:
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
     wrapped = wrap(model, mode, world)
     # FSDP replaced the parameters by their sharded DTensors: build the optimizer over them (after wrapping).
+    # PY_OPTIMIZER=default|foreach|fused: Adam's implementation (default: PyTorch's own choice, which
+    # on the CPU is one parameter at a time).
+    kind = os.environ.get("PY_OPTIMIZER", "default")
+    adam_kwargs = {"lr": 1e-4, **({"foreach": True} if kind == "foreach" else {"fused": True} if kind == "fused" else {})}
     if mode == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+        optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, **adam_kwargs)
     else:
-        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
+        optimizer = torch.optim.Adam(wrapped.parameters(), **adam_kwargs)
     ms = []
     for _ in range(steps):
         start = time.perf_counter()

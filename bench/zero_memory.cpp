@@ -9,6 +9,7 @@
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/optim.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
 
@@ -94,8 +95,22 @@ struct Measured {
   double lastLoss = 0;
 };
 
+// ZERO_MEMORY_OPTIMIZER=auto|fused|foreach|per-parameter: how Adam steps (ctorch/optim.hpp; default
+// auto, as ctorch-train's).
+ctorch::optim::Kernels adamKernels() {
+  const char* text = std::getenv("ZERO_MEMORY_OPTIMIZER");
+  if (!text || !*text) return ctorch::optim::Kernels::kAuto;
+  const auto k = ctorch::optim::kernelsFromString(text);
+  if (!k) {
+    std::fprintf(stderr, "zero_memory_bench: ZERO_MEMORY_OPTIMIZER '%s' is not auto, fused, foreach or per-parameter\n",
+                 text);
+    std::exit(2);
+  }
+  return *k;
+}
+
 std::unique_ptr<torch::optim::Adam> adam(std::vector<at::Tensor> parameters) {
-  return std::make_unique<torch::optim::Adam>(parameters, torch::optim::AdamOptions(1e-4));
+  return std::make_unique<ctorch::optim::Adam>(parameters, torch::optim::AdamOptions(1e-4), adamKernels());
 }
 
 // `step` runs one step and returns its loss.

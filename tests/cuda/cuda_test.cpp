@@ -9,6 +9,10 @@
 //    resumes on the CPU and back, bit-identically.
 //  - The float16 GradScaler on CUDA (LibTorch's AMP kernels) takes the decisions and produces the
 //    values of its CPU twin (tests/amp checks that one against Python's rules).
+//  - CUDA graphs of the whole step (ctorch/cuda_graph.hpp): DDP on NCCL, SGD with momentum, fp32,
+//    bfloat16 autocast and float16 with the GradScaler (an inf batch among the replays): the graphed
+//    replica equals an eager one bit for bit after every step (warm-up, capture, replays, an eager
+//    step of another shape, replays again); on Gloo the graph refuses DDP with the reason.
 //  - A SIGKILLed worker under NCCL, with --max-restarts 1 (group restart) and --recovery in-place:
 //    how long the survivor takes to notice is printed; needs two NCCL ranks (two GPUs, or one that
 //    NCCL lets two ranks share).
@@ -24,6 +28,7 @@
 #include "trainer_test_util.hpp"
 
 #include <ctorch/amp.hpp>
+#include <ctorch/cuda_graph.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/snapshot.hpp>
@@ -549,4 +554,136 @@ TEST_CASE("cuda: a SIGKILLed worker under NCCL: the group restarts (--max-restar
     REQUIRE(r.ok());
     CHECK(traintest::bitDifference(dir / "model.pt", reference / "model.pt").empty());
   }
+}
+
+// ---- CUDA graphs of the whole training step ------------------------------------------------------------
+
+namespace {
+
+struct Replica {
+  Mlp model;
+  std::unique_ptr<ctorch::CudaGraphStep> graphed;  // null: the eager twin
+  std::unique_ptr<ctorch::DistributedDataParallel<Mlp>> ddp;
+  std::unique_ptr<torch::optim::SGD> sgd;
+  std::unique_ptr<ctorch::amp::GradScaler> scaler;
+};
+
+std::unique_ptr<Replica> makeReplica(const torch::Device& device, const Precision& precision, bool graphed) {
+  torch::manual_seed(11);
+  auto r = std::make_unique<Replica>();
+  r->model->to(device);
+  if (graphed)
+    r->graphed = std::make_unique<ctorch::CudaGraphStep>(r->model->parameters(), ctorch::CudaGraphOptions().warmupSteps(11));
+  {
+    // DDP keeps the gradient accumulators: their backward runs on the stream current here.
+    std::optional<ctorch::CudaGraphStep::StreamScope> scope;
+    if (graphed) scope.emplace(r->graphed->sideStream(device));
+    r->ddp = std::make_unique<ctorch::DistributedDataParallel<Mlp>>(r->model, ctorch::DDPOptions().broadcastBuffers(false));
+  }
+  r->sgd = std::make_unique<torch::optim::SGD>(r->ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  r->scaler = std::make_unique<ctorch::amp::GradScaler>(
+      device, ctorch::amp::GradScalerOptions().enabled(precision.scaler).initScale(256).growthInterval(3));
+  if (graphed)
+    r->graphed->add(ctorch::graphParticipant(*r->ddp))
+        .add(ctorch::graphParticipant(*r->scaler))
+        .add(ctorch::graphParticipant(*r->sgd));
+  return r;
+}
+
+// One step: no host synchronisation inside (it may be captured); the loss comes back detached.
+std::vector<torch::Tensor> trainingStep(Replica& r, const Precision& precision, const std::vector<torch::Tensor>& in) {
+  r.ddp->zeroGrad();
+  torch::Tensor loss;
+  {
+    ctorch::amp::Autocast ac(in[0].device().type(), precision.autocast.value_or(torch::kBFloat16),
+                             precision.autocast.has_value());
+    loss = torch::mse_loss((*r.ddp)(in[0]).to(torch::kFloat), in[1]);
+  }
+  r.scaler->scale(loss).backward();
+  r.scaler->step(*r.sgd);
+  r.scaler->update();
+  return {loss.detach()};
+}
+
+} // namespace
+
+// args: backend=nccl|gloo, precision=fp32|bf16|fp16, steps=N. A step's batch is `kPerRank` rows but
+// step 15's (a smaller last batch: eager, the graph kept); with fp16, step 13's inputs hold an inf
+// (a replayed step the GradScaler must skip). Prints a line per step, then the totals.
+CTORCH_TEST_WORKER(cuda_graph_equal) {
+  deterministic();
+  auto backend = arg(args, "backend", "nccl") == "gloo" || !haveCuda() ? ctorch::Backend::kGloo : ctorch::Backend::kNccl;
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().backend(backend).timeout(std::chrono::seconds(60)));
+  const auto device = testDevice(ctorch::getLocalRank());
+  const auto precision = precisionFrom(arg(args, "precision", "fp32"));
+  const int steps = std::stoi(arg(args, "steps", "20"));
+  auto eager = makeReplica(device, precision, false);
+  auto graph = makeReplica(device, precision, true);
+  double worst = 0.0;
+  for (int step = 0; step < steps; ++step) {
+    auto b = shard(false, step, ctorch::getRank(), ctorch::getWorldSize(), device);
+    if (step == 15) b = {b.x.narrow(0, 0, kPerRank / 2).contiguous(), b.y.narrow(0, 0, kPerRank / 2).contiguous()};
+    if (step == 13 && precision.scaler) b.x[0][0] = std::numeric_limits<float>::infinity();
+    const auto lossEager = trainingStep(*eager, precision, {b.x, b.y}).at(0);
+    const auto lossGraph = graph->graphed->run({b.x, b.y}, [&](const std::vector<torch::Tensor>& in) {
+      return trainingStep(*graph, precision, in);
+    }).at(0);
+    const double params = maxDiff(eager->model->parameters(), graph->model->parameters());
+    const bool lossSame = torch::equal(lossEager.cpu(), lossGraph.cpu()) ||
+                          (!std::isfinite(lossEager.item<double>()) && !std::isfinite(lossGraph.item<double>()));
+    worst = std::max(worst, lossSame ? params : std::numeric_limits<double>::infinity());
+    const auto& d = graph->graphed->lastDecision();
+    std::cout << "step " << step << " " << ctorch::cuda_graph::toString(d.action) << " loss " << lossGraph.item<double>()
+              << " params diff " << params << (lossSame ? "" : " LOSS DIFFERS") << (d.reason.empty() ? "" : " (" + d.reason + ")")
+              << std::endl;
+  }
+  std::cout << "graph totals: captures " << graph->graphed->captures() << " replays " << graph->graphed->replays()
+            << " scale " << graph->scaler->currentScale() << " vs " << eager->scaler->currentScale()
+            << " max difference " << worst << std::endl;
+  ctorch::barrier();
+  ctorch::destroyProcessGroup();
+  return worst == 0.0 && graph->scaler->currentScale() == eager->scaler->currentScale() ? 0 : 1;
+}
+
+namespace {
+std::vector<ProcessResult> graphGroup(const std::vector<std::string>& args) {
+  return runWorkerGroup({.worker = "cuda_graph_equal", .worldSize = 1, .args = args, .env = workerEnv(),
+                         .timeout = std::chrono::seconds(90)});
+}
+} // namespace
+
+TEST_CASE("cuda: CUDA graphs of the whole step (DDP on NCCL, SGD, autocast, GradScaler) equal eager steps bit for bit",
+          "[cuda]") {
+  REQUIRE_GPU_OR_CPU_STAND_IN();
+  for (const char* precision : {"precision=fp32", "precision=bf16", "precision=fp16"}) {
+    if (!haveCuda() && std::string(precision) == "precision=fp16" &&
+        !ctorch::amp::autocastSupported(torch::kCPU, torch::kHalf))
+      continue;
+    const auto results = graphGroup({"backend=nccl", precision});
+    requireAllOk(results);
+    const auto& out = results.at(0).output;
+    INFO(out);
+    CHECK_THAT(out, Catch::Contains("max difference 0"));
+    if (!haveCuda() || !ctorch::CudaGraphStep::available()) {
+      CHECK_THAT(out, Catch::Contains("captures 0 replays 0"));
+      continue;
+    }
+    // 11 warm-up steps, the capture (replayed once) at step 11, replays but for step 15.
+    CHECK_THAT(out, Catch::Contains("step 11 capture"));
+    CHECK_THAT(out, Catch::Contains("step 15 warm-up"));
+    CHECK_THAT(out, Catch::Contains("step 16 replay"));
+    CHECK_THAT(out, Catch::Contains("graph totals: captures 1 replays 8"));
+    std::cout << "RECORDED: CUDA graph of the whole step, " << precision << ": bit-identical to eager" << std::endl;
+  }
+}
+
+TEST_CASE("cuda: a CUDA graph refuses DDP on Gloo (CUDA tensors through the host) and says so", "[cuda]") {
+  REQUIRE_GPU();
+  const auto results = graphGroup({"backend=gloo", "steps=13"});
+  requireAllOk(results);
+  const auto& out = results.at(0).output;
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("step 12 warm-up loss"));
+  CHECK_THAT(out, Catch::Contains("DDP reduces gradients with gloo, which a CUDA graph cannot capture"));
+  CHECK_THAT(out, Catch::Contains("captures 0 replays 0"));
 }

@@ -433,7 +433,8 @@ TEST_CASE("parameter server: the last ranks serve, and a world without a worker 
 }
 
 TEST_CASE("parameter server: 2 workers with 1 or 2 servers are bit-identical to DDP after every step, SGD and Adam", "[parameter_server]") {
-  for (const std::string optimizer : {"sgd", "adam"}) {
+  // torch::optim's optimizers and ctorch::optim's multi-tensor ones (fused where this LibTorch has them).
+  for (const std::string optimizer : {"sgd", "adam", "adam:auto"}) {
     const auto ddp = stepLines(run("ddp", optimizer, 2));
     REQUIRE(ddp.size() == static_cast<std::size_t>(kSteps));
     for (int servers : {1, 2}) {

@@ -318,8 +318,10 @@ std::size_t bytesNumber(const std::string& text, const std::string& after) {
 using namespace fsdp_test;
 
 TEST_CASE("fsdp: 2 ranks, full sharding and SHARD_GRAD_OP, SGD and Adam, are bit-identical to DDP", "[sharding][fsdp]") {
+  // torch::optim's optimizers and ctorch::optim's multi-tensor ones over the flat shards (fused where
+  // this LibTorch has the kernels).
   for (const char* reshard : {"1", "0"})
-    for (const char* optimizer : {"sgd", "adam"}) {
+    for (const char* optimizer : {"sgd", "adam", "sgd:auto", "adam:auto"}) {
       auto results = runWorkerGroup({.worker = "fsdp_vs_ddp", .worldSize = 2,
                                      .args = {std::string("optimizer=") + optimizer, std::string("reshard=") + reshard}});
       requireAllOk(results);

@@ -2,6 +2,8 @@
 // sizes (so a packing gives each rank or server a different share), SGD (momentum, weight decay) or Adam.
 #pragma once
 
+#include <ctorch/optim.hpp>
+
 #include <torch/torch.h>
 
 #include <memory>
@@ -21,7 +23,16 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+// "sgd" or "adam": torch::optim's; "sgd:K" or "adam:K": ctorch::optim's with kernels K (auto, fused,
+// foreach).
 inline std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind, std::vector<at::Tensor> params) {
+  if (const auto colon = kind.find(':'); colon != std::string::npos) {
+    const auto kernels = ctorch::optim::kernelsFromString(kind.substr(colon + 1)).value();
+    if (kind.substr(0, colon) == "adam")
+      return std::make_unique<ctorch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3), kernels);
+    return std::make_unique<ctorch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3),
+                                                kernels);
+  }
   if (kind == "adam")
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
   return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));

@@ -39,7 +39,7 @@ bool bitIdentical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
 // Two replicas of one model on this rank, each behind DDP: `whole` steps the whole optimizer, `sharded`
 // a ZeroRedundancyOptimizer over the same kind; the same batches go to both.
 struct Twins {
-  explicit Twins(const std::string& optimizer) : kind(optimizer) {
+  explicit Twins(const std::string& optimizer, std::int64_t inPlaceBytes = 64 * 1024) : kind(optimizer) {
     torch::manual_seed(11);
     whole = Net();
     sharded = Net();
@@ -51,7 +51,8 @@ struct Twins {
     ddpSharded = std::make_unique<ctorch::DistributedDataParallel<Net>>(sharded);
     reference = makeOptimizer(kind, ddpWhole->parameters());
     zero = std::make_unique<ctorch::ZeroRedundancyOptimizer>(
-        ddpSharded->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); });
+        ddpSharded->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(kind, share); },
+        ctorch::ZeroOptions().broadcastInPlaceBytes(inPlaceBytes));
   }
   // Global step `step` on this rank's own batch; `broadcast` false: the local step alone (a control).
   // True while the replicas are bit-identical.
@@ -76,14 +77,15 @@ struct Twins {
   std::unique_ptr<ctorch::ZeroRedundancyOptimizer> zero;
 };
 
-// args: optimizer=<sgd|adam> control=<0|1>. Prints "identical after step k" for each step, or
+// args: optimizer=<sgd|adam|sgd:K|adam:K> control=<0|1> in_place_bytes=<n> (0: every parameter
+// broadcast in place; the default packs all of this small net's). Prints "identical after step k" for each step, or
 // "differs at step k"; exit 0 either way unless something failed.
 CTORCH_TEST_WORKER(zero_vs_ddp) {
   const std::string kind = arg(args, "optimizer", "sgd");
   const bool control = arg(args, "control", "0") == "1";
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
-  Twins t(kind);
+  Twins t(kind, std::stoll(arg(args, "in_place_bytes", "65536")));
   for (int step = 0; step < 4; ++step) {
     if (!t.step(step, rank, !control)) {
       std::cout << "differs at step " << step << "\n";
@@ -97,7 +99,7 @@ CTORCH_TEST_WORKER(zero_vs_ddp) {
   std::cout << "state bytes " << t.zero->localStateBytes() << " of " << [&] {
     std::size_t bytes = 0;
     for (const auto& p : t.whole->parameters()) bytes += p.nbytes();
-    return bytes * (kind == "adam" ? 2 : 1);
+    return bytes * (kind.rfind("adam", 0) == 0 ? 2 : 1);
   }() << " world " << world << "\n";
   ctorch::barrier();
   ctorch::destroyProcessGroup();
@@ -209,13 +211,18 @@ TEST_CASE("zero: the sorted-greedy packing matches Python's ZeroRedundancyOptimi
 }
 
 TEST_CASE("zero: ZeRO-1 on 2 and 3 ranks is bit-identical to DDP with the whole optimizer, SGD and Adam", "[sharding][zero]") {
+  // torch::optim's optimizers and ctorch::optim's multi-tensor ones (fused where this LibTorch has
+  // the kernels); parameters packed into one broadcast per owner, or each broadcast in place.
   for (int world : {2, 3})
-    for (const char* optimizer : {"sgd", "adam"}) {
-      auto results = runWorkerGroup({.worker = "zero_vs_ddp", .worldSize = world, .args = {std::string("optimizer=") + optimizer}});
+    for (const char* optimizer : {"sgd", "adam", "sgd:auto", "adam:auto"})
+      for (const char* inPlace : {"65536", "0"}) {
+      if (inPlace[0] == '0' && world == 3 && optimizer[0] == 's') continue;  // enough combinations
+      auto results = runWorkerGroup({.worker = "zero_vs_ddp", .worldSize = world,
+                                     .args = {std::string("optimizer=") + optimizer, std::string("in_place_bytes=") + inPlace}});
       requireAllOk(results);
       std::size_t held = 0, whole = 0;
       for (const auto& r : results) {
-        INFO(world << " ranks, " << optimizer << ": " << r.output);
+        INFO(world << " ranks, " << optimizer << ", in place from " << inPlace << " bytes: " << r.output);
         CHECK_THAT(r.output, Catch::Contains("identical after step 3"));
         held += number(r.output, "state bytes ");
         whole = number(r.output, " of ");

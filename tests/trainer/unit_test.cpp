@@ -194,6 +194,31 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
   }
 }
 
+TEST_CASE("trainer options: --cuda-graphs refuses a CPU run and what a captured step cannot hold, in one line",
+          "[trainer][options]") {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--device", "cpu"}, "--cuda-graphs with --device cpu: CUDA graphs need CUDA"},
+      {{"--optimizer", "adam"}, "--cuda-graphs with --optimizer adam"},
+      {{"--clip-grad-norm", "1"}, "--cuda-graphs with --clip-grad-norm"},
+      {{"--grad-accum-steps", "2"}, "--cuda-graphs with --grad-accum-steps 2"},
+      {{"--sharding", "optimizer"}, "--cuda-graphs with --sharding optimizer"},
+  };
+  for (const auto& [extra, message] : cases) {
+    std::vector<std::string> args{"--cuda-graphs"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto p = parse(args);
+    INFO(p.message);
+    CHECK_FALSE(p.options);
+    CHECK(p.exitCode == ctorch::contract::kExitUsage);
+    CHECK(p.message.find(message) != std::string::npos);
+    CHECK(std::count(p.message.begin(), p.message.end(), '\n') == 1);
+  }
+  const auto ok = parse({"--cuda-graphs", "--device", "cuda"});
+  INFO(ok.message);
+  REQUIRE(ok.options);
+  CHECK(ok.options->cudaGraphs);
+}
+
 TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch autocasts the CPU to float16, "
           "bfloat16 everywhere, by any of its names", "[trainer][options]") {
   // --amp alone takes the device's autocast type, as torch.autocast does (issue 42.7).

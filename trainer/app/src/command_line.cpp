@@ -217,6 +217,7 @@ std::string epilog() {
 struct FlagTexts {
   explicit FlagTexts(const TrainOptions& o)
       : optimizer(toString(o.optimizer)),
+        optimizerImpl(optim::toString(o.optimizerKernels)),
         lrDecay(toString(o.lrDecay)),
         device(toString(o.device)),
         backend(toString(o.backend)),
@@ -229,13 +230,14 @@ struct FlagTexts {
         snapshotPath(o.snapshotPath.string()),
         timeoutS(o.timeout.count()) {}
 
-  std::string optimizer, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
+  std::string optimizer, optimizerImpl, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
       metrics;
   std::string sync;
   std::string dataDir, snapshotPath, modelDir, syntheticShape, tensorboardDir;
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
   std::string profileSteps, profileFile;
+  std::string memoryFormat = "auto";
 };
 
 // CLI11's app as options are added to it, remembering what kind of value each flag takes (for
@@ -290,6 +292,11 @@ void addOptimisationFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "micro-steps per optimizer step; gradients are all-reduced on the last only")
       ->group(kOpt)->capture_default_str();
   f.option("--optimizer", t.optimizer, "sgd, adam, adamw (decoupled weight decay), rmsprop or adagrad (Python's defaults otherwise)")
+      ->group(kOpt)->capture_default_str();
+  f.option("--optimizer-impl", t.optimizerImpl,
+           "how sgd, adam and adamw step: auto (fused kernels where this LibTorch has them for the device, "
+           "multi-tensor ones elsewhere), fused, foreach (torch::optim's arithmetic, bit for bit) or per-parameter "
+           "(torch::optim's own step)")
       ->group(kOpt)->capture_default_str();
   f.option("--lr", o.lr, "peak learning rate")->group(kOpt)->capture_default_str();
   f.option("--momentum", o.momentum, "SGD momentum")->group(kOpt)->capture_default_str();
@@ -362,6 +369,9 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   const char* kSys = "Devices, communication, DDP";
   f.option("--device", t.device, "auto (cuda when available), cpu, cuda")->group(kSys)->capture_default_str();
   f.option("--backend", t.backend, "auto (gloo on cpu, nccl on cuda), gloo, nccl")->group(kSys)->capture_default_str();
+  f.flag("--cuda-graphs", o.cudaGraphs,
+         "capture the whole step (forward, backward, DDP's allreduce, optimizer) in a CUDA graph after 11 warm-up "
+         "steps and replay it; steps of other shapes run eagerly (CUDA, SGD, DDP on NCCL)")->group(kSys);
   f.flag("--amp", o.amp, "automatic mixed precision: autocast to --amp-dtype (float16 adds dynamic loss scaling)")->group(kSys);
   f.option("--amp-dtype", o.ampDtype,
            "auto (as torch.autocast: float16 on CUDA, bfloat16 on the CPU), float16 (CUDA) or bfloat16")->group(kSys)->capture_default_str();
@@ -392,6 +402,11 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
          "DDP: keep gradients apart from the allreduce buckets (by default they are views into them, "
          "which saves a copy)")
       ->group(kSys);
+  f.option("--memory-format", t.memoryFormat,
+           "layout of a convolutional model's weights and input batches: auto (channels-last on CUDA for a model "
+           "with convolutions, contiguous on the CPU and for other models), contiguous, channels-last (NHWC; "
+           "not with --sharding grad-op|full; a no-op, said once, for a model without convolutions)")
+      ->group(kSys)->capture_default_str();
 
   f.option("--profile-steps", t.profileSteps,
            "A:B (or A): a Chrome trace of global steps A to B by LibTorch's profiler, one file per rank "
@@ -458,6 +473,8 @@ void parseProfileSteps(const std::string& text, TrainOptions& o) {
 // Throws UsageError for a value that is not one the flag takes.
 void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.optimizer = pick("--optimizer", t.optimizer, kOptimizers);
+  if (const auto kernels = optim::kernelsFromString(t.optimizerImpl)) o.optimizerKernels = *kernels;
+  else bad("--optimizer-impl", t.optimizerImpl, "must be auto, fused, foreach or per-parameter");
   // Python's AdamW decays by 0.01 unless told otherwise; the flag's 0 is for the others.
   if (o.optimizer == OptimizerKind::kAdamW && app.count("--weight-decay") == 0) o.weightDecay = 0.01;
   o.lrDecay = pick("--lr-decay", t.lrDecay, kDecays);
@@ -469,6 +486,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.gradientReduction = pick("--gradient-reduction", t.gradientReduction, kReductions);
   o.sharding = pick("--sharding", t.sharding, kShardings, kPythonShardings);
   o.sync = pick("--sync", t.sync, kSyncs);
+  o.memoryFormat = pick("--memory-format", t.memoryFormat, kMemoryFormats, kPythonMemoryFormats);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
     bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");
   o.resume = ResumeChoice::parse(t.resume);

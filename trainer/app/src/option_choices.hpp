@@ -76,6 +76,14 @@ inline const std::vector<std::pair<std::string, ProgressMode>> kProgress = {{"au
 inline const std::vector<std::pair<std::string, AugmentChoice>> kAugment = {
     {"auto", AugmentChoice::kAuto}, {"on", AugmentChoice::kOn}, {"off", AugmentChoice::kOff}};
 
+inline const std::vector<std::pair<std::string, MemoryFormatChoice>> kMemoryFormats = {
+    {"auto", MemoryFormatChoice::kAuto},
+    {"contiguous", MemoryFormatChoice::kContiguous},
+    {"channels-last", MemoryFormatChoice::kChannelsLast}};
+// torch.channels_last's and torch.contiguous_format's names, as a Python user types them.
+inline const std::vector<std::pair<std::string, MemoryFormatChoice>> kPythonMemoryFormats = {
+    {"channels_last", MemoryFormatChoice::kChannelsLast}, {"contiguous_format", MemoryFormatChoice::kContiguous}};
+
 template <class E>
 const char* nameOf(E value, const std::vector<std::pair<std::string, E>>& choices) {
   for (const auto& [name, e] : choices)

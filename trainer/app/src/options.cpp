@@ -52,6 +52,7 @@ const char* toString(ProgressMode v) { return nameOf(v, kProgress); }
 const char* toString(AugmentChoice v) { return nameOf(v, kAugment); }
 const char* toString(ShardingChoice v) { return nameOf(v, kShardings); }
 const char* toString(SyncChoice v) { return nameOf(v, kSyncs); }
+const char* toString(MemoryFormatChoice v) { return nameOf(v, kMemoryFormats); }
 
 ResumeChoice ResumeChoice::parse(const std::string& text) {
   ResumeChoice r;
@@ -92,6 +93,21 @@ void validateParameterServer(const TrainOptions& o) {
   if (o.amp && o.ampDtype == "float16")
     throw UsageError("--sync parameter-server with --amp float16 (loss scaling) is not supported: use --amp-dtype "
                      "bfloat16 or --sync allreduce");
+}
+
+// --cuda-graphs: the step must be one static graph with no host synchronisation inside.
+void validateCudaGraphs(const TrainOptions& o) {
+  auto refuse = [](const std::string& with, const std::string& why) {
+    throw UsageError("--cuda-graphs with " + with + ": " + why);
+  };
+  if (o.device == DeviceChoice::kCpu) refuse("--device cpu", "CUDA graphs need CUDA (use --device cuda or auto)");
+  if (o.sync == SyncChoice::kParameterServer) refuse("--sync parameter-server", "its push and pull run on the host");
+  if (o.sharding != ShardingChoice::kNone)
+    refuse(std::string("--sharding ") + toString(o.sharding), "only DDP's step is captured (use --sharding none)");
+  if (o.clipGradNorm > 0) refuse("--clip-grad-norm", "the norm is read back to the host every step");
+  if (o.optimizer != OptimizerKind::kSgd)
+    refuse(std::string("--optimizer ") + toString(o.optimizer), "its step counts live on the host and a replay would repeat them (use sgd)");
+  if (o.gradAccumSteps > 1) refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "one micro-step per step only");
 }
 
 }  // namespace
@@ -157,6 +173,13 @@ void TrainOptions::validate() const {
     throw UsageError(std::string("--sharding ") + toString(sharding) +
                      " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
   if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
+  // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
+  if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
+      (sharding == ShardingChoice::kGradOp || sharding == ShardingChoice::kFull))
+    throw UsageError(std::string("--memory-format channels-last with --sharding ") + toString(sharding) +
+                     " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
+                     "--memory-format auto or contiguous, or --sharding none or optimizer)");
+  if (cudaGraphs) validateCudaGraphs(*this);
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -306,6 +329,7 @@ std::string TrainOptions::describe() const {
   if (gradAccumSteps > 1) os << " x " << gradAccumSteps << " micro-steps";
   os << ", " << toString(optimizer) << " lr " << number(lr);
   if (optimizer == OptimizerKind::kSgd) os << " momentum " << number(momentum);
+  if (optimizerKernels != optim::Kernels::kAuto) os << " (" << optim::toString(optimizerKernels) << " kernels)";
   if (weightDecay > 0) os << " weight decay " << number(weightDecay);
   if (warmupEpochs > 0) os << ", warmup " << number(warmupEpochs) << " epochs from x" << number(warmupStartFactor);
   if (lrDecay != LrDecay::kNone) os << ", " << toString(lrDecay) << " decay";

@@ -35,6 +35,7 @@ torch::Device chooseDevice(TrainOptions& o) {
       throw UsageError("--amp with " + o.ampDtype + " needs CUDA, and this run uses the CPU (use --amp-dtype bfloat16)");
     if (o.backend == BackendChoice::kNccl)
       throw UsageError("--backend 'nccl' needs CUDA tensors, and this run uses the CPU");
+    if (o.cudaGraphs) throw UsageError("--cuda-graphs needs CUDA, and this run uses the CPU (no CUDA device here)");
     return torch::kCPU;
   }
   return torch::Device(torch::kCUDA);  // the index is chosen once the local rank is known
@@ -66,6 +67,29 @@ ProcessGroupScope::~ProcessGroupScope() {
   }
 }
 c10d::ProcessGroup& ProcessGroupScope::group() { return *getDefaultGroup(); }
+
+MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional) {
+  MemoryFormatDecision d;
+  const bool flat = o.sharding == ShardingChoice::kGradOp || o.sharding == ShardingChoice::kFull;
+  switch (o.memoryFormat) {
+    case MemoryFormatChoice::kContiguous:
+      d.reason = "--memory-format";
+      break;
+    case MemoryFormatChoice::kChannelsLast:
+      d.ignored = !convolutional;
+      d.format = convolutional ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+      d.reason = convolutional ? "--memory-format" : "--memory-format channels-last ignored: the model has no 4-D weights";
+      break;
+    case MemoryFormatChoice::kAuto:
+      if (cuda && convolutional && !flat) d.format = at::MemoryFormat::ChannelsLast;
+      d.reason = !convolutional ? "auto: the model has no 4-D weights"
+                 : !cuda        ? "auto: contiguous on the CPU"
+                 : flat         ? "auto: FSDP's flat parameters are contiguous"
+                                : "auto: a convolutional model on CUDA";
+      break;
+  }
+  return d;
+}
 
 // ---- data and model ----------------------------------------------------------------------------------
 

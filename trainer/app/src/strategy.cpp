@@ -2,8 +2,11 @@
 // and the parameter server, each with its step, what it tracks and how it describes itself.
 #include "ctorch/train/strategy.hpp"
 
+#include <ctorch/cuda_graph.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/memory_format.hpp>
+#include <ctorch/optim.hpp>
 #include <ctorch/models/resnet.hpp>
 #include <ctorch/parameter_server.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
@@ -16,17 +19,21 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <iostream>
 #include <stdexcept>
 
 namespace ctorch::train {
 
-// Python's defaults apart from the learning rate and weight decay (and SGD's momentum).
+// Python's defaults apart from the learning rate and weight decay (and SGD's momentum); SGD, Adam and
+// AdamW step all parameters at once (--optimizer-impl).
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, const std::vector<torch::Tensor>& params) {
   switch (o.optimizer) {
     case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay));
+      return std::make_unique<optim::Adam>(params, torch::optim::AdamOptions(o.lr).weight_decay(o.weightDecay),
+                                           o.optimizerKernels);
     case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay));
+      return std::make_unique<optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weightDecay),
+                                            o.optimizerKernels);
     case OptimizerKind::kRmsprop:
       return std::make_unique<torch::optim::RMSprop>(params,
                                                      torch::optim::RMSpropOptions(o.lr).weight_decay(o.weightDecay));
@@ -36,8 +43,8 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const TrainOptions& o, co
     case OptimizerKind::kSgd:
       break;
   }
-  return std::make_unique<torch::optim::SGD>(
-      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
+  return std::make_unique<optim::SGD>(
+      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay), o.optimizerKernels);
 }
 
 namespace {
@@ -110,22 +117,25 @@ struct Lap {
   }
 };
 
-// The next micro-batch on `device`, counted in the sampler and in `out` (its wait as data time).
+// The next micro-batch on `device`, its images in `format` (the model's), counted in the sampler and
+// in `out` (its wait as data time).
 std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
-                                                       StepOutcome& out, Lap& lap, const torch::Device& device) {
+                                                       StepOutcome& out, Lap& lap, const torch::Device& device,
+                                                       at::MemoryFormat format) {
   auto batch = loader.next();
   out.phases.data += lap();
   if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
   sampler.advance(batch->size());
   out.samples += batch->size();
-  return {batch->inputs.to(device, /*non_blocking=*/true), batch->targets.to(device, /*non_blocking=*/true)};
+  return {toMemoryFormat(batch->inputs.to(device, /*non_blocking=*/true), format),
+          batch->targets.to(device, /*non_blocking=*/true)};
 }
 
 // `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
 // `zero`: then broadcasts every share after the step.
 StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
                       amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                      const TrainOptions& o, const torch::Device& device) {
+                      const TrainOptions& o, const torch::Device& device, at::MemoryFormat format) {
   ddp.zeroGrad();
   // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
@@ -133,7 +143,7 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   Lap lap;
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
     // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
     std::optional<NoSyncGuard> noSync;
     ddp.synchronise(m + 1 == micro, noSync);
@@ -161,13 +171,48 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
   return out;
 }
 
+// --cuda-graphs: one micro-batch, no clipping (options.cpp refuses the rest). The step function reads
+// the static inputs and returns the loss without reading it (an .item() would end the capture); the
+// loss is read after the step, from the graph's output once captured. An eager step (warm-up, another
+// shape, a blocker) says why once per reason.
+StepOutcome graphedTrainStep(CudaGraphStep& graphed, Replica ddp, Model& model, torch::optim::Optimizer& optimizer,
+                             amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
+                             const TrainOptions& o, const torch::Device& device, std::string& lastReason) {
+  StepOutcome out;
+  Lap lap;
+  const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+  const auto outputs = graphed.run({inputs, targets}, [&](const std::vector<at::Tensor>& in) {
+    ddp.zeroGrad();
+    torch::Tensor loss;
+    {
+      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(model.output(), ddp(in[0]), in[1]);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(optimizer);
+    scaler.update();
+    return std::vector<at::Tensor>{loss.detach()};
+  });
+  const auto& decision = graphed.lastDecision();
+  const bool warmupCount = decision.reason.rfind("warm-up step ", 0) == 0;
+  if (!decision.reason.empty() && !warmupCount && decision.reason != lastReason && isMainProcess())
+    std::cerr << "ctorch-train: --cuda-graphs: step runs eagerly: " << decision.reason << std::endl;
+  if (decision.action == cuda_graph::Action::kCapture && isMainProcess())
+    std::cerr << "ctorch-train: --cuda-graphs: the step is captured; replaying it from now on" << std::endl;
+  lastReason = decision.reason;
+  out.phases.forwardBackward += lap();
+  out.loss = outputs.at(0).item<double>();
+  return out;
+}
+
 // --sync parameter-server. A worker accumulates its micro-batches' gradients locally (nothing to
 // synchronise before the push), then ParameterServer::step pushes them and returns with the updated
 // weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
 // every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
 // there).
 StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
-                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device) {
+                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device,
+                                at::MemoryFormat format) {
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
   Lap lap;
@@ -180,7 +225,7 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
   ps.zeroGrad();
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
     torch::Tensor loss;
     {
       amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
@@ -203,6 +248,13 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
 class DataParallel final : public Strategy {
  public:
   DataParallel(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
+    // --cuda-graphs: DDP keeps the gradient accumulators, whose backward runs on the stream current at
+    // its construction: the graph's side stream.
+    std::optional<CudaGraphStep::StreamScope> graphStream;
+    if (o.cudaGraphs) {
+      graphed_ = std::make_unique<CudaGraphStep>(model->parameters());
+      graphStream.emplace(graphed_->sideStream(model->parameters().front().device()));
+    }
     ddp_ = std::make_unique<DDP>(model, DDPOptions()
                                             .bucketCapMb(o.bucketCapMb)
                                             .commHook(o.commHook)
@@ -214,12 +266,19 @@ class DataParallel final : public Strategy {
           ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
     else
       optimizer_ = makeOptimizer(o, ddp_->parameters());
+    graphStream.reset();
+    if (graphed_) graphed_->add(graphParticipant(*ddp_)).add(graphParticipant(*optimizer_));
   }
   int dataRanks() const override { return getWorldSize(); }
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
+    if (graphed_) {
+      if (!scalerAdded_) graphed_->add(graphParticipant(in.scaler)), scalerAdded_ = true;
+      return graphedTrainStep(*graphed_, Replica{ddp_.get(), nullptr}, in.model, *optimizer_, in.scaler, in.loader,
+                              in.sampler, in.options, in.device, lastGraphReason_);
+    }
     return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
-                     in.options, in.device);
+                     in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*ddp_); }
@@ -240,6 +299,9 @@ class DataParallel final : public Strategy {
   std::unique_ptr<DDP> ddp_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // the whole optimizer (--sharding none)
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;       // --sharding optimizer (ZeRO-1)
+  std::unique_ptr<CudaGraphStep> graphed_;              // --cuda-graphs
+  bool scalerAdded_ = false;
+  std::string lastGraphReason_;
 };
 
 // FSDP (--sharding grad-op|full): parameters, gradients and the optimizer's state sharded.
@@ -255,7 +317,7 @@ class FullySharded final : public Strategy {
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
     return trainStep(Replica{nullptr, fsdp_.get()}, in.model, optimizer_.get(), nullptr, in.scaler, in.loader,
-                     in.sampler, in.options, in.device);
+                     in.sampler, in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*fsdp_); }
@@ -288,7 +350,7 @@ class ParameterServing final : public Strategy {
   // A server keeps worker 0's count of the data.
   int samplerRank() const override { return ps_->isServer() ? 0 : getRank(); }
   StepOutcome step(const StepInputs& in) override {
-    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device);
+    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device, in.memoryFormat);
   }
   torch::optim::Optimizer* stepping() override { return ps_->localOptimizer(); }
   // Rank 0 is a worker: its model holds the current weights.

@@ -23,6 +23,7 @@
 #include <ctorch/data/loader.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/memory_format.hpp>
 #include <ctorch/models/registry.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/amp.hpp>
@@ -309,6 +310,7 @@ class Trainer {
   double dataSeconds_ = 0;
   std::shared_ptr<Model> model_;
   std::int64_t activationBytes_ = 0;
+  MemoryFormatDecision memoryFormat_;  // --memory-format as resolved for this model and device
   // DDP (whole optimizer or ZeRO-1), FSDP or the parameter server (strategy.hpp), chosen once.
   std::unique_ptr<Strategy> strategy_;
   // The ranks that read data and compute gradients: all of them, or the parameter server's workers.
@@ -343,6 +345,9 @@ void Trainer::buildDataAndModel() {
   torch::manual_seed(static_cast<std::uint64_t>(o_.seed));  // initial weights (DDP broadcasts rank 0's anyway)
   model_ = models::createModel(modelOptions);
   model_->to(device_);
+  // Before the strategy wraps it: DDP lays its gradient buckets out after the parameters' strides.
+  memoryFormat_ = chooseMemoryFormat(o_, device_.is_cuda(), hasFourDimensionalTensors(*model_));
+  toMemoryFormat(*model_, memoryFormat_.format);
 }
 
 void Trainer::buildTraining() {
@@ -373,7 +378,8 @@ void Trainer::buildTraining() {
   schedule_ = std::make_unique<LrSchedule>(LrSchedule::fromOptions(o_));
   const std::string noun = strategy_->dataRankNoun();
   console_.line("model: " + o_.model + ", " + withThousands(models::parameterCount(*model_)) +
-                " parameters; global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * dataRanks_) + " (" +
+                " parameters, " + memoryFormatName(memoryFormat_.format) + " (" + memoryFormat_.reason +
+                "); global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * dataRanks_) + " (" +
                 std::to_string(o_.batchSize) + " per " + noun +
                 (o_.gradAccumSteps > 1 ? " x " + std::to_string(o_.gradAccumSteps) + " micro-steps" : "") + " x " +
                 std::to_string(dataRanks_) + " " + noun + (dataRanks_ == 1 ? "), " : "s), ") +
@@ -605,7 +611,7 @@ std::optional<AgreedStep> Trainer::trainAndAgree(data::BatchLoader& loader) {
     intervalLocalLoss_ = localBefore;
   };
   try {
-    step.outcome = strategy_->step(StepInputs{loader, *sampler_, *scaler_, *model_, o_, device_});
+    step.outcome = strategy_->step(StepInputs{loader, *sampler_, *scaler_, *model_, o_, device_, memoryFormat_.format});
     // Whether any rank must stop: agreed in the background (read at the next step) except at the
     // steps that log or save on schedule, where the same small allreduce also sums the losses.
     step.periodic = (t.globalStep() + 1) % o_.logInterval == 0 || sampler_->exhausted();

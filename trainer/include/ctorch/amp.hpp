@@ -70,6 +70,14 @@ class GradScaler {
   // Adjusts the scale after the step(s) of this iteration.
   void update();
 
+  // Device skip (for a step captured in a CUDA graph, ctorch/cuda_graph.hpp): step() reads nothing
+  // back to the host. It steps the optimizer whatever the gradients hold, then puts back, where
+  // found-inf is set, the parameters and the optimizer's state tensors as they were (torch::where:
+  // bit for bit what skipping leaves), and returns true. For optimizers whose whole state is tensors
+  // (torch::optim::SGD); the ones that count steps on the host are refused by the graph instead.
+  void setDeviceSkip(bool on) { deviceSkip_ = on; }
+  bool deviceSkip() const { return deviceSkip_; }
+
   double currentScale() const;
   std::int64_t growthTracker() const;
   // The state a snapshot keeps: "amp_scale" and "amp_growth_tracker" (absent keys keep the
@@ -79,11 +87,13 @@ class GradScaler {
 
  private:
   void unscaleInto(torch::optim::Optimizer& optimizer);
+  void stepOnDevice(torch::optim::Optimizer& optimizer);
 
   GradScalerOptions options_;
   torch::Device device_;
   torch::Tensor scale_, growthTracker_, foundInf_;
   std::unordered_set<const torch::optim::Optimizer*> unscaled_;
+  bool deviceSkip_ = false;
 };
 
 }  // namespace ctorch::amp

@@ -107,6 +107,12 @@ class DDPCore {
   void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group,
               const std::optional<std::vector<std::vector<size_t>>>& buckets);
   const DDPOptions& options() const;
+  // Why the next step cannot be captured in a CUDA graph (ctorch/cuda_graph.hpp), in one line;
+  // nullopt when it can.
+  std::optional<std::string> captureBlocker() const;
+  // Counts the Reducers built (construction, resetReducer, rejoin): a CUDA graph captured with one
+  // holds its buckets and communicator.
+  std::int64_t reducerGeneration() const;
   // The hook gradients travel through (CommHook::kCustom after registerCommHook).
   CommHook commHookInUse() const;
   std::optional<GradientReductionStats> sharedMemoryStats() const;

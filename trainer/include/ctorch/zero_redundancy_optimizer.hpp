@@ -32,6 +32,11 @@ namespace ctorch {
 struct ZeroOptions {
   // The group the parameters are shared over (default: the default process group).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+  // After the step, a contiguous parameter of at least this many bytes is broadcast from its owner in
+  // place (no copy, as Python's ZeroRedundancyOptimizer sends each parameter); smaller ones travel
+  // packed in one buffer per owner, kept between steps (fewer messages). 0: every contiguous
+  // parameter in place.
+  TORCH_ARG(std::int64_t, broadcastInPlaceBytes) = 64 * 1024;
 };
 
 // Which rank owns each parameter: Python's sorted-greedy packing (largest parameters first, each to
@@ -86,6 +91,10 @@ class ZeroRedundancyOptimizer {
   std::unique_ptr<torch::optim::Optimizer> local_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_ = 0;
+  std::int64_t inPlaceBytes_ = 0;
+  // Per owner: one buffer its small (or non-contiguous) parameters travel packed in, kept between
+  // steps; its large contiguous parameters are broadcast in place.
+  std::vector<at::Tensor> packBuffers_;
 };
 
 } // namespace ctorch

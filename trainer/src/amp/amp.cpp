@@ -129,9 +129,55 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     unscaleInto(optimizer);
     unscaled_.insert(&optimizer);
   }
+  if (deviceSkip_) {
+    stepOnDevice(optimizer);
+    return true;
+  }
   if (foundInf_.item<float>() != 0.0f) return false;
   optimizer.step();
   return true;
+}
+
+namespace {
+// The state tensors a step may change besides the parameters (torch::optim's own state types).
+std::vector<torch::Tensor> stateTensors(torch::optim::Optimizer& optimizer, const torch::Tensor& param) {
+  auto& states = optimizer.state();
+  auto it = states.find(compat::optimizerStateKey(param));
+  if (it == states.end()) return {};
+  std::vector<torch::Tensor> out;
+  auto keep = [&](const torch::Tensor& t) {
+    if (t.defined()) out.push_back(t);
+  };
+  if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+    keep(sgd->momentum_buffer());
+  } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+    keep(adam->exp_avg()), keep(adam->exp_avg_sq()), keep(adam->max_exp_avg_sq());
+  } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+    keep(adamw->exp_avg()), keep(adamw->exp_avg_sq()), keep(adamw->max_exp_avg_sq());
+  }
+  return out;
+}
+} // namespace
+
+void GradScaler::stepOnDevice(torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard noGrad;
+  std::vector<torch::Tensor> live, saved;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      live.push_back(p);
+      for (auto& t : stateTensors(optimizer, p)) live.push_back(t);
+    }
+  saved.reserve(live.size());
+  for (const auto& t : live) saved.push_back(t.clone());
+  optimizer.step();
+  // Skipped where found_inf is set: every value back to what it was, exactly.
+  const auto skip = foundInf_.ne(0).reshape({});
+  for (size_t i = 0; i < live.size(); ++i) {
+    // A state tensor the step replaced (rather than updated in place) is not restored: none of
+    // torch::optim's does so once it exists, which the warm-up before a capture ensures.
+    live[i].copy_(torch::where(skip.to(live[i].device()), saved[i], live[i]));
+  }
 }
 
 void GradScaler::update() {

@@ -212,7 +212,7 @@ void reduceScatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at
   using namespace flat_collectives_detail;
   check("reduceScatter", group, input, output, input.numel(), output.numel(), "input", options);
   at::NoGradGuard noGrad;  // the output may be a view of a parameter (FSDP's flat parameter)
-  if (input.is_cuda() && compat::cudaGoesToNccl(group)) {
+  if (input.is_cuda() && compat::backendNameFor(group, c10::DeviceType::CUDA) == "nccl") {
     at::Tensor in = input;
     runNative("reduceScatter", *group, [&] { return compat::reduceScatterFlat(*group, output, in); });
     return;
@@ -236,7 +236,7 @@ void allGather(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Te
   using namespace flat_collectives_detail;
   check("allGather", group, input, output, output.numel(), input.numel(), "output", options);
   at::NoGradGuard noGrad;  // the output may be a view of a parameter (FSDP's flat parameter)
-  if (input.is_cuda() && compat::cudaGoesToNccl(group)) {
+  if (input.is_cuda() && compat::backendNameFor(group, c10::DeviceType::CUDA) == "nccl") {
     at::Tensor in = input;
     runNative("allGather", *group, [&] { return compat::allGatherFlat(*group, output, in); });
     return;

@@ -324,21 +324,25 @@ inline std::optional<std::chrono::milliseconds> glooTimeout(const c10::intrusive
   return std::nullopt;
 }
 
-// ---- where a group's CUDA tensors go ------------------------------------------------------------------
-// Whether `group` hands CUDA tensors to NCCL (2.x: the backend registered for CUDA; 1.13: the group
-// itself). False for Gloo, which takes CUDA tensors in its collectives (through host copies) but
-// not in send / recv: those read the tensor's pointer as host memory.
-inline bool cudaGoesToNccl(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-  try {
+// ---- the backend that reduces a device type's tensors ------------------------------------------------
+// 1.13: the group is its one backend; 2.x: the backend registered for the device type ("" when none).
+inline std::string backendNameFor(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::DeviceType device) {
+  if (!group) return "";
 #if CTORCH_TORCH_HAS_BACKENDS
-    auto backend = group->getBackend(c10::DeviceType::CUDA);
-    return backend && backend->getBackendName() == "nccl";
-#else
-    return group->getBackendName() == "nccl";
-#endif
+  try {
+    auto backend = group->getBackend(device);
+    return backend ? backend->getBackendName() : std::string();
   } catch (const std::exception&) {
-    return false;  // no backend for CUDA tensors
+    return "";
   }
+#else
+  (void)device;
+  try {
+    return group->getBackendName();
+  } catch (const std::exception&) {
+    return "";
+  }
+#endif
 }
 
 // ---- flat reduce-scatter and all-gather (NCCL's) --------------------------------------------------------

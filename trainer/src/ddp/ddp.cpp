@@ -151,6 +151,7 @@ struct detail::DDPCore::Impl {
   // CommHook::kSharedMemory, when every rank could map the segment (else the Reducer's allreduce).
   std::shared_ptr<SharedMemoryAllreduce> sharedMemory;
   int64_t numIterations = 0;
+  int64_t reducerGeneration = 0;  // Reducers built so far
   // Static graph: whether the first synchronised backward has queued delay_all_reduce. 1.13's Python
   // keys this on num_iterations == 1 only, which queues it again from a no_sync backward of the next
   // step (an internal assert in the Reducer); 2.x keeps this flag, and so do we.
@@ -189,6 +190,7 @@ struct detail::DDPCore::Impl {
     // The previous Reducer (resetReducer) removes its autograd hooks when it goes.
     logger.reset();
     reducer.reset();
+    ++reducerGeneration;
     reducer = compat::makeReducer(params, std::move(indices), std::move(perBucketLimits), group, expectSparse,
                                   bucketBytes, options.findUnusedParameters(), options.gradientAsBucketView(),
                                   names, firstBucketBytes);
@@ -463,6 +465,33 @@ std::vector<std::vector<size_t>> detail::DDPCore::bucketAssignment() const {
 }
 
 const DDPOptions& detail::DDPCore::options() const { return impl_->options; }
+
+std::int64_t detail::DDPCore::reducerGeneration() const { return impl_->reducerGeneration; }
+
+std::optional<std::string> detail::DDPCore::captureBlocker() const {
+  const Impl& s = *impl_;
+  if (s.cpu) return std::string("DDP's parameters are on the CPU");
+  if (!s.reducer) return std::string("DDP has no process group (in-place recovery under way)");
+  const std::string backend = compat::backendNameFor(s.group, s.params.front().device().type());
+  // Gloo reduces CUDA tensors through host copies and waits for them: nothing a graph can hold.
+  if (backend != "nccl")
+    return "DDP reduces gradients with " + (backend.empty() ? std::string("an unknown backend") : backend) +
+           ", which a CUDA graph cannot capture (NCCL can)";
+  if (s.unusedSearch())
+    return std::string("DDP's unused-parameter search walks the autograd graph on the host every step "
+                       "(findUnusedParameters without staticGraph)");
+  if (s.customHook) return std::string("DDP has a custom communication hook, which may work on the host");
+  // The Reducer times iterations 1-10 and every 100th with CUDA events and reads them at the next
+  // forward (Logger::set_runtime_stats_and_log: an event synchronise). The count before this
+  // forward and the one it starts must both be untimed (c10d's kDDPRuntimeLoggingSampleRate, 100).
+  auto timed = [](int64_t n) { return n > 0 && (n <= 10 || n % 100 == 0); };
+  if (timed(s.numIterations) || timed(s.numIterations + 1))
+    return "DDP's Reducer times iteration " + std::to_string(timed(s.numIterations) ? s.numIterations : s.numIterations + 1) +
+           " (iterations 1-10 and every 100th), which synchronises with the host";
+  if (s.staticGraph && !s.delayEnqueued->load())
+    return std::string("DDP's static graph has not finished its first iteration");
+  return std::nullopt;
+}
 std::optional<GradientReductionStats> detail::DDPCore::sharedMemoryStats() const {
   if (!impl_->sharedMemory) return std::nullopt;
   const auto s = impl_->sharedMemory->stats();

@@ -61,6 +61,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> paramet
       group_(options.processGroup() ? options.processGroup() : getDefaultGroup()) {
   if (!makeOptimizer) throw ConfigError("ZeroRedundancyOptimizer: no optimizer factory");
   if (parameters_.empty()) throw ConfigError("ZeroRedundancyOptimizer: no parameters");
+  if (options.broadcastInPlaceBytes() < 0)
+    throw ConfigError("ZeroRedundancyOptimizer: broadcastInPlaceBytes must be >= 0, got " +
+                      std::to_string(options.broadcastInPlaceBytes()));
+  inPlaceBytes_ = options.broadcastInPlaceBytes();
   const std::vector<std::int64_t> numels = detail::flatShareNumels(parameters_, "ZeroRedundancyOptimizer");
   rank_ = group_->getRank();
   owners_ = partitionParameters(numels, group_->getSize());
@@ -83,38 +87,78 @@ void ZeroRedundancyOptimizer::step() {
 void ZeroRedundancyOptimizer::broadcastShares() {
   if (shares_.size() == 1) return;  // one rank: its parameters are the only copy
   torch::NoGradGuard noGrad;
-  for (std::size_t owner = 0; owner < shares_.size(); ++owner) {
-    const auto& share = shares_[owner];
-    if (share.empty()) continue;
-    // One flat buffer per share (a broadcast per rank, not per parameter): the owner packs its
-    // parameters into it, the others receive into an empty one.
-    std::vector<at::Tensor> flat{[&] {
-      if (static_cast<int>(owner) != rank_) {
-        std::int64_t numel = 0;
-        for (std::size_t i : share) numel += parameters_[i].numel();
-        return at::empty({numel}, parameters_[share.front()].options());
+  if (packBuffers_.size() != shares_.size()) packBuffers_.resize(shares_.size());
+  // Every broadcast is started before any is waited for (the process group runs them in order), then
+  // the packed ones are unpacked.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::string> what;
+  std::vector<std::size_t> unpackOwners;
+  const auto start = [&](at::Tensor t, std::size_t owner, const std::string& description) {
+    std::vector<at::Tensor> one{std::move(t)};
+    c10d::BroadcastOptions from;
+    from.rootRank = static_cast<std::int64_t>(owner);
+    works.push_back(group_->broadcast(one, from));
+    what.push_back(description);
+  };
+  try {
+    for (std::size_t owner = 0; owner < shares_.size(); ++owner) {
+      const auto& share = shares_[owner];
+      if (share.empty()) continue;
+      const bool mine = static_cast<int>(owner) == rank_;
+      std::int64_t packedNumel = 0;
+      for (std::size_t i : share) {
+        const auto& p = parameters_[i];
+        if (p.is_contiguous() && static_cast<std::int64_t>(p.nbytes()) >= inPlaceBytes_)
+          start(p.detach(), owner, "rank " + std::to_string(owner) + "'s parameter " + std::to_string(i));
+        else packedNumel += p.numel();
       }
-      std::vector<at::Tensor> views;
-      for (std::size_t i : share) views.push_back(parameters_[i].detach().reshape({-1}));
-      return torch::cat(views);
-    }()};
-    try {
-      c10d::BroadcastOptions from;
-      from.rootRank = static_cast<std::int64_t>(owner);
-      group_->broadcast(flat, from)->wait();
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      const std::string message = detail::messageOf(e);
-      detail::throwDistributed("rank " + std::to_string(rank_) + ": ZeroRedundancyOptimizer's broadcast of rank " +
-                                   std::to_string(owner) + "'s parameters failed: " + message,
-                               message);
+      if (packedNumel == 0) continue;
+      auto& buffer = packBuffers_[owner];
+      const auto& first = parameters_[share.front()];
+      if (!buffer.defined() || buffer.numel() != packedNumel || buffer.device() != first.device() ||
+          buffer.scalar_type() != first.scalar_type())
+        buffer = at::empty({packedNumel}, first.options().requires_grad(false));
+      if (mine) {
+        std::int64_t offset = 0;
+        for (std::size_t i : share) {
+          const auto& p = parameters_[i];
+          if (p.is_contiguous() && static_cast<std::int64_t>(p.nbytes()) >= inPlaceBytes_) continue;
+          buffer.narrow(0, offset, p.numel()).view(p.sizes()).copy_(p.detach());
+          offset += p.numel();
+        }
+      } else {
+        unpackOwners.push_back(owner);
+      }
+      start(buffer, owner, "rank " + std::to_string(owner) + "'s packed parameters");
     }
-    if (static_cast<int>(owner) == rank_) continue;
+    for (std::size_t w = 0; w < works.size(); ++w) {
+      try {
+        works[w]->wait();
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        const std::string message = detail::messageOf(e);
+        detail::throwDistributed("rank " + std::to_string(rank_) + ": ZeroRedundancyOptimizer's broadcast of " +
+                                     what[w] + " failed: " + message,
+                                 message);
+      }
+    }
+  } catch (...) {
+    // Nothing may still be writing into a parameter or a buffer once this returns.
+    for (auto& w : works) {
+      try {
+        w->wait();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  for (std::size_t owner : unpackOwners) {
     std::int64_t offset = 0;
-    for (std::size_t i : share) {
+    for (std::size_t i : shares_[owner]) {
       auto& p = parameters_[i];
-      p.detach().copy_(flat[0].narrow(0, offset, p.numel()).view(p.sizes()));
+      if (p.is_contiguous() && static_cast<std::int64_t>(p.nbytes()) >= inPlaceBytes_) continue;
+      p.detach().copy_(packBuffers_[owner].narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
     }
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "ctorch/comm_hook.hpp"
+#include "ctorch/optim.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -39,6 +40,9 @@ enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull };
 // How the replicas are kept in step: DDP's gradient allreduce, or a parameter server (the last
 // --ps-servers ranks hold the weights and the optimizer; the others compute).
 enum class SyncChoice { kAllreduce, kParameterServer };
+// The layout of a convolutional model's weights and input batches (--memory-format): auto is
+// channels-last on CUDA for a model with 4-D weights, contiguous otherwise (chooseMemoryFormat).
+enum class MemoryFormatChoice { kAuto, kContiguous, kChannelsLast };
 
 const char* toString(OptimizerKind v);
 const char* toString(LrDecay v);
@@ -48,6 +52,7 @@ const char* toString(ProgressMode v);
 const char* toString(AugmentChoice v);
 const char* toString(ShardingChoice v);
 const char* toString(SyncChoice v);
+const char* toString(MemoryFormatChoice v);
 
 // Where to resume from: the newest valid snapshot of the slot (auto), nothing (never), or one file.
 struct ResumeChoice {
@@ -74,6 +79,9 @@ struct TrainOptions {
   std::int64_t batchSize = 64;       // per rank, per micro-step
   std::int64_t gradAccumSteps = 1;   // micro-steps per optimizer step (no allreduce but on the last)
   OptimizerKind optimizer = OptimizerKind::kSgd;
+  // SGD, Adam and AdamW: fused kernels where this LibTorch has them for the device, multi-tensor
+  // (foreach) kernels elsewhere (ctorch/optim.hpp); rmsprop and adagrad step per parameter.
+  optim::Kernels optimizerKernels = optim::Kernels::kAuto;
   double lr = 0.05;                  // peak learning rate
   double momentum = 0.9;             // SGD momentum
   double weightDecay = 0.0;
@@ -113,6 +121,7 @@ struct TrainOptions {
   // ---- devices, communication, DDP
   DeviceChoice device = DeviceChoice::kAuto;
   BackendChoice backend = BackendChoice::kAuto;
+  bool cudaGraphs = false;           // --cuda-graphs: capture the whole step once warmed up, replay it (CUDA)
   bool amp = false;                  // automatic mixed precision (autocast; float16 adds loss scaling)
   // --amp-dtype: float16 (CUDA) or bfloat16 (CUDA or CPU); auto is torch.autocast's default for the
   // device: float16 on CUDA, bfloat16 on the CPU (made concrete by resolveAmpDtype).
@@ -129,6 +138,9 @@ struct TrainOptions {
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
   int psServers = 1;                         // --ps-servers: how many of the last ranks serve
+  // --memory-format. Not in bindingConfig: snapshots hold contiguous copies, so a run resumes in
+  // either layout (the trajectories differ only by the convolutions' rounding).
+  MemoryFormatChoice memoryFormat = MemoryFormatChoice::kAuto;
 
   // ---- profiling: a Chrome trace (LibTorch's profiler) of global steps [profileFirst, profileLast]
   std::int64_t profileFirst = 0;  // 0: off

@@ -47,6 +47,18 @@ struct TrainData {
   bool augmented = false;  // crop + flip on the training batches
 };
 
+// The layout --memory-format resolves to, and why (the model line prints both).
+struct MemoryFormatDecision {
+  at::MemoryFormat format = at::MemoryFormat::Contiguous;
+  std::string reason;  // "auto: CUDA and a convolutional model", "--memory-format", ...
+  bool ignored = false;  // channels-last asked for a model without 4-D weights: nothing to convert
+};
+// auto: channels-last on CUDA for a model with 4-D weights (`convolutional`), contiguous on the CPU
+// (measured no faster there: docs/performance.md), under FSDP (--sharding grad-op|full: its flat
+// parameters are contiguous) and for other models. An explicit channels-last
+// for a model without 4-D weights is accepted and changes nothing (`ignored`).
+MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional);
+
 // Both splits of --dataset, limited and seeded as the options say, with their pipelines.
 TrainData loadData(const TrainOptions& o);
 // The model's options from --model and the data's shape; UsageError when they do not fit.

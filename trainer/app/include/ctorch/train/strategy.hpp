@@ -54,6 +54,8 @@ struct StepInputs {
   models::Model& model;
   const TrainOptions& options;
   const torch::Device& device;
+  // The layout of the model's 4-D weights, which each input batch is given too (--memory-format).
+  at::MemoryFormat memoryFormat = at::MemoryFormat::Contiguous;
 };
 
 class Strategy {
