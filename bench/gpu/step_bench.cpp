@@ -19,6 +19,7 @@
 #include <ctorch/amp.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/memory_format.hpp>
 #include <ctorch/models/registry.hpp>
 #if CTORCH_BENCH_HAS_OPTIM
 #include <ctorch/optim.hpp>
@@ -151,13 +152,9 @@ int main(int argc, char** argv) {
       v->net = ctorch::models::createModel(mo);
       v->net->to(device);
       v->x = xPlain;
-      if (cl) {
-        // What Python's model.to(memory_format=torch.channels_last) does: every 4-D parameter (the
-        // convolutions' weights) in channels-last, and the input.
-        torch::NoGradGuard noGrad;
-        for (auto& p : v->net->parameters())
-          if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-        v->x = xPlain.contiguous(at::MemoryFormat::ChannelsLast);
+      if (cl) {  // model.to(memory_format=torch.channels_last), before DDP lays out its buckets
+        ctorch::toMemoryFormat(*v->net, at::MemoryFormat::ChannelsLast);
+        v->x = ctorch::toMemoryFormat(xPlain, at::MemoryFormat::ChannelsLast);
       }
       v->ddp = std::make_unique<ctorch::DistributedDataParallel<std::shared_ptr<ctorch::models::Model>>>(
           v->net, ctorch::DDPOptions().bucketCapMb(25));
