@@ -177,10 +177,11 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
 // shape, a blocker) says why once per reason.
 StepOutcome graphedTrainStep(CudaGraphStep& graphed, Replica ddp, Model& model, torch::optim::Optimizer& optimizer,
                              amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                             const TrainOptions& o, const torch::Device& device, std::string& lastReason) {
+                             const TrainOptions& o, const torch::Device& device, at::MemoryFormat format,
+                             std::string& lastReason) {
   StepOutcome out;
   Lap lap;
-  const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device);
+  const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
   const auto outputs = graphed.run({inputs, targets}, [&](const std::vector<at::Tensor>& in) {
     ddp.zeroGrad();
     torch::Tensor loss;
@@ -275,7 +276,7 @@ class DataParallel final : public Strategy {
     if (graphed_) {
       if (!scalerAdded_) graphed_->add(graphParticipant(in.scaler)), scalerAdded_ = true;
       return graphedTrainStep(*graphed_, Replica{ddp_.get(), nullptr}, in.model, *optimizer_, in.scaler, in.loader,
-                              in.sampler, in.options, in.device, lastGraphReason_);
+                              in.sampler, in.options, in.device, in.memoryFormat, lastGraphReason_);
     }
     return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
                      in.options, in.device, in.memoryFormat);
