@@ -219,12 +219,14 @@ interposed() {
     comm -12 <(echo "$used") <(echo "$exports") | c++filt | sed 's/^/    /'
   done
 }
+# -L takes a regular expression: anchored, so that other labels with "cuda" in them (cuda_graph: CPU
+# tests of the graph decision, not built here) stay out.
 cuda_tests() {
   command -v nm >/dev/null && interposed
   if [ "$GPUS" -gt 0 ]; then
-    ctest --test-dir "$build" -L cuda --output-on-failure --timeout 170 -V
+    ctest --test-dir "$build" -L '^cuda$' --output-on-failure --timeout 170 -V
   else  # no GPU: the harness on the CPU in place of CUDA
-    CTORCH_CUDA_TESTS_ON_CPU=1 ctest --test-dir "$build" -L cuda --output-on-failure --timeout 170 -V
+    CTORCH_CUDA_TESTS_ON_CPU=1 ctest --test-dir "$build" -L '^cuda$' --output-on-failure --timeout 170 -V
   fi
 }
 export -f interposed cuda_tests
