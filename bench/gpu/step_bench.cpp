@@ -4,12 +4,26 @@
 // bench/gpu/step_bench.py, does exactly the same with PyTorch's DDP; bench/gpu/step_bench.sh runs them
 // side by side. On a GPU: NCCL, cuDNN's autotuner on both sides. Without one (scripts/gpu/selftest.sh):
 // the CPU and Gloo, bfloat16 through CPU autocast.
-// Usage: gpu_step_bench [--model resnet18] [--batch 256] [--steps 50] [--warmup 10] [--precision bf16|fp16|fp32]
-// Prints one line: impl=cpp ... samples_per_s=... step_ms=...
+//
+// Variants, measured in rounds that alternate between them inside this process:
+//   eager   torch::optim::SGD (one parameter and one operation at a time), contiguous tensors
+//   mt      ctorch::optim::SGD with --optimizer-kernels (default auto: fused where LibTorch has it)
+//   cl      parameters and input in channels-last memory format
+//   mt-cl   both
+// Usage: gpu_step_bench [--model resnet18] [--batch 256] [--steps 200] [--warmup 15]
+//                       [--precision bf16|fp16|fp32] [--rounds 3] [--first-round 1]
+//                       [--variants eager,mt-cl] [--optimizer-kernels auto|fused|foreach|per-parameter]
+// Prints one line per variant and round: impl=cpp-<variant> ... round=r samples_per_s=... step_ms=...
+// A variant this build cannot run prints impl=cpp-<variant> ... status=not-built reason=...
+// `--help` lists the flags (bench/gpu/step_bench.sh reads it to know what this build offers).
 #include <ctorch/amp.hpp>
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
+#include <ctorch/memory_format.hpp>
 #include <ctorch/models/registry.hpp>
+#if CTORCH_BENCH_HAS_OPTIM
+#include <ctorch/optim.hpp>
+#endif
 
 #include <ATen/Context.h>
 #include <torch/cuda.h>
@@ -18,33 +32,82 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
+
+constexpr const char* kUsage =
+    "usage: gpu_step_bench [--model resnet18] [--batch 256] [--steps 200] [--warmup 15]\n"
+    "                      [--precision bf16|fp16|fp32] [--rounds 3] [--first-round 1]\n"
+    "                      [--variants eager,mt,cl,mt-cl]"
+#if CTORCH_BENCH_HAS_OPTIM
+    " [--optimizer-kernels auto|fused|foreach|per-parameter]"
+#endif
+    "\n";
 
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
+struct Options {
+  std::string model = "resnet18", precision = "bf16", variants = "eager", kernels = "auto";
+  int batch = 256, steps = 200, warmup = 15, rounds = 3, firstRound = 1;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// One variant: its model behind DDP, its optimizer and its input, ready to step.
+struct Variant {
+  std::string name;
+  std::shared_ptr<ctorch::models::Model> net;
+  std::unique_ptr<ctorch::DistributedDataParallel<std::shared_ptr<ctorch::models::Model>>> ddp;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  torch::Tensor x;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model = "resnet18", precision = "bf16";
-  int batch = 256, steps = 50, warmup = 10;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--model") model = value;
-    else if (flag == "--batch") batch = std::atoi(value.c_str());
-    else if (flag == "--steps") steps = std::atoi(value.c_str());
-    else if (flag == "--warmup") warmup = std::atoi(value.c_str());
-    else if (flag == "--precision") precision = value;
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "gpu_step_bench: %s needs a value\n%s", flag.c_str(), kUsage);
+      return 2;
+    }
+    const std::string value = argv[++i];
+    if (flag == "--model") o.model = value;
+    else if (flag == "--batch") o.batch = std::atoi(value.c_str());
+    else if (flag == "--steps") o.steps = std::atoi(value.c_str());
+    else if (flag == "--warmup") o.warmup = std::atoi(value.c_str());
+    else if (flag == "--precision") o.precision = value;
+    else if (flag == "--rounds") o.rounds = std::atoi(value.c_str());
+    else if (flag == "--first-round") o.firstRound = std::atoi(value.c_str());
+    else if (flag == "--variants") o.variants = value;
+#if CTORCH_BENCH_HAS_OPTIM
+    else if (flag == "--optimizer-kernels") o.kernels = value;
+#endif
     else {
-      std::fprintf(stderr, "gpu_step_bench: unknown flag '%s'\n", flag.c_str());
+      std::fprintf(stderr, "gpu_step_bench: unknown flag '%s'\n%s", flag.c_str(), kUsage);
       return 2;
     }
   }
-  if (batch < 1 || steps < 1 || warmup < 0) {
-    std::fprintf(stderr, "gpu_step_bench: --batch and --steps must be positive, --warmup not negative\n");
+  if (o.batch < 1 || o.steps < 1 || o.warmup < 0 || o.rounds < 0) {
+    std::fprintf(stderr, "gpu_step_bench: --batch and --steps must be positive, --warmup and --rounds not negative\n");
     return 2;
   }
   try {
@@ -54,47 +117,95 @@ int main(int argc, char** argv) {
         cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctorch::getLocalRank() % torch::cuda::device_count()))
              : torch::Device(torch::kCPU);
     at::globalContext().setBenchmarkCuDNN(true);  // as torch.backends.cudnn.benchmark = True
-
-    torch::manual_seed(0);
-    ctorch::models::ModelOptions mo;
-    mo.name = model;
-    mo.inChannels = 3;
-    mo.imageSize = 32;
-    auto net = ctorch::models::createModel(mo);
-    net->to(device);
-    ctorch::DistributedDataParallel ddp(net, ctorch::DDPOptions().bucketCapMb(25));
-    torch::optim::SGD optimizer(ddp.parameters(),
-                                torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
-    const bool autocast = precision != "fp32";
-    const auto dtype = precision == "fp16" ? torch::kHalf : torch::kBFloat16;
-    ctorch::amp::GradScaler scaler(device, ctorch::amp::GradScalerOptions().enabled(precision == "fp16"));
-
+    const bool autocast = o.precision != "fp32";
+    const auto dtype = o.precision == "fp16" ? torch::kHalf : torch::kBFloat16;
+    ctorch::amp::GradScaler scaler(device, ctorch::amp::GradScalerOptions().enabled(o.precision == "fp16"));
     torch::manual_seed(1);
-    const auto x = torch::randn({batch, 3, 32, 32}).to(device);
-    const auto y = torch::randint(0, 10, {batch}).to(device);
-    auto step = [&] {
-      ddp.zeroGrad(/*setToNone=*/true);
+    const auto xPlain = torch::randn({o.batch, 3, 32, 32}).to(device);
+    const auto y = torch::randint(0, 10, {o.batch}).to(device);
+    std::ostringstream commonText;
+    commonText << "model=" << o.model << " device=" << device.str() << " precision=" << o.precision << " batch=" << o.batch;
+    const std::string common = commonText.str();
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4);
+
+    std::vector<std::unique_ptr<Variant>> variants;
+    for (const auto& name : split(o.variants)) {
+      const bool mt = name == "mt" || name == "mt-cl", cl = name == "cl" || name == "mt-cl";
+      if (name != "eager" && !mt && !cl) {
+        std::fprintf(stderr, "gpu_step_bench: unknown variant '%s' (eager, mt, cl, mt-cl)\n", name.c_str());
+        return 2;
+      }
+#if !CTORCH_BENCH_HAS_OPTIM
+      if (mt) {
+        std::printf("impl=cpp-%s %s status=not-built reason=this build has no ctorch::optim (the multi-tensor optimizers)\n",
+                    name.c_str(), common.c_str());
+        continue;
+      }
+#endif
+      auto v = std::make_unique<Variant>();
+      v->name = name;
+      torch::manual_seed(0);
+      ctorch::models::ModelOptions mo;
+      mo.name = o.model;
+      mo.inChannels = 3;
+      mo.imageSize = 32;
+      v->net = ctorch::models::createModel(mo);
+      v->net->to(device);
+      v->x = xPlain;
+      if (cl) {  // model.to(memory_format=torch.channels_last), before DDP lays out its buckets
+        ctorch::toMemoryFormat(*v->net, at::MemoryFormat::ChannelsLast);
+        v->x = ctorch::toMemoryFormat(xPlain, at::MemoryFormat::ChannelsLast);
+      }
+      v->ddp = std::make_unique<ctorch::DistributedDataParallel<std::shared_ptr<ctorch::models::Model>>>(
+          v->net, ctorch::DDPOptions().bucketCapMb(25));
+#if CTORCH_BENCH_HAS_OPTIM
+      if (mt) {
+        const auto kernels = ctorch::optim::kernelsFromString(o.kernels);
+        if (!kernels) {
+          std::fprintf(stderr, "gpu_step_bench: --optimizer-kernels '%s' (auto, fused, foreach, per-parameter)\n", o.kernels.c_str());
+          return 2;
+        }
+        v->optimizer = std::make_unique<ctorch::optim::SGD>(v->ddp->parameters(), sgd, *kernels);
+      }
+#endif
+      if (!v->optimizer) v->optimizer = std::make_unique<torch::optim::SGD>(v->ddp->parameters(), sgd);
+      variants.push_back(std::move(v));
+    }
+
+    auto step = [&](Variant& v) {
+      v.ddp->zeroGrad(/*setToNone=*/true);
       torch::Tensor loss;
       {
         ctorch::amp::Autocast region(device.type(), dtype, autocast);
-        loss = torch::nn::functional::cross_entropy(ddp(x), y);
+        loss = torch::nn::functional::cross_entropy((*v.ddp)(v.x), y);
       }
       scaler.scale(loss).backward();
-      scaler.step(optimizer);
+      scaler.step(*v.optimizer);
       scaler.update();
       return loss;
     };
-    for (int i = 0; i < warmup; ++i) step();
-    synchronize(device);
-    const auto start = std::chrono::steady_clock::now();
-    torch::Tensor last;
-    for (int i = 0; i < steps; ++i) last = step();
-    const double lastLoss = last.item<double>();  // waits for the device
-    synchronize(device);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("impl=cpp model=%s device=%s precision=%s batch=%d steps=%d samples_per_s=%.1f step_ms=%.3f loss=%.4f\n",
-                model.c_str(), device.str().c_str(), precision.c_str(), batch, steps, batch * steps / seconds,
-                1000.0 * seconds / steps, lastLoss);
+    for (auto& v : variants) {
+      const auto started = std::chrono::steady_clock::now();
+      for (int i = 0; i < o.warmup; ++i) step(*v);
+      synchronize(device);
+      std::printf("impl=cpp-%s %s status=ready warmup_s=%.1f\n", v->name.c_str(), common.c_str(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      std::fflush(stdout);
+    }
+    for (int r = o.firstRound; r < o.firstRound + o.rounds; ++r)
+      for (auto& v : variants) {
+        synchronize(device);
+        const auto start = std::chrono::steady_clock::now();
+        torch::Tensor last;
+        for (int i = 0; i < o.steps; ++i) last = step(*v);
+        const double lastLoss = last.item<double>();  // waits for the device
+        synchronize(device);
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::printf("impl=cpp-%s %s round=%d steps=%d samples_per_s=%.1f step_ms=%.3f loss=%.4f\n", v->name.c_str(),
+                    common.c_str(), r, o.steps, o.batch * o.steps / seconds, 1000.0 * seconds / o.steps, lastLoss);
+        std::fflush(stdout);
+      }
+    variants.clear();
     ctorch::destroyProcessGroup();
     return 0;
   } catch (const std::exception& e) {

@@ -5,14 +5,17 @@
 #   bash scripts/gpu/run.sh RESULTS_DIR
 # Configures against the machine's PyTorch (torch.utils.cmake_prefix_path), builds what the GPU
 # checks need with every core, then runs them, each step with its own time limit inside one budget
-# (CTORCH_GPU_BUDGET_S, default 480 s from the start), keeping what each step wrote when a later one
-# fails or runs out of time. RESULTS_DIR gets at most 8 files:
+# (CTORCH_GPU_BUDGET_S, default 530 s from the start: one device call of at most 9 minutes), keeping
+# what each step wrote when a later one fails or runs out of time. RESULTS_DIR gets at most 8 files:
 #   run.log           everything, in order            summary.txt    one line per step, the figures
 #   versions.txt      GPU, driver, torch, CUDA, NCCL, cuDNN, compiler, CMake
-#   cuda-tests.txt    ctest -L cuda (DDP exactness on NCCL / Gloo, AMP, snapshots, --nproc-per-node gpu, kills)
+#   cuda-tests.txt    ctest -L cuda (DDP, ZeRO-1, FSDP, the parameter server and the flat collectives on
+#                     NCCL / Gloo with CUDA tensors, AMP, snapshots, --nproc-per-node gpu, kills)
 #   train-cnn.txt     ctorch-train: the seeds' CNN on Fashion-MNIST, 3 epochs (goal: >= 90 % test accuracy)
 #   train-resnet18.txt ctorch-train: ResNet-18 on CIFAR-shaped synthetic data in bfloat16
-#   bench-resnet18.txt ctorch DDP vs Python DDP, ResNet-18 bf16 batch 256, world 1 (goal: ratio >= 1.0)
+#   bench-resnet18.txt ResNet-18 bf16, batch 256 and 32, world 1: Python eager / channels-last / torch.compile
+#                     against ctorch eager / multi-tensor SGD + channels-last / CUDA graphs, 5 interleaved
+#                     rounds of 200 steps each: medians, min-max, ratios, TFLOP/s (bench/gpu/step_bench.sh)
 # Without a GPU (scripts/gpu/selftest.sh) the same steps run on the CPU, shortened: the CUDA tests run
 # their harness on the CPU (CTORCH_CUDA_TESTS_ON_CPU=1) and the CPU tests of mixed precision run too.
 # Environment: PYTHON (the python3 with torch), CTORCH_GPU_PACK (default gpu-pack/), CTORCH_GPU_BUILD
@@ -26,9 +29,10 @@ out=$(cd "$out" && pwd)
 pack=${CTORCH_GPU_PACK:-$here/gpu-pack}
 build=${CTORCH_GPU_BUILD:-$here/build-gpu}
 work=$build/gpu-work
-budget=${CTORCH_GPU_BUDGET_S:-480}
+budget=${CTORCH_GPU_BUDGET_S:-530}
 scale=${CTORCH_GPU_LIMIT_SCALE:-1}   # every step's limit times this (the selftest's 2 cores build slower)
-steps=${CTORCH_GPU_STEPS:-versions,configure,build,cuda-tests,cpu-tests,train-cnn,bench,train-resnet18}
+# The bench before the two training runs (which the first GPU machine proved): they run if time is left.
+steps=${CTORCH_GPU_STEPS:-versions,configure,build,cuda-tests,cpu-tests,bench,train-cnn,train-resnet18}
 start=$(date +%s)
 summary=$out/summary.txt
 : >"$summary"
@@ -183,7 +187,9 @@ fi
 step configure 150 "" -- cmake "${cmake_args[@]}" || { note "configure failed: see run.log (CMake's error above)"; failed_build=1; }
 
 # ---- build -------------------------------------------------------------------------------------------------
-read -r -a targets <<<"${CTORCH_GPU_TARGETS:-ctorchrun ctorch-train cuda_tests amp_tests gpu_step_bench}"
+default_targets="ctorchrun ctorch-train cuda_tests gpu_step_bench"
+[ "$GPUS" -gt 0 ] || default_targets="$default_targets amp_tests"  # the cpu-tests step, without a GPU only
+read -r -a targets <<<"${CTORCH_GPU_TARGETS:-$default_targets}"
 if [ $failed_build -eq 0 ]; then
   step build 300 "" -- cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}" || failed_build=1
 fi
@@ -199,15 +205,32 @@ mkdir -p "$work"
 
 # ---- the checks -------------------------------------------------------------------------------------------
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} USE_LIBUV=${USE_LIBUV:-1}
+# pip's torch exports its own copies of some std::filesystem functions (pytorch/pytorch#133437), which
+# take the place of libstdc++'s in a program linked with it: recorded, the ones the test binary uses.
+interposed() {
+  local exports
+  exports=$(for l in "$TORCH_DIR"/lib/libtorch*.so "$TORCH_DIR"/lib/libc10.so; do
+              [ -e "$l" ] && nm -D --defined-only "$l" 2>/dev/null; done | awk '{print $NF}' | sed 's/@.*//' | grep filesystem | sort -u)
+  echo "std::filesystem symbols torch's libraries define: $(echo "$exports" | grep -c . )"
+  for b in "$build/tests/cuda/cuda_tests" "$train"; do
+    [ -x "$b" ] || continue
+    local used; used=$(nm -D --undefined-only "$b" 2>/dev/null | awk '{print $NF}' | sed 's/@.*//' | grep filesystem | sort -u)
+    echo "$(basename "$b") imports $(echo "$used" | grep -c .) std::filesystem symbols; torch defines these of them:"
+    comm -12 <(echo "$used") <(echo "$exports") | c++filt | sed 's/^/    /'
+  done
+}
+# -L takes a regular expression: anchored, so that other labels with "cuda" in them (cuda_graph: CPU
+# tests of the graph decision, not built here) stay out.
 cuda_tests() {
+  command -v nm >/dev/null && interposed
   if [ "$GPUS" -gt 0 ]; then
-    ctest --test-dir "$build" -L cuda --output-on-failure --timeout 170 -V
+    ctest --test-dir "$build" -L '^cuda$' --output-on-failure --timeout 170 -V
   else  # no GPU: the harness on the CPU in place of CUDA
-    CTORCH_CUDA_TESTS_ON_CPU=1 ctest --test-dir "$build" -L cuda --output-on-failure --timeout 170 -V
+    CTORCH_CUDA_TESTS_ON_CPU=1 ctest --test-dir "$build" -L '^cuda$' --output-on-failure --timeout 170 -V
   fi
 }
-export -f cuda_tests
-step cuda-tests 200 "$out/cuda-tests.txt" -- cuda_tests
+export -f interposed cuda_tests
+step cuda-tests 190 "$out/cuda-tests.txt" -- cuda_tests
 ok=$(grep -cE 'Test +#[0-9]+: .* Passed' "$out/cuda-tests.txt" 2>/dev/null); skipped=$(grep -c 'Skipped' "$out/cuda-tests.txt" 2>/dev/null)
 [ -f "$out/cuda-tests.txt" ] && note "cuda-tests: $(grep -E '% tests passed' "$out/cuda-tests.txt" | tail -n 1) ($ok passed, $skipped skipped lines)"
 grep -h 'RECORDED:' "$out/cuda-tests.txt" 2>/dev/null | sed 's/^/  /' | sort -u >>"$summary"
@@ -215,6 +238,30 @@ grep -h 'RECORDED:' "$out/cuda-tests.txt" 2>/dev/null | sed 's/^/  /' | sort -u 
 cpu_tests() { ctest --test-dir "$build" -L amp --output-on-failure --timeout 60; }
 export -f cpu_tests
 [ "$GPUS" -gt 0 ] || step cpu-tests 60 "" -- cpu_tests
+
+# ResNet-18 bfloat16 side by side, world 1, data on the device: Python eager, channels-last and
+# torch.compile against ctorch eager, multi-tensor SGD + channels-last and CUDA graphs (where built), at
+# batch 256 and 32, 5 rounds of 200 steps each, interleaved (bench/gpu/step_bench.sh). Estimated from
+# the first GPU machine (a step at batch 256 ~16 ms): ~110 s of measured steps, ~60 s of process
+# starts and warm-ups, ~60-150 s for torch.compile (a cold compile per batch size, then its cache):
+# about what is left after the build and the CUDA tests. Whatever is left of the budget is its time
+# box; a process that cannot start in time is recorded "not-run", and what was measured is kept.
+bench() {
+  local left_s=$bench_budget
+  if [ "$GPUS" -gt 0 ]; then
+    PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" --model resnet18 --precision bf16 \
+      --batches "256 32" --rounds 5 --steps 200 --warmup 10 --budget-s "$left_s"
+  else  # the CPU rehearsal: tiny, and torch.compile traced by its "eager" backend (no C++ codegen)
+    PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" --model resnet18 --precision bf16 \
+      --batches "8 4" --rounds 2 --steps 2 --warmup 1 --compile-backend eager --budget-s "$left_s"
+  fi
+}
+export -f bench
+bench_budget=$(( $(left) - 20 ))
+[ "$bench_budget" -gt $((330 * scale)) ] && bench_budget=$((330 * scale))
+export bench_budget
+step bench 330 "$out/bench-resnet18.txt" -- bench
+grep -h '^step_bench: ' "$out/bench-resnet18.txt" 2>/dev/null | grep -v '^step_bench: round: ' | sed 's/^step_bench: /bench: /' >>"$summary"
 
 # The seeds' CNN on Fashion-MNIST, one worker per GPU (on the CPU: one short epoch).
 train_cnn() {
@@ -229,20 +276,6 @@ export -f train_cnn
 step train-cnn 100 "$out/train-cnn.txt" -- train_cnn
 acc=$(grep -oE 'test accuracy [0-9.]+%' "$out/train-cnn.txt" 2>/dev/null | tail -n 1)
 [ -n "$acc" ] && note "train-cnn: final $acc (goal on a GPU, 3 epochs: >= 90 %); $(grep -oE 'epoch [0-9]+/[0-9]+ done: [^(]*' "$out/train-cnn.txt" | tail -n 1)"
-
-# ctorch's DDP against Python's, ResNet-18 bfloat16 batch 256, data on the device, world 1.
-bench() {
-  if [ "$GPUS" -gt 0 ]; then
-    PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" 3 --model resnet18 --batch 256 \
-      --steps 60 --warmup 15 --precision bf16
-  else
-    PYTHON=$python CTORCH_BUILD_DIR=$build bash "$here/bench/gpu/step_bench.sh" 1 --model resnet18 --batch 16 \
-      --steps 3 --warmup 1 --precision bf16
-  fi
-}
-export -f bench
-step bench 150 "$out/bench-resnet18.txt" -- bench
-grep -h '^step_bench: median' "$out/bench-resnet18.txt" 2>/dev/null | sed 's/^step_bench: /bench: /' >>"$summary"
 
 # ResNet-18 on CIFAR-shaped synthetic images in bfloat16 through the trainer.
 train_resnet() {

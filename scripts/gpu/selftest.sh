@@ -88,5 +88,17 @@ echo "selftest: run.sh exit $status; $files files in $results: $(ls "$results" |
 for s in versions configure build cuda-tests cpu-tests train-cnn bench train-resnet18; do
   grep -q "^$s: ok" "$results/summary.txt" || { echo "selftest: step $s did not pass" >&2; status=1; }
 done
+# The strategies ran on the CPU standing in for CUDA (not skipped), and the bench's summary has every
+# implementation's figures and the ratios.
+strategies=$(grep -cE 'Test +#[0-9]+: cuda_tests:cuda: .*(ZeRO-1|FSDP|parameter server|flat reduce-scatter).* Passed' \
+             "$results/cuda-tests.txt" 2>/dev/null)
+[ "${strategies:-0}" -ge 5 ] || { echo "selftest: $strategies of the 5+ strategy tests passed on the CPU stand-in" >&2; status=1; }
+for impl in cpp-eager py-eager py-channels-last; do
+  grep -qE "^bench: batch 8 $impl: median" "$results/summary.txt" || { echo "selftest: no bench figures for $impl" >&2; status=1; }
+done
+# torch.compile: figures, or its failure recorded with the reason (Dynamo may not support this python).
+grep -qE "^bench: batch 8 py-compile: (median|failed: .+)" "$results/summary.txt" || { echo "selftest: py-compile not recorded" >&2; status=1; }
+grep -qE "^bench: batch 4 ratio cpp-eager / py-eager" "$results/summary.txt" || { echo "selftest: no bench ratio" >&2; status=1; }
+grep -qE "^bench: batch 8 cpp-graphs: (not-built|median)" "$results/summary.txt" || { echo "selftest: CUDA graphs not recorded" >&2; status=1; }
 [ $status -eq 0 ] && echo "selftest: passed"
 exit $status

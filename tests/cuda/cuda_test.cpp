@@ -23,6 +23,7 @@
 // NCCL): the harness's own check on a machine without a GPU. CTest never sets it.
 #include "ctorch_catch.hpp"
 
+#include "cuda_test_util.hpp"
 #include "multiproc.hpp"
 #include "trainer_test_util.hpp"
 
@@ -47,45 +48,9 @@
 using namespace ctorch::test;
 using traintest::fs::path;
 
+using namespace cudatest;
+
 namespace {
-
-bool onCpuInstead() {
-  const char* v = std::getenv("CTORCH_CUDA_TESTS_ON_CPU");
-  return v && std::string(v) == "1";
-}
-bool haveCuda() { return torch::cuda::is_available(); }
-int gpuCount() { return haveCuda() ? static_cast<int>(torch::cuda::device_count()) : 0; }
-
-#define REQUIRE_GPU_OR_CPU_STAND_IN()                                                                     \
-  do {                                                                                                   \
-    if (!haveCuda() && !onCpuInstead()) CTORCH_SKIP("no CUDA device is visible to this LibTorch");       \
-  } while (false)
-#define REQUIRE_GPU()                                                                                    \
-  do {                                                                                                   \
-    if (!haveCuda()) CTORCH_SKIP("no CUDA device is visible to this LibTorch");                          \
-  } while (false)
-
-// cuda:LOCAL_RANK (cuda:0 when this process sees one GPU), or the CPU standing in for it.
-torch::Device testDevice(int localRank = 0) {
-  if (!haveCuda()) return torch::kCPU;
-  const int n = gpuCount();
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(n == 1 ? 0 : localRank % n));
-}
-
-void deterministic() {
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
-}
-
-std::map<std::string, std::string> workerEnv() {
-  return {{"CUBLAS_WORKSPACE_CONFIG", ":4096:8"}, {"OMP_NUM_THREADS", "1"}};
-}
-
-std::string arg(const std::vector<std::string>& args, const std::string& key, const std::string& fallback) {
-  for (const auto& a : args)
-    if (a.rfind(key + "=", 0) == 0) return a.substr(key.size() + 1);
-  return fallback;
-}
 
 // ---- models ---------------------------------------------------------------------------------------
 struct MlpImpl : torch::nn::Module {
@@ -413,64 +378,6 @@ TEST_CASE("cuda: the CUDA generator states go into a snapshot and come back from
 }
 
 namespace {
-
-bool ivalueEqual(const c10::IValue& a, const c10::IValue& b, const std::string& where, std::string& why) {
-  if (a.isTensor() && b.isTensor()) {
-    const auto x = a.toTensor().to(torch::kCPU), y = b.toTensor().to(torch::kCPU);
-    if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes() || !torch::equal(x, y)) {
-      why = where + " differs";
-      return false;
-    }
-    return true;
-  }
-  if (a.isGenericDict() && b.isGenericDict()) {
-    auto da = a.toGenericDict(), db = b.toGenericDict();
-    if (da.size() != db.size()) {
-      why = where + " has " + std::to_string(da.size()) + " and " + std::to_string(db.size()) + " entries";
-      return false;
-    }
-    for (const auto& e : da) {
-      auto it = db.find(e.key());
-      if (it == db.end()) {
-        why = where + " lacks " + e.key().tagKind();
-        return false;
-      }
-      std::ostringstream k;
-      k << e.key();
-      if (!ivalueEqual(e.value(), it->value(), where + "[" + k.str() + "]", why)) return false;
-    }
-    return true;
-  }
-  if (a.isList() && b.isList()) {
-    auto la = a.toListRef(), lb = b.toListRef();
-    if (la.size() != lb.size()) {
-      why = where + " lengths differ";
-      return false;
-    }
-    for (size_t i = 0; i < la.size(); ++i)
-      if (!ivalueEqual(la[i], lb[i], where + "[" + std::to_string(i) + "]", why)) return false;
-    return true;
-  }
-  if (a.isTuple() && b.isTuple()) {
-    const auto& ta = a.toTupleRef().elements();
-    const auto& tb = b.toTupleRef().elements();
-    if (ta.size() != tb.size()) {
-      why = where + " tuple lengths differ";
-      return false;
-    }
-    for (size_t i = 0; i < ta.size(); ++i)
-      if (!ivalueEqual(ta[i], tb[i], where + "(" + std::to_string(i) + ")", why)) return false;
-    return true;
-  }
-  bool same = false;
-  if (a.isInt() && b.isInt()) same = a.toInt() == b.toInt();
-  else if (a.isDouble() && b.isDouble()) same = a.toDouble() == b.toDouble();
-  else if (a.isBool() && b.isBool()) same = a.toBool() == b.toBool();
-  else if (a.isString() && b.isString()) same = a.toStringRef() == b.toStringRef();
-  else if (a.isNone() && b.isNone()) same = true;
-  if (!same) why = where + " differs (" + a.tagKind() + ", " + b.tagKind() + ")";
-  return same;
-}
 
 // Model and optimizer state of two snapshots, compared bit for bit.
 std::string stateDifference(const ctorch::Snapshot& a, const ctorch::Snapshot& b) {

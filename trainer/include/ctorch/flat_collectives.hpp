@@ -18,8 +18,10 @@
 // which at 2 ranks is x0 + x1 for both chunks, i.e. what any allreduce gives; at 3 and more ranks
 // it may differ from an allreduce in the last bits (another association of the same sum).
 //
-// CUDA tensors use the backend's own collective (NCCL's reduce-scatter / all-gather base), whose
-// order is NCCL's.
+// CUDA tensors use NCCL's own collective (reduce-scatter / all-gather base), whose order is NCCL's,
+// where the group hands CUDA tensors to NCCL. Under Gloo (e.g. two ranks sharing one GPU, which
+// NCCL refuses) they are copied to the host, go around the same ring in the same order as CPU
+// tensors (the same bits), and the result is copied back: Gloo's send / recv read host memory only.
 //
 // Every rank of the group calls each collective, in the same order, from one thread at a time.
 // A failed send or receive (a peer gone, a wait past the group's timeout) is a DistributedError

@@ -1,5 +1,5 @@
 // Ring reduce-scatter and all-gather of flat tensors over a process group's send/recv
-// (flat_collectives.hpp); CUDA tensors use the backend's own collectives.
+// (flat_collectives.hpp); CUDA tensors use NCCL's own collectives, or the ring on host copies (Gloo).
 #include "ctorch/flat_collectives.hpp"
 
 #include "core/compat.hpp"
@@ -212,9 +212,15 @@ void reduceScatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at
   using namespace flat_collectives_detail;
   check("reduceScatter", group, input, output, input.numel(), output.numel(), "input", options);
   at::NoGradGuard noGrad;  // the output may be a view of a parameter (FSDP's flat parameter)
-  if (input.is_cuda()) {
+  if (input.is_cuda() && compat::backendNameFor(group, c10::DeviceType::CUDA) == "nccl") {
     at::Tensor in = input;
     runNative("reduceScatter", *group, [&] { return compat::reduceScatterFlat(*group, output, in); });
+    return;
+  }
+  if (input.is_cuda()) {  // Gloo: the ring on host copies (its send / recv read host memory only)
+    at::Tensor hostOutput = at::empty(output.sizes(), output.options().device(at::kCPU));
+    reduceScatter(group, input.to(at::kCPU), hostOutput, options);
+    output.copy_(hostOutput);
     return;
   }
   if (group->getSize() == 1) {
@@ -230,9 +236,15 @@ void allGather(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Te
   using namespace flat_collectives_detail;
   check("allGather", group, input, output, output.numel(), input.numel(), "output", options);
   at::NoGradGuard noGrad;  // the output may be a view of a parameter (FSDP's flat parameter)
-  if (input.is_cuda()) {
+  if (input.is_cuda() && compat::backendNameFor(group, c10::DeviceType::CUDA) == "nccl") {
     at::Tensor in = input;
     runNative("allGather", *group, [&] { return compat::allGatherFlat(*group, output, in); });
+    return;
+  }
+  if (input.is_cuda()) {  // Gloo: as reduceScatter; the input is copied first (it may be output's chunk)
+    at::Tensor hostOutput = at::empty(output.sizes(), output.options().device(at::kCPU));
+    allGather(group, input.to(at::kCPU), hostOutput, options);
+    output.copy_(hostOutput);
     return;
   }
   if (group->getSize() == 1) {

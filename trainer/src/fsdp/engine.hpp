@@ -6,6 +6,7 @@
 
 #include "ctorch/flat_collectives.hpp"
 
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -81,6 +82,15 @@ class FSDPCommThread {
   std::thread thread_;
 };
 
+// Fresh memory for a storage on the storage's own device: CUDA's caching allocator allocates on the
+// calling thread's current device, and a gather may start on a thread whose current device is another
+// (autograd's device threads, the communication thread, a user's thread).
+inline void allocateOn(c10::StorageImpl& impl, std::size_t bytes) {
+  const c10::DeviceGuard onDevice(impl.device());
+  impl.set_data_ptr_noswap(impl.allocator()->allocate(bytes));
+  impl.set_nbytes(bytes);
+}
+
 // Freed unit buffers kept for the next gather of the same size, at most `capacity` bytes (set to what
 // the previous step had gathered at once): the memory a step gathers is reused, not returned to the
 // system and faulted in again every step.
@@ -106,8 +116,7 @@ class BufferPool {
         impl->set_nbytes(bytes);
         return;
       }
-    impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
-    impl->set_nbytes(bytes);
+    allocateOn(*impl, bytes);
   }
   void setCapacity(std::size_t bytes) {
     capacity_ = bytes;
@@ -128,11 +137,7 @@ inline void freeStorage(const c10::Storage& storage) {
   impl->set_nbytes(0);
 }
 
-inline void allocateStorage(const c10::Storage& storage, std::size_t bytes) {
-  auto* impl = storage.unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
-  impl->set_nbytes(bytes);
-}
+inline void allocateStorage(const c10::Storage& storage, std::size_t bytes) { allocateOn(*storage.unsafeGetStorageImpl(), bytes); }
 
 // The parameters of one unit of one kind (trainable or frozen), flattened: `full` aliases the storage
 // every parameter of it now lives in (freed while sharded), `shard` is this rank's slice of it.

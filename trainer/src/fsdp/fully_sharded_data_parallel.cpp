@@ -298,13 +298,21 @@ double FSDPCore::clipGradNorm(double maxNorm) {
   if (!(maxNorm > 0)) throw ConfigError("clipGradNorm: the maximum norm must be positive, got " + std::to_string(maxNorm));
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   torch::NoGradGuard noGrad;
-  auto squares = at::zeros({1}, at::kDouble);
+  // Summed on the shards' device: the allreduce then goes to the backend of that device (NCCL for
+  // CUDA tensors, which may be the group's only backend).
+  at::Device device(at::kCPU);
+  for (const auto& unit : s.units)
+    if (!unit->flats.empty()) {
+      device = unit->flats.front().shard.device();
+      break;
+    }
+  auto squares = at::zeros({1}, at::TensorOptions(at::kDouble).device(device));
   std::vector<at::Tensor> grads;
   for (auto& unit : s.units)
     for (auto& flat : unit->flats)
       if (flat.shard.grad().defined()) {
         grads.push_back(flat.shard.grad());
-        squares += flat.shard.grad().to(at::kDouble).pow(2).sum().cpu();
+        squares += flat.shard.grad().to(at::kDouble).pow(2).sum().to(squares.device());
       }
   if (s.world > 1) {
     auto g = s.group;

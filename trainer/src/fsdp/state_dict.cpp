@@ -275,7 +275,8 @@ void FSDPCore::loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, 
           const auto held = other.at("pieces").toGenericDict();
           if (held.contains(key)) pieces.emplace_back(other.at("begin").toInt(), held.at(key).toTensor());
         }
-        auto mine = at::zeros({flat.shardNumel}, item.value().toTensor().options());
+        // The saved dtype, on this run's device (a snapshot written on CUDA may resume on the CPU).
+        auto mine = at::zeros({flat.shardNumel}, item.value().toTensor().options().device(flat.shard.device()));
         assemble(mine, begin, end, pieces, flat.name + " " + key, s.rank);
         own.insert(key, mine);
       }

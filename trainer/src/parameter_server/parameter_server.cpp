@@ -23,6 +23,13 @@ constexpr int kWeightsTag = 1;   // server -> worker: the server's share of the 
 constexpr int kGradientTag = 2;  // worker -> server: the worker's gradients of that share, flat
 constexpr int kInfoTag = 3;      // server -> worker (asynchronous mode): the share's version, how far ahead
 
+// Every message is a CPU tensor, whatever the parameters' device: Gloo's send and recv read and write
+// host memory only (a CUDA tensor's pointer would be taken for a host address). CUDA parameters and
+// gradients are packed on their device and copied over; what arrives is copied to the device before
+// any arithmetic, which runs where DDP's would.
+at::Tensor onHost(const at::Tensor& t) { return t.to(at::kCPU); }
+at::TensorOptions hostOptions(const at::Tensor& like) { return like.options().device(at::kCPU); }
+
 const char* commandName(std::int64_t command) {
   switch (command) {
     case 1: return "pull";
@@ -169,7 +176,7 @@ void ParameterServer::receiveWeights() {
     const auto& share = shares_[static_cast<std::size_t>(s)];
     std::int64_t numel = 0;
     for (std::size_t i : share) numel += parameters_[i].numel();
-    buffers[static_cast<std::size_t>(s)] = {at::empty({numel}, parameters_[share.front()].options())};
+    buffers[static_cast<std::size_t>(s)] = {at::empty({numel}, hostOptions(parameters_[share.front()]))};
     works.emplace_back(workers_ + s, group_->recv(buffers[static_cast<std::size_t>(s)], workers_ + s, kWeightsTag));
   }
   waitAll(works, timeout_, rank_, "receiving weights from");
@@ -206,7 +213,7 @@ void ParameterServer::pushGradients() {
   std::vector<std::vector<at::Tensor>> messages;
   messages.reserve(static_cast<std::size_t>(servers_));
   for (int s = 0; s < servers_; ++s) {
-    messages.push_back({packShare(s, /*gradients=*/true)});
+    messages.push_back({onHost(packShare(s, /*gradients=*/true))});
     works.emplace_back(workers_ + s, group_->send(messages.back(), workers_ + s, kGradientTag));
   }
   waitAll(works, timeout_, rank_, "pushing gradients to");
@@ -275,7 +282,7 @@ ParameterServer::Command ParameterServer::receiveCommands() {
 }
 
 void ParameterServer::sendWeights() {
-  std::vector<at::Tensor> flat{packShare(serverIndex(), /*gradients=*/false)};
+  std::vector<at::Tensor> flat{onHost(packShare(serverIndex(), /*gradients=*/false))};
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
   for (int w = 0; w < workers_; ++w) works.emplace_back(w, group_->send(flat, w, kWeightsTag));
   waitAll(works, timeout_, rank_, "sending weights to");
@@ -288,7 +295,7 @@ void ParameterServer::aggregateAndStep() {
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
   std::vector<std::vector<at::Tensor>> gradients(static_cast<std::size_t>(workers_));
   for (int w = 0; w < workers_; ++w) {
-    gradients[static_cast<std::size_t>(w)] = {at::empty({numel}, parameters_[share.front()].options())};
+    gradients[static_cast<std::size_t>(w)] = {at::empty({numel}, hostOptions(parameters_[share.front()]))};
     works.emplace_back(w, group_->recv(gradients[static_cast<std::size_t>(w)], w, kGradientTag));
   }
   waitAll(works, timeout_, rank_, "receiving gradients from");
@@ -297,8 +304,9 @@ void ParameterServer::aggregateAndStep() {
   // worker-rank order; with 2 workers that is every order there is, so the result is DDP's bits.
   torch::NoGradGuard noGrad;
   const double scale = 1.0 / static_cast<double>(workers_);
-  at::Tensor average = gradients[0][0].mul(scale);
-  for (int w = 1; w < workers_; ++w) average.add_(gradients[static_cast<std::size_t>(w)][0].mul(scale));
+  const auto device = parameters_[share.front()].device();
+  at::Tensor average = gradients[0][0].to(device).mul(scale);
+  for (int w = 1; w < workers_; ++w) average.add_(gradients[static_cast<std::size_t>(w)][0].to(device).mul(scale));
   applyGradient(average);
 }
 
@@ -376,7 +384,7 @@ void ParameterServer::answer(int worker) {
   const std::int64_t slowest = slowestClock();
   const std::int64_t clock = clocks_[static_cast<std::size_t>(worker)];
   std::vector<at::Tensor> info{at::tensor(std::vector<std::int64_t>{version_, slowest == std::numeric_limits<std::int64_t>::max() ? 0 : std::max<std::int64_t>(0, clock - slowest)}, at::kLong)};
-  std::vector<at::Tensor> flat{packShare(serverIndex(), /*gradients=*/false)};
+  std::vector<at::Tensor> flat{onHost(packShare(serverIndex(), /*gradients=*/false))};
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
   works.emplace_back(worker, group_->send(info, worker, kInfoTag));
   works.emplace_back(worker, group_->send(flat, worker, kWeightsTag));
@@ -443,12 +451,12 @@ bool ParameterServer::serveAsync(bool untilSync) {
         answer(w);
         break;
       case kStep: {
-        std::vector<at::Tensor> gradient{at::empty({numel}, parameters_[share.front()].options())};
+        std::vector<at::Tensor> gradient{at::empty({numel}, hostOptions(parameters_[share.front()]))};
         std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
         works.emplace_back(w, group_->recv(gradient, w, kGradientTag));
         waitAll(works, timeout_, rank_, "receiving gradients from");
         // This worker's gradients weigh 1/N, as each does in the synchronous average.
-        applyGradient(gradient[0].mul(1.0 / static_cast<double>(workers_)));
+        applyGradient(gradient[0].to(parameters_[share.front()].device()).mul(1.0 / static_cast<double>(workers_)));
         const std::int64_t staleness = std::max<std::int64_t>(0, version_ - command[0][2].item<std::int64_t>());
         ++version_;
         ++steps_;
