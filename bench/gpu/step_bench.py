@@ -68,7 +68,8 @@ def report(path, peak_tflops, flops_fwd):
           f"(2 x multiply-adds of convs and linears), training step ~3x = {train / 1e9:.3f} GFLOP/sample; "
           f"peak {peak_tflops:g} TFLOP/s (dense bf16, H100/H200 SXM)")
     pairs = [("cpp-eager", "py-eager"), ("cpp-mt-cl", "py-channels-last"), ("cpp-graphs", "py-compile"),
-             ("cpp-mt-cl", "py-eager"), ("cpp-graphs", "py-eager")]
+             ("cpp-graphs-mt-cl", "py-compile"), ("cpp-mt-cl", "py-eager"), ("cpp-graphs", "py-eager"),
+             ("cpp-graphs-mt-cl", "py-eager")]
     batches = sorted({b for b, _ in list(rows) + list(status)}, reverse=True)
     for batch in batches:
         impls = sorted({i for b, i in list(rows) + list(status) if b == batch})

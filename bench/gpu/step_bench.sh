@@ -3,9 +3,10 @@
 # (world 1: NCCL on a GPU, Gloo on the CPU), the same model, precision and data already on the device:
 #   py-eager, py-channels-last, py-compile       bench/gpu/step_bench.py (torch.compile, default mode)
 #   cpp-eager, cpp-mt-cl                         bench/gpu/gpu_step_bench (torch::optim; ctorch::optim
-#                                                + channels-last; "not built" without ctorch::optim)
-#   cpp-graphs                                   gpu_step_bench --cuda-graphs, when its --help lists the
-#                                                flag; else recorded "not built"
+#                                                + channels-last)
+#   cpp-graphs, cpp-graphs-mt-cl                 gpu_step_bench --cuda-graphs (the same two, each step
+#                                                a replayed CUDA graph), when its --help lists the flag;
+#                                                else recorded "not built"
 # For each batch size (largest first), ROUNDS rounds of STEPS steps per implementation, in two passes:
 # C++, Python, [CUDA graphs], then again; inside a process the variants alternate round by round.
 # Every line as it comes, then the summary (bench/gpu/step_bench.py --report): per implementation the
@@ -42,10 +43,9 @@ graphs=0
 echo "step_bench: $model, $precision, batches $batches, $rounds rounds of $steps steps (+$warmup warm-up) per implementation;" \
      "CUDA graphs: $([ $graphs -eq 1 ] && echo built || echo 'not built'); budget ${budget}s"
 free_port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# run_one NAME BATCH RELABEL -- COMMAND...: one process, time-boxed by the budget; its impl= lines kept
-# (RELABEL: a name that replaces the impl= of every line, for cpp-graphs).
+# run_one NAME BATCH -- COMMAND...: one process, time-boxed by the budget; its impl= lines kept.
 run_one() {
-  local name=$1 batch=$2 relabel=$3; shift 4
+  local name=$1 batch=$2; shift 3
   local remaining; remaining=$(left)
   if [ "$remaining" -lt 20 ]; then
     echo "impl=$name batch=$batch status=not-run reason=out of time (${remaining}s of ${budget}s left)" | tee -a "$lines"
@@ -53,8 +53,7 @@ run_one() {
   fi
   local t0; t0=$(date +%s)
   env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(free_port) \
-      USE_LIBUV=${USE_LIBUV:-1} timeout --kill-after=5 $((remaining - 5)) "$@" 2>&1 |
-    if [ -n "$relabel" ]; then sed -u -E "s/^impl=[^ ]+/impl=$relabel/"; else cat; fi | tee -a "$lines"
+      USE_LIBUV=${USE_LIBUV:-1} timeout --kill-after=5 $((remaining - 5)) "$@" 2>&1 | tee -a "$lines"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || echo "impl=$name batch=$batch status=failed reason=exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$lines"
 }
@@ -65,11 +64,11 @@ for batch in $batches; do
     [ "$n" -gt 0 ] || continue
     common=(--model "$model" --batch "$batch" --steps "$steps" --warmup "$warmup" --precision "$precision"
             --rounds "$n" --first-round "$first")
-    run_one cpp "$batch" "" -- "$bin" "${common[@]}" --variants "$cpp_variants"
-    run_one py "$batch" "" -- "$python" "$here/bench/gpu/step_bench.py" "${common[@]}" --variants "$py_variants" \
+    run_one cpp "$batch" -- "$bin" "${common[@]}" --variants "$cpp_variants"
+    run_one py "$batch" -- "$python" "$here/bench/gpu/step_bench.py" "${common[@]}" --variants "$py_variants" \
       --compile-backend "$backend"
     if [ $graphs -eq 1 ]; then
-      run_one cpp-graphs "$batch" cpp-graphs -- "$bin" "${common[@]}" --variants eager --cuda-graphs
+      run_one cpp-graphs "$batch" -- "$bin" "${common[@]}" --variants "$cpp_variants" --cuda-graphs
     elif [ $pass -eq 1 ]; then
       echo "impl=cpp-graphs batch=$batch status=not-built reason=gpu_step_bench --help lists no --cuda-graphs" | tee -a "$lines"
     fi

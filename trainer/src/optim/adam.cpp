@@ -160,33 +160,15 @@ Kernels stepAll(torch::optim::Optimizer& optimizer, Kernels asked, const char* n
 } // namespace
 
 at::Tensor Adam::step(LossClosure closure) {
-  if (kernels_ == Kernels::kPerParameter) {
-    last_ = Kernels::kPerParameter;
-    return torch::optim::Adam::step(std::move(closure));
-  }
-  torch::NoGradGuard noGrad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enableGrad(true);
-    loss = closure();
-  }
-  last_ = stepAll<torch::optim::AdamOptions, AdamParamState>(*this, kernels_, "Adam", false, steps_);
-  return loss;
+  return detail::runStep<torch::optim::Adam>(*this, kernels_, last_, std::move(closure), [&] {
+    last_ = stepAll<torch::optim::AdamOptions, AdamParamState>(*this, kernels_, "Adam", false, steps_);
+  });
 }
 
 at::Tensor AdamW::step(LossClosure closure) {
-  if (kernels_ == Kernels::kPerParameter) {
-    last_ = Kernels::kPerParameter;
-    return torch::optim::AdamW::step(std::move(closure));
-  }
-  torch::NoGradGuard noGrad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enableGrad(true);
-    loss = closure();
-  }
-  last_ = stepAll<torch::optim::AdamWOptions, AdamWParamState>(*this, kernels_, "AdamW", true, steps_);
-  return loss;
+  return detail::runStep<torch::optim::AdamW>(*this, kernels_, last_, std::move(closure), [&] {
+    last_ = stepAll<torch::optim::AdamWOptions, AdamWParamState>(*this, kernels_, "AdamW", true, steps_);
+  });
 }
 
 } // namespace ctorch::optim

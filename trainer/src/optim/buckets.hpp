@@ -6,8 +6,10 @@
 #include "ctorch/optim.hpp"
 
 #include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ctorch::optim::detail {
@@ -69,6 +71,25 @@ inline Kernels resolve(Kernels asked, const char* optimizer, const Bucket& b) {
 // One list of scalars for the multi-tensor operations whose scalar differs per parameter.
 inline std::vector<c10::Scalar> scalars(const std::vector<double>& values) {
   return std::vector<c10::Scalar>(values.begin(), values.end());
+}
+
+// What every step() does around its kernels: kPerParameter hands the step to torch::optim's own
+// (`Base`); otherwise the closure, if any, runs with gradients on and `body` steps without.
+template <typename Base, typename Body>
+at::Tensor runStep(Base& self, Kernels kernels, Kernels& last, torch::optim::Optimizer::LossClosure closure,
+                   Body&& body) {
+  if (kernels == Kernels::kPerParameter) {
+    last = Kernels::kPerParameter;
+    return self.Base::step(std::move(closure));
+  }
+  torch::NoGradGuard noGrad;
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enableGrad(true);
+    loss = closure();
+  }
+  std::forward<Body>(body)();
+  return loss;
 }
 
 } // namespace ctorch::optim::detail

@@ -109,36 +109,27 @@ bool sgdFusable(const detail::Bucket& b, const OptimizerStateMap& state) {
 } // namespace
 
 at::Tensor SGD::step(LossClosure closure) {
-  if (kernels_ == Kernels::kPerParameter) {
-    last_ = Kernels::kPerParameter;
-    return torch::optim::SGD::step(std::move(closure));
-  }
-  torch::NoGradGuard noGrad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enableGrad(true);
-    loss = closure();
-  }
-  for (auto& group : param_groups()) {
-    const auto& o = static_cast<const SGDOptions&>(group.options());
-    for (auto& b : detail::bucketsOf(group.params(), "SGD")) {
-      Kernels k = detail::resolve(kernels_, "SGD", b);
-      if (k == Kernels::kFused && !sgdFusable(b, state())) {
-        if (kernels_ == Kernels::kFused)
-          throw ConfigError("ctorch::optim::SGD: the fused kernel needs each gradient and momentum buffer laid out "
-                            "as its parameter (use Kernels::kAuto or kForEach)");
-        k = Kernels::kForEach;
-      }
+  return detail::runStep<torch::optim::SGD>(*this, kernels_, last_, std::move(closure), [&] {
+    for (auto& group : param_groups()) {
+      const auto& o = static_cast<const SGDOptions&>(group.options());
+      for (auto& b : detail::bucketsOf(group.params(), "SGD")) {
+        Kernels k = detail::resolve(kernels_, "SGD", b);
+        if (k == Kernels::kFused && !sgdFusable(b, state())) {
+          if (kernels_ == Kernels::kFused)
+            throw ConfigError("ctorch::optim::SGD: the fused kernel needs each gradient and momentum buffer laid out "
+                              "as its parameter (use Kernels::kAuto or kForEach)");
+          k = Kernels::kForEach;
+        }
 #if CTORCH_HAS_FUSED_SGD
-      if (k == Kernels::kFused) sgdFusedStep(b, o, state());
-      else sgdForEachStep(b, o, state());
+        if (k == Kernels::kFused) sgdFusedStep(b, o, state());
+        else sgdForEachStep(b, o, state());
 #else
-      sgdForEachStep(b, o, state());
+        sgdForEachStep(b, o, state());
 #endif
-      last_ = k;
+        last_ = k;
+      }
     }
-  }
-  return loss;
+  });
 }
 
 } // namespace ctorch::optim
