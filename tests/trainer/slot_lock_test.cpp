@@ -6,14 +6,16 @@
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/snapshot.hpp>
 
+#include <csignal>
+
 using namespace traintest;
 using ctorch::test::TempDir;
 
 namespace {
 
-std::vector<std::string> slowToy(const std::string& seed) {
+std::vector<std::string> slowToy(const std::string& seed, const std::string& epochs = "4") {
   return {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size", "512", "--batch-size", "16",
-          "--test-limit", "64", "--log-interval", "4", "--epochs", "4", "--step-delay-ms", "30", "--seed", seed,
+          "--test-limit", "64", "--log-interval", "4", "--epochs", epochs, "--step-delay-ms", "30", "--seed", seed,
           "--snapshot-path", "run/snapshot.pt", "--save-every-steps", "4"};
 }
 
@@ -22,9 +24,11 @@ std::vector<std::string> slowToy(const std::string& seed) {
 TEST_CASE("slot lock: a second job on a slot in use fails at once naming the first, the first is untouched, "
           "the slot is free once the holder has gone", "[trainer][process][slotlock]") {
   TempDir dir("slot-lock");
-  Process first(trainUnderLauncher(dir.path(), 2, slowToy("1")));
+  // The holder runs until it is stopped below (200 epochs of 16 steps of 30 ms or more: minutes),
+  // so that it holds the slot however slowly a loaded machine starts the second job.
+  Process first(trainUnderLauncher(dir.path(), 2, slowToy("1", "200")));
   std::string seen;
-  REQUIRE(waitForOutput(first, std::regex("epoch 1/4"), std::chrono::seconds(60), &seen));
+  REQUIRE(waitForOutput(first, std::regex("epoch 1/200"), std::chrono::seconds(60), &seen));
   std::smatch id;
   REQUIRE(std::regex_search(seen, id, std::regex(R"(rendezvous standalone id ([0-9a-f-]+))")));
   const int holder = findWorkerPid(dir.path(), 0);
@@ -37,10 +41,13 @@ TEST_CASE("slot lock: a second job on a slot in use fails at once naming the fir
   CHECK_THAT(second.output, Catch::Contains("snapshot slot run/snapshot.pt is in use by another job (run " +
                                             id[1].str() + ", pid " + std::to_string(holder) + " on "));
   CHECK_THAT(second.output, Catch::Contains("rank 1: snapshot slot run/snapshot.pt is in use by another job"));
+  REQUIRE(::kill(holder, 0) == 0);  // the holder was there all along
 
+  // Stopped like a job at its time limit: it saves and lets go of the slot.
+  REQUIRE(::kill(first.pid(), SIGTERM) == 0);
   const auto r = first.wait();
   INFO(show(r));
-  REQUIRE(r.ok());
+  CHECK(r.exitCode == ctorch::contract::kExitPreempted);
   CHECK(r.output.find("resume:") != std::string::npos);
   const auto snap = ctorch::loadSnapshot(dir / "run" / "snapshot.pt");
   CHECK(snap.header.config.at("seed") == "1");  // only the first job wrote the slot
