@@ -249,7 +249,7 @@ TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch au
   CHECK(parse({}).options->bindingConfig().at("amp") == "off");
 }
 
-TEST_CASE("trainer options: --sharding none, optimizer, grad-op or full, not bound to the snapshot, and not with float16 loss scaling",
+TEST_CASE("trainer options: --sharding none, optimizer, grad-op, full, hybrid or hybrid-grad-op, not bound to the snapshot, and not with float16 loss scaling",
           "[trainer][options][sharding]") {
   CHECK(parse({}).options->sharding == ctorch::train::ShardingChoice::kNone);
   const auto zero = parse({"--sharding", "optimizer"});
@@ -258,6 +258,13 @@ TEST_CASE("trainer options: --sharding none, optimizer, grad-op or full, not bou
   CHECK(zero.options->bindingConfig() == parse({}).options->bindingConfig());  // resumes either way
   CHECK(parse({"--sharding", "full"}).options->sharding == ctorch::train::ShardingChoice::kFull);
   CHECK(parse({"--sharding", "grad-op"}).options->sharding == ctorch::train::ShardingChoice::kGradOp);
+  CHECK(parse({"--sharding", "hybrid"}).options->sharding == ctorch::train::ShardingChoice::kHybrid);
+  CHECK(parse({"--sharding", "hybrid-grad-op"}).options->sharding == ctorch::train::ShardingChoice::kHybridGradOp);
+  CHECK(parse({"--sharding", "HYBRID_SHARD"}).options->sharding == ctorch::train::ShardingChoice::kHybrid);
+  CHECK(parse({"--sharding", "_HYBRID_SHARD_ZERO2"}).options->sharding == ctorch::train::ShardingChoice::kHybridGradOp);
+  CHECK(parse({"--sharding", "hybrid"}).options->bindingConfig() == parse({}).options->bindingConfig());
+  CHECK_THAT(parse({"--sharding", "hybrid", "--memory-format", "channels-last"}).message,
+             Catch::Contains("--memory-format channels-last with --sharding hybrid is not supported"));
   CHECK_THAT(parse({"--sharding", "zero3"}).message, Catch::Contains("--sharding") && Catch::Contains("'zero3'"));
   const auto fullScaled = parse({"--sharding", "full", "--amp", "--device", "cuda"});
   REQUIRE_FALSE(fullScaled.options);

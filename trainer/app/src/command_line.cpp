@@ -394,7 +394,10 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "and steps its share of the optimizer state, then broadcasts its parameters; bit-identical to none), "
            "grad-op (FSDP SHARD_GRAD_OP: parameters, gradients and optimizer state sharded, each layer's "
            "parameters gathered from its forward to its backward) or full (FSDP FULL_SHARD: gathered for the "
-           "forward and again for the backward); grad-op and full are bit-identical to none at 2 ranks")
+           "forward and again for the backward); grad-op and full are bit-identical to none at 2 ranks; "
+           "hybrid and hybrid-grad-op (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) shard as full and grad-op over each "
+           "node's LOCAL_WORLD_SIZE ranks and replicate across nodes (only a shard of the gradient, 1/LOCAL_WORLD_SIZE "
+           "of it, is averaged between nodes); one node is plain full or grad-op")
       ->group(kSys)->capture_default_str();
   f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);

@@ -53,13 +53,17 @@ inline const std::vector<std::pair<std::string, BackendChoice>> kBackends = {
 inline const std::vector<std::pair<std::string, ShardingChoice>> kShardings = {{"none", ShardingChoice::kNone},
                                                                        {"optimizer", ShardingChoice::kOptimizer},
                                                                        {"grad-op", ShardingChoice::kGradOp},
-                                                                       {"full", ShardingChoice::kFull}};
+                                                                       {"full", ShardingChoice::kFull},
+                                                                       {"hybrid", ShardingChoice::kHybrid},
+                                                                       {"hybrid-grad-op", ShardingChoice::kHybridGradOp}};
 // FSDP's ShardingStrategy names and ZeRO's, as a Python user types them.
 inline const std::vector<std::pair<std::string, ShardingChoice>> kPythonShardings = {
     {"NO_SHARD", ShardingChoice::kNone},
     {"ZeroRedundancyOptimizer", ShardingChoice::kOptimizer},
     {"SHARD_GRAD_OP", ShardingChoice::kGradOp},
-    {"FULL_SHARD", ShardingChoice::kFull}};
+    {"FULL_SHARD", ShardingChoice::kFull},
+    {"HYBRID_SHARD", ShardingChoice::kHybrid},
+    {"_HYBRID_SHARD_ZERO2", ShardingChoice::kHybridGradOp}};
 inline const std::vector<std::pair<std::string, SyncChoice>> kSyncs = {{"allreduce", SyncChoice::kAllreduce},
                                                                {"parameter-server", SyncChoice::kParameterServer}};
 // Straight into the library's own enums (ctorch/comm_hook.hpp).

@@ -175,7 +175,7 @@ void TrainOptions::validate() const {
   if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
   // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
   if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
-      (sharding == ShardingChoice::kGradOp || sharding == ShardingChoice::kFull))
+      shardsModel(sharding))
     throw UsageError(std::string("--memory-format channels-last with --sharding ") + toString(sharding) +
                      " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
                      "--memory-format auto or contiguous, or --sharding none or optimizer)");
@@ -338,6 +338,10 @@ std::string TrainOptions::describe() const {
   if (sharding == ShardingChoice::kOptimizer) os << ", optimizer state sharded over the ranks (ZeRO-1)";
   if (sharding == ShardingChoice::kGradOp) os << ", gradients and optimizer state sharded over the ranks (FSDP SHARD_GRAD_OP)";
   if (sharding == ShardingChoice::kFull) os << ", parameters, gradients and optimizer state sharded over the ranks (FSDP FULL_SHARD)";
+  if (sharding == ShardingChoice::kHybrid)
+    os << ", parameters, gradients and optimizer state sharded over each node's ranks, replicated across nodes (FSDP HYBRID_SHARD)";
+  if (sharding == ShardingChoice::kHybridGradOp)
+    os << ", gradients and optimizer state sharded over each node's ranks, replicated across nodes (FSDP _HYBRID_SHARD_ZERO2)";
   if (sync == SyncChoice::kParameterServer)
     os << ", parameter server on the last " << psServers << (psServers == 1 ? " rank" : " ranks");
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();

@@ -70,7 +70,7 @@ c10d::ProcessGroup& ProcessGroupScope::group() { return *getDefaultGroup(); }
 
 MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional) {
   MemoryFormatDecision d;
-  const bool flat = o.sharding == ShardingChoice::kGradOp || o.sharding == ShardingChoice::kFull;
+  const bool flat = shardsModel(o.sharding);
   switch (o.memoryFormat) {
     case MemoryFormatChoice::kContiguous:
       d.reason = "--memory-format";

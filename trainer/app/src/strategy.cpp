@@ -5,6 +5,7 @@
 #include <ctorch/cuda_graph.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/hybrid_shard_groups.hpp>
 #include <ctorch/memory_format.hpp>
 #include <ctorch/optim.hpp>
 #include <ctorch/models/resnet.hpp>
@@ -102,9 +103,32 @@ std::string gradientPath(const DDP& ddp) {
 }
 
 std::string shardingPath(const FSDP& fsdp) {
+  const bool full = fsdp.options().reshardAfterForward();
+  const auto& replicate = fsdp.options().replicateGroup();
+  if (!replicate)
+    return "reduce-scatter into " + std::to_string(fsdp.parameters().size()) + " flat shards of " +
+           std::to_string(fsdp.unitNames().size()) + " units (FSDP, " + (full ? "FULL_SHARD" : "SHARD_GRAD_OP") + ")";
   return "reduce-scatter into " + std::to_string(fsdp.parameters().size()) + " flat shards of " +
-         std::to_string(fsdp.unitNames().size()) + " units (FSDP, " +
-         (fsdp.options().reshardAfterForward() ? "FULL_SHARD" : "SHARD_GRAD_OP") + ")";
+         std::to_string(fsdp.unitNames().size()) + " units over each node's " + std::to_string(fsdp.processGroup()->getSize()) +
+         " ranks, then an allreduce of the shards across " + std::to_string(replicate->getSize()) + " nodes (FSDP, " +
+         (full ? "HYBRID_SHARD" : "_HYBRID_SHARD_ZERO2") + ")";
+}
+
+// --sharding hybrid|hybrid-grad-op: the shard group of this node's ranks and the replicate group across
+// the nodes (ctorch::hybridShardGroups refuses a world that is not nodes x equal local sizes). One
+// node: its ranks shard as --sharding full|grad-op, with no replicate group; said once.
+FSDPOptions fsdpOptionsFor(const TrainOptions& o) {
+  FSDPOptions options;
+  options.autoWrapPolicy(trainerWrapPolicy()).reshardAfterForward(reshardsAfterForward(o.sharding));
+  if (!isHybrid(o.sharding)) return options;
+  const auto groups = hybridShardGroups();
+  options.processGroup(groups.shard).replicateGroup(groups.replicate);
+  if (!groups.replicate && isMainProcess())
+    std::cerr << "ctorch-train: --sharding " << toString(o.sharding) << " on one node of " << groups.layout.shardSize
+              << " ranks: sharded over them as --sharding " << (reshardsAfterForward(o.sharding) ? "full" : "grad-op")
+              << ", with no replica to average with\n"
+              << std::flush;
+  return options;
 }
 // The wall time since the previous call (or the construction): a step's phases one after another.
 struct Lap {
@@ -305,13 +329,12 @@ class DataParallel final : public Strategy {
   std::string lastGraphReason_;
 };
 
-// FSDP (--sharding grad-op|full): parameters, gradients and the optimizer's state sharded.
+// FSDP (--sharding grad-op|full|hybrid|hybrid-grad-op): parameters, gradients and the optimizer's state
+// sharded (over each node's ranks with hybrid).
 class FullySharded final : public Strategy {
  public:
   FullySharded(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
-    fsdp_ = std::make_unique<FSDP>(model, FSDPOptions()
-                                              .autoWrapPolicy(trainerWrapPolicy())
-                                              .reshardAfterForward(o.sharding == ShardingChoice::kFull));
+    fsdp_ = std::make_unique<FSDP>(model, fsdpOptionsFor(o));
     optimizer_ = makeOptimizer(o, fsdp_->parameters());
   }
   int dataRanks() const override { return getWorldSize(); }
@@ -381,8 +404,7 @@ class ParameterServing final : public Strategy {
 
 std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
   if (o.sync == SyncChoice::kParameterServer) return std::make_unique<ParameterServing>(o, model);
-  if (o.sharding == ShardingChoice::kGradOp || o.sharding == ShardingChoice::kFull)
-    return std::make_unique<FullySharded>(o, model);
+  if (shardsModel(o.sharding)) return std::make_unique<FullySharded>(o, model);
   return std::make_unique<DataParallel>(o, model);
 }
 

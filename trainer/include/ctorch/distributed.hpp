@@ -73,6 +73,15 @@ int getLocalWorldSize();
 // Rank 0: the one process that logs summaries and writes snapshots.
 inline bool isMainProcess() { return getRank() == 0; }
 
+// A process group over some ranks of the default group (Python's dist.new_group): every rank of the
+// default group calls it, in the same order, with the same ranks. The ranks in it get the group (a
+// rank's place in it is its place among `ranks` sorted), the others an empty handle. It has the
+// default group's backends and timeout, and its keys lie beside the default group's under Python's
+// name for it (a counter: "1", "2", ... in the order groups are made), so that C++ and Python ranks
+// making the same groups meet. Its members wait for each other to connect; the others return at
+// once. Throws ConfigError for an empty list, a rank outside the world or given twice.
+c10::intrusive_ptr<c10d::ProcessGroup> newGroup(std::vector<int> ranks);
+
 // Blocks until every rank arrives (bounded by the group's timeout).
 void barrier();
 

@@ -71,6 +71,12 @@ WrapPolicy moduleTypeWrapPolicy() {
 struct FSDPOptions {
   // The group the parameters are sharded over (default: the default process group).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
+  // Hybrid sharding (Python's HYBRID_SHARD / FSDP2's 2-D mesh): processGroup is a node's ranks, this
+  // group the ranks holding the same shard on every node (ctorch::hybridShardGroups() makes both).
+  // After each unit's reduce-scatter in the node, its shard of the gradient (1/N of it) is
+  // all-reduced across the nodes and averaged over the whole world, as DDP averages; parameters and
+  // buffers start from, and are broadcast from, the world's rank 0. Unset: plain FSDP.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, replicateGroup);
   // Unset: the root is the only unit (the whole model gathered through the step, gradients and
   // optimizer state sharded: ZeRO-2's memory).
   TORCH_ARG(WrapPolicy, autoWrapPolicy);
@@ -170,7 +176,8 @@ class FullyShardedDataParallel {
   std::vector<std::pair<std::string, at::Tensor>> namedParameters() const { return core_->namedParameters(); }
   void zeroGrad(bool setToNone = true) { core_->zeroGrad(setToNone); }
   // Clips the gradient by its global norm, computed over every rank's shards (Python's
-  // FSDP.clip_grad_norm_), and returns that norm. A collective.
+  // FSDP.clip_grad_norm_), and returns that norm. A collective (of the shard group: with hybrid
+  // sharding the nodes hold equal shards and each computes the same norm).
   double clipGradNorm(double maxNorm) { return core_->clipGradNorm(maxNorm); }
   // Gradient accumulation (Python's set_requires_gradient_sync): while off, backward keeps the
   // whole gradients on each rank, to be reduce-scattered with the next synchronised backward.

@@ -28,6 +28,8 @@ struct GroupState {
   std::mutex mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   c10::intrusive_ptr<c10d::Store> store;  // keeps a TCPStore server hosted here alive
+  std::string prefix;                     // the default group's keys under `store` ("default_pg")
+  int groupCount = 1;                     // Python's group counter: the next newGroup's name ("0" is the default group)
   DistributedEnv env;
   std::string backendName;
   // What re-forming the group in place needs (ctorchrun --recovery in-place).
@@ -55,6 +57,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> buildGroup(const c10::intrusive_ptr<c10d:
                                                   const std::string& prefix, const DistributedEnv& env,
                                                   const ProcessGroupOptions& options, const EnvLookup& lookup,
                                                   const GroupRecipe& recipe, std::string& phase);
+
+// The Gloo devices of this process (GLOO_SOCKET_IFNAME or options.glooInterface, else the host's
+// address; loopback for a world of 1 without a store).
+std::vector<std::shared_ptr<::gloo::transport::Device>> glooDevices(const ProcessGroupOptions& options,
+                                                                   const EnvLookup& lookup,
+                                                                   const DistributedEnv& env);
 
 // From a handler: the error of a failed set-up in one line naming the rank and the phase. A
 // DistributedTimeout stays one, the library's other errors pass as they are, anything else (Gloo's,

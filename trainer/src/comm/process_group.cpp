@@ -53,23 +53,6 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-// Python's ProcessGroupGloo binding: GLOO_SOCKET_IFNAME's interfaces, else the address this host's
-// name resolves to. A world of 1 without a store stays on loopback: no network needed at all.
-std::vector<std::shared_ptr<::gloo::transport::Device>> glooDevices(const ProcessGroupOptions& options,
-                                                                   const EnvLookup& lookup,
-                                                                   const DistributedEnv& env) {
-  std::string interfaces = options.glooInterface();
-  if (interfaces.empty()) interfaces = lookup("GLOO_SOCKET_IFNAME").value_or("");
-  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
-  for (const auto& name : split(interfaces, ','))
-    devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
-  if (devices.empty()) {
-    devices.push_back(env.needsStore() ? c10d::ProcessGroupGloo::createDefaultDevice()
-                                       : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  }
-  return devices;
-}
-
 // The rendezvous store, exactly as torch.distributed.rendezvous._create_c10d_store makes it.
 struct RootStore {
   c10::intrusive_ptr<c10d::Store> store;
@@ -197,6 +180,23 @@ namespace detail {
 
 // Never destroyed: tearing down Gloo threads and a TCPStore server during static destruction, after
 // LibTorch's own statics may be gone, crashes at exit. destroyProcessGroup() is the orderly way.
+// Python's ProcessGroupGloo binding: GLOO_SOCKET_IFNAME's interfaces, else the address this host's
+// name resolves to. A world of 1 without a store stays on loopback: no network needed at all.
+std::vector<std::shared_ptr<::gloo::transport::Device>> glooDevices(const ProcessGroupOptions& options,
+                                                                   const EnvLookup& lookup,
+                                                                   const DistributedEnv& env) {
+  std::string interfaces = options.glooInterface();
+  if (interfaces.empty()) interfaces = lookup("GLOO_SOCKET_IFNAME").value_or("");
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  for (const auto& name : split(interfaces, ','))
+    devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+  if (devices.empty()) {
+    devices.push_back(env.needsStore() ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                       : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  }
+  return devices;
+}
+
 GroupState& groupState() {
   static GroupState* s = new GroupState;
   return *s;
@@ -392,6 +392,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
 
     s.group = pg;
     s.store = root;
+    s.prefix = contract::control::groupPrefix(generation, nonce);
+    s.groupCount = 1;
     s.env = env;
     s.backendName = compat::backendName(defaultKind);
     s.options = options;
@@ -465,6 +467,8 @@ void destroyProcessGroup() {
     s.control.reset();
     s.env = DistributedEnv{};
     s.backendName.clear();
+    s.prefix.clear();
+    s.groupCount = 1;
   }
   // Released here, outside the lock: the group's destructor joins its worker threads.
 }

@@ -58,11 +58,14 @@ inline const char* backendName(BackendKind kind) { return kind == BackendKind::k
 // Matching it keeps C++ and Python workers on the same keys in one job.
 inline constexpr const char* kDefaultGroupName = "0";
 
-inline c10::intrusive_ptr<c10d::Store> groupStore(const c10::intrusive_ptr<c10d::Store>& defaultPgStore) {
+// A group made later by new_group is named by Python's counter ("1", "2", ...) and keyed the same way
+// under the default_pg store.
+inline c10::intrusive_ptr<c10d::Store> groupStore(const c10::intrusive_ptr<c10d::Store>& defaultPgStore,
+                                                 const std::string& groupName = kDefaultGroupName) {
 #if CTORCH_TORCH_HAS_BACKENDS
-  return c10::make_intrusive<c10d::PrefixStore>(std::string(kDefaultGroupName) + "/", defaultPgStore);
+  return c10::make_intrusive<c10d::PrefixStore>(groupName + "/", defaultPgStore);
 #else
-  return c10::make_intrusive<c10d::PrefixStore>(kDefaultGroupName, defaultPgStore);
+  return c10::make_intrusive<c10d::PrefixStore>(groupName, defaultPgStore);
 #endif
 }
 

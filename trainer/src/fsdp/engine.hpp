@@ -174,6 +174,10 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
   FSDPOptions options;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   int rank = 0, world = 1;
+  // Hybrid sharding: the group of the ranks holding the same shard on the other nodes (null: none),
+  // this rank's place in it and its size. Gradients are averaged over world * replicas ranks.
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate;
+  int replicaRank = 0, replicas = 1;
   std::vector<std::unique_ptr<FSDPUnit>> units;  // units[0] is the root
   // The parameters' gradient accumulators, kept alive for their hooks (a shared_ptr in LibTorch 1.13,
   // an intrusive_ptr in later 2.x).
@@ -280,7 +284,8 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
         }
         auto shard = flat.shard;
         auto g = group;
-        const int w = world;
+        auto r = replicate;
+        const int w = world, replicaCount = replicas;
         // A backward outruns the communication: without a bound every unit's padded gradient would wait
         // in the queue at once (the whole model's gradients). Two in flight keep the overlap.
         while (inFlight.size() >= kReduceScattersInFlight) {
@@ -288,11 +293,17 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
           inFlight.erase(inFlight.begin());
           oldest.get();
         }
-        inFlight.push_back(comm->submit([g, w, padded, shard]() mutable {
+        inFlight.push_back(comm->submit([g, r, w, replicaCount, padded, shard]() mutable {
           at::Tensor mine = at::empty({shard.numel()}, padded.options());
           if (w == 1) mine.copy_(padded);
           else reduceScatter(g, padded, mine);
-          mine.div_(w);
+          // Hybrid: the node's sum of this shard, summed over the nodes (1/N of the gradient crosses
+          // them), then averaged over every rank of the world, as DDP averages.
+          if (replicaCount > 1) {
+            std::vector<at::Tensor> tensors{mine};
+            r->allreduce(tensors)->wait();
+          }
+          mine.div_(w * replicaCount);
           auto& grad = shard.mutable_grad();
           if (grad.defined()) grad.add_(mine);
           else grad = mine;
@@ -328,6 +339,19 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
     pool.setCapacity(gatheredPeak);  // what this step gathered at once, kept for the next one
     gatheredPeak = 0;
     if (failure) std::rethrow_exception(failure);
+  }
+  // Every rank of the world takes rank 0's values: across the nodes first (the ranks with this
+  // rank's shard index), then within the node from its first rank, which now holds rank 0's.
+  static void broadcastFromWorldRankZero(const c10::intrusive_ptr<c10d::ProcessGroup>& shardGroup,
+                                         const c10::intrusive_ptr<c10d::ProcessGroup>& replicateGroup,
+                                         const std::vector<at::Tensor>& tensors) {
+    for (const auto& g : {replicateGroup, shardGroup}) {
+      if (!g || g->getSize() == 1) continue;
+      for (const auto& t : tensors) {
+        std::vector<at::Tensor> one{t};
+        g->broadcast(one)->wait();
+      }
+    }
   }
   void addPreBackwardHooks(FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
     std::weak_ptr<Impl> weak = shared_from_this();

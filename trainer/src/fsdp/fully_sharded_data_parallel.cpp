@@ -44,7 +44,8 @@ std::unordered_map<const torch::nn::Module*, FSDPUnit*>& registry() {
 }
 
 FlatParameter makeFlat(const std::string& name, std::vector<at::Tensor> params, bool trainable, int rank, int world,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool syncFromRank0) {
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& replicate, bool syncFromRank0) {
   FlatParameter flat;
   flat.name = name;
   const auto options = params.front().options();
@@ -62,10 +63,7 @@ FlatParameter makeFlat(const std::string& name, std::vector<at::Tensor> params, 
   flat.full = at::zeros({flat.shardNumel * world}, options.requires_grad(false));
   for (std::size_t i = 0; i < params.size(); ++i)
     flat.full.narrow(0, flat.offsets[i], params[i].numel()).copy_(params[i].detach().reshape({-1}));
-  if (syncFromRank0 && world > 1) {
-    std::vector<at::Tensor> tensors{flat.full};
-    group->broadcast(tensors)->wait();
-  }
+  if (syncFromRank0) FSDPCore::Impl::broadcastFromWorldRankZero(group, replicate, {flat.full});
   flat.shard = flat.full.narrow(0, rank * flat.shardNumel, flat.shardNumel).clone();
   if (trainable) flat.shard.requires_grad_(true);
   flat.storage = flat.full.storage();
@@ -114,6 +112,14 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
   s.group = s.options.processGroup() ? s.options.processGroup() : getDefaultGroup();
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
+  if (s.options.replicateGroup()) {
+    if (!s.options.processGroup())
+      throw ConfigError("FullyShardedDataParallel: FSDPOptions::replicateGroup needs processGroup (the shard group) "
+                        "too, the default group being the whole world: take both from ctorch::hybridShardGroups()");
+    s.replicate = s.options.replicateGroup();
+    s.replicaRank = s.replicate->getRank();
+    s.replicas = s.replicate->getSize();
+  }
   // Units: the root, then each submodule the policy picks (outermost first); a module's own
   // parameters belong to its nearest enclosing unit, and one held by two units (tied weights) to
   // the root, which stays gathered for the whole step.
@@ -146,12 +152,9 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
   };
   assign("", *s.root);
   for (const auto& item : named) assign(item.key(), *item.value());
-  if (s.options.syncModuleStates() && s.world > 1) {
+  if (s.options.syncModuleStates()) {
     torch::NoGradGuard noGrad;
-    for (auto& b : s.root->buffers()) {
-      std::vector<at::Tensor> tensors{b};
-      s.group->broadcast(tensors)->wait();
-    }
+    Impl::broadcastFromWorldRankZero(s.group, s.replicate, s.root->buffers());
   }
   for (std::size_t u = 0; u < names.size(); ++u) {
     std::vector<at::Tensor> trainable, frozen;
@@ -165,9 +168,9 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
     unit->index = s.units.size();
     const std::string prefix = names[u].empty() ? "" : names[u] + ".";
     if (!trainable.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.options.syncModuleStates()));
+      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.replicate, s.options.syncModuleStates()));
     if (!frozen.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.options.syncModuleStates()));
+      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.replicate, s.options.syncModuleStates()));
     unit->trainableCount = static_cast<std::int64_t>(trainable.size());
     s.units.push_back(std::move(unit));
   }
@@ -215,16 +218,13 @@ void FSDPCore::beginRootForward() {
   // the previous one was not synchronised (gradient accumulation).
   const bool syncBuffers = s.lastForwardSynchronised;
   s.lastForwardSynchronised = s.gradientSync && at::GradMode::is_enabled();
-  if (syncBuffers && s.options.broadcastBuffers() && s.world > 1) {
+  if (syncBuffers && s.options.broadcastBuffers() && s.world * s.replicas > 1) {
     auto buffers = s.root->buffers();
     if (!buffers.empty()) {
-      auto g = s.group;
-      s.comm->run([g, buffers]() mutable {
+      auto g = s.group, r = s.replicate;
+      s.comm->run([g, r, buffers]() mutable {
         torch::NoGradGuard noGrad;
-        for (auto& b : buffers) {
-          std::vector<at::Tensor> tensors{b};
-          g->broadcast(tensors)->wait();
-        }
+        Impl::broadcastFromWorldRankZero(g, r, buffers);
       });
     }
   }
@@ -314,6 +314,8 @@ double FSDPCore::clipGradNorm(double maxNorm) {
         grads.push_back(flat.shard.grad());
         squares += flat.shard.grad().to(at::kDouble).pow(2).sum().to(squares.device());
       }
+  // Over the shard group only: with hybrid sharding every node holds the same shards, so the nodes'
+  // sums are equal and adding them would count each gradient once per node.
   if (s.world > 1) {
     auto g = s.group;
     s.comm->run([g, squares]() mutable {

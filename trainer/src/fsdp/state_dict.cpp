@@ -65,9 +65,20 @@ c10::impl::GenericDict entryOf(const ItemDict& shard, const char* section, const
   return entry;
 }
 
+std::int64_t replicaOf(const ItemDict& shard) { return shard.contains("replica") ? shard.at("replica").toInt() : 0; }
+
+// With hybrid sharding every node's ranks wrote a full set of equal shards: the first node's are read
+// (shards that do not say which replica they are were written without hybrid sharding: all of them).
+std::vector<ItemDict> firstReplica(const std::vector<ItemDict>& shards) {
+  std::vector<ItemDict> out;
+  for (const auto& shard : shards)
+    if (replicaOf(shard) == 0) out.push_back(shard);
+  return out.empty() ? shards : out;
+}
+
 const ItemDict& rankZeroOf(const std::vector<ItemDict>& shards) {
   for (const auto& shard : shards)
-    if (shard.contains("rank") && shard.at("rank").toInt() == 0) return shard;
+    if (shard.contains("rank") && shard.at("rank").toInt() == 0 && replicaOf(shard) == 0) return shard;
   return shards.front();
 }
 
@@ -172,14 +183,18 @@ ItemDict FSDPCore::shardStateDict() const {
   out.insert("buffers", buffers);
   out.insert("world_size", static_cast<std::int64_t>(s.world));
   out.insert("rank", static_cast<std::int64_t>(s.rank));
+  // Hybrid sharding: which node's set of shards this is (every node holds an equal one).
+  out.insert("replica", static_cast<std::int64_t>(s.replicaRank));
+  out.insert("replicas", static_cast<std::int64_t>(s.replicas));
   return out;
 }
 
-void FSDPCore::loadShardStateDicts(const std::vector<ItemDict>& shards) {
+void FSDPCore::loadShardStateDicts(const std::vector<ItemDict>& allShards) {
   auto& s = *impl_;
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   torch::NoGradGuard noGrad;
-  if (shards.empty()) throw ConfigError("loadShardStateDicts: no shards given");
+  if (allShards.empty()) throw ConfigError("loadShardStateDicts: no shards given");
+  const auto shards = firstReplica(allShards);
   std::vector<at::Tensor> assembled;  // everything checked before anything changes
   for (auto& unit : s.units)
     for (auto& flat : unit->flats) {
@@ -246,13 +261,16 @@ ItemDict FSDPCore::optimizerShardStateDict(const torch::optim::Optimizer& optimi
   out.insert("flat_state", flats);
   out.insert("world_size", static_cast<std::int64_t>(s.world));
   out.insert("rank", static_cast<std::int64_t>(s.rank));
+  out.insert("replica", static_cast<std::int64_t>(s.replicaRank));
+  out.insert("replicas", static_cast<std::int64_t>(s.replicas));
   return out;
 }
 
-void FSDPCore::loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, const std::vector<ItemDict>& shards) {
+void FSDPCore::loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, const std::vector<ItemDict>& allShards) {
   const auto& s = *impl_;
   torch::NoGradGuard noGrad;
-  if (shards.empty()) throw ConfigError("loadOptimizerShardStateDicts: no shards given");
+  if (allShards.empty()) throw ConfigError("loadOptimizerShardStateDicts: no shards given");
+  const auto shards = firstReplica(allShards);
   const auto& first = rankZeroOf(shards);
   if (!first.contains("optimizer_type") || !first.contains("param_groups"))
     throw ConfigError("loadOptimizerShardStateDicts: a shard holds no optimizer state");

@@ -102,6 +102,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
     auto pg = detail::buildGroup(root, cc::groupPrefix(generation, joined.nonce), env, options, lookup, recipe, phase);
     std::lock_guard<std::mutex> lock(s.mutex);
     s.group = pg;
+    s.prefix = cc::groupPrefix(generation, joined.nonce);
+    s.groupCount = 1;  // groups made by newGroup belong to the old generation: make them again
     s.generation = generation;
     return pg;
   } catch (...) {

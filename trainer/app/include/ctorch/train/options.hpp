@@ -35,8 +35,15 @@ enum class ProgressMode { kAuto, kBar, kLines, kNone };
 enum class AugmentChoice { kAuto, kOn, kOff };
 // What is sharded over the ranks: nothing (DDP), the optimizer's state (ZeRO-1; Python's
 // ZeroRedundancyOptimizer), also the gradients and, between steps, the parameters (FSDP's
-// SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD).
-enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull };
+// SHARD_GRAD_OP), or everything, each unit's parameters gathered only around its use (FULL_SHARD);
+// the hybrid ones shard as grad-op / full within a node and replicate across nodes (HYBRID_SHARD,
+// _HYBRID_SHARD_ZERO2).
+enum class ShardingChoice { kNone, kOptimizer, kGradOp, kFull, kHybrid, kHybridGradOp };
+// FSDP holds the model (grad-op, full, hybrid, hybrid-grad-op).
+inline bool shardsModel(ShardingChoice v) { return v != ShardingChoice::kNone && v != ShardingChoice::kOptimizer; }
+inline bool isHybrid(ShardingChoice v) { return v == ShardingChoice::kHybrid || v == ShardingChoice::kHybridGradOp; }
+// A unit's parameters freed after its forward and gathered again for its backward (FULL_SHARD).
+inline bool reshardsAfterForward(ShardingChoice v) { return v == ShardingChoice::kFull || v == ShardingChoice::kHybrid; }
 // How the replicas are kept in step: DDP's gradient allreduce, or a parameter server (the last
 // --ps-servers ranks hold the weights and the optimizer; the others compute).
 enum class SyncChoice { kAllreduce, kParameterServer };

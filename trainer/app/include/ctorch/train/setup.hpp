@@ -54,7 +54,7 @@ struct MemoryFormatDecision {
   bool ignored = false;  // channels-last asked for a model without 4-D weights: nothing to convert
 };
 // auto: channels-last on CUDA for a model with 4-D weights (`convolutional`), contiguous on the CPU
-// (measured no faster there: docs/performance.md), under FSDP (--sharding grad-op|full: its flat
+// (measured no faster there: docs/performance.md), under FSDP (--sharding grad-op|full|hybrid*: its flat
 // parameters are contiguous) and for other models. An explicit channels-last
 // for a model without 4-D weights is accepted and changes nothing (`ignored`).
 MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional);

@@ -1,5 +1,5 @@
 // How ctorch-train's ranks share the work of a step: data parallel (DDP, with the whole optimizer on
-// every rank or ZeRO-1's shares of it), fully sharded (FSDP, --sharding grad-op|full), or a parameter
+// every rank or ZeRO-1's shares of it), fully sharded (FSDP, --sharding grad-op|full|hybrid|hybrid-grad-op), or a parameter
 // server (--sync parameter-server). One Strategy is chosen once from the options (makeStrategy); the
 // loop (trainer.cpp) only calls it, so a new way of training is one class here, not edits in the loop.
 #pragma once
