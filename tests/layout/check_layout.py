@@ -23,6 +23,7 @@ PUBLIC = {
     "errors": "core", "error_file": "core", "stop_signal": "core", "process_tuning": "core",
     "version": "core", "durable_io": "core", "state_dict": "core", "module_traversal": "core",
     "distributed": "comm", "distributed_env": "comm", "collectives": "comm", "flat_collectives": "comm",
+    "hybrid_shard_groups": "comm",
     "sampler": "sampler", "ddp": "ddp", "comm_hook": "ddp", "amp": "amp",
     "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",

@@ -108,7 +108,7 @@ TEST_CASE("hybridShardLayout: nodes numbered node by node, refusals in one line"
   CHECK_THROWS_AS(ctorch::hybridShardLayout(4, 4, 2), ctorch::ConfigError);
 }
 
-TEST_CASE("hybridShardGroups: 4 processes as 2 nodes of 2, from shardSize and from the torchrun environment; newGroup",
+TEST_CASE("hybridShardGroups: 4 processes as 2 nodes of 2, from shardSize and from the torchrun environment, and newGroup",
           "[sharding][hybrid]") {
   // The sums of the members' global ranks name the members: shard {0,1} 1, {2,3} 5; replicate
   // {0,2} 2, {1,3} 4; newGroup({3,1}) holds ranks 1 (its rank 0) and 3 (its rank 1), sum 4.
