@@ -37,6 +37,10 @@ import torch  # noqa: E402
 from check_snapshot import digest  # noqa: E402  the format's content digest, independent of C++
 
 KINDS = ["worker-kill", "worker-segv", "snapshot-kill", "worker-stop", "launcher-term", "launcher-kill"]
+# Not in the default mix: two ring-adjacent workers SIGKILLed at once (in-place recovery of a sharded
+# run with shard copies: rank r's copy lives on rank r + 1, so that loss must fall back to the files).
+EXTRA_KINDS = ["worker-kill-pair"]
+WORKER_KINDS = ("worker-kill", "worker-segv", "worker-stop", "worker-kill-pair")
 MARKER = "CTORCH_CHAOS_RUN"      # every process of a run inherits it: the /proc scan finds leftovers
 STALL_ENV = "CTORCH_TEST_SNAPSHOT_STALL_MS"
 TRAIN_TIMEOUT_S = 3              # the trainer's --timeout (collectives give up on a silent peer)
@@ -88,6 +92,11 @@ STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), resta
 REPLACED_RE = re.compile(r"replacing worker rank (\d+) \(local \d+\) in place")
 SPARE_RE = re.compile(r"(?:spare|preloaded) worker (\S+) takes over rank (\d+) ")
 FELLBACK_RE = re.compile(r"this program does not recover in place")
+# In-place recovery of a sharded run (--shard-copies 1): a lost shard healed from the next rank's
+# copy, or every rank reloading the snapshot files (and why).
+HEALED_RE = re.compile(r"in-place recovery: healed (.*); continuing from")
+HEALED_ONE_RE = re.compile(r"rank \d+'s shard from rank \d+'s copy")
+RELOADED_RE = re.compile(r"in-place recovery: a lost shard cannot come back from memory \((.*)\): every rank reloads")
 STORE_RE = re.compile(r"store ([0-9.:a-zA-Z\[\]-]+):(\d+)")
 TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
 
@@ -280,6 +289,12 @@ class Launch:
                 self.run.on_attempt(now)
             if FELLBACK_RE.search(line):
                 self.fallbacks += 1
+            m = HEALED_RE.search(line)
+            if m:
+                self.run.healed += len(HEALED_ONE_RE.findall(m.group(1)))
+            m = RELOADED_RE.search(line)
+            if m:
+                self.run.reloads.append(m.group(1))
             m = SPARE_RE.search(line)
             if m:
                 self.run.spares[m.group(1)] = int(m.group(2))
@@ -327,6 +342,8 @@ class Run:
             self.env[STALL_ENV] = "300"
         self.ports = set()
         self.spares = {}            # spare id -> the rank it took over (--spare-workers)
+        self.healed = 0             # shards healed from a neighbour's copy (--shard-copies 1)
+        self.reloads = []           # why a lost shard could not: every rank reloaded the files
         self.cond = threading.Condition()
         self.max_step = 0           # highest global step rank 0 reported, over all launches
         self.last_step = 0          # the latest one (falls back after a resume)
@@ -428,12 +445,13 @@ class Run:
                     launches.append(Launch(self, len(launches)))
                     res["relaunches"] += 1
                 res["lost"].append(self.measure_recovery(kind, t_fault, step_at))
-                if self.h.args.recovery == "in-place" and kind in ("worker-kill", "worker-segv", "worker-stop") \
+                if self.h.args.recovery == "in-place" and kind in WORKER_KINDS \
                         and not WORKLOADS[self.workload].get("no_recover"):
-                    # The survivors keep their processes: only the faulted rank has a new pid.
+                    # The survivors keep their processes: only the faulted ranks have new pids.
                     after = trainer_workers(self.id, self.spares)
+                    faulted = what.get("ranks", [what.get("rank")])
                     for rank, pid in workers_before.items():
-                        if rank != what.get("rank") and rank in after and after[rank] != pid:
+                        if rank not in faulted and rank in after and after[rank] != pid:
                             res["problems"].append(f"{kind} of rank {what.get('rank')}: survivor rank {rank} was "
                                                    f"restarted too (pid {pid} -> {after[rank]})")
                     res["survivors_checked"] = res.get("survivors_checked", 0) + (len(after) == self.world)
@@ -460,6 +478,8 @@ class Run:
         res["restarts"] = sum(l.restarts + l.replacements for l in launches) - res["fallbacks"] + res["relaunches"]
         res["replacements"] = sum(l.replacements for l in launches) - res["fallbacks"]
         res["ports"] = sorted(self.ports)
+        res["healed"] = self.healed
+        res["reloads"] = list(self.reloads)
         self.output.close()
         return res
 
@@ -472,6 +492,14 @@ class Run:
         return False
 
     def inject(self, kind, launch):
+        if kind == "worker-kill-pair":
+            rank, pid = self.pick_worker()
+            ranks = trainer_workers(self.id, self.spares)
+            other = (rank + 1) % self.world
+            t = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            os.kill(ranks[other], signal.SIGKILL)
+            return dict(rank=rank, ranks=[rank, other], pid=pid, t=t, replaced=2)
         if kind in ("worker-kill", "worker-segv", "worker-stop"):
             rank, pid = self.pick_worker()
             sig = {"worker-kill": signal.SIGKILL, "worker-segv": signal.SIGSEGV,
@@ -587,7 +615,9 @@ class Harness:
         for n, why in bad:
             res["problems"].append(f"snapshot {n} does not load: {why}")
         # One restart (or relaunch) per fault, no more, no fewer.
-        if res["restarts"] != len(res["injected"]) or len(res["injected"]) != len(res["faults"]):
+        # (a pair of workers lost at once in place is two replacements)
+        replaced = sum(f.get("replaced", 1) if self.args.recovery == "in-place" else 1 for f in res["injected"])
+        if res["restarts"] != replaced or len(res["injected"]) != len(res["faults"]):
             res["problems"].append(f"{len(res['faults'])} faults planned, {len(res['injected'])} injected, "
                                    f"{res['restarts']} restarts")
         # In-place recovery: every worker fault was repaired by replacing that worker alone.
@@ -598,7 +628,7 @@ class Harness:
                 res["problems"].append(f"a loop without recover(): {res.get('fallbacks', 0)} fallbacks to a group "
                                        f"restart and {res.get('replacements', 0)} replacements kept (want 1 and 0)")
         elif self.args.recovery == "in-place":
-            worker_faults = sum(1 for f in res["injected"] if f["kind"] in ("worker-kill", "worker-segv", "worker-stop"))
+            worker_faults = sum(f.get("replaced", 1) for f in res["injected"] if f["kind"] in WORKER_KINDS)
             if res.get("replacements", 0) != worker_faults:
                 res["problems"].append(f"{worker_faults} worker faults, {res.get('replacements', 0)} in-place "
                                        f"replacements (a full restart happened instead)")
@@ -606,11 +636,27 @@ class Harness:
             # replacement started from a waiting process, whose takeover the launcher logged.
             preloaded = self.args.preloaded_workers in ("", "auto") and not self.args.spare_workers or \
                 self.args.preloaded_workers not in ("", "auto", "0")
-            if (preloaded or self.args.spare_workers) and len(run.spares) != worker_faults:
+            # (a pair lost at once: the second replacement may start a new process)
+            pairs = sum(1 for f in res["injected"] if f["kind"] == "worker-kill-pair")
+            if (preloaded or self.args.spare_workers) and not worker_faults - pairs <= len(run.spares) <= worker_faults:
                 res["problems"].append(f"{worker_faults} worker faults, {len(run.spares)} taken over by a waiting "
                                        f"spare or preloaded process (want every one)")
             if not preloaded and not self.args.spare_workers and run.spares:
                 res["problems"].append(f"{len(run.spares)} faults taken over by a waiting process, with none asked for")
+            if shard_copies(self.args):
+                # Every worker fault of a sharded run with shard copies ends in place: its shard healed
+                # from the next rank's copy, or (two neighbours lost at once; a fault between a step's
+                # update and its copy) every rank reloading the files, with the reason said.
+                faults = sum(1 for f in res["injected"] if f["kind"] in WORKER_KINDS)
+                singles = sum(1 for f in res["injected"] if f["kind"] in WORKER_KINDS and f["kind"] != "worker-kill-pair")
+                both_lost = sum(1 for why in res["reloads"] if "were both lost" in why)
+                if res["healed"] + len(res["reloads"]) != faults:
+                    res["problems"].append(f"{faults} worker faults of a sharded run: {res['healed']} shards healed from "
+                                           f"a copy, {len(res['reloads'])} reloads from the files (want one each)")
+                if pairs and (run.world < 3 or both_lost != pairs):
+                    res["problems"].append(f"{pairs} losses of two neighbours: {both_lost} reloads saying both were lost")
+                if res["healed"] > singles:
+                    res["problems"].append(f"{res['healed']} shards healed for {singles} single losses")
         # Nothing of the run left: processes (marker scan) and the store ports it logged.
         if not run.wait_gone(5):
             res["problems"].append("processes left alive: " +
@@ -650,7 +696,8 @@ class Harness:
         line = (f"{'PASS' if res['ok'] else 'FAIL'}  {name:<28} {workload}/w{world}  faults "
                 f"{len(res['injected'])}/{len(faults)}  restarts {res['restarts']}  "
                 f"{'bit-identical' if res.get('identical') else 'NOT identical'}  snapshots {res['snapshots']} ok  "
-                f"{res['seconds']:.1f} s  [restart/lost {lost}]")
+                f"{res['seconds']:.1f} s  [restart/lost {lost}]" +
+                (f"  healed {res['healed']}, reloaded {len(res['reloads'])}" if shard_copies(self.args) else ""))
         self.log(line, always=True)
         for p in res["problems"]:
             self.log(f"      problem: {p}", always=True)
@@ -1500,6 +1547,12 @@ def build_suite(args, rng):
             add("inplace-consumer-w3", "consumer-seeded", 3, ["worker-segv"])
             add("inplace-consumer-norecover", "consumer-norecover", 2, ["worker-kill", "worker-kill"])
             return scen
+        if shard_copies(args):
+            # A sharded run with shard copies (--trainer-args '--sharding full --shard-copies 1'): single
+            # losses heal from the next rank's copy; two neighbours lost at once reload the files.
+            add("inplace-sharded-w2", "synthetic", 2, ["worker-kill", "worker-segv"])
+            add("inplace-sharded-w3", "synthetic", 3, ["worker-kill", "worker-kill-pair", "worker-segv"])
+            return scen
         add("inplace-kill-synthetic", "synthetic", 2, ["worker-kill", "worker-kill"])
         add("inplace-stop-synthetic", "synthetic", 2, ["worker-stop"])
         add("inplace-w3-synthetic", "synthetic", 3, ["worker-segv", "worker-kill"])
@@ -1509,10 +1562,15 @@ def build_suite(args, rng):
         while left > 0:
             n = min(args.per_run, left)
             workload = "consumer" if consumer else "fashion" if i % 3 == 2 else "synthetic"
-            add(f"long-{i:02d}-{workload}", workload, 2, [rng.choice(kinds) for _ in range(n)])
+            add(f"long-{i:02d}-{workload}", workload, args.world, [rng.choice(kinds) for _ in range(n)])
             left -= n
             i += 1
     return scen
+
+
+def shard_copies(args):
+    """True when the trainer runs keep shard copies (in-place recovery of a sharded run)."""
+    return args.program == "trainer" and re.search(r"--shard-copies[ =]1\b", args.trainer_args or "") is not None
 
 
 def uses_consumer(args):
@@ -1541,6 +1599,7 @@ def main():
     ap.add_argument("--faults", type=int, default=50, help="long suite: faults in all")
     ap.add_argument("--repeat", type=int, default=1, help="nodes suites: runs of each fault (kill, cut)")
     ap.add_argument("--per-run", type=int, default=4, help="long suite: faults per run")
+    ap.add_argument("--world", type=int, default=2, choices=[2, 3], help="long suite: workers per run")
     ap.add_argument("--kinds", default="", help=f"comma-separated subset of {','.join(KINDS)}")
     ap.add_argument("--only", default="", help="run only scenarios whose name contains this")
     ap.add_argument("--ctorchrun", default=os.path.join(here, "build", "launcher", "agent", "ctorchrun"))
@@ -1556,8 +1615,8 @@ def main():
     if not args.recovery:
         args.recovery = "in-place" if args.suite == "inplace" else "restart"
     for k in (args.kinds.split(",") if args.kinds else []):
-        if k not in KINDS:
-            ap.error(f"--kinds: unknown fault kind '{k}' (known: {', '.join(KINDS)})")
+        if k not in KINDS + EXTRA_KINDS:
+            ap.error(f"--kinds: unknown fault kind '{k}' (known: {', '.join(KINDS + EXTRA_KINDS)})")
     for p in (args.ctorchrun, args.trainer):
         if not os.access(p, os.X_OK):
             ap.error(f"'{p}' is not an executable (build it: scripts/build.sh --target ctorchrun ctorch-train)")
@@ -1604,11 +1663,21 @@ def main():
     identical = sum(1 for r in results if r.get("identical"))
     h.log(f"faults injected {injected}, survived {survived}; bit-identical runs {identical}/{len(results)}",
           always=True)
+    if shard_copies(args):
+        healed = sum(r.get("healed", 0) for r in results)
+        reloads = [why for r in results for why in r.get("reloads", [])]
+        h.log(f"  shards healed from a neighbour's copy {healed}, reloads from the files {len(reloads)}", always=True)
+        for why in reloads:
+            h.log(f"    reloaded: {why}", always=True)
+        # The heal itself must have been exercised, not only its fallback.
+        if results and healed == 0 and any(r.get("injected") for r in results):
+            h.log("FAIL  no lost shard was healed from a copy: every fault fell back to the files", always=True)
+            return 1
     by_kind = {}
     for r in results:
         for l in r["lost"]:
             by_kind.setdefault(l["kind"], []).append(l)
-    for k in KINDS:
+    for k in KINDS + EXTRA_KINDS:
         ls = by_kind.get(k)
         if not ls:
             continue

@@ -227,6 +227,22 @@ TEST_CASE("group monitor: a survivor that ends without joining a pending re-form
   CHECK(o.failures[0].localRank == 0);
   CHECK(m.replaced().size() == 1);
 
+  // A second worker killed or crashed while the re-form is pending is a loss of its own (two workers
+  // lost at once): replaced too, no fallback; an uncaught exception's SIGABRT still falls back.
+  for (int sig : {SIGKILL, SIGSEGV, SIGBUS}) {
+    GroupMonitor k(3, 5s, 3);
+    REQUIRE(k.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL), 10)).replaceWorker);
+    auto b = k.onWorkerExit(exitOf(0, ExitStatus::killed(sig), 12), true, /*joinedReform=*/false);
+    CHECK(b.replaceWorker == 0);
+    CHECK_FALSE(b.signalWorkers);
+    CHECK_FALSE(k.outcome().inPlaceFellBack);
+    CHECK(k.replaced().size() == 2);
+  }
+  GroupMonitor abort(2, 5s, 3);
+  REQUIRE(abort.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL), 10)).replaceWorker);
+  CHECK_FALSE(abort.onWorkerExit(exitOf(0, ExitStatus::killed(SIGABRT), 20), true, false).replaceWorker);
+  CHECK(abort.outcome().inPlaceFellBack);
+
   // Once the group re-formed, a later failure of the same survivor is replaced as any failure.
   GroupMonitor n(2, 5s, 3);
   REQUIRE(n.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);

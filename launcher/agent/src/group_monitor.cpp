@@ -41,7 +41,13 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable,
   if (e.status.success()) return {};  // the others keep going; the group ends when all are done
   const bool isReplacement = std::find(pendingReplacements_.begin(), pendingReplacements_.end(), e.localRank) !=
                              pendingReplacements_.end();
-  if (reformPending() && !isReplacement && !joinedReform) {
+  // A worker killed outright or crashed (SIGKILL, SIGSEGV, SIGBUS) is a loss of its own, whatever
+  // its group was doing: two workers lost at once are two replacements, not a loop that cannot
+  // recover (which ends with an error of its own when its collective fails: an exit code, or
+  // SIGABRT from an exception nobody caught).
+  const int sig = e.status.signal;
+  const bool lostOutright = sig == SIGKILL || sig == SIGSEGV || sig == SIGBUS;
+  if (reformPending() && !isReplacement && !joinedReform && !lostOutright) {
     // A survivor ended while its group re-formed around a replacement, without joining the re-form
     // (the README's loop without try / recover(), a Python script): replacing it too would cost a
     // second restart and start every rank afresh anyway. The whole group restarts instead.

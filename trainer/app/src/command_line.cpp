@@ -399,6 +399,13 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "node's LOCAL_WORLD_SIZE ranks and replicate across nodes (only a shard of the gradient, 1/LOCAL_WORLD_SIZE "
            "of it, is averaged between nodes); one node is plain full or grad-op")
       ->group(kSys)->capture_default_str();
+  f.option("--shard-copies", o.shardCopies,
+           "with --sharding optimizer|grad-op|full under ctorchrun --recovery in-place: 1 keeps a copy of each rank's "
+           "shard (parameters and optimizer state) in the next rank's memory, refreshed at every step, so that a lost "
+           "rank's replacement takes its shard from that neighbour and the other ranks keep theirs (no file read, no "
+           "step redone; costs one more shard of memory per rank and one shard sent per step); 0: a lost rank of a "
+           "sharded run restarts the group from the snapshot files")
+      ->group(kSys)->capture_default_str();
   f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);
   f.flag("--no-gradient-as-bucket-view", t.noBucketView,

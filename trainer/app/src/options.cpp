@@ -173,6 +173,14 @@ void TrainOptions::validate() const {
     throw UsageError(std::string("--sharding ") + toString(sharding) +
                      " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
   if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
+  if (shardCopies < 0 || shardCopies > 1) bad("--shard-copies", std::to_string(shardCopies), "must be 0 or 1");
+  if (shardCopies > 0 && (sharding == ShardingChoice::kNone || sync == SyncChoice::kParameterServer))
+    throw UsageError("--shard-copies " + std::to_string(shardCopies) +
+                     " needs sharded state: --sharding optimizer, grad-op or full (a run without it recovers in place already)");
+  if (shardCopies > 0 && isHybrid(sharding))
+    throw UsageError("--shard-copies " + std::to_string(shardCopies) + " with --sharding " + toString(sharding) +
+                     " is not supported: hybrid sharding's node and replica groups are not re-formed in place (use "
+                     "--sharding full or grad-op, or --shard-copies 0)");
   // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
   if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
       shardsModel(sharding))

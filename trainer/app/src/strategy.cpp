@@ -315,7 +315,7 @@ class DataParallel final : public Strategy {
     return worldSize > 1 ? "; gradients averaged by " + gradientPath(*ddp_) : std::string();
   }
   std::string inPlaceRecoveryOffWith() const override {
-    return zero_ ? "--sharding " + std::string(toString(o_.sharding)) : std::string();
+    return zero_ && o_.shardCopies == 0 ? "--sharding " + std::string(toString(o_.sharding)) + " --shard-copies 0" : std::string();
   }
   std::optional<GradientReductionStats> reductionStats() const override { return ddp_->sharedMemoryStats(); }
 
@@ -349,7 +349,9 @@ class FullySharded final : public Strategy {
   std::string averaging(int worldSize) const override {
     return worldSize > 1 ? "; gradients averaged by " + shardingPath(*fsdp_) : std::string();
   }
-  std::string inPlaceRecoveryOffWith() const override { return "--sharding " + std::string(toString(o_.sharding)); }
+  std::string inPlaceRecoveryOffWith() const override {
+    return o_.shardCopies == 0 ? "--sharding " + std::string(toString(o_.sharding)) + " --shard-copies 0" : std::string();
+  }
   EvalForward prepareEvaluation() override {
     return [this](const torch::Tensor& x) { return (*fsdp_)(x); };
   }

@@ -394,6 +394,7 @@ void Trainer::buildResilience() {
       .saveEverySteps(o_.saveEverySteps)
       .saveEveryEpochs(o_.saveEvery)
       .keepPrevious(o_.keepSnapshots)
+      .shardCopies(o_.shardCopies)
       .logEverySave(o_.logSaves)
       .resume(o_.resume.kind != ResumeChoice::Kind::kNever)
       .runName(o_.model)

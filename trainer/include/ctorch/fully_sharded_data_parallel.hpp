@@ -125,6 +125,14 @@ class FSDPCore {
   const FSDPOptions& options() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
+  // In-place recovery of a sharded run (ResilientTraining::recover): releaseGroup() lets go of the
+  // failed group (waits out what the communication thread still runs on it, dropping its failures),
+  // frees every gathered unit and drops the failed step's gradients; rejoin() continues on the
+  // re-formed group (the same ranks: the shards stay). Only for a model sharded over the default
+  // group (followsDefaultGroup(): no processGroup or replicateGroup of its own).
+  void releaseGroup();
+  void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  bool followsDefaultGroup() const;
 
   struct Impl;
 

@@ -117,6 +117,15 @@ struct ResilienceOptions {
   // false: recover() rethrows, and the launcher's replacement of a failed rank ends in a restart of
   // every rank from the snapshot.
   TORCH_ARG(bool, inPlaceRecovery) = true;
+  // Copies of each rank's shard kept in another rank's memory, for in-place recovery of a sharded run
+  // (ZeroRedundancyOptimizer, FullyShardedDataParallel on the default group). 1: at every agreed
+  // step each rank sends its shard (parameters and optimizer state) to the next rank (ring buddy),
+  // which keeps it; when a rank is lost its replacement takes its shard from that neighbour while the
+  // survivors keep theirs: no file is read and no step is redone. Costs one more shard of memory per
+  // rank and one shard sent per step (docs/sharding.md). A loss the copies cannot cover (two
+  // neighbours at once, a failure after a step's update and before its copy arrived) reloads every
+  // rank from the snapshot files, in place. 0: a lost rank of a sharded run restarts the group.
+  TORCH_ARG(int, shardCopies) = 0;
   // How stepDone() (without sums) agrees on a stop. true: it starts the step's small allreduce and
   // reads its result at the next stepDone() (or epochDone(), finish()), so the ranks meet only in the
   // step's own collectives (DDP's gradients), not once more after every step; a stop signal then

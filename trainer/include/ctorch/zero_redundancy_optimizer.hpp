@@ -83,6 +83,13 @@ class ZeroRedundancyOptimizer {
   // naming what does not fit (another optimizer, a parameter no shard holds, a shape).
   void loadShardStateDicts(const std::vector<ItemDict>& shards);
 
+  // In-place recovery of a sharded run (ResilientTraining::recover, ResilienceOptions::shardCopies):
+  // releaseGroup() lets go of the failed group, rejoin() continues on the re-formed one (the same
+  // ranks, so the shares stay). Only for an optimizer on the default group (followsDefaultGroup()).
+  void releaseGroup();
+  void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  bool followsDefaultGroup() const { return followsDefaultGroup_; }
+
  private:
   std::vector<at::Tensor> parameters_;
   std::vector<int> owners_;
@@ -91,6 +98,7 @@ class ZeroRedundancyOptimizer {
   std::unique_ptr<torch::optim::Optimizer> local_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_ = 0;
+  bool followsDefaultGroup_ = false;
   std::int64_t inPlaceBytes_ = 0;
   // Per owner: one buffer its small (or non-contiguous) parameters travel packed in, kept between
   // steps; its large contiguous parameters are broadcast in place.

@@ -152,7 +152,10 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
   };
   assign("", *s.root);
   for (const auto& item : named) assign(item.key(), *item.value());
-  if (s.options.syncModuleStates()) {
+  // A replacement joining a running group in place (ResilienceOptions::shardCopies) runs no
+  // collective here: the survivors are not constructing; its shards come with the recovery.
+  const bool sync = s.options.syncModuleStates() && !joiningInPlace();
+  if (sync) {
     torch::NoGradGuard noGrad;
     Impl::broadcastFromWorldRankZero(s.group, s.replicate, s.root->buffers());
   }
@@ -168,9 +171,9 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
     unit->index = s.units.size();
     const std::string prefix = names[u].empty() ? "" : names[u] + ".";
     if (!trainable.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.replicate, s.options.syncModuleStates()));
+      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.replicate, sync));
     if (!frozen.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.replicate, s.options.syncModuleStates()));
+      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.replicate, sync));
     unit->trainableCount = static_cast<std::int64_t>(trainable.size());
     s.units.push_back(std::move(unit));
   }
@@ -212,6 +215,7 @@ FSDPCore::~FSDPCore() {
 void FSDPCore::beginRootForward() {
   auto& s = *impl_;
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  if (!s.group) throw DistributedError("FullyShardedDataParallel: no process group (in-place recovery under way)");
   if (s.callbackQueued || !s.inFlight.empty())
     throw ConfigError("FullyShardedDataParallel: a forward began while the previous backward is still running");
   // DDP's rule, kept so that the two stay bit-identical: buffers are broadcast before a forward unless
@@ -376,3 +380,61 @@ torch::nn::Module& FSDPCore::module() { return *impl_->root; }
 
 } // namespace detail
 } // namespace ctorch
+
+namespace ctorch::detail {
+
+bool FSDPCore::followsDefaultGroup() const {
+  return !impl_->options.processGroup() && !impl_->options.replicateGroup();
+}
+
+void FSDPCore::releaseGroup() {
+  auto& s = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.group.reset();
+  // What the communication thread still runs fails with the group (its peers' sockets closed) or
+  // completes: either way it is over before the units' buffers are touched.
+  const auto drain = [](std::shared_future<void>& f) {
+    if (!f.valid()) return;
+    try {
+      f.get();
+    } catch (...) {
+    }
+    f = {};
+  };
+  for (auto& f : s.inFlight) drain(f);
+  s.inFlight.clear();
+  torch::NoGradGuard noGrad;
+  for (auto& unit : s.units) {
+    drain(unit->pending);
+    if (unit->gathered) {
+      for (auto& flat : unit->flats) {
+        s.gatheredNow -= flat.fullBytes();
+        s.pool.give(flat.storage);
+      }
+      unit->gathered = false;
+    }
+    unit->gradsReady = 0;
+    unit->reduced = false;
+    unit->enteredThisForward = false;
+    // The failed step's gradients: whole ones not yet reduce-scattered, and what reached the shards.
+    for (auto& flat : unit->flats) {
+      for (auto& p : flat.params) p.mutable_grad() = at::Tensor();
+      if (flat.shard.requires_grad()) flat.shard.mutable_grad() = at::Tensor();
+    }
+  }
+  s.callbackQueued = false;
+}
+
+void FSDPCore::rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  auto& s = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  if (!followsDefaultGroup())
+    throw ConfigError("FullyShardedDataParallel::rejoin: its process groups are its own (hybrid sharding or "
+                      "FSDPOptions::processGroup): they are not re-formed");
+  if (!group || group->getRank() != s.rank || group->getSize() != s.world)
+    throw ConfigError("FullyShardedDataParallel::rejoin: the group is not the one its shards were cut for (rank " +
+                      std::to_string(s.rank) + " of " + std::to_string(s.world) + ")");
+  s.group = std::move(group);
+}
+
+} // namespace ctorch::detail

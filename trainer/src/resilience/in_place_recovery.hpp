@@ -30,6 +30,11 @@ class InPlaceRecovery {
   // completed here, so the update is the one every rank makes); else the sampler and the buffers
   // went back to the last agreement.
   bool settleAfterFailure(const TrackedState& state);
+  // Before settleAfterFailure: true when the state is exactly the last agreed point (no agreement
+  // under way, no update since).
+  bool atCommit(const TrackedState& state) const {
+    return phase_ == Phase::kLoop && parameterVersions(state) == committedVersions_;
+  }
 
   // The collectives a replacement and the survivors run together once the group re-formed: agree on
   // the newest state any rank holds (`heldStep`: this rank's global step, -1 for none; `epochCounted`:

@@ -169,4 +169,61 @@ std::vector<char> RankAgreement::broadcast(std::vector<char> bytes, int root, co
   });
 }
 
+namespace {
+// Gloo keeps point-to-point messages apart from collectives (their own slots); the tags keep a
+// payload's size apart from the payload.
+constexpr int kSizeTag = 0x5c0, kPayloadTag = 0x5c1;
+
+void checkSize(std::int64_t n, std::int64_t limit, int from, const std::string& during) {
+  if (n <= 0 || n > limit)
+    throw DistributedError(during + ": rank " + std::to_string(from) + " announced " + std::to_string(n) +
+                           " bytes (expected 1 to " + std::to_string(limit) + ")");
+}
+}  // namespace
+
+at::Tensor RankAgreement::passToNext(const std::vector<char>& mine, std::int64_t limit, const std::string& during) {
+  const auto n = static_cast<std::int64_t>(mine.size());
+  auto out = torch::from_blob(const_cast<char*>(mine.data()), {n}, torch::kUInt8);
+  if (world_ == 1) return out.clone();
+  const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+  return guarded(during, [&] {
+    std::vector<at::Tensor> sizeOut{torch::tensor({n}, torch::kInt64).to(device())};
+    std::vector<at::Tensor> sizeIn{torch::zeros({1}, torch::kInt64).to(device())};
+    auto sent = group_->send(sizeOut, next, kSizeTag);
+    auto got = group_->recv(sizeIn, prev, kSizeTag);
+    sent->wait();
+    got->wait();
+    const std::int64_t m = sizeIn[0].cpu().item<std::int64_t>();
+    checkSize(m, limit, prev, during);
+    std::vector<at::Tensor> payloadOut{out.to(device())};
+    std::vector<at::Tensor> payloadIn{torch::empty({m}, torch::TensorOptions(torch::kUInt8).device(device()))};
+    sent = group_->send(payloadOut, next, kPayloadTag);
+    got = group_->recv(payloadIn, prev, kPayloadTag);
+    sent->wait();
+    got->wait();
+    return payloadIn[0].cpu();
+  });
+}
+
+void RankAgreement::sendTo(const at::Tensor& bytes, int to, const std::string& during) {
+  guarded(during, [&] {
+    std::vector<at::Tensor> size{torch::tensor({bytes.numel()}, torch::kInt64).to(device())};
+    group_->send(size, to, kSizeTag)->wait();
+    std::vector<at::Tensor> payload{bytes.contiguous().to(device())};
+    group_->send(payload, to, kPayloadTag)->wait();
+  });
+}
+
+at::Tensor RankAgreement::receiveFrom(int from, std::int64_t limit, const std::string& during) {
+  return guarded(during, [&] {
+    std::vector<at::Tensor> size{torch::zeros({1}, torch::kInt64).to(device())};
+    group_->recv(size, from, kSizeTag)->wait();
+    const std::int64_t n = size[0].cpu().item<std::int64_t>();
+    checkSize(n, limit, from, during);
+    std::vector<at::Tensor> payload{torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(device()))};
+    group_->recv(payload, from, kPayloadTag)->wait();
+    return payload[0].cpu();
+  });
+}
+
 } // namespace ctorch::detail

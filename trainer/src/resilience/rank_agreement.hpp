@@ -42,6 +42,13 @@ class RankAgreement {
   // `root`'s `bytes` on every rank (the others pass none); an empty payload is refused.
   std::vector<char> broadcast(std::vector<char> bytes, int root, const std::string& during);
 
+  // Point to point (not collectives: only the ranks named take part). A ring pass: `mine` to rank + 1,
+  // and rank - 1's bytes back (every rank calls it at the same point; a world of one gets its own).
+  // Each received payload is refused above `limit` bytes, or empty.
+  at::Tensor passToNext(const std::vector<char>& mine, std::int64_t limit, const std::string& during);
+  void sendTo(const at::Tensor& bytes, int to, const std::string& during);
+  at::Tensor receiveFrom(int from, std::int64_t limit, const std::string& during);
+
  private:
   struct Reduction {
     c10::intrusive_ptr<c10d::Work> work;

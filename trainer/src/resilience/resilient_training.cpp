@@ -16,9 +16,11 @@
 
 #include <ctorch/contract/worker_contract.hpp>
 
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/optim/optimizer.h>
 #include <torch/utils.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -58,6 +60,8 @@ void ResilienceOptions::validate() const {
   if (keepPrevious_ < 0 || keepPrevious_ > 100)
     throw ConfigError("ResilienceOptions::keepPrevious must be between 0 and 100, got " + std::to_string(keepPrevious_));
   if (runName_.empty()) throw ConfigError("ResilienceOptions::runName is empty");
+  if (shardCopies_ < 0 || shardCopies_ > 1)
+    throw ConfigError("ResilienceOptions::shardCopies must be 0 or 1, got " + std::to_string(shardCopies_));
 }
 
 
@@ -74,6 +78,7 @@ struct ResilientTraining::Impl {
   // This launch's id, agreed by the ranks in resume(): with the global step, the id of each save
   // (SnapshotHeader::saveId), which a snapshot and its shards carry.
   std::string runId;
+  double runIdNumber = 0;  // the same, as agreed (0: not yet)
   bool resumed = false;
   bool stop = false;
   TrainingStatus status = TrainingStatus::kRunning;
@@ -200,6 +205,184 @@ struct ResilientTraining::Impl {
   void agreed() {
     recovery->commit(state);
     seedStep();
+    refreshShardCopy();
+  }
+
+  // ---- shard copies (ResilienceOptions::shardCopies) ------------------------------------------
+  // The copy of the previous rank's shard this rank keeps (its pickled rankShard()), the global step
+  // it is of (-1: none complete), and the step of this rank's last refresh (-1: due).
+  at::Tensor heldCopy;
+  std::int64_t heldCopyStep = -1;
+  std::int64_t copiedAt = -1;
+  double copySeconds = 0;
+  std::int64_t copyCount = 0;
+
+  bool copiesOn() const {
+    return o.shardCopies() > 0 && state.sharded() && recovery->enabled() && state.whyNoShardCopies().empty();
+  }
+  static std::int64_t copyLimit(std::size_t own) { return 4 * static_cast<std::int64_t>(own) + (std::int64_t{64} << 20); }
+
+  // At every agreed point: each rank's shard to the next rank (a ring), the previous rank's kept.
+  // A failure here leaves the copy incomplete (heldCopyStep -1): that shard heals from the files.
+  void refreshShardCopy() {
+    if (!copiesOn() || world == 1 || copiedAt == globalStep) return;
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<char> mine = torch::pickle_save(c10::IValue(state.rankShard()));
+    heldCopyStep = -1;
+    heldCopy = at::Tensor();
+    heldCopy = ranks->passToNext(mine, copyLimit(mine.size()), "the shard copies of global step " + std::to_string(globalStep));
+    heldCopyStep = globalStep;
+    copiedAt = globalStep;
+    copySeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++copyCount;
+  }
+
+  static ItemDict decodeShard(const at::Tensor& bytes, const std::string& what) {
+    try {
+      const auto* d = reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>());
+      const c10::IValue value = torch::pickle_load(std::vector<char>(d, d + bytes.numel()));
+      if (!value.isGenericDict()) throw DistributedError(what + " is not a dict");
+      ItemDict out = newItemDict();
+      for (const auto& item : value.toGenericDict()) {
+        if (!item.key().isString()) throw DistributedError(what + " has a key that is not a string");
+        out.insert(item.key().toStringRef(), item.value());
+      }
+      return out;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistributedError(what + " cannot be read: " + detail::messageOf(e));
+    }
+  }
+
+  // After the group re-formed, in a sharded run with shard copies: every rank (survivors from
+  // recover(), replacements from resume()) says where its state stands, and together they either
+  // heal (each replacement takes its shard from the next rank's copy, the rest of the state from the
+  // lowest survivor; the survivors keep theirs) or, when a lost shard has no copy of the agreed step,
+  // all reload the snapshot files. `held`: this rank's global step when its state is exactly the last
+  // agreed point, kMovedOn when an update ran since, -1 for a replacement. nullopt: no rank holds
+  // any state (every rank is new): the caller resumes from the files as after a restart.
+  static constexpr std::int64_t kMovedOn = -2;
+  std::optional<ResumePoint> rejoinSharded(std::int64_t held, std::optional<detail::BucketLayout> buckets) {
+    const int w = world;
+    const int prev = (rank + w - 1) % w;
+    std::vector<double> v(2 * static_cast<std::size_t>(w), -3.0);
+    v[static_cast<std::size_t>(rank)] = static_cast<double>(held);
+    v[static_cast<std::size_t>(w + prev)] = held == -1 ? -1.0 : static_cast<double>(heldCopyStep);
+    const auto all = ranks->allReduce(v, c10d::ReduceOp::MAX, "in-place recovery (where each rank's shard stands)");
+    std::vector<int> lost;
+    std::int64_t at = -1;
+    bool anySurvivor = false;
+    std::string why;
+    for (int i = 0; i < w; ++i) {
+      const auto step = static_cast<std::int64_t>(all[static_cast<std::size_t>(i)]);
+      if (step == -1) {
+        lost.push_back(i);
+        continue;
+      }
+      anySurvivor = true;
+      if (step < 0) {
+        if (why.empty()) why = "rank " + std::to_string(i) + " had begun a step's update";
+      } else if (at < 0) {
+        at = step;
+      } else if (step != at && why.empty()) {
+        why = "the surviving ranks stand at different steps";
+      }
+    }
+    if (!anySurvivor) return std::nullopt;
+    if (why.empty())
+      for (int f : lost) {
+        const int holder = (f + 1) % w;
+        if (all[static_cast<std::size_t>(holder)] == -1) {
+          why = "rank " + std::to_string(f) + " and rank " + std::to_string(holder) + ", which kept its copy, were both lost";
+          break;
+        }
+        if (static_cast<std::int64_t>(all[static_cast<std::size_t>(w + f)]) != at) {
+          why = "rank " + std::to_string(holder) + "'s copy of rank " + std::to_string(f) + "'s shard is not of global step " +
+                std::to_string(at) + " (the failure came between a step's update and its copy)";
+          break;
+        }
+      }
+    if (!why.empty()) return reloadFromFiles(why, held == -1);
+
+    // Heal: the replicated state from the lowest survivor, each lost shard from its neighbour's copy.
+    const auto exchange = recovery->exchangeState(*ranks, held >= 0 ? held : -1, stepInEpoch == 0 && epoch > 0, [&] {
+      Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, buckets, nullptr);
+      mine.header.saveId = saveId();
+      return encodeSnapshot(mine);
+    });
+    std::optional<ItemDict> myShard;
+    std::string healed;
+    for (int f : lost) {
+      const int holder = (f + 1) % w;
+      const std::string during = "in-place recovery (rank " + std::to_string(f) + "'s shard from rank " +
+                                 std::to_string(holder) + "'s copy)";
+      if (rank == holder) ranks->sendTo(heldCopy, f, during);
+      if (rank == f) {
+        const std::vector<char> own = torch::pickle_save(c10::IValue(state.rankShard()));
+        myShard = decodeShard(ranks->receiveFrom(holder, copyLimit(own.size()), during),
+                              "rank " + std::to_string(holder) + "'s copy of rank " + std::to_string(f) + "'s shard");
+      }
+      healed += (healed.empty() ? "rank " : ", rank ") + std::to_string(f) + "'s shard from rank " + std::to_string(holder) +
+                "'s copy";
+    }
+    if (held == -1) {
+      if (!exchange || !exchange->received || !myShard)
+        throw DistributedError("in-place recovery: rank " + std::to_string(rank) + " received no state to join with");
+      const std::string& id = exchange->received->header.saveId;
+      if (runId.empty() && id.find('-') != std::string::npos) runId = id.substr(0, id.find('-'));
+      buckets = detail::bucketsOf(*exchange->received);
+      resumeShards.clear();
+      resumeShards[exchange->received->source] = {*myShard};
+      restore(*exchange->received, /*rng=*/false);
+      resumeShards.clear();
+      saver->forgetSaved();  // nothing on disk holds this point
+    }
+    if (state.ddp()) state.ddp()->rejoin(ranks->group(), buckets);
+    state.rejoinShardedGroups(ranks->group());
+    copiedAt = -1;
+    say("in-place recovery: healed " + healed + "; continuing from " +
+        describeProgress(epoch, stepInEpoch, globalStep) + " with rank " + std::to_string(exchange ? exchange->donor : 0) +
+        "'s state (group generation " + std::to_string(groupGeneration()) + ")");
+    agreed();
+    return pointFromMemory(held == -1 ? "joined the running group in place of a failed rank, its shard from a copy, at "
+                                      : "recovered in place (shards healed from copies) at ");
+  }
+
+  // Every rank (survivors and replacements) back to the newest snapshot the files hold, in place.
+  ResumePoint reloadFromFiles(const std::string& why, bool replacement) {
+    say("in-place recovery: a lost shard cannot come back from memory (" + why + "): every rank reloads the snapshot files");
+    ResumePoint point;
+    std::vector<SkippedSnapshot> unusable;
+    resumeShards.clear();
+    const std::optional<Snapshot> snap = chooseResumeSource(point, unusable);
+    const double g = snap ? static_cast<double>(snap->globalStep) : -1.0;
+    const auto agreedValues =
+        ranks->allReduce({g, -g, runIdNumber}, c10d::ReduceOp::MAX, "in-place recovery (reloading the snapshot files)");
+    if (agreedValues[0] != -agreedValues[1])
+      throw DistributedError("in-place recovery: the ranks found different snapshots to reload (global steps " +
+                             std::to_string(-agreedValues[1]) + " to " + std::to_string(agreedValues[0]) +
+                             "): every rank must see the same snapshot files");
+    if (!snap)
+      throw DistributedError("in-place recovery: " + why + ", and no snapshot holds an earlier step to reload");
+    if (replacement || runId.empty()) {
+      runIdNumber = agreedValues[2];
+      runId = runIdText(runIdNumber);
+    }
+    if (state.ddp()) state.ddp()->rejoin(ranks->group(), detail::bucketsOf(*snap));
+    state.rejoinShardedGroups(ranks->group());
+    restore(*snap);
+    resumeShards.clear();
+    heldCopyStep = -1;
+    copiedAt = -1;
+    say("in-place recovery: " + point.message);
+    agreed();
+    point.resumed = true;
+    point.file = snap->source;
+    point.epoch = epoch;
+    point.stepInEpoch = stepInEpoch;
+    point.globalStep = globalStep;
+    return point;
   }
 
   // ---- in-place recovery -----------------------------------------------------------------------
@@ -335,9 +518,12 @@ struct ResilientTraining::Impl {
       declareInPlaceRecovery(false, "its ResilientTraining runs on a process group of its own");
     else if (!o.inPlaceRecovery())
       declareInPlaceRecovery(false, "ResilienceOptions::inPlaceRecovery is off in its loop");
-    else if (state.sharded())
-      declareInPlaceRecovery(false, "its training state is sharded (ZeRO, FSDP or a parameter server): a lost "
+    else if (state.sharded() && o.shardCopies() == 0)
+      declareInPlaceRecovery(false, "its training state is sharded (ZeRO, FSDP or a parameter server) without shard "
+                                    "copies (ResilienceOptions::shardCopies, ctorch-train --shard-copies 1): a lost "
                                     "rank's shard comes back from the snapshot files with a group restart");
+    else if (state.sharded() && !state.whyNoShardCopies().empty())
+      declareInPlaceRecovery(false, state.whyNoShardCopies());
     else
       declareInPlaceRecovery(true);
   }
@@ -383,11 +569,22 @@ ResumePoint ResilientTraining::resume() {
     if (s.rank == 0 && !s.saver->lockSlot(holder))
       std::cerr << s.o.programName() << ": warning: snapshot slot " << s.saver->slot().string() << " is locked by " << holder
                 << std::endl;
-    const bool joined = s.joinWithState(-1, std::nullopt);
-    detail::joinedInPlace();
-    if (joined) {
-      s.declareInPlace();
-      return s.pointFromMemory("joined the running group in place of a failed rank at ");
+    if (s.state.sharded()) {
+      // Shard copies (else this rank would not have been started in place): its shard from its
+      // neighbour's copy, or every rank back to the files.
+      const std::optional<ResumePoint> joined = s.rejoinSharded(-1, std::nullopt);
+      detail::joinedInPlace();
+      if (joined) {
+        s.declareInPlace();
+        return *joined;
+      }
+    } else {
+      const bool joined = s.joinWithState(-1, std::nullopt);
+      detail::joinedInPlace();
+      if (joined) {
+        s.declareInPlace();
+        return s.pointFromMemory("joined the running group in place of a failed rank at ");
+      }
     }
   }
   // One job per slot: rank 0 locks it before reading it; a slot in use is refused on every rank
@@ -426,6 +623,7 @@ ResumePoint ResilientTraining::resume() {
   // This launch's id is agreed in the same allreduce: the largest of the ranks' draws.
   const double g = static_cast<double>(s.globalStep);
   const auto agreed = s.ranks->allReduce({g, -g, s.stopFlag(), drawRunId()}, c10d::ReduceOp::MAX, "resume");
+  s.runIdNumber = agreed[3];
   s.runId = runIdText(agreed[3]);
   if (agreed[0] != -agreed[1])
     throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) + " to " +
@@ -522,7 +720,9 @@ ResumePoint ResilientTraining::recover() {
   Impl& s = *impl_;
   const std::exception_ptr failure = std::current_exception();
   if (!failure) throw ConfigError("ResilientTraining::recover() must be called while handling the exception of a failed step");
-  if (!s.recovery->enabled() || s.state.sharded() || !s.resumed || s.status != TrainingStatus::kRunning || s.stop) std::rethrow_exception(failure);
+  if (!s.recovery->enabled() || (s.state.sharded() && !s.copiesOn()) || !s.resumed || s.status != TrainingStatus::kRunning ||
+      s.stop)
+    std::rethrow_exception(failure);
   std::string cause;
   bool communication = false;
   try {
@@ -536,6 +736,8 @@ ResumePoint ResilientTraining::recover() {
   if (!communication) std::rethrow_exception(failure);
   std::cerr << s.o.programName() << ": rank " << s.rank << "/" << s.world << ": in-place recovery after: " << cause
             << std::endl;
+  // A sharded run heals only from the agreed point itself (the copies are of it).
+  const bool atCommit = s.recovery->atCommit(s.state);
   if (s.recovery->settleAfterFailure(s.state)) {  // the step in progress counts: its update ran
     ++s.stepInEpoch;
     ++s.globalStep;
@@ -545,15 +747,23 @@ ResumePoint ResilientTraining::recover() {
   // on this rank fail at once and come to re-form too).
   const std::optional<detail::BucketLayout> buckets = s.ddpBuckets();
   if (s.state.ddp()) s.state.ddp()->releaseGroup();
+  if (s.state.sharded()) s.state.releaseShardedGroups();
   s.ranks->replaceGroup({});
   s.ranks->replaceGroup(reformProcessGroup());
+  if (s.state.sharded()) {
+    const std::optional<ResumePoint> point = s.rejoinSharded(atCommit ? s.globalStep : Impl::kMovedOn, buckets);
+    if (point) return *point;
+    throw DistributedError("in-place recovery: no rank holds any state");  // unreachable: this rank does
+  }
   s.joinWithState(s.globalStep, buckets);
   return s.pointFromMemory("recovered in place at ");
 }
 
-// A sharded optimizer's state is spread over the ranks: a lost rank's shard comes back from the
-// snapshot files with a group restart (docs/sharding.md).
-bool ResilientTraining::canRecoverInPlace() const { return impl_->recovery->enabled() && !impl_->state.sharded(); }
+// A sharded run's state is spread over the ranks: a lost rank's shard comes back from a neighbour's
+// copy (ResilienceOptions::shardCopies), or else from the snapshot files with a group restart.
+bool ResilientTraining::canRecoverInPlace() const {
+  return impl_->recovery->enabled() && (!impl_->state.sharded() || impl_->copiesOn());
+}
 
 void ResilientTraining::save(const SaveExtras& extras) {
   Impl& s = *impl_;

@@ -76,14 +76,47 @@ Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const 
   return captureShard(*fsdp_, optimizer_, identity, progress);
 }
 
+ItemDict TrackedState::rankShard() const {
+  if (zero_) return zero_->shard();
+  ItemDict shard = newItemDict();
+  shard.insert(kShardedModelKey, fsdp_->shardStateDict());
+  if (optimizer_) shard.insert("fsdp_optimizer", fsdp_->optimizerShardStateDict(*optimizer_));
+  return shard;
+}
+
+std::string TrackedState::whyNoShardCopies() const {
+  if (fsdp_ && !fsdp_->followsDefaultGroup())
+    return "its FullyShardedDataParallel runs on process groups of its own (hybrid sharding or FSDPOptions::processGroup), "
+           "which are not re-formed";
+  if (zero_ && !zero_->rejoin)
+    return "its sharded optimizer (a parameter server, or one on a process group of its own) cannot follow a re-formed group";
+  return {};
+}
+
+void TrackedState::releaseShardedGroups() const {
+  if (fsdp_) fsdp_->releaseGroup();
+  if (zero_ && zero_->releaseGroup) zero_->releaseGroup();
+}
+
+void TrackedState::rejoinShardedGroups(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const {
+  if (fsdp_) fsdp_->rejoin(group);
+  if (zero_ && zero_->rejoin) zero_->rejoin(group);
+}
+
 void TrackedState::setOptimizer(torch::optim::Optimizer& optimizer) {
   if (optimizer_ || zero_) throw ConfigError("ResilientTraining: an optimizer is already registered (one per run)");
   optimizer_ = &optimizer;
 }
 
 void TrackedState::setOptimizer(ZeroRedundancyOptimizer& optimizer) {
-  setOptimizer(ShardedOptimizer{[&optimizer] { return optimizer.shardStateDict(); },
-                                [&optimizer](const std::vector<ItemDict>& shards) { optimizer.loadShardStateDicts(shards); }});
+  ShardedOptimizer sharded{[&optimizer] { return optimizer.shardStateDict(); },
+                           [&optimizer](const std::vector<ItemDict>& shards) { optimizer.loadShardStateDicts(shards); },
+                           nullptr, nullptr};
+  if (optimizer.followsDefaultGroup()) {
+    sharded.releaseGroup = [&optimizer] { optimizer.releaseGroup(); };
+    sharded.rejoin = [&optimizer](c10::intrusive_ptr<c10d::ProcessGroup> group) { optimizer.rejoin(std::move(group)); };
+  }
+  setOptimizer(std::move(sharded));
 }
 
 void TrackedState::setOptimizer(ShardedOptimizer sharded) {

@@ -37,6 +37,9 @@ std::optional<BucketLayout> bucketsOf(const Snapshot& snapshot);
 struct ShardedOptimizer {
   std::function<ItemDict()> shard;
   std::function<void(const std::vector<ItemDict>&)> load;
+  // In-place recovery (null: it cannot follow a re-formed group).
+  std::function<void()> releaseGroup;
+  std::function<void(c10::intrusive_ptr<c10d::ProcessGroup>)> rejoin;
 };
 
 class TrackedState {
@@ -74,6 +77,15 @@ class TrackedState {
   bool sharded() const { return zero_.has_value() || fsdp_ != nullptr; }
   // This rank's shard file's content (zero_shards.hpp), for a sharded() run.
   Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const;
+  // This rank's shard as restore() takes it among `shards` (a shard file's content, in memory): what
+  // ResilienceOptions::shardCopies keeps on the next rank.
+  ItemDict rankShard() const;
+  // Why a lost rank's shard cannot come back from a neighbour's copy in place (empty: it can; a run
+  // that is not sharded() needs no copy).
+  std::string whyNoShardCopies() const;
+  // In-place recovery: the sharded objects let go of the failed group, then follow the re-formed one.
+  void releaseShardedGroups() const;
+  void rejoinShardedGroups(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
   // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.

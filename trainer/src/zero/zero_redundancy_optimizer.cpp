@@ -65,6 +65,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> paramet
     throw ConfigError("ZeroRedundancyOptimizer: broadcastInPlaceBytes must be >= 0, got " +
                       std::to_string(options.broadcastInPlaceBytes()));
   inPlaceBytes_ = options.broadcastInPlaceBytes();
+  followsDefaultGroup_ = !options.processGroup();
   const std::vector<std::int64_t> numels = detail::flatShareNumels(parameters_, "ZeroRedundancyOptimizer");
   rank_ = group_->getRank();
   owners_ = partitionParameters(numels, group_->getSize());
@@ -86,6 +87,7 @@ void ZeroRedundancyOptimizer::step() {
 
 void ZeroRedundancyOptimizer::broadcastShares() {
   if (shares_.size() == 1) return;  // one rank: its parameters are the only copy
+  if (!group_) throw DistributedError("ZeroRedundancyOptimizer: no process group (in-place recovery under way)");
   torch::NoGradGuard noGrad;
   if (packBuffers_.size() != shares_.size()) packBuffers_.resize(shares_.size());
   // Every broadcast is started before any is waited for (the process group runs them in order), then
@@ -290,6 +292,15 @@ void loadOptimizerShards(torch::optim::Optimizer* optimizer, const std::vector<a
 ItemDict ZeroRedundancyOptimizer::shardStateDict() const {
   return detail::optimizerShard(local_.get(), parameters_, static_cast<int>(shares_.size()), rank_,
                                 "ZeroRedundancyOptimizer");
+}
+
+void ZeroRedundancyOptimizer::releaseGroup() { group_.reset(); }
+
+void ZeroRedundancyOptimizer::rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  if (!group || group->getRank() != rank_ || group->getSize() != static_cast<int>(shares_.size()))
+    throw ConfigError("ZeroRedundancyOptimizer::rejoin: the group is not the one its shares were cut for (rank " +
+                      std::to_string(rank_) + " of " + std::to_string(shares_.size()) + ")");
+  group_ = std::move(group);
 }
 
 void ZeroRedundancyOptimizer::loadShardStateDicts(const std::vector<ItemDict>& shards) {

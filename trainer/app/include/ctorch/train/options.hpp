@@ -141,6 +141,7 @@ struct TrainOptions {
   CommHook commHook = CommHook::kSharedMemory;                           // --comm-hook
   GradientReduction gradientReduction = GradientReduction::kOverlapped;  // --gradient-reduction
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
+  int shardCopies = 0;  // --shard-copies: a copy of each rank's shard on the next rank (in-place recovery)
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
