@@ -76,6 +76,11 @@ WORKLOADS = {
     # The README's loop without try / recover() under --recovery in-place: the first fault's
     # replacement finds no survivor to re-form with, ctorchrun falls back to one group restart and
     # restarts the group after every later fault (issue 28.1).
+    # The same loop with FullyShardedDataParallel and shard copies (ResilienceOptions::shardCopies):
+    # a user's own sharded loop healing a lost rank's shard in place through the installed API.
+    "consumer-fsdp": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4",
+                                                    "--step-seed", "7", "--sharding", "fsdp", "--shard-copies", "1"],
+                          steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40),
     "consumer-norecover": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4",
                                                          "--recover-in-place", "0"],
                                steps_per_rank_world={1: 64, 2: 32, 3: 22}, epochs=3, delay_ms=40, no_recover=True),
@@ -643,7 +648,7 @@ class Harness:
                                        f"spare or preloaded process (want every one)")
             if not preloaded and not self.args.spare_workers and run.spares:
                 res["problems"].append(f"{len(run.spares)} faults taken over by a waiting process, with none asked for")
-            if shard_copies(self.args):
+            if shard_copies(self.args, run.workload):
                 # Every worker fault of a sharded run with shard copies ends in place: its shard healed
                 # from the next rank's copy, or (two neighbours lost at once; a fault between a step's
                 # update and its copy) every rank reloading the files, with the reason said.
@@ -690,6 +695,7 @@ class Harness:
         run = Run(self, name, workload, world, faults, rng)
         self.log(f"[{name}] {workload} w{world} seed {seed} faults {faults}")
         res = run.execute()
+        res["workload"] = workload
         self.check(run, res)
         res["ok"] = not res["problems"]
         lost = " ".join(f"{l['kind']}:{l['restart_s']}/{l['lost_s']}s" for l in res["lost"])
@@ -697,7 +703,7 @@ class Harness:
                 f"{len(res['injected'])}/{len(faults)}  restarts {res['restarts']}  "
                 f"{'bit-identical' if res.get('identical') else 'NOT identical'}  snapshots {res['snapshots']} ok  "
                 f"{res['seconds']:.1f} s  [restart/lost {lost}]" +
-                (f"  healed {res['healed']}, reloaded {len(res['reloads'])}" if shard_copies(self.args) else ""))
+                (f"  healed {res['healed']}, reloaded {len(res['reloads'])}" if shard_copies(self.args, workload) else ""))
         self.log(line, always=True)
         for p in res["problems"]:
             self.log(f"      problem: {p}", always=True)
@@ -1546,6 +1552,7 @@ def build_suite(args, rng):
             add("inplace-consumer", "consumer-seeded", 2, ["worker-kill", "worker-stop"])
             add("inplace-consumer-w3", "consumer-seeded", 3, ["worker-segv"])
             add("inplace-consumer-norecover", "consumer-norecover", 2, ["worker-kill", "worker-kill"])
+            add("inplace-consumer-fsdp", "consumer-fsdp", 2, ["worker-kill", "worker-segv"])
             return scen
         if shard_copies(args):
             # A sharded run with shard copies (--trainer-args '--sharding full --shard-copies 1'): single
@@ -1568,8 +1575,11 @@ def build_suite(args, rng):
     return scen
 
 
-def shard_copies(args):
-    """True when the trainer runs keep shard copies (in-place recovery of a sharded run)."""
+def shard_copies(args, workload=None):
+    """True when the runs keep shard copies (in-place recovery of a sharded run): the trainer's
+    arguments say so, or the workload's own (a consumer's)."""
+    if workload is not None and "--shard-copies" in WORKLOADS[workload]["args"]:
+        return WORKLOADS[workload]["args"][WORKLOADS[workload]["args"].index("--shard-copies") + 1] == "1"
     return args.program == "trainer" and re.search(r"--shard-copies[ =]1\b", args.trainer_args or "") is not None
 
 
@@ -1663,7 +1673,7 @@ def main():
     identical = sum(1 for r in results if r.get("identical"))
     h.log(f"faults injected {injected}, survived {survived}; bit-identical runs {identical}/{len(results)}",
           always=True)
-    if shard_copies(args):
+    if shard_copies(args) or any(shard_copies(args, r.get("workload")) for r in results if r.get("workload")):
         healed = sum(r.get("healed", 0) for r in results)
         reloads = [why for r in results for why in r.get("reloads", [])]
         h.log(f"  shards healed from a neighbour's copy {healed}, reloads from the files {len(reloads)}", always=True)

@@ -11,6 +11,7 @@
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/error_file.hpp>
+#include <ctorch/fully_sharded_data_parallel.hpp>
 #include <ctorch/process_tuning.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/sampler.hpp>
@@ -49,12 +50,14 @@ struct Flags {
   std::int64_t stepSeed = -1;    // >= 0: every step's randomness from (seed, rank, step)
   std::int64_t recoverInPlace = 1;  // 0: the README's loop without try / recover(): a failed step ends it
   std::string tensorboardDir;       // non-empty: rank 0 writes the losses as TensorBoard scalars
+  bool fsdp = false;                // --sharding fsdp: FullyShardedDataParallel in place of DDP
+  std::int64_t shardCopies = 0;     // ResilienceOptions::shardCopies (in-place recovery of the shards)
 };
 
 constexpr const char* kUsage =
     "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
     "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S] [--recover-in-place 0|1]\n"
-    "                [--tensorboard-dir DIR]";
+    "                [--tensorboard-dir DIR] [--sharding none|fsdp] [--shard-copies 0|1]";
 
 // Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
 // nothing when every flag was understood.
@@ -91,6 +94,8 @@ std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
     else if (name == "--step-seed") ok = integer(value, 0, f.stepSeed);
     else if (name == "--recover-in-place") ok = integer(value, 0, f.recoverInPlace) && f.recoverInPlace <= 1;
     else if (name == "--snapshot") ok = !(f.snapshot = value).empty();
+    else if (name == "--sharding") ok = (value == "none" || value == "fsdp") && ((f.fsdp = value == "fsdp"), true);
+    else if (name == "--shard-copies") ok = integer(value, 0, f.shardCopies) && f.shardCopies <= 1;
     else if (name == "--out") ok = !(f.out = value).empty();
     else if (name == "--tensorboard-dir") ok = !(f.tensorboardDir = value).empty();
     else if (name == "--lr") {
@@ -146,9 +151,15 @@ int train(const Flags& f) {
   const Dataset data(2048);
   torch::manual_seed(0);
   Net model;
-  ctorch::DistributedDataParallel ddp(model);  // every rank starts from rank 0's weights
+  // Every rank starts from rank 0's weights. DDP, or (--sharding fsdp) each rank holds a shard of the
+  // parameters, gradients and optimizer state.
+  std::optional<ctorch::DistributedDataParallel<Net>> ddp;
+  std::optional<ctorch::FullyShardedDataParallel<Net>> fsdp;
+  if (f.fsdp) fsdp.emplace(model);
+  else ddp.emplace(model);
+  const auto forward = [&](const torch::Tensor& x) { return fsdp ? (*fsdp)(x) : (*ddp)(x); };
   torch::manual_seed(1 + rank);                // each rank its own dropout masks
-  torch::optim::SGD optimizer(ddp.parameters(), torch::optim::SGDOptions(f.lr).momentum(0.9));
+  torch::optim::SGD optimizer(fsdp ? fsdp->parameters() : ddp->parameters(), torch::optim::SGDOptions(f.lr).momentum(0.9));
   torch::optim::StepLR scheduler(optimizer, /*step_size=*/2, /*gamma=*/0.5);
   ctorch::DistributedSamplerOptions so;
   so.datasetSize = data.x.size(0);
@@ -165,12 +176,15 @@ int train(const Flags& f) {
                      .saveEverySteps(f.saveEverySteps)
                      .runName("consumer-mlp")
                      .programName("consumer")
-                     .config({{"lr", lr.str()}, {"batch_size", std::to_string(f.batchSize)}});
+                     .config({{"lr", lr.str()}, {"batch_size", std::to_string(f.batchSize)}})
+                     .shardCopies(static_cast<int>(f.shardCopies));
   // Without a step seed every rank's generator state is saved with the snapshots instead; in-place
   // recovery is exact only with one (a replaced rank's generator is gone with it).
   if (f.stepSeed >= 0) options.stepSeed(static_cast<std::uint64_t>(f.stepSeed));
   ctorch::ResilientTraining training(options);
-  training.track(ddp).track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
+  if (fsdp) training.track(*fsdp);
+  else training.track(*ddp);
+  training.track(optimizer).track(sampler).track(scheduler).track("best_loss", bestLoss);
   const ctorch::ResumePoint start = training.resume();
   if (training.stopRequested()) return training.exitCode();  // stopped while starting: 75, nothing to save
   if (start.resumed && ctorch::isMainProcess())
@@ -191,12 +205,13 @@ int train(const Flags& f) {
   while (training.epoch() < f.epochs) {
     const std::int64_t epoch = training.epoch();
     sampler.setEpoch(epoch);  // after a mid-epoch resume or recovery: keeps the restored position
-    ddp.train();
+    model->train();
     try {
       while (!sampler.exhausted()) {
         auto [x, y] = data.batch(sampler.next(f.batchSize));
-        ddp.zeroGrad();
-        auto loss = torch::mse_loss(ddp(x), y);
+        if (fsdp) fsdp->zeroGrad();
+        else ddp->zeroGrad();
+        auto loss = torch::mse_loss(forward(x), y);
         loss.backward();
         optimizer.step();
         std::vector<double> lossSum{loss.item<double>()};
@@ -211,11 +226,11 @@ int train(const Flags& f) {
       }
       scheduler.step();
       // The whole set without dropout: the same number on every rank.
-      ddp.eval();
+      model->eval();
       double epochLoss = 0;
       {
-        torch::NoGradGuard noGrad;
-        epochLoss = torch::mse_loss(model(data.x), data.y).item<double>();
+        torch::NoGradGuard noGrad;  // a sharded model's forward gathers its parameters (every rank)
+        epochLoss = torch::mse_loss(fsdp ? forward(data.x) : model(data.x), data.y).item<double>();
       }
       bestLoss = std::min(bestLoss, epochLoss);
       if (ctorch::isMainProcess())
@@ -233,7 +248,12 @@ int train(const Flags& f) {
     }
   }
   const int code = training.finish();
-  if (ctorch::isMainProcess()) ctorch::saveStateDict(*model, f.out);
+  if (fsdp)
+    fsdp->summonFullParameters([&] {
+      if (ctorch::isMainProcess()) ctorch::saveStateDict(*model, f.out);
+    });
+  else if (ctorch::isMainProcess())
+    ctorch::saveStateDict(*model, f.out);
   ctorch::destroyProcessGroup();
   return code;
 }

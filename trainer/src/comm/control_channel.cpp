@@ -67,7 +67,11 @@ Joined awaitFormed(contract::control::BlockingClient& control, const Distributed
   constexpr int kMaxWaits = 10;
   const auto start = Clock::now();
   const auto last = start + kMaxWaits * timeout;
-  auto deadline = start + timeout;
+  // A replacement (failed < 0) waits as long as the coordinator waits for a replacement to join
+  // (max(4 x timeout, 20 s)): another one may still be starting (two workers lost at once, each
+  // LibTorch process seconds to start on a loaded machine), and only the survivors hear of it.
+  auto deadline = failed < 0 ? std::min(last, start + std::max<std::chrono::milliseconds>(4 * timeout, std::chrono::seconds(20)))
+                             : start + timeout;
   auto nextEviction = start + timeout / 2;
   std::string missing = "no rank said why";
   for (;;) {

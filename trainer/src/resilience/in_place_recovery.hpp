@@ -35,6 +35,8 @@ class InPlaceRecovery {
   bool atCommit(const TrackedState& state) const {
     return phase_ == Phase::kLoop && parameterVersions(state) == committedVersions_;
   }
+  // Inside a step's or an epoch's agreement (the counters include that step or epoch).
+  bool inAgreement() const { return phase_ != Phase::kLoop; }
 
   // The collectives a replacement and the survivors run together once the group re-formed: agree on
   // the newest state any rank holds (`heldStep`: this rank's global step, -1 for none; `epochCounted`:

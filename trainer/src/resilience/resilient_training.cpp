@@ -234,7 +234,9 @@ struct ResilientTraining::Impl {
     heldCopyStep = globalStep;
     copiedAt = globalStep;
     copySeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ++copyCount;
+    if (copyCount++ == 0)
+      say("shard copies: each rank's shard (" + std::to_string((mine.size() + (1 << 19)) >> 20) +
+          " MiB on rank 0) is sent to the next rank at every step and kept there for in-place recovery");
   }
 
   static ItemDict decodeShard(const at::Tensor& bytes, const std::string& what) {
@@ -664,6 +666,9 @@ bool ResilientTraining::finishStep(StopAgreement agreement, std::vector<double>*
   ++s.stepInEpoch;
   ++s.globalStep;
   s.recovery->enter(detail::InPlaceRecovery::Phase::kStepAgreement);
+  // Shard copies first: the sooner each rank's updated shard is on its neighbour, the shorter the
+  // time in which a loss finds no copy of the step the survivors hold.
+  s.refreshShardCopy();
   // The previous step's agreement, when it was left running (long finished by now, unless a rank
   // is slower): a stop asked before that step ends the run at this one.
   Impl::Vote vote = s.finishAgreement();
@@ -736,8 +741,9 @@ ResumePoint ResilientTraining::recover() {
   if (!communication) std::rethrow_exception(failure);
   std::cerr << s.o.programName() << ": rank " << s.rank << "/" << s.world << ": in-place recovery after: " << cause
             << std::endl;
-  // A sharded run heals only from the agreed point itself (the copies are of it).
-  const bool atCommit = s.recovery->atCommit(s.state);
+  // A sharded run heals only where the survivors' state is exactly its counters' step (the copies
+  // are of a step): at the last agreement, or inside one (the step's update ran and is counted).
+  const bool atCountedStep = s.recovery->atCommit(s.state) || s.recovery->inAgreement();
   if (s.recovery->settleAfterFailure(s.state)) {  // the step in progress counts: its update ran
     ++s.stepInEpoch;
     ++s.globalStep;
@@ -751,7 +757,7 @@ ResumePoint ResilientTraining::recover() {
   s.ranks->replaceGroup({});
   s.ranks->replaceGroup(reformProcessGroup());
   if (s.state.sharded()) {
-    const std::optional<ResumePoint> point = s.rejoinSharded(atCommit ? s.globalStep : Impl::kMovedOn, buckets);
+    const std::optional<ResumePoint> point = s.rejoinSharded(atCountedStep ? s.globalStep : Impl::kMovedOn, buckets);
     if (point) return *point;
     throw DistributedError("in-place recovery: no rank holds any state");  // unreachable: this rank does
   }
