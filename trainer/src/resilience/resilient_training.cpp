@@ -78,8 +78,19 @@ struct ResilientTraining::Impl {
   // This launch's id, agreed by the ranks in resume(): with the global step, the id of each save
   // (SnapshotHeader::saveId), which a snapshot and its shards carry.
   std::string runId;
-  double runIdNumber = 0;  // the same, as agreed (0: not yet)
+  // runId as the number it was drawn as (0: none yet; a replacement takes the text from the state it receives).
+  double runIdValue() const {
+    if (runId.empty()) return 0;
+    try {
+      return static_cast<double>(std::stoull(runId, nullptr, 16));
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
   bool resumed = false;
+  // recover(): the global step of the last recovery and how many in a row came there.
+  std::int64_t lastRecoveryStep = -1;
+  int recoveriesAtStep = 0;
   bool stop = false;
   TrainingStatus status = TrainingStatus::kRunning;
 
@@ -220,7 +231,15 @@ struct ResilientTraining::Impl {
   bool copiesOn() const {
     return o.shardCopies() > 0 && state.sharded() && recovery->enabled() && state.whyNoShardCopies().empty();
   }
-  static std::int64_t copyLimit(std::size_t own) { return 4 * static_cast<std::int64_t>(own) + (std::int64_t{64} << 20); }
+  // The most bytes a neighbour's copy may take: no shard holds more than the whole model's
+  // parameters with three tensors of state each (Adam's moments and more), whatever the partition
+  // (ZeRO's may be uneven: whole parameters, never split), plus room for the dicts around them.
+  std::int64_t copyLimit() const {
+    std::int64_t bytes = 0;
+    if (state.model())
+      for (const auto& p : state.model()->parameters()) bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+    return 4 * bytes + (std::int64_t{64} << 20);
+  }
 
   // At every agreed point: each rank's shard to the next rank (a ring), the previous rank's kept.
   // A failure here leaves the copy incomplete (heldCopyStep -1): that shard heals from the files.
@@ -230,7 +249,7 @@ struct ResilientTraining::Impl {
     const std::vector<char> mine = torch::pickle_save(c10::IValue(state.rankShard()));
     heldCopyStep = -1;
     heldCopy = at::Tensor();
-    heldCopy = ranks->passToNext(mine, copyLimit(mine.size()), "the shard copies of global step " + std::to_string(globalStep));
+    heldCopy = ranks->passToNext(mine, copyLimit(), "the shard copies of global step " + std::to_string(globalStep));
     heldCopyStep = globalStep;
     copiedAt = globalStep;
     copySeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -321,8 +340,7 @@ struct ResilientTraining::Impl {
                                  std::to_string(holder) + "'s copy)";
       if (rank == holder) ranks->sendTo(heldCopy, f, during);
       if (rank == f) {
-        const std::vector<char> own = torch::pickle_save(c10::IValue(state.rankShard()));
-        myShard = decodeShard(ranks->receiveFrom(holder, copyLimit(own.size()), during),
+        myShard = decodeShard(ranks->receiveFrom(holder, copyLimit(), during),
                               "rank " + std::to_string(holder) + "'s copy of rank " + std::to_string(f) + "'s shard");
       }
       healed += (healed.empty() ? "rank " : ", rank ") + std::to_string(f) + "'s shard from rank " + std::to_string(holder) +
@@ -339,6 +357,10 @@ struct ResilientTraining::Impl {
       restore(*exchange->received, /*rng=*/false);
       resumeShards.clear();
       saver->forgetSaved();  // nothing on disk holds this point
+    } else if (state.sampler()) {
+      // As on the ranks that restored it: the loop's setEpoch(epoch) keeps this position (a failure
+      // inside an agreement left it as the step moved it, not restored).
+      state.sampler()->loadState(state.sampler()->state());
     }
     if (state.ddp()) state.ddp()->rejoin(ranks->group(), buckets);
     state.rejoinShardedGroups(ranks->group());
@@ -354,23 +376,24 @@ struct ResilientTraining::Impl {
   // Every rank (survivors and replacements) back to the newest snapshot the files hold, in place.
   ResumePoint reloadFromFiles(const std::string& why, bool replacement) {
     say("in-place recovery: a lost shard cannot come back from memory (" + why + "): every rank reloads the snapshot files");
+    // The run's id first: a replacement takes the survivors' (which names this run's own saves).
+    const double id = ranks->allReduce({runIdValue()}, c10d::ReduceOp::MAX, "in-place recovery (the run's id)")[0];
+    if (replacement || runId.empty()) runId = runIdText(id);
     ResumePoint point;
     std::vector<SkippedSnapshot> unusable;
     resumeShards.clear();
-    const std::optional<Snapshot> snap = chooseResumeSource(point, unusable);
+    // The slot's newest (not ResilienceOptions::resumeFrom's file, which started this run).
+    std::optional<Snapshot> snap = chooseResumeSource(point, unusable, /*slotOnly=*/true);
+    // Without resuming, a file the slot held before this run (another run's) is none of this run's.
+    if (snap && !o.resume() && snap->header.saveId.rfind(runId + "-", 0) != 0) snap.reset();
     const double g = snap ? static_cast<double>(snap->globalStep) : -1.0;
-    const auto agreedValues =
-        ranks->allReduce({g, -g, runIdNumber}, c10d::ReduceOp::MAX, "in-place recovery (reloading the snapshot files)");
+    const auto agreedValues = ranks->allReduce({g, -g}, c10d::ReduceOp::MAX, "in-place recovery (reloading the snapshot files)");
     if (agreedValues[0] != -agreedValues[1])
       throw DistributedError("in-place recovery: the ranks found different snapshots to reload (global steps " +
                              std::to_string(-agreedValues[1]) + " to " + std::to_string(agreedValues[0]) +
                              "): every rank must see the same snapshot files");
     if (!snap)
-      throw DistributedError("in-place recovery: " + why + ", and no snapshot holds an earlier step to reload");
-    if (replacement || runId.empty()) {
-      runIdNumber = agreedValues[2];
-      runId = runIdText(runIdNumber);
-    }
+      throw DistributedError("in-place recovery: " + why + ", and no snapshot of this run holds an earlier step to reload");
     if (state.ddp()) state.ddp()->rejoin(ranks->group(), detail::bucketsOf(*snap));
     state.rejoinShardedGroups(ranks->group());
     restore(*snap);
@@ -448,8 +471,9 @@ struct ResilientTraining::Impl {
 
   // The snapshot to continue from (every rank reads the files itself); `unusable` gets the slot
   // files that were skipped as damaged.
-  std::optional<Snapshot> chooseResumeSource(ResumePoint& point, std::vector<SkippedSnapshot>& unusable) {
-    if (!o.resume()) {
+  std::optional<Snapshot> chooseResumeSource(ResumePoint& point, std::vector<SkippedSnapshot>& unusable, bool slotOnly = false) {
+    // (slotOnly: an in-place reload mid-run; without resuming, only this run's own saves count.)
+    if (!o.resume() && !slotOnly) {
       point.message = "resuming is off: starting from scratch";
       return std::nullopt;
     }
@@ -465,7 +489,7 @@ struct ResilientTraining::Impl {
               detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
       };
     Found newest;
-    if (o.resumeFrom()) {
+    if (o.resumeFrom() && !slotOnly) {
       newest.snapshot = loadSnapshot(*o.resumeFrom(), load.expect);
       if (load.accept) load.accept(*newest.snapshot);
     } else {
@@ -625,7 +649,6 @@ ResumePoint ResilientTraining::resume() {
   // This launch's id is agreed in the same allreduce: the largest of the ranks' draws.
   const double g = static_cast<double>(s.globalStep);
   const auto agreed = s.ranks->allReduce({g, -g, s.stopFlag(), drawRunId()}, c10d::ReduceOp::MAX, "resume");
-  s.runIdNumber = agreed[3];
   s.runId = runIdText(agreed[3]);
   if (agreed[0] != -agreed[1])
     throw DistributedError("ranks resumed from different points (global steps " + std::to_string(-agreed[1]) + " to " +
@@ -739,6 +762,15 @@ ResumePoint ResilientTraining::recover() {
   } catch (...) {
   }
   if (!communication) std::rethrow_exception(failure);
+  // Bounded: recoveries that never get a step further (every rank alive, the same failure again)
+  // end in place; the failure goes to the loop, and the launcher's restarts take it from there.
+  constexpr int kMaxRecoveriesPerStep = 5;
+  s.recoveriesAtStep = s.globalStep == s.lastRecoveryStep ? s.recoveriesAtStep + 1 : 1;
+  s.lastRecoveryStep = s.globalStep;
+  if (s.recoveriesAtStep > kMaxRecoveriesPerStep)
+    throw DistributedError("rank " + std::to_string(s.rank) + ": " + std::to_string(kMaxRecoveriesPerStep) +
+                           " in-place recoveries at global step " + std::to_string(s.globalStep) +
+                           " without a step completing; giving up in place after: " + cause);
   std::cerr << s.o.programName() << ": rank " << s.rank << "/" << s.world << ": in-place recovery after: " << cause
             << std::endl;
   // A sharded run heals only where the survivors' state is exactly its counters' step (the copies
