@@ -224,7 +224,7 @@ run() {
   for h in $(seq 1 "$H"); do
     timeout 900 "$lab" exec "$lab_prefix" "$h" env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
       "$ctorchrun" --nnodes "$H" --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "$lab_subnet.1:$port" \
-      --rdzv-id "slb$run_seq" --max-restarts 0 --tee 3 "${cmd[@]}" >"$d/log$h" 2>&1 &
+      --rdzv-id "slb$run_seq" --max-restarts 0 --tee 3 --log-dir "$d/agent$h" "${cmd[@]}" >"$d/log$h" 2>&1 &
     pids+=($!)
   done
   for h in "${pids[@]}"; do wait "$h" || status=$?; done
