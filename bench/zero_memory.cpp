@@ -2,13 +2,16 @@
 // ZeroRedundancyOptimizer (ZeRO-1) and FullyShardedDataParallel (full sharding, and SHARD_GRAD_OP), on
 // an MLP of ~100 M parameters; run under ctorchrun by bench/zero_memory.sh, which prints the table
 // quoted in docs/sharding.md.
-// Usage (as each worker): zero_memory_bench <ddp|zero|fsdp|fsdp-grad-op> <layers> <width> <steps>
+// Usage (as each worker): zero_memory_bench <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op> <layers> <width> <steps>
+// hybrid and hybrid-grad-op are fsdp and fsdp-grad-op sharded over each node's ranks (LOCAL_WORLD_SIZE)
+// and replicated across the nodes (ctorch::hybridShardGroups(); bench/sharding_lab.sh runs them).
 // ZERO_MEMORY_TRACE=1 also prints, on stderr, the resident and peak memory after each phase and the
 // last step's loss (the same in every mode at one rank). ZERO_MEMORY_NO_PREFETCH=1 turns the fsdp
 // modes' prefetch off (what the unit gathered ahead costs in peak memory).
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
+#include <ctorch/hybrid_shard_groups.hpp>
 #include <ctorch/optim.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
@@ -157,13 +160,18 @@ Measured runDdp(bool sharded, int layers, int width, int steps) {
 }
 
 // Each Linear a unit; the optimizer over this rank's flat shards.
-Measured runFsdp(bool reshardAfterForward, int layers, int width, int steps) {
+Measured runFsdp(bool reshardAfterForward, bool hybrid, int layers, int width, int steps) {
   Mlp mlp(layers, width);
   trace("model");
-  ctorch::FullyShardedDataParallel fsdp(mlp, ctorch::FSDPOptions()
-                                                 .autoWrapPolicy(ctorch::moduleTypeWrapPolicy<torch::nn::LinearImpl>())
-                                                 .reshardAfterForward(reshardAfterForward)
-                                                 .prefetch(std::getenv("ZERO_MEMORY_NO_PREFETCH") == nullptr));
+  auto options = ctorch::FSDPOptions()
+                     .autoWrapPolicy(ctorch::moduleTypeWrapPolicy<torch::nn::LinearImpl>())
+                     .reshardAfterForward(reshardAfterForward)
+                     .prefetch(std::getenv("ZERO_MEMORY_NO_PREFETCH") == nullptr);
+  if (hybrid) {
+    auto groups = ctorch::hybridShardGroups();
+    options.processGroup(groups.shard).replicateGroup(groups.replicate);
+  }
+  ctorch::FullyShardedDataParallel fsdp(mlp, options);
   trace("wrapped");
   auto optimizer = adam(fsdp.parameters());
   Measured out;
@@ -189,8 +197,10 @@ Measured runFsdp(bool reshardAfterForward, int layers, int width, int steps) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 5 ? argv[1] : "";
-  if (mode != "ddp" && mode != "zero" && mode != "fsdp" && mode != "fsdp-grad-op") {
-    std::fprintf(stderr, "usage: %s <ddp|zero|fsdp|fsdp-grad-op> <layers> <width> <steps>%s%s\n", argv[0],
+  const bool hybrid = mode == "hybrid" || mode == "hybrid-grad-op";
+  if (mode != "ddp" && mode != "zero" && mode != "fsdp" && mode != "fsdp-grad-op" && !hybrid) {
+    std::fprintf(stderr, "usage: %s <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op> <layers> <width> <steps>%s%s\n",
+                 argv[0],
                  argc == 5 ? "; unknown mode: " : "", argc == 5 ? argv[1] : "");
     return 2;
   }
@@ -199,8 +209,9 @@ int main(int argc, char** argv) {
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::minutes(10)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   torch::manual_seed(1);
-  const bool fsdp = mode.rfind("fsdp", 0) == 0;
-  Measured m = fsdp ? runFsdp(mode == "fsdp", layers, width, steps) : runDdp(mode == "zero", layers, width, steps);
+  const bool fsdp = mode.rfind("fsdp", 0) == 0 || hybrid;
+  Measured m = fsdp ? runFsdp(mode == "fsdp" || mode == "hybrid", hybrid, layers, width, steps)
+                    : runDdp(mode == "zero", layers, width, steps);
   std::sort(m.ms.begin() + 1, m.ms.end());  // the first step builds the optimizer state: left out
   char unit[64] = "";
   if (fsdp) std::snprintf(unit, sizeof unit, " unit_mb=%.1f", m.unit / 1e6);
