@@ -465,6 +465,16 @@ TEST_CASE("fsdp mixed precision: hybrid 2 nodes of 2 is bit-identical to the ref
       REQUIRE(d.size() == 4);
       for (double x : d) CHECK(x == 0);
     }
+    // bf16 reduction across the nodes too (Gloo's allreduce has no bf16: the ring carries it).
+    auto bf16 = runWorkerGroup({.worker = "fsdp_mp_vs_reference", .worldSize = 4,
+                                .args = {std::string("optimizer=") + optimizer, "hybrid=2", "reduce=bf16"}});
+    requireAllOk(bf16);
+    for (const auto& r : bf16) {
+      INFO("hybrid bf16 reduction " << optimizer << ": " << r.output);
+      const auto d = numbersAfter(r.output, "max difference ");
+      REQUIRE(d.size() == 4);
+      for (double x : d) CHECK(x == 0);
+    }
     auto plain = runWorkerGroup({.worker = "fsdp_mp_vs_reference", .worldSize = 4, .args = {std::string("optimizer=") + optimizer}});
     requireAllOk(plain);
     for (const auto& r : plain) {

@@ -354,10 +354,7 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
           else reduceScatter(g, padded, mine);
           // Hybrid: the node's sum of this shard, summed over the nodes (1/N of the gradient crosses
           // them), then averaged over every rank of the world, as DDP averages.
-          if (replicaCount > 1) {
-            std::vector<at::Tensor> tensors{mine};
-            r->allreduce(tensors)->wait();
-          }
+          if (replicaCount > 1) allReduceAcross(r, mine, replicaCount);
           mine.div_(after);
           if (mine.scalar_type() != shard.scalar_type()) mine = mine.to(shard.scalar_type());
           auto& grad = shard.mutable_grad();
@@ -383,6 +380,24 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
       else sum = grad.to(flat.reduceDtype);
       grad = at::Tensor();
     }
+  }
+  // The sum of `t` over the replicate group. Gloo's allreduce has no bfloat16 ("Invalid scalar type"),
+  // so a CPU bfloat16 gradient goes around the flat collectives' ring instead (a reduce-scatter then an
+  // all-gather: the same bytes as a ring allreduce, summed in bfloat16, at 2 nodes a + b as any
+  // allreduce gives).
+  static void allReduceAcross(const c10::intrusive_ptr<c10d::ProcessGroup>& r, at::Tensor& t, int replicaCount) {
+    if (t.scalar_type() == at::kBFloat16 && t.is_cpu()) {
+      const auto per = shardNumel(t.numel(), replicaCount);
+      auto padded = at::zeros({per * replicaCount}, t.options());
+      padded.narrow(0, 0, t.numel()).copy_(t);
+      auto part = at::empty({per}, t.options());
+      reduceScatter(r, padded, part);
+      allGather(r, part, padded);
+      t.copy_(padded.narrow(0, 0, t.numel()));
+      return;
+    }
+    std::vector<at::Tensor> tensors{t};
+    r->allreduce(tensors)->wait();
   }
   // Python's _get_gradient_divide_factors for a SUM reduction: float16 splits the division into a
   // power of two before the sum and the rest after it; any other dtype divides once, after.
