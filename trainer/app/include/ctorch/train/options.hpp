@@ -141,6 +141,9 @@ struct TrainOptions {
   CommHook commHook = CommHook::kSharedMemory;                           // --comm-hook
   GradientReduction gradientReduction = GradientReduction::kOverlapped;  // --gradient-reduction
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
+  // --fsdp-param-dtype / --fsdp-reduce-dtype: FSDP's mixed precision (ctorch::MixedPrecisionPolicy),
+  // "float32", "bfloat16" or "float16"; empty: unset (the parameters' own dtype; reduce: the param's).
+  std::string fsdpParamDtype, fsdpReduceDtype;
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
