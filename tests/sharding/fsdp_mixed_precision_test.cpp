@@ -390,7 +390,7 @@ TEST_CASE("fsdp mixed precision: bf16 reduction is bit-identical to its own refe
   // The bf16 sum x0 + x1 rounds the averaged gradient to 8 bits of mantissa (relative error <= 2^-9);
   // SGD (lr 0.1, momentum 0.9) or Adam (lr 1e-2) then moves the parameters by an update that
   // differs by about that fraction, and the next forwards (bf16) see the difference. Measured after
-  // 4 steps: SGD 7.4e-5 of a 0.105 move (1/1400), Adam 1.3e-4 of 0.040 (1/320); the bound is 2^-6 of
+  // 4 steps: SGD 7.4e-5 (2.14: 1.2e-4) of a 0.105 move, Adam 1.3e-4 of 0.040; the bound is 2^-6 of
   // how far the parameters moved, and the two runs must differ (the reduction did run in bf16).
   for (const char* optimizer : {"sgd", "adam"}) {
     auto results = runWorkerGroup({.worker = "fsdp_mp_vs_reference", .worldSize = 2,
