@@ -285,6 +285,51 @@ TEST_CASE("loop: --sharding full and grad-op (FSDP) on 2 ranks end bit-identical
   CHECK_FALSE(same(ddp.path(), other.path()));
 }
 
+TEST_CASE("loop: --sharding full with --fsdp-param-dtype bf16 trains on 2 ranks, stopped and resumed bit-identically, "
+          "model.pt in float32, and a resume under another precision is refused",
+          "[trainer][loop][sharding][mixed-precision]") {
+  const std::vector<std::string> common = {"model=linear", "dataset=synthetic-regression", "synthetic-size=128", "epochs=2",
+                                           "batch-size=4", "log-interval=8", "test-limit=32", "save-every-steps=4",
+                                           "optimizer=adam", "lr=0.01", "sharding=full"};
+  auto run = [&](const fs::path& dir, std::vector<std::string> extra) {
+    std::vector<std::string> args{dir.string()};
+    args.insert(args.end(), common.begin(), common.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    return runWorkerGroup({"train", 2, args});
+  };
+  auto weights = [](const fs::path& dir) { return loadWeights(dir / "model.pt"); };
+  TempDir plain("train-mp-plain"), mixed("train-mp-mixed"), stopped("train-mp-stopped");
+  const std::vector<std::string> bf16 = {"fsdp-param-dtype=bf16", "fsdp-reduce-dtype=fp32"};
+  requireAllOk(run(plain.path(), {}));
+  const auto out = run(mixed.path(), bf16);
+  requireAllOk(out);
+  CHECK(out[0].output.find("gathered in bfloat16 and reduced in float32") != std::string::npos);
+  const auto a = weights(plain.path()), b = weights(mixed.path());
+  REQUIRE(a.size() == b.size());
+  REQUIRE_FALSE(b.empty());
+  bool differs = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(b[i].second.scalar_type() == torch::kFloat);
+    differs = differs || !torch::equal(a[i].second, b[i].second);
+  }
+  CHECK(differs);  // bf16 compute does change the trajectory
+
+  auto stop = run(stopped.path(), {"fsdp-param-dtype=bf16", "fsdp-reduce-dtype=fp32", "max-steps=5"});
+  requireAllOk(stop);
+  const auto refused = run(stopped.path(), {});  // resumed without the policy: another configuration
+  for (const auto& r : refused) {
+    INFO(r.output);
+    CHECK(r.exitCode != 0);
+    CHECK(r.output.find("config 'fsdp_param_dtype' is only in the snapshot ('bfloat16')") != std::string::npos);
+  }
+  const auto resumed = run(stopped.path(), bf16);
+  requireAllOk(resumed);
+  CHECK(resumed[0].output.find("exactly where it stopped") != std::string::npos);
+  const auto c = weights(stopped.path());
+  REQUIRE(c.size() == b.size());
+  for (size_t i = 0; i < b.size(); ++i) CHECK(torch::equal(b[i].second, c[i].second));
+}
+
 namespace {
 
 // --sharding hybrid's runs: simple-cnn as in the FSDP test above; `perNode` processes per "node" on

@@ -249,6 +249,27 @@ TEST_CASE("trainer options: --amp with float16 on the CPU only where LibTorch au
   CHECK(parse({}).options->bindingConfig().at("amp") == "off");
 }
 
+TEST_CASE("trainer options: --fsdp-param-dtype and --fsdp-reduce-dtype (FSDP mixed precision) by canonical name, bound to the snapshot, refused without FSDP",
+          "[trainer][options][sharding]") {
+  const auto mp = parse({"--sharding", "full", "--fsdp-param-dtype", "bf16", "--fsdp_reduce_dtype", "fp32"});
+  REQUIRE(mp.options);
+  CHECK(mp.options->fsdpParamDtype == "bfloat16");
+  CHECK(mp.options->fsdpReduceDtype == "float32");
+  CHECK(mp.options->bindingConfig().at("fsdp_param_dtype") == "bfloat16");  // a resume with another policy is noticed
+  CHECK(mp.options->bindingConfig().at("fsdp_reduce_dtype") == "float32");
+  CHECK(parse({"--sharding", "hybrid", "--fsdp-param-dtype", "BFloat16"}).options->fsdpParamDtype == "bfloat16");
+  CHECK(parse({"--sharding", "grad-op", "--fsdp-reduce-dtype", "float16"}).options->fsdpReduceDtype == "float16");
+  CHECK(parse({"--sharding", "full"}).options->bindingConfig() == parse({}).options->bindingConfig());  // unset: as before
+  const auto ddp = parse({"--fsdp-param-dtype", "bf16"});
+  REQUIRE_FALSE(ddp.options);
+  CHECK_THAT(ddp.message, Catch::Contains("--fsdp-param-dtype bfloat16 is FSDP's mixed precision, and --sharding none does not "
+                                          "shard the model (use --sharding grad-op, full, hybrid or hybrid-grad-op)"));
+  CHECK_THAT(parse({"--sharding", "optimizer", "--fsdp-reduce-dtype", "fp16"}).message,
+             Catch::Contains("--fsdp-reduce-dtype float16 is FSDP's mixed precision, and --sharding optimizer does not"));
+  CHECK_THAT(parse({"--sharding", "full", "--fsdp-param-dtype", "int8"}).message,
+             Catch::Contains("--fsdp-param-dtype 'int8' is not one of: bf16, bfloat16, fp16, float16, fp32, float32"));
+}
+
 TEST_CASE("trainer options: --sharding none, optimizer, grad-op, full, hybrid or hybrid-grad-op, not bound to the snapshot, and not with float16 loss scaling",
           "[trainer][options][sharding]") {
   CHECK(parse({}).options->sharding == ctorch::train::ShardingChoice::kNone);

@@ -238,6 +238,7 @@ struct FlagTexts {
   bool noBucketView = false;
   std::string profileSteps, profileFile;
   std::string memoryFormat = "auto";
+  std::string fsdpParamDtype, fsdpReduceDtype;
 };
 
 // CLI11's app as options are added to it, remembering what kind of value each flag takes (for
@@ -406,6 +407,17 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
            "step redone; costs one more shard of memory per rank and one shard sent per step); 0: a lost rank of a "
            "sharded run restarts the group from the snapshot files")
       ->group(kSys)->capture_default_str();
+  f.option("--fsdp-param-dtype", t.fsdpParamDtype,
+           "FSDP mixed precision (Python FSDP2's MixedPrecisionPolicy param_dtype): bf16, fp16 or fp32; each "
+           "rank's float32 shard is cast to it before the all-gather (bf16: half the bytes) and the forward and "
+           "backward compute with it; shards, optimizer, snapshots and model.pt stay float32 (--sharding "
+           "grad-op|full|hybrid|hybrid-grad-op only)")
+      ->group(kSys);
+  f.option("--fsdp-reduce-dtype", t.fsdpReduceDtype,
+           "FSDP mixed precision (reduce_dtype): the dtype gradients are reduce-scattered (and all-reduced "
+           "across nodes) in, bf16, fp16 or fp32 (default: --fsdp-param-dtype); the averaged shard is cast back "
+           "to float32")
+      ->group(kSys);
   f.flag("--find-unused-parameters", o.findUnusedParameters, "DDP: search for parameters without gradient")
       ->group(kSys);
   f.flag("--no-gradient-as-bucket-view", t.noBucketView,
@@ -496,6 +508,8 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.gradientReduction = pick("--gradient-reduction", t.gradientReduction, kReductions);
   o.sharding = pick("--sharding", t.sharding, kShardings, kPythonShardings);
   o.sync = pick("--sync", t.sync, kSyncs);
+  if (!t.fsdpParamDtype.empty()) o.fsdpParamDtype = pick("--fsdp-param-dtype", t.fsdpParamDtype, kFsdpDtypes);
+  if (!t.fsdpReduceDtype.empty()) o.fsdpReduceDtype = pick("--fsdp-reduce-dtype", t.fsdpReduceDtype, kFsdpDtypes);
   o.memoryFormat = pick("--memory-format", t.memoryFormat, kMemoryFormats, kPythonMemoryFormats);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
     bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");

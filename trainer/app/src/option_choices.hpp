@@ -38,6 +38,11 @@ inline std::string number(double v) {
   throw UsageError(flag + " '" + value + "' " + why);
 }
 
+// --fsdp-param-dtype / --fsdp-reduce-dtype: the short names and torch's, each to its canonical name.
+inline const std::vector<std::pair<std::string, std::string>> kFsdpDtypes = {
+    {"bf16", "bfloat16"}, {"bfloat16", "bfloat16"}, {"fp16", "float16"},
+    {"float16", "float16"}, {"fp32", "float32"},    {"float32", "float32"}};
+
 inline const std::vector<std::pair<std::string, OptimizerKind>> kOptimizers = {
     {"sgd", OptimizerKind::kSgd},         {"adam", OptimizerKind::kAdam},      {"adamw", OptimizerKind::kAdamW},
     {"rmsprop", OptimizerKind::kRmsprop}, {"adagrad", OptimizerKind::kAdagrad}};

@@ -181,6 +181,10 @@ void TrainOptions::validate() const {
     throw UsageError("--shard-copies " + std::to_string(shardCopies) + " with --sharding " + toString(sharding) +
                      " is not supported: hybrid sharding's node and replica groups are not re-formed in place (use "
                      "--sharding full or grad-op, or --shard-copies 0)");
+  for (const auto& [flag, value] : {std::pair{"--fsdp-param-dtype", fsdpParamDtype}, std::pair{"--fsdp-reduce-dtype", fsdpReduceDtype}})
+    if (!value.empty() && !shardsModel(sharding))
+      throw UsageError(std::string(flag) + " " + value + " is FSDP's mixed precision, and --sharding " + toString(sharding) +
+                       " does not shard the model (use --sharding grad-op, full, hybrid or hybrid-grad-op)");
   // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
   if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
       shardsModel(sharding))
@@ -320,6 +324,9 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   }
   c["seed"] = std::to_string(seed);
   c["amp"] = amp ? ampDtype : "off";
+  // Only when set (older snapshots match): a lower precision changes every step's result.
+  if (!fsdpParamDtype.empty()) c["fsdp_param_dtype"] = fsdpParamDtype;
+  if (!fsdpReduceDtype.empty()) c["fsdp_reduce_dtype"] = fsdpReduceDtype;
   // Only with a parameter server (older snapshots match): the servers do not read data, so the same
   // world size splits the data another way.
   if (sync == SyncChoice::kParameterServer) {
@@ -350,6 +357,9 @@ std::string TrainOptions::describe() const {
     os << ", parameters, gradients and optimizer state sharded over each node's ranks, replicated across nodes (FSDP HYBRID_SHARD)";
   if (sharding == ShardingChoice::kHybridGradOp)
     os << ", gradients and optimizer state sharded over each node's ranks, replicated across nodes (FSDP _HYBRID_SHARD_ZERO2)";
+  if (!fsdpParamDtype.empty() || !fsdpReduceDtype.empty())
+    os << ", gathered in " << (fsdpParamDtype.empty() ? "float32" : fsdpParamDtype) << " and reduced in "
+       << (!fsdpReduceDtype.empty() ? fsdpReduceDtype : fsdpParamDtype.empty() ? "float32" : fsdpParamDtype);
   if (sync == SyncChoice::kParameterServer)
     os << ", parameter server on the last " << psServers << (psServers == 1 ? " rank" : " ranks");
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();

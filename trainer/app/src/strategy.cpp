@@ -120,6 +120,11 @@ std::string shardingPath(const FSDP& fsdp) {
 FSDPOptions fsdpOptionsFor(const TrainOptions& o) {
   FSDPOptions options;
   options.autoWrapPolicy(trainerWrapPolicy()).reshardAfterForward(reshardsAfterForward(o.sharding));
+  auto dtype = [](const std::string& name) { return name == "float32" ? torch::kFloat : amp::parseDtype(name); };
+  if (!o.fsdpParamDtype.empty()) options.mixedPrecision().paramDtype(dtype(o.fsdpParamDtype));
+  if (!o.fsdpReduceDtype.empty()) options.mixedPrecision().reduceDtype(dtype(o.fsdpReduceDtype));
+  // The loss and the metrics in float32, as torchtitan computes its loss from upcast logits.
+  if (!o.fsdpParamDtype.empty()) options.mixedPrecision().outputDtype(torch::kFloat);
   if (!isHybrid(o.sharding)) return options;
   const auto groups = hybridShardGroups();
   options.processGroup(groups.shard).replicateGroup(groups.replicate);

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,15 @@ struct FSDPUnit;
 FSDPUnit* unitOf(const torch::nn::Module* module);
 void beginUnitForward(FSDPUnit& unit);
 void endUnitForward(FSDPUnit& unit, const std::vector<at::Tensor>& outputs);
+// The unit's FSDP's MixedPrecisionPolicy applied to one input (paramDtype) or output (outputDtype).
+at::Tensor castUnitInput(const FSDPUnit& unit, const at::Tensor& input);
+at::Tensor castUnitOutput(const FSDPUnit& unit, const at::Tensor& output);
+
+template <class A>
+decltype(auto) castUnitArgument(const FSDPUnit& unit, A&& arg) {
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return castUnitInput(unit, arg);
+  else return std::forward<A>(arg);
+}
 
 template <class M>
 const torch::nn::Module* rawModule(const M& module) {
@@ -31,7 +41,8 @@ const torch::nn::Module* rawModule(const M& module) {
 
 // Calls module->forward(args...). When the module is a unit of a FullyShardedDataParallel, its
 // parameters are gathered before (waiting for a prefetch) and, with reshardAfterForward, freed after;
-// its outputs carry the hook that gathers them again before its backward.
+// its outputs carry the hook that gathers them again before its backward. Under a MixedPrecisionPolicy
+// its tensor arguments are cast to paramDtype and its outputs to outputDtype, as Python's are.
 // `module`: a module holder (torch::nn::Linear, a TORCH_MODULE), a std::shared_ptr to a module, or a
 // raw pointer to one (list[i]->as<BlockImpl>()).
 template <class M, class... Args>
@@ -39,9 +50,12 @@ auto unitForward(M& module, Args&&... args) {
   detail::FSDPUnit* unit = detail::unitOf(detail::rawModule(module));
   if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
   detail::beginUnitForward(*unit);
-  auto output = module->forward(std::forward<Args>(args)...);
+  auto output = module->forward(detail::castUnitArgument(*unit, std::forward<Args>(args))...);
   std::vector<at::Tensor> tensors;
-  auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
+  auto collect = [&](at::Tensor& t) {
+    t = detail::castUnitOutput(*unit, t);
+    tensors.push_back(t);
+  };
   detail::visitTensors(output, collect);
   detail::endUnitForward(*unit, tensors);
   return output;

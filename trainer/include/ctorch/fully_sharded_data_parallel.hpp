@@ -28,6 +28,7 @@
 #include "ctorch/unit_sequential.hpp"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -37,6 +38,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <string>
 #include <typeinfo>
@@ -68,6 +70,27 @@ WrapPolicy moduleTypeWrapPolicy() {
   };
 }
 
+// Mixed precision (Python FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
+// cast_forward_inputs)). The shards, their gradients and the optimizer stay in the parameters' own
+// dtype (float32: the full-precision master); only what is gathered and what is reduced changes.
+struct MixedPrecisionPolicy {
+  // The dtype of the gathered parameters the forward and backward compute with: each rank's shard is
+  // cast to it and then all-gathered (bf16: half the bytes sent and held). Unset: the shards' dtype.
+  TORCH_ARG(std::optional<c10::ScalarType>, paramDtype);
+  // The dtype gradients are reduce-scattered in (and, with hybrid sharding, all-reduced across the
+  // nodes); the averaged shard of the gradient is cast back to the shard's dtype. Unset: paramDtype.
+  // With float16 the gradients are divided by about sqrt(ranks) before the sum and by the rest after
+  // it (Python's overflow guard); otherwise summed, then divided by the number of ranks.
+  TORCH_ARG(std::optional<c10::ScalarType>, reduceDtype);
+  // The dtype the root module's floating-point outputs are cast to. Unset: left as computed.
+  TORCH_ARG(std::optional<c10::ScalarType>, outputDtype);
+  // Cast the floating-point tensor arguments of the root's forward and of every unit's forward to
+  // paramDtype (Python's cast_forward_inputs=True).
+  TORCH_ARG(bool, castForwardInputs) = true;
+
+  bool enabled() const { return paramDtype_ || reduceDtype_ || outputDtype_; }
+};
+
 struct FSDPOptions {
   // The group the parameters are sharded over (default: the default process group).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, processGroup);
@@ -91,6 +114,9 @@ struct FSDPOptions {
   TORCH_ARG(bool, broadcastBuffers) = true;
   // Start every rank from rank 0's parameters and buffers (Python's sync_module_states).
   TORCH_ARG(bool, syncModuleStates) = true;
+  // Gather and compute in a lower precision, reduce gradients in a chosen one (see
+  // MixedPrecisionPolicy). Default: everything in the parameters' own dtype.
+  TORCH_ARG(MixedPrecisionPolicy, mixedPrecision);
 };
 
 namespace detail {
@@ -122,6 +148,8 @@ class FSDPCore {
   std::size_t localParameterBytes() const;
   std::size_t localGradientBytes() const;
   std::size_t largestUnitBytes() const;
+  at::Tensor castForwardInput(const at::Tensor& input) const;
+  at::Tensor castOutput(const at::Tensor& output) const;
   const FSDPOptions& options() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
@@ -154,17 +182,22 @@ class FullyShardedDataParallel {
         core_(std::make_unique<detail::FSDPCore>(detail::modulePointer(module_), std::move(options))) {}
 
   // A root torch::nn::Sequential calls its children through their units (unit_sequential.hpp).
+  // With a MixedPrecisionPolicy, the tensor arguments are cast to its paramDtype first
+  // (castForwardInputs) and the outputs to its outputDtype.
   template <typename... Args>
   auto forward(Args&&... args) {
     core_->beginRootForward();
     auto output = [&] {
       if constexpr (std::is_base_of_v<torch::nn::SequentialImpl, std::remove_reference_t<decltype(*module_)>>)
-        return detail::sequentialUnitForward<at::Tensor>(*module_, std::forward<Args>(args)...);
+        return detail::sequentialUnitForward<at::Tensor>(*module_, castInput(std::forward<Args>(args))...);
       else
-        return module_->forward(std::forward<Args>(args)...);
+        return module_->forward(castInput(std::forward<Args>(args))...);
     }();
     std::vector<at::Tensor> tensors;
-    auto collect = [&](at::Tensor& t) { tensors.push_back(t); };
+    auto collect = [&](at::Tensor& t) {
+      t = core_->castOutput(t);
+      tensors.push_back(t);
+    };
     detail::visitTensors(output, collect);
     core_->endRootForward(tensors);
     return output;
@@ -217,7 +250,8 @@ class FullyShardedDataParallel {
   std::vector<std::string> unitNames() const { return core_->unitNames(); }
   std::size_t localParameterBytes() const { return core_->localParameterBytes(); }
   std::size_t localGradientBytes() const { return core_->localGradientBytes(); }
-  // The bytes of the largest unit's gathered parameters (what one forward adds at its peak).
+  // The bytes of the largest unit's gathered parameters (what one forward adds at its peak; in the
+  // MixedPrecisionPolicy's paramDtype when it has one).
   std::size_t largestUnitBytes() const { return core_->largestUnitBytes(); }
   const FSDPOptions& options() const { return core_->options(); }
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
@@ -226,6 +260,12 @@ class FullyShardedDataParallel {
   detail::FSDPCore& core() { return *core_; }
 
  private:
+  template <class A>
+  decltype(auto) castInput(A&& arg) {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return core_->castForwardInput(arg);
+    else return std::forward<A>(arg);
+  }
+
   ModuleType module_;
   std::unique_ptr<detail::FSDPCore> core_;
 };

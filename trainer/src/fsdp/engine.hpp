@@ -17,6 +17,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 namespace ctorch::detail {
@@ -139,8 +140,19 @@ inline void freeStorage(const c10::Storage& storage) {
 
 inline void allocateStorage(const c10::Storage& storage, std::size_t bytes) { allocateOn(*storage.unsafeGetStorageImpl(), bytes); }
 
+// A weak reference to a gradient accumulator, as autograd's set_grad_accumulator takes it.
+template <class Pointer>
+auto weakOf(const Pointer& accumulator) {
+  if constexpr (std::is_same_v<Pointer, std::shared_ptr<torch::autograd::Node>>)
+    return std::weak_ptr<torch::autograd::Node>(accumulator);  // LibTorch 1.13
+  else
+    return c10::weak_intrusive_ptr<torch::autograd::Node>(accumulator);  // later 2.x
+}
+
 // The parameters of one unit of one kind (trainable or frozen), flattened: `full` aliases the storage
 // every parameter of it now lives in (freed while sharded), `shard` is this rank's slice of it.
+// With a MixedPrecisionPolicy `full` (and the parameters aliasing it) is in paramDtype while `shard`
+// keeps the parameters' own dtype (the master).
 struct FlatParameter {
   std::string name;  // "<unit>.flat" or "<unit>.flat_frozen"
   std::vector<at::Tensor> params;
@@ -148,6 +160,11 @@ struct FlatParameter {
   std::int64_t numel = 0, shardNumel = 0;
   at::Tensor full, shard;
   c10::Storage storage;
+  at::ScalarType reduceDtype = at::kFloat;  // what its gradients are reduce-scattered in
+  // Gradient accumulation without sync, when reduceDtype is not the gathered parameters' dtype: each
+  // parameter's gradient so far, upcast to reduceDtype (Python's unsharded_accumulated_grad).
+  std::vector<at::Tensor> accumulated;
+  bool mixed() const { return full.scalar_type() != shard.scalar_type(); }
   std::size_t fullBytes() const { return static_cast<std::size_t>(full.numel() * full.element_size()); }
 };
 
@@ -207,7 +224,7 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
     unit.pending = comm->submit([g, w, jobs]() mutable {
       for (auto& [shard, full] : jobs) {
         if (w == 1) full.copy_(shard);
-        else allGather(g, shard, full);
+        else allGather(g, shard.scalar_type() == full.scalar_type() ? shard : shard.to(full.scalar_type()), full);
       }
     });
   }
@@ -242,6 +259,34 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
       }
   }
 
+  // ---- the full-precision master under mixed precision ---------------------------------------------
+  // A flat buffer's shards gathered as they are (the master's dtype), into a buffer of its own.
+  at::Tensor gatherMaster(const FlatParameter& flat) {
+    auto whole = at::empty({flat.shardNumel * world}, flat.shard.options().requires_grad(false));
+    auto g = group;
+    const int w = world;
+    auto shard = flat.shard.detach();
+    comm->run([g, w, shard, whole]() mutable {
+      if (w == 1) whole.copy_(shard);
+      else allGather(g, shard, whole);
+    });
+    return whole;
+  }
+  // Points each parameter of `flat` at its place in `base`, a whole flat buffer. A parameter whose
+  // dtype changes loses its link to its gradient accumulator (autograd's set_data), so the
+  // accumulators holding the gradient hooks are linked back when the parameters return to `full`.
+  static void pointParametersAt(FlatParameter& flat, const at::Tensor& base) {
+    for (std::size_t i = 0; i < flat.params.size(); ++i)
+      flat.params[i].set_data(base.narrow(0, flat.offsets[i], flat.params[i].numel()).view(flat.params[i].sizes()));
+  }
+  void relinkAccumulators() {
+    std::size_t k = 0;
+    for (auto& unit : units)
+      for (auto& flat : unit->flats)
+        for (auto& p : flat.params)
+          if (p.requires_grad()) torch::autograd::impl::set_grad_accumulator(p, weakOf(accumulators.at(k++)));
+  }
+
   // ---- backward -----------------------------------------------------------------------------------
   void queueFinalCallback() {
     if (callbackQueued) return;
@@ -272,15 +317,21 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
   void postBackward(FSDPUnit& unit) {
     if (unit.reduced) return;
     unit.reduced = true;
-    if (gradientSync) {
+    if (!gradientSync) {
+      for (auto& flat : unit.flats)
+        if (flat.shard.requires_grad()) accumulateInReduceDtype(flat);
+    } else {
       for (auto& flat : unit.flats) {
         if (!flat.shard.requires_grad()) continue;
-        auto padded = at::zeros({flat.shardNumel * world}, flat.full.options());
+        accumulateInReduceDtype(flat);
+        auto padded = at::zeros({flat.shardNumel * world}, flat.full.options().dtype(flat.reduceDtype));
         for (std::size_t i = 0; i < flat.params.size(); ++i) {
           auto& grad = flat.params[i].mutable_grad();
-          if (!grad.defined()) continue;
-          padded.narrow(0, flat.offsets[i], flat.params[i].numel()).copy_(grad.reshape({-1}));
+          auto& sum = flat.accumulated.empty() ? grad : flat.accumulated[i];
+          if (!sum.defined()) continue;
+          padded.narrow(0, flat.offsets[i], flat.params[i].numel()).copy_(sum.reshape({-1}));
           grad = at::Tensor();
+          sum = at::Tensor();
         }
         auto shard = flat.shard;
         auto g = group;
@@ -294,16 +345,18 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
           oldest.get();
         }
         inFlight.push_back(comm->submit([g, r, w, replicaCount, padded, shard]() mutable {
+          // float16 overflows where float32 and bfloat16 do not: Python divides by about sqrt(ranks)
+          // before the sum and by the rest after it; otherwise the sum is divided once, after.
+          const auto [before, after] = divideFactors(padded.scalar_type(), w * replicaCount);
+          if (before != 1) padded.div_(before);
           at::Tensor mine = at::empty({shard.numel()}, padded.options());
           if (w == 1) mine.copy_(padded);
           else reduceScatter(g, padded, mine);
           // Hybrid: the node's sum of this shard, summed over the nodes (1/N of the gradient crosses
           // them), then averaged over every rank of the world, as DDP averages.
-          if (replicaCount > 1) {
-            std::vector<at::Tensor> tensors{mine};
-            r->allreduce(tensors)->wait();
-          }
-          mine.div_(w * replicaCount);
+          if (replicaCount > 1) allReduceAcross(r, mine, replicaCount);
+          mine.div_(after);
+          if (mine.scalar_type() != shard.scalar_type()) mine = mine.to(shard.scalar_type());
           auto& grad = shard.mutable_grad();
           if (grad.defined()) grad.add_(mine);
           else grad = mine;
@@ -311,6 +364,48 @@ struct FSDPCore::Impl : std::enable_shared_from_this<FSDPCore::Impl> {
       }
     }
     reshard(unit);
+  }
+  // A unit's gradients computed in a dtype other than the one they are reduced in (bfloat16
+  // parameters, float32 reduction) are summed in the reduce dtype across unsynchronised backwards, as
+  // Python's FSDP2 does; otherwise they stay in the parameters' grads, where autograd sums them.
+  static void accumulateInReduceDtype(FlatParameter& flat) {
+    if (flat.reduceDtype == flat.full.scalar_type()) return;
+    if (flat.accumulated.empty()) flat.accumulated.resize(flat.params.size());
+    torch::NoGradGuard noGrad;
+    for (std::size_t i = 0; i < flat.params.size(); ++i) {
+      auto& grad = flat.params[i].mutable_grad();
+      if (!grad.defined()) continue;
+      auto& sum = flat.accumulated[i];
+      if (sum.defined()) sum.add_(grad);
+      else sum = grad.to(flat.reduceDtype);
+      grad = at::Tensor();
+    }
+  }
+  // The sum of `t` over the replicate group. Gloo's allreduce has no bfloat16 ("Invalid scalar type"),
+  // so a CPU bfloat16 gradient goes around the flat collectives' ring instead (a reduce-scatter then an
+  // all-gather: the same bytes as a ring allreduce, summed in bfloat16, at 2 nodes a + b as any
+  // allreduce gives).
+  static void allReduceAcross(const c10::intrusive_ptr<c10d::ProcessGroup>& r, at::Tensor& t, int replicaCount) {
+    if (t.scalar_type() == at::kBFloat16 && t.is_cpu()) {
+      const auto per = shardNumel(t.numel(), replicaCount);
+      auto padded = at::zeros({per * replicaCount}, t.options());
+      padded.narrow(0, 0, t.numel()).copy_(t);
+      auto part = at::empty({per}, t.options());
+      reduceScatter(r, padded, part);
+      allGather(r, part, padded);
+      t.copy_(padded.narrow(0, 0, t.numel()));
+      return;
+    }
+    std::vector<at::Tensor> tensors{t};
+    r->allreduce(tensors)->wait();
+  }
+  // Python's _get_gradient_divide_factors for a SUM reduction: float16 splits the division into a
+  // power of two before the sum and the rest after it; any other dtype divides once, after.
+  static std::pair<double, double> divideFactors(at::ScalarType dtype, int ranks) {
+    if (dtype != at::kHalf) return {1.0, static_cast<double>(ranks)};
+    int before = 1;
+    while (ranks % before == 0 && ranks / before > before) before *= 2;
+    return {static_cast<double>(before), static_cast<double>(ranks) / before};
   }
   void finishBackward() {
     std::lock_guard<std::recursive_mutex> lock(mutex);

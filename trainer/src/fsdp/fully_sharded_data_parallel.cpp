@@ -43,9 +43,16 @@ std::unordered_map<const torch::nn::Module*, FSDPUnit*>& registry() {
   return units;
 }
 
+// A floating-point tensor in `dtype` (unset: as it is); anything else as it is (Python's _cast_fp_tensor).
+at::Tensor castFloating(const at::Tensor& t, const std::optional<at::ScalarType>& dtype) {
+  if (!dtype || !t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype) return t;
+  return t.to(*dtype);
+}
+
 FlatParameter makeFlat(const std::string& name, std::vector<at::Tensor> params, bool trainable, int rank, int world,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& replicate, bool syncFromRank0) {
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& replicate, bool syncFromRank0,
+                       const MixedPrecisionPolicy& precision) {
   FlatParameter flat;
   flat.name = name;
   const auto options = params.front().options();
@@ -66,6 +73,12 @@ FlatParameter makeFlat(const std::string& name, std::vector<at::Tensor> params, 
   if (syncFromRank0) FSDPCore::Impl::broadcastFromWorldRankZero(group, replicate, {flat.full});
   flat.shard = flat.full.narrow(0, rank * flat.shardNumel, flat.shardNumel).clone();
   if (trainable) flat.shard.requires_grad_(true);
+  // Mixed precision: the gathered buffer (and the parameters viewing it) in paramDtype; the shard
+  // above keeps the master's dtype.
+  const auto gathered = flat.shard.is_floating_point() ? precision.paramDtype().value_or(flat.shard.scalar_type())
+                                                       : flat.shard.scalar_type();
+  if (gathered != flat.full.scalar_type()) flat.full = at::empty({flat.shardNumel * world}, flat.full.options().dtype(gathered));
+  flat.reduceDtype = flat.shard.is_floating_point() ? precision.reduceDtype().value_or(gathered) : gathered;
   flat.storage = flat.full.storage();
   for (std::size_t i = 0; i < params.size(); ++i) {
     auto alias = at::empty({0}, flat.full.options());
@@ -104,6 +117,15 @@ void endUnitForward(FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
   if (core.verified && (core.options.reshardAfterForward() || !grad)) core.reshard(unit);
 }
 
+at::Tensor castUnitInput(const FSDPUnit& unit, const at::Tensor& input) {
+  const auto& precision = unit.core->options.mixedPrecision();
+  return precision.castForwardInputs() ? castFloating(input, precision.paramDtype()) : input;
+}
+
+at::Tensor castUnitOutput(const FSDPUnit& unit, const at::Tensor& output) {
+  return castFloating(output, unit.core->options.mixedPrecision().outputDtype());
+}
+
 FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
     : impl_(std::make_shared<Impl>()) {
   auto& s = *impl_;
@@ -112,6 +134,12 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
   s.group = s.options.processGroup() ? s.options.processGroup() : getDefaultGroup();
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
+  const auto& precision = s.options.mixedPrecision();
+  for (const auto& [what, dtype] : {std::pair{"paramDtype", precision.paramDtype()}, std::pair{"reduceDtype", precision.reduceDtype()},
+                                    std::pair{"outputDtype", precision.outputDtype()}})
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw ConfigError(std::string("FullyShardedDataParallel: MixedPrecisionPolicy::") + what + " must be a floating-point dtype, got " +
+                        c10::toString(*dtype));
   if (s.options.replicateGroup()) {
     if (!s.options.processGroup())
       throw ConfigError("FullyShardedDataParallel: FSDPOptions::replicateGroup needs processGroup (the shard group) "
@@ -171,9 +199,10 @@ FSDPCore::FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options)
     unit->index = s.units.size();
     const std::string prefix = names[u].empty() ? "" : names[u] + ".";
     if (!trainable.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.replicate, sync));
+      unit->flats.push_back(makeFlat(prefix + "flat", trainable, true, s.rank, s.world, s.group, s.replicate, sync, s.options.mixedPrecision()));
     if (!frozen.empty())
-      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.replicate, sync));
+      unit->flats.push_back(makeFlat(prefix + "flat_frozen", frozen, false, s.rank, s.world, s.group, s.replicate, sync,
+                                        s.options.mixedPrecision()));
     unit->trainableCount = static_cast<std::int64_t>(trainable.size());
     s.units.push_back(std::move(unit));
   }
@@ -294,6 +323,7 @@ void FSDPCore::zeroGrad(bool setToNone) {
         else grad.zero_();
       }
       for (auto& p : flat.params) p.mutable_grad() = at::Tensor();
+      flat.accumulated.clear();
     }
 }
 
@@ -360,6 +390,8 @@ std::size_t FSDPCore::localGradientBytes() const {
       if (flat.shard.grad().defined()) n += flat.shard.grad().nbytes();
       for (const auto& p : flat.params)
         if (p.grad().defined()) n += p.grad().nbytes();
+      for (const auto& sum : flat.accumulated)
+        if (sum.defined()) n += sum.nbytes();
     }
   return n;
 }
@@ -373,6 +405,9 @@ std::size_t FSDPCore::largestUnitBytes() const {
   }
   return most;
 }
+
+at::Tensor FSDPCore::castForwardInput(const at::Tensor& input) const { return castUnitInput(*impl_->units[0], input); }
+at::Tensor FSDPCore::castOutput(const at::Tensor& output) const { return castUnitOutput(*impl_->units[0], output); }
 
 const FSDPOptions& FSDPCore::options() const { return impl_->options; }
 c10::intrusive_ptr<c10d::ProcessGroup> FSDPCore::processGroup() const { return impl_->group; }
@@ -419,6 +454,7 @@ void FSDPCore::releaseGroup() {
     // The failed step's gradients: whole ones not yet reduce-scattered, and what reached the shards.
     for (auto& flat : unit->flats) {
       for (auto& p : flat.params) p.mutable_grad() = at::Tensor();
+      for (auto& sum : flat.accumulated) sum = at::Tensor();  // mixed precision's accumulation in the reduce dtype
       if (flat.shard.requires_grad()) flat.shard.mutable_grad() = at::Tensor();
     }
   }

@@ -90,11 +90,23 @@ torch::OrderedDict<std::string, at::Tensor> FSDPCore::fullStateDict() {
   torch::NoGradGuard noGrad;
   std::unordered_map<c10::TensorImpl*, at::Tensor> values;
   for (auto& unit : s.units) {
+    // Mixed precision: the parameters are gathered in paramDtype; the state dict holds the master's
+    // values, gathered from the shards apart.
+    bool plain = false;
+    for (const auto& flat : unit->flats) plain = plain || !flat.mixed();
     const bool was = unit->gathered;
-    s.ensureGathered(*unit);
-    for (auto& flat : unit->flats)
-      for (auto& p : flat.params) values[p.unsafeGetTensorImpl()] = p.detach().clone();
-    if (!was) s.reshard(*unit);
+    if (plain) s.ensureGathered(*unit);
+    for (auto& flat : unit->flats) {
+      if (flat.mixed()) {
+        const auto whole = s.gatherMaster(flat);
+        for (std::size_t i = 0; i < flat.params.size(); ++i)
+          values[flat.params[i].unsafeGetTensorImpl()] =
+              whole.narrow(0, flat.offsets[i], flat.params[i].numel()).view(flat.params[i].sizes()).clone();
+      } else {
+        for (auto& p : flat.params) values[p.unsafeGetTensorImpl()] = p.detach().clone();
+      }
+    }
+    if (plain && !was) s.reshard(*unit);
   }
   torch::OrderedDict<std::string, at::Tensor> state;
   for (const auto& p : s.root->named_parameters()) state.insert(p.key(), values.at(p.value().unsafeGetTensorImpl()));
@@ -106,13 +118,32 @@ void FSDPCore::summonFullParameters(const std::function<void()>& fn) {
   auto& s = *impl_;
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   for (auto& unit : s.units) s.startGather(*unit);
+  // Mixed precision: fn sees the master's values (the shards gathered as they are), in the master's
+  // dtype; the parameters view the paramDtype buffers again before those are freed.
+  bool mixed = false;
+  auto restore = [&] {
+    if (!mixed) return;
+    for (auto& unit : s.units)
+      for (auto& flat : unit->flats)
+        if (flat.mixed()) Impl::pointParametersAt(flat, flat.full);
+    s.relinkAccumulators();
+  };
   try {
     for (auto& unit : s.units) s.ensureGathered(*unit);
+    for (auto& unit : s.units)
+      for (auto& flat : unit->flats)
+        if (flat.mixed()) {
+          const auto whole = s.gatherMaster(flat);
+          mixed = true;
+          Impl::pointParametersAt(flat, whole);
+        }
     fn();
   } catch (...) {
+    restore();
     for (auto& unit : s.units) s.reshard(*unit);
     throw;
   }
+  restore();
   for (auto& unit : s.units) s.reshard(*unit);
 }
 

@@ -237,7 +237,9 @@ struct ResilientTraining::Impl {
   std::int64_t copyLimit() const {
     std::int64_t bytes = 0;
     if (state.model())
-      for (const auto& p : state.model()->parameters()) bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+      // (float32 at least: a mixed-precision model's parameters are gathered narrower than its shards)
+      for (const auto& p : state.model()->parameters())
+        bytes += p.numel() * std::max<std::int64_t>(4, static_cast<std::int64_t>(p.element_size()));
     return 4 * bytes + (std::int64_t{64} << 20);
   }
 

@@ -142,6 +142,9 @@ struct TrainOptions {
   GradientReduction gradientReduction = GradientReduction::kOverlapped;  // --gradient-reduction
   ShardingChoice sharding = ShardingChoice::kNone;  // --sharding (bit-identical either way)
   int shardCopies = 0;  // --shard-copies: a copy of each rank's shard on the next rank (in-place recovery)
+  // --fsdp-param-dtype / --fsdp-reduce-dtype: FSDP's mixed precision (ctorch::MixedPrecisionPolicy),
+  // "float32", "bfloat16" or "float16"; empty: unset (the parameters' own dtype; reduce: the param's).
+  std::string fsdpParamDtype, fsdpReduceDtype;
   bool findUnusedParameters = false;
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
