@@ -1,6 +1,7 @@
 // Times the flat collectives sharding needs on Gloo (run by bench/shard_collectives.sh, one process per
 // rank): ctorch's ring reduceScatter against an allreduce of the whole buffer then taking this rank's
-// chunk, and ctorch's ring allGather against c10d's list allgather, per buffer size.
+// chunk, and ctorch's ring allGather against c10d's list allgather, per buffer size; and the ring
+// allGather of the same elements cast to bfloat16 (FSDP's mixed-precision gather).
 //
 // Usage (torchrun environment set): shard_collectives_bench <MB,MB,...> <reps> [segment bytes]
 // Prints, on rank 0, one line per size and method: "size_mb=16 method=ring_reduce_scatter median_ms=...".
@@ -73,6 +74,10 @@ int main(int argc, char** argv) {
       report(mb, "c10d_reduce_scatter_base_unsupported", 0);
     }
     report(mb, "ring_all_gather", timeIt(reps, [&] { ctorch::allGather(group, shard, flat, ring); }));
+    // FSDP mixed precision's gather (MixedPrecisionPolicy::paramDtype bfloat16): the same elements, each
+    // rank's float32 shard cast to bfloat16, then gathered: half the bytes on the wire.
+    at::Tensor flat16 = torch::empty({numel}, torch::kBFloat16);
+    report(mb, "ring_all_gather_bf16_cast", timeIt(reps, [&] { ctorch::allGather(group, shard.to(torch::kBFloat16), flat16, ring); }));
     report(mb, "c10d_list_allgather", timeIt(reps, [&] {
              std::vector<std::vector<at::Tensor>> out(1);
              for (int r = 0; r < world; ++r) out[0].push_back(torch::empty({chunk}));

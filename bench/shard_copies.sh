@@ -24,7 +24,7 @@ out="$root/bench/results/shard-copies-$(date +%Y%m%d).txt"
 declare -A per_step agree
 run() {  # sharding copies round
   local d="$work/$1-$2-$3"; mkdir -p "$d"
-  (cd "$d" && timeout 900 "$ctorchrun" --standalone --nproc-per-node "$ranks" --recovery in-place --max-restarts 0 \
+  (cd "$d" && timeout 900 "$ctorchrun" --standalone --nproc-per-node "$ranks" --recovery in-place --max-restarts 1 \
       "$train" --model "$model" --dataset synthetic-images ${shape:+--synthetic-shape $shape} --synthetic-size "$size" \
       --batch-size $batch --epochs 1 --optimizer adam --lr 0.001 --sharding "$1" --shard-copies "$2" --save-every 0 \
       --test-limit 64 --progress none --threads 1 > log.txt 2>&1) || { echo "run $1 copies $2 failed: $d/log.txt" >&2; tail -5 "$d/log.txt" >&2; exit 1; }

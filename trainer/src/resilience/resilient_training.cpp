@@ -225,8 +225,8 @@ struct ResilientTraining::Impl {
   at::Tensor heldCopy;
   std::int64_t heldCopyStep = -1;
   std::int64_t copiedAt = -1;
-  double copySeconds = 0;
-  std::int64_t copyCount = 0;
+  double copySeconds = 0;  // time spent refreshing
+  bool copySizeSaid = false;
 
   bool copiesOn() const {
     return o.shardCopies() > 0 && state.sharded() && recovery->enabled() && state.whyNoShardCopies().empty();
@@ -255,9 +255,12 @@ struct ResilientTraining::Impl {
     heldCopyStep = globalStep;
     copiedAt = globalStep;
     copySeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (copyCount++ == 0)
+    // Said once a step has run (an optimizer's state appears with its first step).
+    if (globalStep > 0 && !copySizeSaid) {
+      copySizeSaid = true;
       say("shard copies: each rank's shard (" + std::to_string((mine.size() + (1 << 19)) >> 20) +
           " MiB on rank 0) is sent to the next rank at every step and kept there for in-place recovery");
+    }
   }
 
   static ItemDict decodeShard(const at::Tensor& bytes, const std::string& what) {
