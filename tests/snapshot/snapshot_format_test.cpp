@@ -434,9 +434,9 @@ TEST_CASE("restore picks this rank's RNG state when every rank's was gathered", 
     return torch::rand({6});
   };
   torch::nn::Linear model(2, 2);
-  auto snap = ctorch::captureSnapshot({model.ptr().get(), nullptr, nullptr}, identity(), {});
+  auto snap = ctorch::captureSnapshot({model.ptr().get(), nullptr, nullptr}, identity("tiny", 3), {});
   snap.rng = stateAfterSeed(100);
-  snap.rankRng = {stateAfterSeed(100), stateAfterSeed(101), stateAfterSeed(102)};
+  snap.rankRng = {stateAfterSeed(100), stateAfterSeed(101), stateAfterSeed(102)};  // one per rank
   const auto back = ctorch::decodeSnapshot(encoded(snap), "mem");
   REQUIRE(back.rankRng.size() == 3);
   CHECK(sameTensorBytes(back.rankRng[2].cpu, snap.rankRng[2].cpu));

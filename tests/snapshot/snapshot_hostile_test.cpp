@@ -4,6 +4,8 @@
 #include "fixtures.hpp"
 
 #include "multiproc.hpp"
+#include "snapshot/digest.hpp"
+#include "snapshot/portable_archive.hpp"
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/version.h>
@@ -12,7 +14,9 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
+#include <functional>
 #include <sstream>
 
 using namespace snaptest;
@@ -236,4 +240,214 @@ TEST_CASE("a FIFO or /dev/zero in place of a snapshot is named and skipped witho
   const auto at = zero.process.output.find("max rss ");
   if (at != std::string::npos) rssMb = std::stol(zero.process.output.substr(at + 8));
   CHECK(rssMb < 1024);
+}
+
+// ---- Issue 47: files with a valid digest whose content no run writes -----------------------------
+namespace {
+
+// The pickled value of a genuine snapshot of this build, to edit.
+c10::impl::GenericDict genuineTop(std::int64_t epochsRun = 3) {
+  return torch::jit::pickle_load(encoded(populatedSnapshot(epochsRun))).toGenericDict();
+}
+c10::impl::GenericDict headerOf(const c10::impl::GenericDict& top) {
+  return top.at("CTORCH_SNAPSHOT").toGenericDict();
+}
+
+// `top` written as ctorch writes a snapshot, with the digest recomputed over what it holds now:
+// what an attacker with the project's own digest code makes.
+std::vector<char> resealed(const c10::impl::GenericDict& top) {
+  auto header = headerOf(top);
+  (void)header.erase("content_digest");
+  const std::string digest = ctorch::contentDigest(top, "snapshot");
+  header.insert("content_digest", digest);
+  return ctorch::detail::portableArchive(top);
+}
+
+long maxRssMb(const Outcome& o) {
+  const auto at = o.process.output.find("max rss ");
+  return at == std::string::npos ? (1 << 20) : std::stol(o.process.output.substr(at + 8));
+}
+
+} // namespace
+
+TEST_CASE("a view that reads one element many times is refused before anything expands it",
+          "[snapshot][hostile]") {
+  // 4 bytes of storage viewed with stride 0 as 2^22 floats (16 MiB), with a valid digest: the file
+  // is a few kB, and before the check it loaded as a 16 MiB tensor (2^28 floats: 1.2 GB at the
+  // digest's contiguous copy).
+  auto top = genuineTop();
+  top.at("USER_STATE").toGenericDict().insert_or_assign("marker", torch::full({1}, 7.0f).expand({std::int64_t(1) << 22}));
+  const auto crafted = resealed(top);
+  CHECK(crafted.size() < 64 * 1024);
+  const auto o = resumeBeside(crafted, "stride0");
+  CHECK(o.has("(bad content): a tensor's view reads its storage twice: the pickle['USER_STATE']['marker'] "
+              "(sizes [4194304], strides [0], offset 0) reads elements more than once"));
+  CHECK(maxRssMb(o) < 1024);
+  // Interleaved strides read elements twice too (2x3 over 4 elements: strides 1 and 1).
+  auto top2 = genuineTop();
+  top2.at("USER_STATE").toGenericDict().insert_or_assign("marker", torch::arange(4, torch::kFloat).as_strided({2, 3}, {1, 1}));
+  std::string msg;
+  CHECK(corruptionOf(resealed(top2), &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("reads elements more than once"));
+  // Views that read each element once stay valid: a transposed matrix, a slice.
+  auto top3 = genuineTop();
+  auto user = top3.at("USER_STATE").toGenericDict();
+  user.insert_or_assign("transposed", torch::arange(12, torch::kFloat).reshape({3, 4}).t());
+  user.insert_or_assign("sliced", torch::arange(12, torch::kFloat).reshape({3, 4}).narrow(1, 1, 2));
+  CHECK_FALSE(corruptionOf(resealed(top3)));
+}
+
+TEST_CASE("a view whose size overflows is refused and the next snapshot resumes", "[snapshot][hostile]") {
+  // 2^31 x 2^31 floats over 4 bytes: "Storage size calculation overflowed" escaped the loader (exit
+  // 1, snapshot.pt.1 never tried). No digest can be computed over it; the view is refused first.
+  auto top = genuineTop();
+  const std::int64_t n = std::int64_t(1) << 31;
+  top.at("USER_STATE").toGenericDict().insert_or_assign("marker", torch::full({1}, 7.0f).expand({n, n}));
+  const auto o = resumeBeside(ctorch::detail::portableArchive(top), "overflow");
+  CHECK(o.has("/snapshot.pt: snapshot "));
+  CHECK(o.has("(bad content)"));
+}
+
+TEST_CASE("impossible values with a valid digest are refused by name", "[snapshot][hostile]") {
+  struct Case {
+    const char* what;
+    std::function<void(c10::impl::GenericDict&)> edit;
+    Kind kind;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"EPOCHS_RUN 2^62", [](auto& t) { t.insert_or_assign("EPOCHS_RUN", std::int64_t(1) << 62); }, Kind::BadContent,
+       "EPOCHS_RUN is 4611686018427387904 (a count of epochs or steps: 0 to 2^48)"},
+      {"EPOCHS_RUN -5", [](auto& t) { t.insert_or_assign("EPOCHS_RUN", std::int64_t(-5)); }, Kind::BadContent,
+       "EPOCHS_RUN is -5"},
+      {"GLOBAL_STEP -1", [](auto& t) { t.insert_or_assign("GLOBAL_STEP", std::int64_t(-1)); }, Kind::BadContent,
+       "GLOBAL_STEP is -1"},
+      {"STEP_IN_EPOCH 2^48", [](auto& t) { t.insert_or_assign("STEP_IN_EPOCH", std::int64_t(1) << 48); },
+       Kind::BadContent, "STEP_IN_EPOCH is 281474976710656"},
+      {"world size 0", [](auto& t) { headerOf(t).insert_or_assign("world_size", std::int64_t(0)); }, Kind::BadHeader,
+       "['world_size'] is 0 (a world size: 1 to 2^24)"},
+      {"RNG state of 10 bytes",
+       [](auto& t) { t.at("RNG_STATE").toGenericDict().insert_or_assign("cpu", torch::zeros({10}, torch::kUInt8)); },
+       Kind::BadContent, "RNG_STATE['cpu'] holds 10 bytes; a generator state has 5056"},
+      {"RNG state of floats",
+       [](auto& t) { t.at("RNG_STATE").toGenericDict().insert_or_assign("cpu", torch::zeros({1264}, torch::kFloat)); },
+       Kind::BadContent, "RNG_STATE['cpu'] is a Float tensor of sizes [1264], expected a 1-D uint8 tensor"},
+      {"NaN learning rate",
+       [](auto& t) {
+         t.at("OPTIMIZER_STATE").toGenericDict().at("param_groups").toListRef()[0].toGenericDict().insert_or_assign(
+             "lr", std::nan(""));
+       },
+       Kind::BadContent, "OPTIMIZER_STATE['param_groups'][0]['lr'] is nan, expected a finite number"},
+      {"negative learning rate",
+       [](auto& t) {
+         t.at("OPTIMIZER_STATE").toGenericDict().at("param_groups").toListRef()[0].toGenericDict().insert_or_assign(
+             "lr", -0.1);
+       },
+       Kind::BadContent, "['lr'] is -0.1, below 0"},
+      {"infinite scheduler value",
+       [](auto& t) { t.at("LR_SCHEDULER_STATE").toGenericDict().insert_or_assign("gamma", INFINITY); },
+       Kind::BadContent, "LR_SCHEDULER_STATE['gamma'] is inf"},
+      {"sampler consumed beyond its epoch",
+       [](auto& t) { t.at("SAMPLER_STATE").toGenericDict().insert_or_assign("consumed", std::int64_t(51)); },
+       Kind::BadContent, "SAMPLER_STATE['consumed'] is 51; an epoch of 100 samples over 2 ranks gives each rank 50"},
+      {"sampler of world size 0",
+       [](auto& t) { t.at("SAMPLER_STATE").toGenericDict().insert_or_assign("world_size", std::int64_t(0)); },
+       Kind::BadContent, "SAMPLER_STATE['world_size'] is 0"},
+      {"ranks' RNG states for another world size",
+       [](auto& t) {
+         auto rng = t.at("RNG_STATE").toGenericDict();
+         c10::impl::GenericList ranks(c10::AnyType::get());
+         for (int i = 0; i < 3; ++i) {
+           auto d = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+           d.insert("cpu", rng.at("cpu"));
+           d.insert("cuda", c10::impl::GenericList(c10::AnyType::get()));
+           ranks.push_back(d);
+         }
+         rng.insert_or_assign("ranks", ranks);
+       },
+       Kind::BadContent, "RNG_STATE['ranks'] holds 3 ranks' states in a snapshot of world size 2"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    auto top = genuineTop();
+    c.edit(top);
+    std::string msg;
+    CHECK(corruptionOf(resealed(top), &msg) == c.kind);
+    CHECK_THAT(msg, Catch::Contains(c.says));
+  }
+  // The genuine file passes every rule (the edits above are the only difference).
+  CHECK_FALSE(corruptionOf(resealed(genuineTop())));
+  // Through the search: a refused file is named and the next one resumes (2^62 epochs used to
+  // "resume at epoch 4611686018427387905", train nothing and exit 0).
+  auto top = genuineTop();
+  top.insert_or_assign("EPOCHS_RUN", std::int64_t(1) << 62);
+  const auto o = resumeBeside(resealed(top), "epochs");
+  CHECK(o.has("EPOCHS_RUN is 4611686018427387904"));
+}
+
+TEST_CASE("a step count this run cannot reach is refused for this run only", "[snapshot][hostile]") {
+  // STEP_IN_EPOCH 1000 is possible in general but not in an 8-step epoch at the snapshot's world
+  // size (2); at world size 3 the epoch is another length, and nothing is claimed.
+  auto top = genuineTop();
+  top.insert_or_assign("STEP_IN_EPOCH", std::int64_t(1000));
+  TempDir dir("snap-steps");
+  ctorch::test::writeFile(dir / "snapshot.pt", asString(resealed(top)));
+  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
+  ctorch::LoadNewestOptions load;
+  load.expect.stepsPerEpoch = 8;
+  load.expect.stepsPerEpochWorldSize = 2;
+  const auto found = ctorch::loadNewestValid(dir / "snapshot.pt", load);
+  REQUIRE(found.snapshot);
+  CHECK(found.snapshot->source.filename() == "snapshot.pt.1");  // STEP_IN_EPOCH 7: fits
+  CHECK_THAT(found.describeSkipped(),
+             Catch::Contains("STEP_IN_EPOCH is 1000, but an epoch of this run has 8 steps at world size 2"));
+  load.expect.stepsPerEpochWorldSize = 3;
+  CHECK(ctorch::loadNewestValid(dir / "snapshot.pt", load).snapshot->source.filename() == "snapshot.pt");
+  CHECK(ctorch::loadSnapshot(dir / "snapshot.pt").stepInEpoch == 1000);
+}
+
+namespace {
+// The whole BINUNICODE opcode of the storage key that follows the one GLOBAL torch.<type>.
+std::string keyOpcodeAfter(const std::string& pkl, const std::string& type, std::size_t* at = nullptr) {
+  const std::string global = "ctorch\n" + type + "\n";
+  std::size_t p = pkl.find(global);
+  REQUIRE(p != std::string::npos);
+  REQUIRE(pkl.find(global, p + 1) == std::string::npos);
+  p += global.size();
+  if (pkl[p] == 'q') p += 2;          // BINPUT
+  else if (pkl[p] == 'r') p += 5;     // LONG_BINPUT
+  REQUIRE(pkl[p] == 'X');             // BINUNICODE: 4-byte length, then the key
+  std::uint32_t len = 0;
+  for (int i = 3; i >= 0; --i) len = (len << 8) | static_cast<unsigned char>(pkl[p + 1 + static_cast<std::size_t>(i)]);
+  if (at) *at = p;
+  return pkl.substr(p, 5 + len);
+}
+} // namespace
+
+TEST_CASE("one storage read as two dtypes is refused: Python and LibTorch would read it differently",
+          "[snapshot][hostile]") {
+  // Two 32-byte tensors, float64 and int32; the int32 one's persistent id is made to name the
+  // float64 one's storage. Python's torch.load gives both references the first one's storage (two
+  // float64 tensors), LibTorch 1.13 builds one per reference (the second as int32): with a digest
+  // recomputed over LibTorch's reading, the file loaded, holding what Python reads otherwise.
+  auto top = genuineTop();
+  auto user = top.at("USER_STATE").toGenericDict();
+  user.insert("as_double", torch::arange(4, torch::kDouble));
+  user.insert("as_int", torch::arange(8, torch::kInt));
+  auto crafted = withPickle(resealed(top), [](std::string& pkl) {
+    const std::string doubleKey = keyOpcodeAfter(pkl, "DoubleStorage");
+    std::size_t at = 0;
+    const std::string intKey = keyOpcodeAfter(pkl, "IntStorage", &at);
+    pkl.replace(at, intKey.size(), doubleKey);
+  });
+  // The digest of what LibTorch reads now, written in.
+  auto read = torch::jit::pickle_load(crafted).toGenericDict();
+  const std::string oldDigest = headerOf(read).at("content_digest").toStringRef();
+  (void)headerOf(read).erase("content_digest");
+  const std::string newDigest = ctorch::contentDigest(read, "snapshot");
+  crafted = withPickle(crafted, [&](std::string& pkl) { replaceOnce(pkl, oldDigest, newDigest); });
+  std::string msg;
+  CHECK(corruptionOf(crafted, &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("is referenced as torch.DoubleStorage of 32 bytes"));
+  CHECK_THAT(msg, Catch::Contains("and as torch.IntStorage of 32 bytes"));
 }

@@ -400,6 +400,7 @@ void Trainer::buildResilience() {
       .runName(o_.model)
       .config(o_.bindingConfig())
       .allowConfigChange(o_.allowConfigChange)
+      .stepsPerEpoch(stepsPerEpoch_)
       .stepSeed(static_cast<std::uint64_t>(o_.seed))
       .log([this](const std::string& line) { console_.line(line); })
       .programName("ctorch-train");

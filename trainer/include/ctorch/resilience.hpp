@@ -87,6 +87,10 @@ struct ResilienceOptions {
   TORCH_ARG(std::string, runName) = "model";
   TORCH_ARG(ConfigMap, config);
   TORCH_ARG(bool, allowConfigChange) = false;
+  // Optimizer steps in one epoch at this world size (the loader's length), when known: a snapshot of
+  // this run's config and world size claiming more steps into an epoch is impossible, and is skipped
+  // (and set aside) like a damaged one. Unset: not checked; ignored with allowConfigChange.
+  TORCH_ARG(std::optional<std::int64_t>, stepsPerEpoch);
   // Set: before every step the global generator is seeded from (stepSeed, rank, global step) (when
   // resume(), stepDone() and epochDone() return), so a step's randomness (dropout) does not depend on
   // how the run got there. Unset: every rank's generator states are gathered into each snapshot and

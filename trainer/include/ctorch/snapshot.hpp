@@ -145,6 +145,12 @@ struct SnapshotExpectation {
   std::string modelName;
   std::optional<std::map<std::string, std::string>> config;
   std::optional<std::int64_t> worldSize;
+  // Steps in one epoch of this run at world size stepsPerEpochWorldSize (the loader's length). A
+  // snapshot of that world size (and of this config, when `config` is set) that claims more steps
+  // into an epoch is impossible for this run: loadSnapshot refuses it as corrupt (SnapshotCorrupt,
+  // bad content), so loadNewestValid goes on to the next file. Unset: not checked.
+  std::optional<std::int64_t> stepsPerEpoch;
+  std::int64_t stepsPerEpochWorldSize = 1;
 };
 // The differences between a header and an expectation (empty when compatible).
 std::vector<std::string> compareWithExpectation(const SnapshotHeader& header,

@@ -60,6 +60,8 @@ void ResilienceOptions::validate() const {
   if (keepPrevious_ < 0 || keepPrevious_ > 100)
     throw ConfigError("ResilienceOptions::keepPrevious must be between 0 and 100, got " + std::to_string(keepPrevious_));
   if (runName_.empty()) throw ConfigError("ResilienceOptions::runName is empty");
+  if (stepsPerEpoch_ && *stepsPerEpoch_ < 0)
+    throw ConfigError("ResilienceOptions::stepsPerEpoch must be >= 0, got " + std::to_string(*stepsPerEpoch_));
   if (shardCopies_ < 0 || shardCopies_ > 1)
     throw ConfigError("ResilienceOptions::shardCopies must be 0 or 1, got " + std::to_string(shardCopies_));
 }
@@ -484,7 +486,11 @@ struct ResilientTraining::Impl {
     }
     LoadNewestOptions load;
     load.expect.modelName = o.runName();  // another model's state never fits: always refused
-    if (!o.allowConfigChange()) load.expect.config = o.config();
+    if (!o.allowConfigChange()) {
+      load.expect.config = o.config();
+      load.expect.stepsPerEpoch = o.stepsPerEpoch();
+      load.expect.stepsPerEpochWorldSize = world;
+    }
     // A sharded optimizer's snapshot is usable only with every rank's shard of its step: one whose
     // shards are not all there (a crash between the ranks' writes) is skipped like a damaged one.
     if (state.sharded())

@@ -200,6 +200,13 @@ Snapshot loadSnapshot(const fs::path& file, const SnapshotExpectation& expect) {
   Snapshot s = decodeSnapshot(bytes, file);
   auto diffs = compareWithExpectation(s.header, expect);
   if (!diffs.empty()) throw SnapshotIncompatible(file, diffs);
+  // What this run makes possible: the same run at the same world size has this many steps an epoch.
+  if (expect.stepsPerEpoch && s.header.worldSize == expect.stepsPerEpochWorldSize &&
+      s.stepInEpoch > *expect.stepsPerEpoch)
+    throw SnapshotCorrupt(file, SnapshotCorrupt::Kind::BadContent,
+                          "STEP_IN_EPOCH is " + std::to_string(s.stepInEpoch) + ", but an epoch of this run has " +
+                              std::to_string(*expect.stepsPerEpoch) + " steps at world size " +
+                              std::to_string(s.header.worldSize) + " (the snapshot's): no run like this one wrote it");
   return s;
 }
 

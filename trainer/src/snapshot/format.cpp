@@ -15,7 +15,9 @@
 #include <algorithm>
 #include <exception>
 #include <cstring>
+#include <cmath>
 #include <ctime>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -37,6 +39,12 @@ constexpr const char* kUserKey = "USER_STATE";
 constexpr const char* kDigestKey = "content_digest";
 
 using Kind = SnapshotCorrupt::Kind;
+
+// Bounds of what a snapshot's counts can be (docs/snapshot.md, "What the loader refuses"): far above
+// any real run (2^48 steps: one a microsecond for 8 years), far below where arithmetic on them
+// overflows.
+constexpr std::int64_t kMaxCount = std::int64_t(1) << 48;
+constexpr std::int64_t kMaxWorldSize = std::int64_t(1) << 24;
 
 std::string utcText(std::chrono::system_clock::time_point t) {
   const std::time_t secs = std::chrono::system_clock::to_time_t(t);
@@ -193,11 +201,11 @@ std::optional<std::string> badTensorView(const c10::IValue& v, const std::string
     const std::int64_t offset = t.storage_offset();
     std::string shape = "sizes " + c10::str(sizes) + ", strides " + c10::str(strides) +
                         ", offset " + std::to_string(offset);
-    if (offset < 0) return where + " has a negative storage offset (" + shape + ")";
+    if (offset < 0) return "a tensor's view lies outside its storage: " + where + " has a negative storage offset (" + shape + ")";
     bool empty = false;
     for (std::size_t d = 0; d < sizes.size(); ++d) {
-      if (sizes[d] < 0) return where + " has a negative size (" + shape + ")";
-      if (strides[d] < 0) return where + " has a negative stride (" + shape + ")";
+      if (sizes[d] < 0) return "a tensor's view lies outside its storage: " + where + " has a negative size (" + shape + ")";
+      if (strides[d] < 0) return "a tensor's view lies outside its storage: " + where + " has a negative stride (" + shape + ")";
       empty = empty || sizes[d] == 0;
     }
     if (empty) return std::nullopt;
@@ -214,8 +222,28 @@ std::optional<std::string> badTensorView(const c10::IValue& v, const std::string
                __builtin_mul_overflow(last, static_cast<std::uint64_t>(t.element_size()), &needed);
     const std::uint64_t have = t.storage().nbytes();
     if (overflow || needed > have)
-      return where + " (" + shape + ") reaches " + (overflow ? std::string("beyond 2^64") : std::to_string(needed)) +
+      return "a tensor's view lies outside its storage: " + where + " (" + shape + ") reaches " + (overflow ? std::string("beyond 2^64") : std::to_string(needed)) +
              " bytes into a storage of " + std::to_string(have) + " bytes";
+    // No element may be read twice (a stride 0, or strides that interleave): such a view is larger
+    // than the storage under it — 4 bytes viewed as 2^28 floats — and every reader that makes it
+    // contiguous (the digest, the model's copy_) allocates what the view declares, not what the
+    // file holds. A non-overlapping view holds at most its storage's elements, so nothing a file
+    // declares expands beyond the file. ctorch writes every tensor contiguous; a Python
+    // torch.save of an expanded tensor keeps its stride 0 (save tensor.contiguous() instead).
+    // Sufficient for "no element twice": the dimensions, by increasing stride, each step over all
+    // the elements the smaller ones reach.
+    std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) of sizes > 1
+    for (std::size_t d = 0; d < sizes.size(); ++d)
+      if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+    std::sort(dims.begin(), dims.end());
+    std::uint64_t reach = 0;  // the largest offset the smaller dimensions reach; fits: bounded above
+    for (const auto& [stride, size] : dims) {
+      if (static_cast<std::uint64_t>(stride) <= reach)
+        return "a tensor's view reads its storage twice: " + where + " (" + shape + ") reads elements more than once (a stride of " +
+               std::to_string(stride) + " over " + std::to_string(size) +
+               " elements): a view larger than the data the file holds";
+      reach += static_cast<std::uint64_t>(stride) * static_cast<std::uint64_t>(size - 1);
+    }
     return std::nullopt;
   }
   if (v.isList()) {
@@ -263,6 +291,26 @@ void checkPickle(const std::vector<char>& bytes, const detail::ZipCheckResult& z
       throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
     }
     throw SnapshotCorrupt(file, Kind::BadContent, archive + "/data.pkl is refused: " + why);
+  }
+  // One storage referenced twice must be referenced alike: Python's torch.load builds the storage
+  // once, from its first reference, and gives every later reference that one (its dtype, its size);
+  // LibTorch's pickle_load builds one per reference, each with its own dtype and size. So a storage
+  // read as two dtypes (or two sizes) is two different contents to the two readers, and a digest
+  // can only hold for one of them. torch.save never writes it (it refuses to save views of one
+  // storage as different types).
+  std::map<std::string, const detail::PickleStorage*> firstReference;
+  for (const auto& s : scan.storages) {
+    const auto [it, fresh] = firstReference.emplace(s.key, &s);
+    if (fresh) continue;
+    const auto& first = *it->second;
+    if (first.type != s.type || first.bytes != s.bytes)
+      throw SnapshotCorrupt(file, Kind::BadContent,
+                            "storage '" + s.key + "' is referenced as torch." + first.type + " of " +
+                                std::to_string(first.bytes) + " bytes (pickle byte " + std::to_string(first.offset) +
+                                ") and as torch." + s.type + " of " + std::to_string(s.bytes) + " bytes (pickle byte " +
+                                std::to_string(s.offset) +
+                                "): Python's torch.load reads every reference as the first, LibTorch each as "
+                                "its own, so the two would read different content (torch.save never writes this)");
   }
   for (const auto& s : scan.storages) {
     const auto* r = record(archive + "/data/" + s.key);
@@ -532,7 +580,7 @@ c10::IValue unpickle(const std::vector<char>& bytes, const detail::ZipCheckResul
     throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
   }
   if (auto bad = badTensorView(top, "the pickle"))
-    throw SnapshotCorrupt(file, Kind::BadContent, "a tensor's view lies outside its storage: " + *bad);
+    throw SnapshotCorrupt(file, Kind::BadContent, *bad);
   if (!top.isGenericDict()) throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top));
   return top;
 }
@@ -574,12 +622,16 @@ SnapshotHeader readHeader(const c10::IValue& top, const std::filesystem::path& f
     actual = contentDigest(top, "snapshot");
   } catch (const std::invalid_argument& e) {
     throw SnapshotCorrupt(file, Kind::BadContent, e.what());
+  } catch (const std::exception& e) {  // c10::Error, std::bad_alloc: what the content declares cannot be read
+    throw SnapshotCorrupt(file, Kind::BadContent, "the content cannot be read for its digest: " + errorText(e));
   }
   if (actual != h.contentDigest)
     throw SnapshotCorrupt(file, Kind::Digest, "recorded " + h.contentDigest + ", computed " + actual +
                                     " (the content changed after it was written)");
 
   h.worldSize = hr.integer(header, "world_size", kHeaderKey);
+  if (h.worldSize < 1 || h.worldSize > kMaxWorldSize)
+    hr.fail(std::string(kHeaderKey) + "['world_size'] is " + std::to_string(h.worldSize) + " (a world size: 1 to 2^24)");
   h.modelName = hr.text(header, "model_name", kHeaderKey);
   for (const auto& e : hr.dict(hr.get(header, "config", kHeaderKey), "config")) {
     if (!e.key().isString() || !e.value().isString())
@@ -597,6 +649,33 @@ SnapshotHeader readHeader(const c10::IValue& top, const std::filesystem::path& f
   }
 
   return h;
+}
+
+// The size of the CPU generator's state (torch.get_rng_state()): 5056 bytes in LibTorch 1.13 and 2.x.
+std::int64_t cpuGeneratorStateBytes() {
+  static const std::int64_t bytes = [] {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state().numel();
+  }();
+  return bytes;
+}
+
+constexpr std::size_t kMaxCudaStates = 1024;               // devices per process
+constexpr std::int64_t kMaxCudaStateBytes = 64 * 1024;     // torch.cuda.get_rng_state(): 816 bytes
+
+// A generator state is what torch.get_rng_state() returns: a 1-D uint8 tensor of the generator's
+// size. Anything else (10 bytes, floats) would be refused by set_state only when the trainer
+// restores it, after the file was chosen; here it is refused while the next file can still be tried.
+at::Tensor rngTensor(const FieldReader& cr, const at::Tensor& t, const std::string& where,
+                     std::optional<std::int64_t> exactBytes) {
+  if (t.scalar_type() != at::kByte || t.dim() != 1)
+    cr.fail(where + " is a " + std::string(c10::toString(t.scalar_type())) + " tensor of sizes " + c10::str(t.sizes()) +
+            ", expected a 1-D uint8 tensor (torch.get_rng_state()'s layout)");
+  if (exactBytes ? t.numel() != *exactBytes : (t.numel() < 1 || t.numel() > kMaxCudaStateBytes))
+    cr.fail(where + " holds " + std::to_string(t.numel()) + " bytes; a generator state has " +
+            (exactBytes ? std::to_string(*exactBytes) : "1 to " + std::to_string(kMaxCudaStateBytes)));
+  return t;
 }
 
 // 5. The content, each field checked for its type.
@@ -632,13 +711,17 @@ void readContent(const c10::impl::GenericDict& topDict, const std::filesystem::p
     const auto d = cr.dict(v, where);
     RngState r;
     const auto& cpu = cr.get(d, "cpu", where);
-    if (cpu.isTensor()) r.cpu = cpu.toTensor();
+    if (cpu.isTensor()) r.cpu = rngTensor(cr, cpu.toTensor(), where + "['cpu']", cpuGeneratorStateBytes());
     else if (!cpu.isNone()) cr.fail(where + "['cpu'] is " + describeType(cpu));
     const auto& cuda = cr.get(d, "cuda", where);
     if (!cuda.isList()) cr.fail(where + "['cuda'] is " + describeType(cuda));
-    for (const auto& t : cuda.toListRef()) {
+    if (cuda.toListRef().size() > kMaxCudaStates)
+      cr.fail(where + "['cuda'] holds " + std::to_string(cuda.toListRef().size()) + " states (one per device: at most " +
+              std::to_string(kMaxCudaStates) + ")");
+    for (std::size_t i = 0; i < cuda.toListRef().size(); ++i) {
+      const auto& t = cuda.toListRef()[i];
       if (!t.isTensor()) cr.fail(where + "['cuda'] holds " + describeType(t));
-      r.cuda.push_back(t.toTensor());
+      r.cuda.push_back(rngTensor(cr, t.toTensor(), where + "['cuda'][" + std::to_string(i) + "]", std::nullopt));
     }
     return r;
   };
@@ -651,15 +734,102 @@ void readContent(const c10::impl::GenericDict& topDict, const std::filesystem::p
   s.userState = cr.stringKeyed(cr.get(topDict, kUserKey, "snapshot"), kUserKey);
 }
 
+// The first double in `v` (dicts, lists, tuples) that is NaN or infinite, by its path.
+std::optional<std::string> nonFinite(const c10::IValue& v, const std::string& where) {
+  if (v.isDouble()) {
+    if (std::isfinite(v.toDouble())) return std::nullopt;
+    return where + " is " + c10::str(v.toDouble());
+  }
+  if (v.isList()) {
+    const auto list = v.toListRef();
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (auto bad = nonFinite(list[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isTuple()) {
+    const auto& elements = v.toTupleRef().elements();
+    for (std::size_t i = 0; i < elements.size(); ++i)
+      if (auto bad = nonFinite(elements[i], where + "[" + std::to_string(i) + "]")) return bad;
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      const std::string key = e.key().isString() ? "'" + e.key().toStringRef() + "'" : c10::str(e.key());
+      if (auto bad = nonFinite(e.value(), where + "[" + key + "]")) return bad;
+    }
+  }
+  return std::nullopt;
+}
+
+// 6. Every value against what the format allows (docs/snapshot.md, "What the loader refuses"): a
+//    file with a valid digest can still hold what no run writes — a digest proves the file is as
+//    written, not that its writer was ctorch. What this run makes possible is loadSnapshot's.
+void checkValues(const Snapshot& s, const std::filesystem::path& file) {
+  const FieldReader cr(file, Kind::BadContent);
+  auto count = [&](const std::string& name, std::int64_t v) {
+    if (v < 0 || v >= kMaxCount)
+      cr.fail(name + " is " + std::to_string(v) + " (a count of epochs or steps: 0 to 2^48)");
+  };
+  count(kEpochsRunKey, s.epochsRun);
+  count(kStepInEpochKey, s.stepInEpoch);
+  count(kGlobalStepKey, s.globalStep);
+  // How the three relate is the writer's own counting (a loop may count GLOBAL_STEP in micro-steps,
+  // or only epochs, as PyTorch's torchrun tutorial does): not judged here. What an epoch can hold is
+  // the run's to say (SnapshotExpectation::stepsPerEpoch, in loadSnapshot).
+  if (s.sampler) {
+    const auto& st = *s.sampler;
+    const std::string w = kSamplerKey;
+    if (st.epoch < 0 || st.epoch >= kMaxCount) cr.fail(w + "['epoch'] is " + std::to_string(st.epoch));
+    if (st.worldSize < 1 || st.worldSize > kMaxWorldSize)
+      cr.fail(w + "['world_size'] is " + std::to_string(st.worldSize) + " (1 to 2^24)");
+    if (st.datasetSize < 0 || st.datasetSize >= kMaxCount)
+      cr.fail(w + "['dataset_size'] is " + std::to_string(st.datasetSize) + " (0 to 2^48)");
+    const std::int64_t perRank = st.dropLast && st.datasetSize % st.worldSize != 0
+                                     ? st.datasetSize / st.worldSize
+                                     : (st.datasetSize + st.worldSize - 1) / st.worldSize;
+    if (st.consumed < 0 || st.consumed > perRank)
+      cr.fail(w + "['consumed'] is " + std::to_string(st.consumed) + "; an epoch of " + std::to_string(st.datasetSize) +
+              " samples over " + std::to_string(st.worldSize) + " ranks gives each rank " + std::to_string(perRank));
+  }
+  if (!s.rankRng.empty() && static_cast<std::int64_t>(s.rankRng.size()) != s.header.worldSize)
+    cr.fail(std::string(kRngKey) + "['ranks'] holds " + std::to_string(s.rankRng.size()) +
+            " ranks' states in a snapshot of world size " + std::to_string(s.header.worldSize));
+  // Hyper-parameters: finite (a NaN learning rate trains nothing and says nothing), and a learning
+  // rate below 0 is one no optimizer accepts (Python's raise "Invalid learning rate").
+  if (s.optimizerState.contains("param_groups")) {
+    const c10::IValue groups = s.optimizerState.at("param_groups");
+    if (auto bad = nonFinite(groups, std::string(kOptimizerKey) + "['param_groups']"))
+      cr.fail(*bad + ", expected a finite number");
+    if (groups.isList())
+      for (std::size_t i = 0; i < groups.toListRef().size(); ++i) {
+        const auto& g = groups.toListRef()[i];
+        if (!g.isGenericDict()) continue;
+        const auto d = g.toGenericDict();
+        const auto lr = d.find("lr");
+        if (lr != d.end() && lr->value().isDouble() && lr->value().toDouble() < 0)
+          cr.fail(std::string(kOptimizerKey) + "['param_groups'][" + std::to_string(i) + "]['lr'] is " +
+                  c10::str(lr->value().toDouble()) + ", below 0");
+      }
+  }
+  for (const auto& e : s.schedulerState)
+    if (auto bad = nonFinite(e.value(), std::string(kSchedulerKey) + "['" + e.key() + "']"))
+      cr.fail(*bad + ", expected a finite number");
+}
+
 }  // namespace
 
 Snapshot decodeSnapshot(const std::vector<char>& bytes, const std::filesystem::path& file) {
-  const auto zip = checkArchive(bytes, file);
-  const c10::IValue top = unpickle(bytes, zip, file);
   Snapshot s;
   s.source = file;
-  s.header = readHeader(top, file);
-  readContent(top.toGenericDict(), file, s);
+  try {
+    const auto zip = checkArchive(bytes, file);
+    const c10::IValue top = unpickle(bytes, zip, file);
+    s.header = readHeader(top, file);
+    readContent(top.toGenericDict(), file, s);
+    checkValues(s, file);
+  } catch (const SnapshotError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Whatever else reading a crafted file throws (c10::Error, std::bad_alloc) refuses the file like
+    // any damage, so the search goes on to the next one.
+    throw SnapshotCorrupt(file, Kind::BadContent, "cannot be read: " + errorText(e));
+  }
   return s;
 }
 

@@ -207,7 +207,7 @@ class Scanner {
     if (numel < 0 || __builtin_mul_overflow(static_cast<std::uint64_t>(numel), element, &bytes))
       fail(PickleRefused::Kind::Limit, "storage '" + std::string(o->small[2].text) + "' declares " +
                                            std::to_string(numel) + " elements");
-    result_.storages.push_back({std::string(o->small[2].text), bytes, op_});
+    result_.storages.push_back({std::string(o->small[2].text), std::string(o->small[1].text), bytes, op_});
     pushLeaf();
   }
 

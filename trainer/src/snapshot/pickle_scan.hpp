@@ -25,6 +25,7 @@ struct PickleLimits {
 // A storage the pickle refers to through a persistent id ('storage', type, key, location, numel).
 struct PickleStorage {
   std::string key;            // the record is <archive>/data/<key>
+  std::string type;           // torch.<type>: FloatStorage, LongStorage, ...
   std::uint64_t bytes = 0;    // numel * element size, as declared
   std::size_t offset = 0;     // of the BINPERSID opcode, for messages
 };
