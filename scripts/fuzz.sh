@@ -3,14 +3,16 @@
 #  1. the store's request parser and engine (launcher/store/fuzz), with ASan/UBSan;
 #  2. the snapshot loader, ctorch::decodeSnapshot on arbitrary bytes (trainer/fuzz), linked with
 #     LibTorch; seeded with a small valid snapshot the target writes itself.
-# Skips (exit 0, saying why) without clang's libFuzzer; skips target 2 (exit 0) without LibTorch.
-# Usage: scripts/fuzz.sh [seconds per target=60] [targets=store,snapshot]
+#  3. the zip layer's agreement (trainer/fuzz/zip_agreement_fuzz.cpp): every archive ctorch's check
+#     accepts, LibTorch's reader lists as the same records; seeded the same way.
+# Skips (exit 0, saying why) without clang's libFuzzer; skips targets 2 and 3 (exit 0) without LibTorch.
+# Usage: scripts/fuzz.sh [seconds per target=60] [targets=store,snapshot,zip]
 #        (CTORCH_FUZZ_DIR: build/work folder, default build-fuzz/)
 # Needs: apt-get install -y clang libclang-rt-14-dev   (Debian bookworm: clang 14)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 seconds=${1:-60}
-targets=${2:-store,snapshot}
+targets=${2:-store,snapshot,zip}
 out=${CTORCH_FUZZ_DIR:-$root/build-fuzz}
 cxx=${CXX_FUZZ:-$(command -v clang++ || command -v clang++-14 || true)}
 if [ -z "$cxx" ]; then
@@ -36,21 +38,28 @@ fuzz_store() {
   echo "fuzz: store_request_fuzz ran ${seconds} s without a finding (corpus: $out/corpus)"
 }
 
-fuzz_snapshot() {
-  local torch_include=${CTORCH_TORCH_INCLUDE:-/usr/include}
-  local torch_lib=${CTORCH_TORCH_LIB:-/usr/lib/x86_64-linux-gnu}
+torch_include=${CTORCH_TORCH_INCLUDE:-/usr/include}
+torch_lib=${CTORCH_TORCH_LIB:-/usr/lib/x86_64-linux-gnu}
+# The definitions LibTorch's CMake config gives every consumer (compat.hpp includes c10d headers).
+torch_defines="-DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_RPC -DUSE_TENSORPIPE -D_GLIBCXX_USE_CXX11_ABI=1 -DCTORCH_VERSION=\"fuzz\""
+# LibTorch itself is not instrumented; ASan still sees every heap buffer (it intercepts malloc), so
+# a read past a record's storage in our code is reported. CTORCH_FUZZ_SANITIZE=fuzzer drops ASan.
+sanitize=${CTORCH_FUZZ_SANITIZE:-fuzzer,address}
+
+# Whether LibTorch's headers and libraries are there (says why not).
+have_torch() {
   if [ ! -f "$torch_include/torch/csrc/api/include/torch/torch.h" ] || [ ! -e "$torch_lib/libtorch_cpu.so" ]; then
-    echo "fuzz: snapshot_decode_fuzz skipped: no LibTorch headers/libraries under $torch_include, $torch_lib"
+    echo "fuzz: $1 skipped: no LibTorch headers/libraries under $torch_include, $torch_lib"
     echo "      (set CTORCH_TORCH_INCLUDE and CTORCH_TORCH_LIB)"
-    return 0
+    return 1
   fi
+}
+
+# Compiles the snapshot library's sources the targets link (once; again when a source or header
+# changed) and sets objs.
+snapshot_objects() {
   local t=$root/trainer
-  # The definitions LibTorch's CMake config gives every consumer (compat.hpp includes c10d headers).
-  local torch_defines="-DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_RPC -DUSE_TENSORPIPE -D_GLIBCXX_USE_CXX11_ABI=1 -DCTORCH_VERSION=\"fuzz\""
-  # LibTorch itself is not instrumented; ASan still sees every heap buffer (it intercepts malloc), so
-  # a read past a record's storage in our code is reported. CTORCH_FUZZ_SANITIZE=fuzzer drops ASan.
-  local sanitize=${CTORCH_FUZZ_SANITIZE:-fuzzer,address}
-  local objs=()
+  objs=()
   mkdir -p "$out/snapshot-obj"
   for f in snapshot/format snapshot/digest snapshot/zip_check snapshot/pickle_scan snapshot/capture_restore \
            sampler/distributed_sampler core/version core/errors; do
@@ -64,9 +73,20 @@ fuzz_snapshot() {
     fi
     objs+=("$o")
   done
-  "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" $torch_defines -I"$t/include" -I"$t/shim" -I"$torch_include" \
-    -I"$torch_include/torch/csrc/api/include" "$t/fuzz/snapshot_decode_fuzz.cpp" "${objs[@]}" \
-    -L"$torch_lib" -Wl,-rpath,"$torch_lib" -ltorch -ltorch_cpu -lc10 -lz -o "$out/snapshot_decode_fuzz"
+}
+
+# Links trainer/fuzz/$1.cpp with objs (snapshot_objects) and LibTorch into $out/$1.
+link_torch_target() {
+  local t=$root/trainer
+  "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" $torch_defines -I"$t/include" -I"$t/src" -I"$t/shim" -I"$torch_include" \
+    -I"$torch_include/torch/csrc/api/include" "$t/fuzz/$1.cpp" "${objs[@]}" \
+    -L"$torch_lib" -Wl,-rpath,"$torch_lib" -ltorch -ltorch_cpu -lc10 -lz -o "$out/$1"
+}
+
+fuzz_snapshot() {
+  have_torch snapshot_decode_fuzz || return 0
+  snapshot_objects
+  link_torch_target snapshot_decode_fuzz
   mkdir -p "$out/snapshot-corpus" "$out/snapshot-seed"
   # The seed (a valid ~3 kB snapshot) is written by the target itself, so it always matches the format.
   # Leaks are not findings here: LibTorch keeps allocations alive on purpose.
@@ -77,11 +97,32 @@ fuzz_snapshot() {
   echo "fuzz: snapshot_decode_fuzz ran ${seconds} s without a finding (corpus: $out/snapshot-corpus)"
 }
 
+fuzz_zip() {
+  have_torch zip_agreement_fuzz || return 0
+  snapshot_objects
+  # Its own copy of the zip check, without the CRC-32 comparison (FUZZING_BUILD_MODE_...): mutated
+  # headers and data then get past it and reach the comparison with LibTorch's reader, which does
+  # not check CRC-32s either.
+  local t=$root/trainer o=$out/snapshot-obj/snapshot_zip_check_nocrc.o
+  "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION -c -I"$t/src" \
+    "$t/src/snapshot/zip_check.cpp" -o "$o"
+  objs=("${objs[@]/%snapshot_zip_check.o/snapshot_zip_check_nocrc.o}")
+  link_torch_target zip_agreement_fuzz
+  mkdir -p "$out/zip-corpus" "$out/zip-seed"
+  # The seed (a valid snapshot) is written by the target itself, so it always matches the format.
+  CTORCH_FUZZ_SEED_DIR="$out/zip-seed" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+    "$out/zip_agreement_fuzz" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+    -malloc_limit_mb=2048 -max_len=65536 -print_final_stats=1 -artifact_prefix="$out/zip-" "$out/zip-corpus" "$out/zip-seed" \
+    2>&1 | tee "$out/zip-fuzz.log" | tail -n 30
+  echo "fuzz: zip_agreement_fuzz ran ${seconds} s without a finding (corpus: $out/zip-corpus)"
+}
+
 IFS=, read -r -a wanted <<<"$targets"
 for target in "${wanted[@]}"; do
   case $target in
     store) fuzz_store ;;
     snapshot) fuzz_snapshot ;;
-    *) echo "fuzz: unknown target '$target' (store, snapshot)" >&2; exit 2 ;;
+    zip) fuzz_zip ;;
+    *) echo "fuzz: unknown target '$target' (store, snapshot, zip)" >&2; exit 2 ;;
   esac
 done

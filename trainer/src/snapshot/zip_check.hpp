@@ -1,6 +1,8 @@
-// Structural check of a zip archive as torch.save / pickle_save write it (stored records, optional
-// zip64), done before the bytes reach the unpickler: LibTorch's reader does not verify CRC-32s,
-// and a damaged pickle must not be parsed at all. Private to the library.
+// Structural check of a zip archive as torch.save / pickle_save write it (stored records, zip64 end
+// records), done before the bytes reach the unpickler: LibTorch's reader does not verify CRC-32s,
+// and a damaged pickle must not be parsed at all. Strict on purpose: whatever it accepts, LibTorch's
+// reader (miniz) reads as the very same records (docs/snapshot.md, "One reading of the zip").
+// Private to the library.
 #pragma once
 
 #include <cstddef>
@@ -25,8 +27,9 @@ struct ZipProblem {
   std::string detail;
 };
 
-// Parses the central directory and checks every record's location and CRC-32. Returns the records
-// or, when something is wrong, the first problem found.
+// Parses the central directory and checks every record's location and CRC-32, and that the archive
+// has exactly one reading. Returns the records in central-directory order or, when something is
+// wrong, the first problem found.
 struct ZipCheckResult {
   std::vector<ZipRecord> records;
   std::vector<ZipProblem> problems;  // empty when the archive is sound
