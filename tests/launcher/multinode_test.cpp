@@ -406,7 +406,7 @@ MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover:
   auto r2 = a2.wait();
   INFO(r2.output);
   CHECK(r2.exitCode == 3);
-  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes answer from here"));
+  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes confirm that they lost the rendezvous store"));
   CHECK(countOf(r2.output, "ENV WORLD_SIZE=1") == 0);
   CHECK(r2.elapsed < 40s);
 }
