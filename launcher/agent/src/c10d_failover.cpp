@@ -17,6 +17,9 @@ using std::chrono::milliseconds;
 
 bool C10dRendezvous::Impl::failOver(const std::string& why) {
   if (!o_.storeFailover || !round_ || !executor_ || !executor_->lastState()) return false;
+  // Given up from this round already (refused, or no state at the successor): the node stops;
+  // trying again every tick would only hold its event loop for another mark wait each time.
+  if (gaveUpRound_ == round_->round) return false;
   auto& l = log("rendezvous");
   const auto started = Clock::now();
   const rdzv::c10d::FailoverPlan plan = rdzv::c10d::planFailover(*round_);
@@ -30,8 +33,9 @@ bool C10dRendezvous::Impl::failOver(const std::string& why) {
   // From here on this node never uses the old store again: it moves to the successor's standby or
   // stops (it said "I lost it"; going back to the old store would let two stores be live).
   markLoss(plan);
-  if (next.id == nodeId_) return takeStoreOver(plan, started);
-  return moveToSuccessor(next, started);
+  const bool moved = next.id == nodeId_ ? takeStoreOver(plan, started) : moveToSuccessor(next, started);
+  if (!moved) gaveUpRound_ = round_->round;
+  return moved;
 }
 
 void C10dRendezvous::Impl::markLoss(const rdzv::c10d::FailoverPlan& plan) {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -100,6 +101,7 @@ class C10dRendezvous::Impl {
   std::unique_ptr<rdzv::c10d::Executor> executor_;
   std::unique_ptr<store::TcpStoreServer> workerStore_;
   std::optional<rdzv::c10d::RoundResult> round_;
+  std::optional<std::int64_t> gaveUpRound_;  // a failover from this round failed: no second try
   bool eventSent_ = false;
   std::mutex dropMutex_;
   std::vector<std::string> dropped_;
