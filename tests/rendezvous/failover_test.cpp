@@ -115,7 +115,7 @@ TEST_CASE("failover: a node counts towards the majority only by a loss mark that
   CHECK_FALSE(confirmsLoss(lossMarkValue("job", r, c.id, otherLoss, ""), "job", r, c, plan, ""));
 }
 
-TEST_CASE("failover: with a job secret, only marks signed with its key count; garbage is refused, never parsed loosely", "[rendezvous]") {
+TEST_CASE("failover: with a job secret, only marks signed with its key count, and garbage is refused, never parsed loosely", "[rendezvous]") {
   const auto r = roundOf(3, 2);
   const auto plan = planFailover(r);
   const NodeSlot& c = r.nodes[2];
