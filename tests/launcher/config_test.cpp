@@ -548,7 +548,7 @@ TEST_CASE("config: in-place recovery's control key: random on one node, from CTO
   CHECK(inherited.inheritedLauncherVariables == std::vector<std::string>{"CTORCH_REPLACEMENT", "CTORCH_SPARE"});
 }
 
-TEST_CASE("config: --store-failover's mark key comes from CTORCH_JOB_SECRET (per run id, not the control key); "
+TEST_CASE("config: --store-failover's mark key comes from CTORCH_JOB_SECRET (per run id, not the control key), "
           "without a secret, marks are unsigned") {
   const std::vector<std::string> nodes = {"--nnodes", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400",
                                           "--rdzv-id", "job7", "--store-failover", "/bin/true"};
