@@ -14,6 +14,8 @@
 #   netns.sh addr P I                 address of host I of lab P
 #   netns.sh exec P I CMD...          run CMD inside host I (own net namespace, hostname nI)
 #   netns.sh cut P I | restore P I    take host I's link down (a partition) / bring it back
+#   netns.sh cutpair P I J            drop traffic between hosts I and J only (a partial partition);
+#                                     restorepair P I J undoes it
 #   netns.sh block P I PORT           drop TCP traffic to PORT inside host I; unblock P I PORT undoes it
 #   netns.sh kill P I                 SIGKILL every process in host I (a crashed machine)
 #   netns.sh pids P [I]               processes in host I (or in every host)
@@ -204,6 +206,18 @@ cmd_exec() {
 cmd_cut() { need_host "$1" "$2"; ip link set "$1-v$2" down; }
 cmd_restore() { need_host "$1" "$2"; ip link set "$1-v$2" up; }
 
+# Each host drops what comes from the other: neither reaches the other, both reach everyone else.
+cmd_cutpair() {
+  need_host "$1" "$2"; need_host "$1" "$3"
+  nsenter --net="/run/netns/$(ns_name "$1" "$2")" -- iptables -I INPUT -s "$(cmd_addr "$1" "$3")" -j DROP
+  nsenter --net="/run/netns/$(ns_name "$1" "$3")" -- iptables -I INPUT -s "$(cmd_addr "$1" "$2")" -j DROP
+}
+cmd_restorepair() {
+  need_host "$1" "$2"; need_host "$1" "$3"
+  nsenter --net="/run/netns/$(ns_name "$1" "$2")" -- iptables -D INPUT -s "$(cmd_addr "$1" "$3")" -j DROP
+  nsenter --net="/run/netns/$(ns_name "$1" "$3")" -- iptables -D INPUT -s "$(cmd_addr "$1" "$2")" -j DROP
+}
+
 cmd_block() {
   need_host "$1" "$2"
   [[ "${3:-}" =~ ^[0-9]+$ ]] || die "block: port must be a number, not '${3:-}'"
@@ -300,6 +314,8 @@ main() {
     exec) [ $# -ge 2 ] || die "exec: usage: exec P I CMD..."; cmd_exec "$@" ;;
     cut) cmd_cut "${1:?lab}" "${2:?host}" ;;
     restore) cmd_restore "${1:?lab}" "${2:?host}" ;;
+    cutpair) cmd_cutpair "${1:?lab}" "${2:?host}" "${3:?host}" ;;
+    restorepair) cmd_restorepair "${1:?lab}" "${2:?host}" "${3:?host}" ;;
     block) cmd_block "${1:?lab}" "${2:?host}" "${3:-}" ;;
     unblock) cmd_unblock "${1:?lab}" "${2:?host}" "${3:-}" ;;
     kill) cmd_kill "${1:?lab}" "${2:?host}" ;;

@@ -127,6 +127,10 @@ void NetnsLab::script(const std::vector<std::string>& args) const {
 
 void NetnsLab::cut(int host) { script({"cut", prefix_, std::to_string(host)}); }
 void NetnsLab::restore(int host) { script({"restore", prefix_, std::to_string(host)}); }
+void NetnsLab::cutBetween(int a, int b) { script({"cutpair", prefix_, std::to_string(a), std::to_string(b)}); }
+void NetnsLab::restoreBetween(int a, int b) {
+  script({"restorepair", prefix_, std::to_string(a), std::to_string(b)});
+}
 void NetnsLab::block(int host, int port) {
   script({"block", prefix_, std::to_string(host), std::to_string(port)});
 }

@@ -45,6 +45,8 @@ class NetnsLab {
 
   void cut(int host);       // link down: packets to and from the host vanish
   void restore(int host);   // link up again
+  void cutBetween(int a, int b);      // only a and b stop reaching each other (a partial partition)
+  void restoreBetween(int a, int b);
   void block(int host, int port);    // DROP incoming TCP to `port` inside the host
   void unblock(int host, int port);
   void killHost(int host);  // SIGKILL every process in the host

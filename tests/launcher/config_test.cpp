@@ -2,14 +2,17 @@
 // program resolution, and every bad input the issue lists (one line naming the bad value).
 #include "ctorch_catch.hpp"
 
+#include "ctorch/contract/control_auth.hpp"
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/cli.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/launch_config.hpp"
 #include "ctorch/launcher/machine.hpp"
+#include "ctorch/rdzv/c10d/failover.hpp"
 #include "launcher_test_util.hpp"
 
 #include <sys/stat.h>
+#include <algorithm>
 
 #include <csignal>
 #include <set>
@@ -543,6 +546,23 @@ TEST_CASE("config: in-place recovery's control key: random on one node, from CTO
   // ctorchrun's own worker variables inherited from the environment are named (and not passed on).
   const auto inherited = configFor({"--standalone", "/bin/true"}, {{"CTORCH_SPARE", "0-0-1"}, {"CTORCH_REPLACEMENT", "2"}});
   CHECK(inherited.inheritedLauncherVariables == std::vector<std::string>{"CTORCH_REPLACEMENT", "CTORCH_SPARE"});
+}
+
+TEST_CASE("config: --store-failover's mark key comes from CTORCH_JOB_SECRET (per run id, not the control key), "
+          "without a secret, marks are unsigned") {
+  const std::vector<std::string> nodes = {"--nnodes", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400",
+                                          "--rdzv-id", "job7", "--store-failover", "/bin/true"};
+  CHECK(configFor(nodes).failoverKey.empty());
+  const std::map<std::string, std::string> secret{{"CTORCH_JOB_SECRET", "0123456789abcdef-shared"}};
+  const auto a = configFor(nodes, secret);
+  CHECK(a.failoverKey.size() == 32);
+  CHECK(a.failoverKey == ctorch::rdzv::c10d::deriveFailoverKey("0123456789abcdef-shared", "job7"));
+  CHECK(a.failoverKey != ctorch::contract::auth::deriveControlKey("0123456789abcdef-shared", "job7"));
+  CHECK_THAT(errorFor(nodes, {{"CTORCH_JOB_SECRET", "short"}}),
+             Catch::Contains("CTORCH_JOB_SECRET is 5 characters long: at least 16"));
+  std::vector<std::string> plain = nodes;
+  plain.erase(std::find(plain.begin(), plain.end(), "--store-failover"));
+  CHECK(configFor(plain, secret).failoverKey.empty());  // no failover: no key
 }
 
 TEST_CASE("config: --rdzv-id is checked before the rendezvous, and a long one is quoted short") {

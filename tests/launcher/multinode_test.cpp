@@ -106,6 +106,8 @@ class NetnsHosts final : public Topology {
   void silence(int host, test::Process&) override { lab_.cut(host); }
   void unsilence(int host, test::Process&) override { lab_.restore(host); }
   bool isLab() const override { return true; }
+  // Only hosts a and b stop reaching each other (loopback has no such cut: one address for all).
+  void cutBetween(int a, int b) { lab_.cutBetween(a, b); }
 
  private:
   test::lab::NetnsLab lab_;
@@ -406,9 +408,35 @@ MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover:
   auto r2 = a2.wait();
   INFO(r2.output);
   CHECK(r2.exitCode == 3);
-  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes answer from here"));
+  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes confirm that they lost the rendezvous store"));
   CHECK(countOf(r2.output, "ENV WORLD_SIZE=1") == 0);
   CHECK(r2.elapsed < 40s);
+}
+
+// Issue 47.5: only the store host and the successor cut from each other; host 3 reaches both. The
+// successor loses the store, host 3 does not: host 3 never marks a loss, so the successor counts 1
+// of 3 and does not open a second store (it used to, because host 3's standby port answered); it
+// is the one cut off and stops, hosts 1 and 3 re-form at 2 and finish. Namespace hosts only.
+TEST_CASE("multinode c10d --store-failover: a partial partition (only the store host and the successor cut): no second store, the successor stops, the others finish (netns)", "[multinode][netns]") {
+  CTORCH_REQUIRE_NETNS();
+  NetnsHosts t(3);
+  std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
+  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, failoverNode("0"), worker)));
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, failoverNode("1"), worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, failoverNode("2"), worker)));
+  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  t.cutBetween(1, 2);
+  auto r1 = a1.wait(), r3 = a3.wait(), r2 = a2.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
+  REQUIRE(r1.ok());
+  REQUIRE(r3.ok());
+  for (auto* r : {&r1, &r3}) CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 1);
+  CHECK(r2.exitCode == 3);
+  CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 3 nodes confirm that they lost the rendezvous store"));
+  CHECK_THAT(r2.output, !Catch::Contains("this node serves the rendezvous store now"));
+  CHECK_THAT(r3.output, !Catch::Contains("moving to the standby store"));  // host 3 never lost the store
+  CHECK(countOf(r2.output, "ENV WORLD_SIZE=2") == 0);
+  CHECK(r2.elapsed < 25s);
 }
 
 MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-failover: losing the store host ends the survivor with what happened and what survives it (issue 28.3)", 2) {

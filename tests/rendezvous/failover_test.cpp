@@ -78,17 +78,79 @@ TEST_CASE("failover: the successor probes the round's other standbys, not itself
 
 TEST_CASE("failover: only a majority of the round may take the store over", "[rendezvous]") {
   const auto three = roundOf(3);
-  CHECK_FALSE(refuseTakeOver(three, 2));  // 2 of 3
-  CHECK_FALSE(refuseTakeOver(three, 3));
-  auto refused = refuseTakeOver(three, 1);
+  CHECK_FALSE(refuseTakeOver(three, {"b_100_0", "c_100_0"}));  // 2 of 3
+  CHECK_FALSE(refuseTakeOver(three, {"a_100_0", "b_100_0", "c_100_0"}));
+  auto refused = refuseTakeOver(three, {"b_100_0"});
   REQUIRE(refused);
-  CHECK(*refused == "only 1 of round 3's 3 nodes answer from here (a majority must, or this node may be the one "
-                    "cut off): not taking the store over");
+  CHECK(*refused == "only 1 of round 3's 3 nodes confirm that they lost the rendezvous store too (a majority must: "
+                    "the others still reach it, or this node is the one cut off): not taking the store over");
   // Two nodes: the survivor of the store host holds half, which is no majority.
-  CHECK(refuseTakeOver(roundOf(2), 1));
+  CHECK(refuseTakeOver(roundOf(2), {"b_100_0"}));
   const auto four = roundOf(4);
-  CHECK(refuseTakeOver(four, 2));
-  CHECK_FALSE(refuseTakeOver(four, 3));
+  CHECK(refuseTakeOver(four, {"b_100_0", "c_100_0"}));
+  CHECK_FALSE(refuseTakeOver(four, {"b_100_0", "c_100_0", "d_100_0"}));
+  // Ids that are not in the round (a newcomer, a node of an older round, an outsider's name) do not count.
+  CHECK(refuseTakeOver(three, {"b_100_0", "x_100_0", "y_100_0"}));
+}
+
+// Issue 47: with only the a-b link cut, c still reaches the store; its standby answering must not
+// count as a vote. Only a mark that c wrote because it lost the store too does.
+TEST_CASE("failover: a node counts towards the majority only by a loss mark that confirms it lost the store in this round", "[rendezvous]") {
+  const auto r = roundOf(3, 5);
+  const auto plan = planFailover(r);
+  const NodeSlot& c = r.nodes[2];
+  CHECK(lossMarkKey("job", 5) == "ctorchrun/failover/job/lost/5");
+  const std::string mark = lossMarkValue("job", r, c.id, plan, "");
+  CHECK(mark == "ctorchrun-lost-store 1\njob\n5\nc_100_0\na_100_0\n-");
+  CHECK(confirmsLoss(mark, "job", r, c, plan, ""));
+  // A port that answers with nothing in it, or with anything but this node's mark, is no vote.
+  CHECK_FALSE(confirmsLoss("", "job", r, c, plan, ""));
+  CHECK_FALSE(confirmsLoss(lossMarkValue("job", r, "b_100_0", plan, ""), "job", r, c, plan, ""));  // another node's
+  CHECK_FALSE(confirmsLoss(lossMarkValue("other", r, c.id, plan, ""), "job", r, c, plan, ""));     // another run's
+  // A stale mark: written for an older round (a node rejoining with an old round's view, or left by
+  // an earlier failover), or naming another lost store host, does not count in this one.
+  CHECK_FALSE(confirmsLoss(lossMarkValue("job", roundOf(3, 4), c.id, plan, ""), "job", r, c, plan, ""));
+  FailoverPlan otherLoss = plan;
+  otherLoss.lost = {"b_100_0"};
+  CHECK_FALSE(confirmsLoss(lossMarkValue("job", r, c.id, otherLoss, ""), "job", r, c, plan, ""));
+}
+
+TEST_CASE("failover: with a job secret, only marks signed with its key count, and garbage is refused, never parsed loosely", "[rendezvous]") {
+  const auto r = roundOf(3, 2);
+  const auto plan = planFailover(r);
+  const NodeSlot& c = r.nodes[2];
+  const std::string key = deriveFailoverKey("0123456789abcdef-secret", "job");
+  CHECK(key.size() == 32);
+  CHECK(key != deriveFailoverKey("0123456789abcdef-secret", "job2"));  // per run id
+  const std::string signedMark = lossMarkValue("job", r, c.id, plan, key);
+  CHECK(confirmsLoss(signedMark, "job", r, c, plan, key));
+  // An outsider who reaches the standby port but lacks the secret: unsigned, signed with another
+  // key, or a signature copied from another round or node.
+  CHECK_FALSE(confirmsLoss(lossMarkValue("job", r, c.id, plan, ""), "job", r, c, plan, key));
+  CHECK_FALSE(confirmsLoss(lossMarkValue("job", r, c.id, plan, deriveFailoverKey("not-the-secret-at-all", "job")),
+                           "job", r, c, plan, key));
+  const std::string otherRound = lossMarkValue("job", roundOf(3, 1), c.id, plan, key);
+  const std::string replayed = signedMark.substr(0, signedMark.rfind('\n') + 1) + otherRound.substr(otherRound.rfind('\n') + 1);
+  CHECK_FALSE(confirmsLoss(replayed, "job", r, c, plan, key));
+  // Garbage: truncated, extended, oversized, binary. None counts, none throws.
+  CHECK_FALSE(confirmsLoss(signedMark.substr(0, signedMark.size() - 1), "job", r, c, plan, key));
+  CHECK_FALSE(confirmsLoss(signedMark + "\n", "job", r, c, plan, key));
+  CHECK_FALSE(confirmsLoss(signedMark + std::string(kMaxLossMarkSize, 'x'), "job", r, c, plan, key));
+  CHECK_FALSE(confirmsLoss(std::string("\0\xff\n\n\n\n\n", 7), "job", r, c, plan, key));
+  const std::string unsignedMark = lossMarkValue("job", r, c.id, plan, "");
+  CHECK_FALSE(confirmsLoss(unsignedMark + "x", "job", r, c, plan, ""));
+  CHECK_FALSE(confirmsLoss(unsignedMark.substr(0, unsignedMark.size() - 1) + std::string(64, 'z'), "job", r, c, plan, ""));
+  // No lost store host in the plan: nothing can confirm it.
+  CHECK_FALSE(confirmsLoss(unsignedMark, "job", r, c, FailoverPlan{}, ""));
+}
+
+TEST_CASE("failover: the successor waits for the others' marks a heartbeat expiry and 1 s, well within the others' wait for it", "[rendezvous]") {
+  Settings s;
+  s.keepAliveInterval = 1s;
+  s.keepAliveMaxAttempt = 3;
+  CHECK(lossMarkWait(s) == 4s);
+  // A node noticing the loss a heartbeat expiry before the successor still finds the state there in time.
+  CHECK(s.heartbeatExpiry() + lossMarkWait(s) < successorWait(s));
 }
 
 TEST_CASE("failover: a survivor waits for the successor twice the heartbeat expiry and 2 s", "[rendezvous]") {

@@ -8,6 +8,7 @@
 #include "log.hpp"
 
 #include <algorithm>
+#include <set>
 #include <thread>
 
 namespace ctorch::launcher {
@@ -16,6 +17,9 @@ using std::chrono::milliseconds;
 
 bool C10dRendezvous::Impl::failOver(const std::string& why) {
   if (!o_.storeFailover || !round_ || !executor_ || !executor_->lastState()) return false;
+  // Given up from this round already (refused, or no state at the successor): the node stops;
+  // trying again every tick would only hold its event loop for another mark wait each time.
+  if (gaveUpRound_ == round_->round) return false;
   auto& l = log("rendezvous");
   const auto started = Clock::now();
   const rdzv::c10d::FailoverPlan plan = rdzv::c10d::planFailover(*round_);
@@ -26,17 +30,65 @@ bool C10dRendezvous::Impl::failOver(const std::string& why) {
   const auto& next = *plan.successor;
   l.warn("store failover: {}; moving to the standby store of node '{}' at {}", why, next.id,
          next.addr + ":" + std::to_string(*next.standbyPort));
-  if (next.id == nodeId_) return takeStoreOver(plan, started);
-  return moveToSuccessor(next, started);
+  // From here on this node never uses the old store again: it moves to the successor's standby or
+  // stops (it said "I lost it"; going back to the old store would let two stores be live).
+  markLoss(plan);
+  const bool moved = next.id == nodeId_ ? takeStoreOver(plan, started) : moveToSuccessor(next, started);
+  if (!moved) gaveUpRound_ = round_->round;
+  return moved;
+}
+
+void C10dRendezvous::Impl::markLoss(const rdzv::c10d::FailoverPlan& plan) {
+  if (!standby_) return;
+  try {
+    store::TcpStoreClientOptions co;
+    co.timeout = std::min(o_.operationTimeout, milliseconds(1000));
+    co.operationTimeout = co.timeout;
+    co.retryConnect = false;
+    store::TcpStoreClient own("127.0.0.1", standby_->port(), co);
+    const std::string value =
+        rdzv::c10d::lossMarkValue(o_.settings.runId, *round_, nodeId_, plan, o_.failoverKey);
+    own.set(rdzv::c10d::lossMarkKey(o_.settings.runId, round_->round), store::Bytes(value.begin(), value.end()));
+  } catch (const std::exception& e) {
+    // Unmarked, this node is not counted: the successor may then refuse, which is the safe side.
+    log("rendezvous").warn("store failover: could not mark the loss in this node's standby store: {}", e.what());
+  }
+}
+
+bool C10dRendezvous::Impl::lossConfirmed(const rdzv::c10d::NodeSlot& n, const rdzv::c10d::FailoverPlan& plan) const {
+  try {
+    store::TcpStoreClientOptions co;
+    co.timeout = std::min(o_.operationTimeout, milliseconds(1000));
+    co.operationTimeout = co.timeout;
+    co.retryConnect = false;
+    store::TcpStoreClient probe(n.addr, static_cast<std::uint16_t>(*n.standbyPort), co);
+    const std::string key = rdzv::c10d::lossMarkKey(o_.settings.runId, round_->round);
+    if (!probe.check({key})) return false;
+    const store::Bytes v = probe.get(key);
+    if (v.size() > rdzv::c10d::kMaxLossMarkSize) return false;
+    return rdzv::c10d::confirmsLoss(std::string(v.begin(), v.end()), o_.settings.runId, *round_, n, plan,
+                                    o_.failoverKey);
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 bool C10dRendezvous::Impl::takeStoreOver(const rdzv::c10d::FailoverPlan& plan, Clock::time_point started) {
   auto& l = log("rendezvous");
   if (!standby_) return false;
-  int reachable = 1;
-  for (const auto& n : rdzv::c10d::majorityProbes(*round_, nodeId_))
-    if (answers(n.addr, *n.standbyPort)) ++reachable;
-  if (auto refused = rdzv::c10d::refuseTakeOver(*round_, reachable)) {
+  // Count the nodes that lost the store too (their marks), not the ports that answer: a node that
+  // still reaches the store never marks. They notice within about a heartbeat expiry of this one.
+  std::set<std::string> confirmed{nodeId_};
+  const auto deadline = Clock::now() + rdzv::c10d::lossMarkWait(o_.settings);
+  std::optional<std::string> refused;
+  for (;;) {
+    for (const auto& n : rdzv::c10d::majorityProbes(*round_, nodeId_))
+      if (!confirmed.count(n.id) && lossConfirmed(n, plan)) confirmed.insert(n.id);
+    refused = rdzv::c10d::refuseTakeOver(*round_, confirmed);
+    if (!refused || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  if (refused) {
     l.error("store failover: {}", *refused);
     return false;
   }
@@ -90,20 +142,6 @@ bool C10dRendezvous::Impl::moveToSuccessor(const rdzv::c10d::NodeSlot& next, Clo
   l.warn("store failover: now using the rendezvous store of node '{}' at {} ({} after the loss was noticed)",
          next.id, target, measuredSeconds(since(started)));
   return true;
-}
-
-bool C10dRendezvous::Impl::answers(const std::string& host, int port) const {
-  try {
-    store::TcpStoreClientOptions co;
-    co.timeout = std::min(o_.operationTimeout, milliseconds(1000));
-    co.operationTimeout = co.timeout;
-    co.retryConnect = false;
-    store::TcpStoreClient probe(host, static_cast<std::uint16_t>(port), co);
-    probe.check({"ctorchrun.probe"});
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
 }
 
 std::optional<RendezvousEvent> C10dRendezvous::Impl::minority(const rdzv::c10d::RoundAssessment& a) {

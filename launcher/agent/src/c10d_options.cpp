@@ -33,6 +33,7 @@ C10dRendezvousOptions c10dOptionsFrom(const LaunchConfig& c) {
   o.operationTimeout =
       std::max(milliseconds(100), std::min({s.readTimeout, s.heartbeatTimeout, s.keepAliveInterval}));
   o.storeFailover = c.storeFailover;
+  o.failoverKey = c.failoverKey;
   o.controlPlane = controlPlaneFor(c);
   return o;
 }

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,15 +59,20 @@ class C10dRendezvous::Impl {
   // --store-failover: the store did not answer for the heartbeat expiry. The survivors of the
   // last round move to the standby store of its first node (by node rank) that did not serve the
   // lost store; that node re-creates the rendezvous state there from its own copy, without the
-  // lost store host's nodes, if it can reach a majority of the round (itself included): a node
-  // that is merely cut off must not take the store over. True when this node now uses the new
+  // lost store host's nodes, if a majority of the round (itself included) confirm by their loss
+  // marks that they lost the store too: a node that is merely cut off must not take the store
+  // over, nor one whose peers still reach the store. True when this node now uses the new
   // store; false (logged) when it cannot (then it is cut off, as without failover).
   bool failOver(const std::string& why);
   // The successor's part of failOver: promote the standby and seed it.
   bool takeStoreOver(const rdzv::c10d::FailoverPlan& plan, Clock::time_point started);
   // Another survivor's part: wait for the successor's standby to hold the state, then adopt it.
   bool moveToSuccessor(const rdzv::c10d::NodeSlot& successor, Clock::time_point started);
-  bool answers(const std::string& host, int port) const;
+  // Writes this node's loss mark (rdzv::c10d::lossMarkValue) into its own standby store; the
+  // successor counts it towards the majority. Only called once the store is lost.
+  void markLoss(const rdzv::c10d::FailoverPlan& plan);
+  // Whether node `n`'s standby holds a mark that confirms it lost the store too (rdzv::c10d::confirmsLoss).
+  bool lossConfirmed(const rdzv::c10d::NodeSlot& n, const rdzv::c10d::FailoverPlan& plan) const;
   // --store-failover: a node whose round lost a majority of its nodes stops (the majority side
   // may have failed over to another store and trains on without it).
   std::optional<RendezvousEvent> minority(const rdzv::c10d::RoundAssessment& a);
@@ -95,6 +101,7 @@ class C10dRendezvous::Impl {
   std::unique_ptr<rdzv::c10d::Executor> executor_;
   std::unique_ptr<store::TcpStoreServer> workerStore_;
   std::optional<rdzv::c10d::RoundResult> round_;
+  std::optional<std::int64_t> gaveUpRound_;  // a failover from this round failed: no second try
   bool eventSent_ = false;
   std::mutex dropMutex_;
   std::vector<std::string> dropped_;

@@ -8,6 +8,7 @@
 #include "ctorch/launcher/c10d_rendezvous.hpp"
 #include "ctorch/launcher/rendezvous.hpp"
 #include "ctorch/rdzv/c10d/errors.hpp"
+#include "ctorch/rdzv/c10d/failover.hpp"
 #include "ctorch/slurm/derive.hpp"
 #include "ctorch/contract/control_auth.hpp"
 #include "ctorch/contract/worker_contract.hpp"
@@ -604,17 +605,32 @@ void resolveLogs(LaunchConfig& c, const RawOptions& raw) {
   c.logLevel = level;
 }
 
+// CTORCH_JOB_SECRET, checked once for every key derived from it; nullopt when none is given.
+std::optional<std::string> jobSecret(const EnvLookup& env) {
+  namespace auth = contract::auth;
+  const auto secret = env(auth::kJobSecretEnv);
+  if (!secret || secret->empty()) return std::nullopt;
+  if (secret->size() < auth::kMinSecretLength)
+    throw UsageError(std::string(auth::kJobSecretEnv) + " is " + std::to_string(secret->size()) +
+                     " characters long: at least " + std::to_string(auth::kMinSecretLength) +
+                     " (e.g. head -c 32 /dev/urandom | base64), the same on every node");
+  return secret;
+}
+
+// --store-failover: the key that signs the loss marks the successor counts (failover.hpp), from
+// CTORCH_JOB_SECRET where one is given; without, marks are unsigned (docs/store-failover.md says what
+// an outsider can then do).
+void resolveFailoverKey(LaunchConfig& c, const EnvLookup& env) {
+  if (!c.storeFailover) return;
+  if (const auto secret = jobSecret(env)) c.failoverKey = rdzv::c10d::deriveFailoverKey(*secret, c.rdzvId);
+}
+
 // --recovery in-place: the key that signs its commands (ctorch/contract/control_auth.hpp); across
 // nodes without CTORCH_JOB_SECRET, in-place recovery is turned off with a warning.
 void resolveControlKey(LaunchConfig& c, const EnvLookup& env) {
   if (c.inPlaceRecovery) {
     namespace auth = contract::auth;
-    const auto secret = env(auth::kJobSecretEnv);
-    if (secret && !secret->empty()) {
-      if (secret->size() < auth::kMinSecretLength)
-        throw UsageError(std::string(auth::kJobSecretEnv) + " is " + std::to_string(secret->size()) +
-                         " characters long: at least " + std::to_string(auth::kMinSecretLength) +
-                         " (e.g. head -c 32 /dev/urandom | base64), the same on every node");
+    if (const auto secret = jobSecret(env)) {
       c.controlKey = auth::deriveControlKey(*secret, c.rdzvId);
       c.controlKeySource = auth::kJobSecretEnv;
     } else if (c.maxNodes == 1) {
@@ -658,6 +674,7 @@ LaunchConfig makeLaunchConfig(const RawOptions& given, const EnvLookup& env, con
   for (const char* name : contract::kLauncherOwnedVariables)
     if (env(name)) c.inheritedLauncherVariables.push_back(name);
   resolveControlKey(c, env);
+  resolveFailoverKey(c, env);
   // A Python program's survivors cannot re-form in place (torch.distributed has no such protocol):
   // each would fail and be replaced in turn, meeting the dead group's keys in the same store.
   if (c.inPlaceRecovery && c.usesPython)

@@ -39,6 +39,8 @@ struct C10dRendezvousOptions {
   // --store-failover: every agent keeps a standby rendezvous store; when the store's host is lost,
   // the survivors move to the standby of the next node (by node rank) and re-form there.
   bool storeFailover = false;
+  // The key that signs and checks loss marks (LaunchConfig::failoverKey); empty: unsigned.
+  std::string failoverKey;
   // --recovery in-place: the control plane each workers' store of node rank 0 hosts (null: none).
   control::ControlPlaneFactory controlPlane;
 };

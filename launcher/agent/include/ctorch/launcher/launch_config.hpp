@@ -69,6 +69,9 @@ struct LaunchConfig {
   // --store-failover (c10d): every agent keeps a standby rendezvous store; the survivors of the
   // store host's loss re-form on the next node's (docs/store-failover.md).
   bool storeFailover = false;
+  // --store-failover with CTORCH_JOB_SECRET: the key that signs each node's loss mark (32 bytes,
+  // rdzv::c10d::deriveFailoverKey; never logged). Empty without a secret: marks are unsigned.
+  std::string failoverKey;
   // --recovery in-place: the key that signs the commands of in-place recovery in the workers' store
   // (ctorch/contract/control_auth.hpp; 32 bytes, given to the workers as CTORCH_CONTROL_KEY, never
   // logged), and where it came from. In-place recovery across nodes needs CTORCH_JOB_SECRET: without

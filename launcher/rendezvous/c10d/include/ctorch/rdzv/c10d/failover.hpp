@@ -9,7 +9,9 @@
 #include "ctorch/rdzv/c10d/state.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,10 +29,39 @@ FailoverPlan planFailover(const RoundResult& round);
 // serve the lost store and keep a standby (it probes their standbys).
 std::vector<NodeSlot> majorityProbes(const RoundResult& round, std::string_view selfId);
 
-// Whether `reachable` nodes (the successor included) are a majority of `round`: only then may the
-// successor take the store over (a node that is merely cut off must not). Nullopt: it may; else
-// why not, for the log.
-std::optional<std::string> refuseTakeOver(const RoundResult& round, int reachable);
+// The loss mark (issue 47): a node that has lost the rendezvous store writes it, and only then,
+// into its OWN standby store before it fails over; the successor counts a node towards the
+// majority only when that node's standby holds a mark that confirms the loss. A node that still
+// reaches the store never marks, so a port that merely answers is not a vote. The key is per run
+// id and round: a mark left by an earlier failover (an older round) never counts in a later one.
+std::string lossMarkKey(std::string_view runId, std::int64_t round);
+// Values longer than this are refused without being parsed (anyone who reaches a standby port can
+// write one).
+inline constexpr std::size_t kMaxLossMarkSize = 512;
+// The key that authenticates marks, from the job secret (CTORCH_JOB_SECRET, the same on every
+// node): a different key per run id, and not the workers' control key.
+std::string deriveFailoverKey(std::string_view secret, std::string_view runId);
+// The mark `node` writes when it lost the store of `plan.lost` in `round`: its fields, and an
+// HMAC-SHA256 under `key` over the run id, round, node and lost host ("-" with no key).
+std::string lossMarkValue(std::string_view runId, const RoundResult& round, std::string_view node,
+                          const FailoverPlan& plan, std::string_view key);
+// Whether `value`, read from `probed`'s standby, confirms that `probed` lost the store of
+// `plan.lost` in `round`: parsed strictly (size, field count, each field exactly as expected);
+// with a key, the HMAC must verify (a mark without one, or forged, does not count); without a
+// key the HMAC field is not checked (anyone who reaches the port can forge a mark: see
+// docs/store-failover.md).
+bool confirmsLoss(std::string_view value, std::string_view runId, const RoundResult& round,
+                  const NodeSlot& probed, const FailoverPlan& plan, std::string_view key);
+
+// Whether the nodes in `confirmed` (the successor included: it lost the store itself) are a
+// majority of `round`: only then may the successor take the store over (a node that is merely
+// cut off must not, nor may one whose peers still reach the store). Ids not in the round do not
+// count. Nullopt: it may; else why not, for the log.
+std::optional<std::string> refuseTakeOver(const RoundResult& round, const std::set<std::string>& confirmed);
+
+// How long the successor waits for the others' marks after its own: they notice the loss within
+// about a heartbeat expiry of it, plus one store request and a tick.
+std::chrono::milliseconds lossMarkWait(const Settings& settings);
 
 // How long a survivor waits for the successor to re-create the state in its standby: the successor
 // notices the loss up to a heartbeat expiry later, then probes the others.
