@@ -1,7 +1,7 @@
 // Crafted snapshots (issue 12): valid zips with valid CRCs whose pickle lies about tensor sizes,
 // storage sizes, string lengths or nests too deep. Each is loaded in a child process, beside good
 // older snapshots: the child must not crash, must name the crafted file and resume from the next.
-#include "fixtures.hpp"
+#include "crafting.hpp"
 
 #include "multiproc.hpp"
 #include "snapshot/digest.hpp"
@@ -25,52 +25,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string asString(const std::vector<char>& v) { return std::string(v.begin(), v.end()); }
-
-// A torch.save-style archive of the given records (CRCs computed by LibTorch's writer).
-std::vector<char> archiveOf(const std::vector<std::pair<std::string, std::string>>& records) {
-  std::vector<char> out;
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const char*>(p);
-    out.insert(out.end(), c, c + n);
-    return n;
-  });
-  for (const auto& [name, data] : records) writer.writeRecord(name, data.data(), data.size());
-  writer.writeEndOfFile();
-  return out;
-}
-
-// Re-writes an archive with its data.pkl changed by `edit` (every other record kept).
-std::vector<char> withPickle(const std::vector<char>& archive,
-                             const std::function<void(std::string&)>& edit) {
-  std::istringstream in(asString(archive));
-  caffe2::serialize::PyTorchStreamReader reader(&in);
-  std::vector<std::pair<std::string, std::string>> records;
-  for (const auto& name : reader.getAllRecords()) {
-    if (name == "version" || name == ".data/version") continue;  // the writer adds its own
-    auto [data, size] = reader.getRecord(name);
-    std::string bytes(static_cast<const char*>(data.get()), size);
-    if (name == "data.pkl") edit(bytes);
-    records.emplace_back(name, std::move(bytes));
-  }
-  return archiveOf(records);
-}
-
 // A protocol-2 pickle around `body` (which must leave one value on the stack).
 std::string pickle(const std::string& body) { return std::string("\x80\x02", 2) + body + "."; }
-
-void replaceOnce(std::string& s, const std::string& from, const std::string& to) {
-  const auto at = s.find(from);
-  REQUIRE(at != std::string::npos);
-  REQUIRE(s.find(from, at + 1) == std::string::npos);
-  s.replace(at, from.size(), to);
-}
-
-std::string le32(std::uint32_t v) {
-  std::string out;
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
-  return out;
-}
 
 // The worker's result: how the crafted file was judged and whether the search went on.
 struct Outcome {
