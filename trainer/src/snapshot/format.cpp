@@ -8,6 +8,7 @@
 #include "snapshot/pickle_scan.hpp"
 #include "snapshot/zip_check.hpp"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <ctime>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
 
