@@ -83,18 +83,25 @@ link_torch_target() {
     -L"$torch_lib" -Wl,-rpath,"$torch_lib" -ltorch -ltorch_cpu -lc10 -lz -o "$out/$1"
 }
 
+# Runs $out/$1 for $seconds on the corpus $out/$2-corpus, seeded in $out/$2-seed by the target itself
+# (CTORCH_FUZZ_SEED_DIR); findings go to $3<kind>-<hash>. Leaks are not findings here: LibTorch
+# keeps allocations alive on purpose.
+run_torch_target() {
+  local name=$1 tag=$2 artifacts=$3
+  mkdir -p "$out/$tag-corpus" "$out/$tag-seed"
+  CTORCH_FUZZ_SEED_DIR="$out/$tag-seed" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+    "$out/$name" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+    -malloc_limit_mb=2048 -max_len=65536 -print_final_stats=1 -artifact_prefix="$artifacts" "$out/$tag-corpus" "$out/$tag-seed" \
+    2>&1 | tee "$out/$tag-fuzz.log" | tail -n 30
+  echo "fuzz: $name ran ${seconds} s without a finding (corpus: $out/$tag-corpus)"
+}
+
 fuzz_snapshot() {
   have_torch snapshot_decode_fuzz || return 0
   snapshot_objects
   link_torch_target snapshot_decode_fuzz
-  mkdir -p "$out/snapshot-corpus" "$out/snapshot-seed"
   # The seed (a valid ~3 kB snapshot) is written by the target itself, so it always matches the format.
-  # Leaks are not findings here: LibTorch keeps allocations alive on purpose.
-  CTORCH_FUZZ_SEED_DIR="$out/snapshot-seed" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
-    "$out/snapshot_decode_fuzz" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
-    -malloc_limit_mb=2048 -max_len=65536 -print_final_stats=1 -artifact_prefix="$out/" "$out/snapshot-corpus" "$out/snapshot-seed" \
-    2>&1 | tee "$out/snapshot-fuzz.log" | tail -n 30
-  echo "fuzz: snapshot_decode_fuzz ran ${seconds} s without a finding (corpus: $out/snapshot-corpus)"
+  run_torch_target snapshot_decode_fuzz snapshot "$out/"
 }
 
 fuzz_zip() {
@@ -108,13 +115,8 @@ fuzz_zip() {
     "$t/src/snapshot/zip_check.cpp" -o "$o"
   objs=("${objs[@]/%snapshot_zip_check.o/snapshot_zip_check_nocrc.o}")
   link_torch_target zip_agreement_fuzz
-  mkdir -p "$out/zip-corpus" "$out/zip-seed"
   # The seed (a valid snapshot) is written by the target itself, so it always matches the format.
-  CTORCH_FUZZ_SEED_DIR="$out/zip-seed" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
-    "$out/zip_agreement_fuzz" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
-    -malloc_limit_mb=2048 -max_len=65536 -print_final_stats=1 -artifact_prefix="$out/zip-" "$out/zip-corpus" "$out/zip-seed" \
-    2>&1 | tee "$out/zip-fuzz.log" | tail -n 30
-  echo "fuzz: zip_agreement_fuzz ran ${seconds} s without a finding (corpus: $out/zip-corpus)"
+  run_torch_target zip_agreement_fuzz zip "$out/zip-"
 }
 
 IFS=, read -r -a wanted <<<"$targets"
