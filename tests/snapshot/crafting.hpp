@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fixtures.hpp"
+#include "multiproc.hpp"
 
 #include <caffe2/serialize/inline_container.h>
 
@@ -144,5 +145,35 @@ inline void renameRecord(std::vector<char>& zip, const std::string& from, const 
   std::copy(to.begin(), to.end(), zip.begin() + static_cast<std::ptrdiff_t>(e.central + 46));
   std::copy(to.begin(), to.end(), zip.begin() + static_cast<std::ptrdiff_t>(e.local + 30));
 }
+
+// The worker's result: how the crafted file was judged and whether the search went on.
+struct Outcome {
+  ctorch::test::ProcessResult process;
+  bool has(const std::string& text) const { return process.output.find(text) != std::string::npos; }
+};
+
+// What --resume auto does in `dir`, in a child (the worker resume_newest_valid of
+// snapshot_hostile_test.cpp: a crash or a hang must not take the test with it); it must skip snapshot.pt and resume from the good snapshot.pt.1 (epoch 2).
+inline Outcome resumeIn(const ctorch::test::TempDir& dir, std::chrono::seconds timeout) {
+  ctorch::test::SpawnOptions so;
+  so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "resume_newest_valid",
+             (dir / "snapshot.pt").string()};
+  so.timeout = timeout;
+  Outcome o{ctorch::test::run(so)};
+  INFO(o.process.output);
+  CHECK(o.process.ok());
+  CHECK(o.has("resumed from snapshot.pt.1 at epoch 2"));
+  return o;
+}
+
+// snapshot.pt = crafted, snapshot.pt.1 and .2 good (epochs 2 and 1).
+inline Outcome resumeBeside(const std::vector<char>& crafted, const std::string& tag) {
+  ctorch::test::TempDir dir("snap-crafted-" + tag);
+  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
+  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
+  ctorch::test::writeFile(dir / "snapshot.pt.2", asString(encoded(populatedSnapshot(1))));
+  return resumeIn(dir, std::chrono::seconds(60));
+}
+
 
 } // namespace snaptest

@@ -28,35 +28,6 @@ namespace {
 // A protocol-2 pickle around `body` (which must leave one value on the stack).
 std::string pickle(const std::string& body) { return std::string("\x80\x02", 2) + body + "."; }
 
-// The worker's result: how the crafted file was judged and whether the search went on.
-struct Outcome {
-  ctorch::test::ProcessResult process;
-  bool has(const std::string& text) const { return process.output.find(text) != std::string::npos; }
-};
-
-// What --resume auto does in `dir` (in a child: a crash or a hang must not take the test with it);
-// it must skip snapshot.pt and resume from the good snapshot.pt.1 (epoch 2).
-Outcome resumeIn(const TempDir& dir, std::chrono::seconds timeout) {
-  ctorch::test::SpawnOptions so;
-  so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "resume_newest_valid",
-             (dir / "snapshot.pt").string()};
-  so.timeout = timeout;
-  Outcome o{ctorch::test::run(so)};
-  INFO(o.process.output);
-  CHECK(o.process.ok());
-  CHECK(o.has("resumed from snapshot.pt.1 at epoch 2"));
-  return o;
-}
-
-// snapshot.pt = crafted, snapshot.pt.1 and .2 good (epochs 2 and 1).
-Outcome resumeBeside(const std::vector<char>& crafted, const std::string& tag) {
-  TempDir dir("snap-hostile-" + tag);
-  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
-  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
-  ctorch::test::writeFile(dir / "snapshot.pt.2", asString(encoded(populatedSnapshot(1))));
-  return resumeIn(dir, std::chrono::seconds(60));
-}
-
 } // namespace
 
 CTORCH_TEST_WORKER(resume_newest_valid) {

@@ -92,39 +92,7 @@ std::vector<char> hiddenInComment(const std::vector<char>& genuine, const std::v
   return out;
 }
 
-struct Outcome {
-  ctorch::test::ProcessResult process;
-  bool has(const std::string& text) const { return process.output.find(text) != std::string::npos; }
-};
-
-// snapshot.pt = crafted, snapshot.pt.1 and .2 good (epochs 2 and 1): --resume auto, in a child (a
-// crash must not take the test with it), must name snapshot.pt and resume from snapshot.pt.1.
-Outcome resumeBeside(const std::vector<char>& crafted, const std::string& tag) {
-  TempDir dir("snap-zip-" + tag);
-  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
-  ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
-  ctorch::test::writeFile(dir / "snapshot.pt.2", asString(encoded(populatedSnapshot(1))));
-  ctorch::test::SpawnOptions so;
-  so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "zip_resume_newest_valid",
-             (dir / "snapshot.pt").string()};
-  so.timeout = std::chrono::seconds(60);
-  Outcome o{ctorch::test::run(so)};
-  INFO(o.process.output);
-  CHECK(o.process.ok());
-  CHECK(o.has("resumed from snapshot.pt.1 at epoch 2"));
-  return o;
-}
-
 } // namespace
-
-CTORCH_TEST_WORKER(zip_resume_newest_valid) {
-  auto found = ctorch::loadNewestValid(args.at(0));
-  std::printf("%s\n", found.describeSkipped().c_str());
-  if (found.snapshot)
-    std::printf("resumed from %s at epoch %lld\n", found.snapshot->source.filename().c_str(),
-                static_cast<long long>(found.snapshot->epochsRun));
-  return 0;
-}
 
 TEST_CASE("genuine archives: the zip check's records are LibTorch's records", "[snapshot][zip]") {
   // Names, data offsets and sizes, in central-directory order, for what this build's writer makes:
