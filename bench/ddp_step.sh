@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# ctorch DDP versus Python's DDP (torch 1.13, /usr/bin/python3), same model, same world size, side by
-# side: rounds alternate ctorch (the Reducer's Gloo allreduce), ctorch with CommHook::kSharedMemory
-# and Python so all see the same machine load; prints every run, the median of the per-run medians,
-# and the ratios. Models: mlp (1.2 M parameters at hidden 1024), cnn (the seeds' MNIST CNN), linear
-# (Linear(20, 1): a step is almost only its one small allreduce). For the cnn, a fourth run per round:
-# ctorch with torch's max_pool2d and glibc's default allocator, i.e. DDP alone.
+# ctorch DDP versus Python's DDP (/usr/bin/python3), same model, same world size, side by side:
+# every round runs each configuration once, so all see the same machine load; prints every run,
+# then per configuration the median (over the runs) of each phase's per-run median, and the ratios.
+# Models: mlp (1.2 M parameters at hidden 1024), cnn (the seeds' MNIST CNN), linear (Linear(20, 1):
+# a step is almost only its one small allreduce), resnet18 (CIFAR-shaped 3x32x32; batch 32 is usual).
+#
+# The settings, so a ratio says what it compares (docs/performance.md, "Like for like"):
+#   threads    every process gets what its launcher gives it by default: OMP_NUM_THREADS=1 when
+#              several workers share the node (torchrun's and ctorchrun's rule), nothing at 1 rank.
+#              ctorch then runs ctorch::configureThreads (that many intra-op threads, or CPUs / local
+#              ranks; OpenBLAS held to 1 under them). Python's "threads" setting gives it the same:
+#              OMP_NUM_THREADS=<ctorch's count> OPENBLAS_NUM_THREADS=1.
+#   allocator  ctorch calls ctorch::tuneAllocator (glibc mallopt: mmap threshold 32 MiB, trim threshold
+#              1 GiB); Python's "allocator" setting is the same two values through glibc's environment:
+#              MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824.
+# Configurations: cpp (the Reducer's Gloo allreduce), cpp-shm (CommHook::kSharedMemory, what
+# ctorch-train uses on one node); for the cnn also cpp-torch-pool (torch's max_pool2d instead of
+# ctorch::models::maxPool2x2: the same kernels as Python) and cpp-torch-pool-glibc (and glibc's
+# default allocator); python-default (as a Python user runs it), python-threads (the same threads as
+# ctorch), python-like (the same threads and the same allocator as ctorch: the like-for-like peer).
 # Usage: bench/ddp_step.sh [world=2] [rounds=3] [steps=50] [batch=64] [hidden=1024] [model=mlp]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -14,41 +28,58 @@ build=${CTORCH_BUILD_DIR:-$root/build}
 cpp=$(find "$build" -name ddp_step_bench -type f -perm -u+x | head -1)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-unset TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
+mkdir -p "$root/bench/results"
+out=$root/bench/results/ddp_step-$model-$(date +%Y%m%d-%H%M%S).txt
+unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS GOTO_NUM_THREADS MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ \
+  GLIBC_TUNABLES TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
+cpus=$(nproc)
+launcher_omp=()  # what torchrun and ctorchrun set when several workers share the node
+[ "$world" -gt 1 ] && launcher_omp=(OMP_NUM_THREADS=1)
+ctorch_threads=$(( world > 1 ? 1 : cpus ))
+same_threads=(OMP_NUM_THREADS=$ctorch_threads OPENBLAS_NUM_THREADS=1)
+same_allocator=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
 
-# Runs one job of $world processes: run_job <log> <command...>; rank 0's line goes to <log>.
+# run_job <config> <env assignments...> -- <command...>: one job of $world processes; rank 0's line
+# goes to $tmp/<config>.log.
 run_job() {
-  local log=$1; shift
+  local config=$1; shift
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
   local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   local pids=()
   for ((r = 0; r < world; r++)); do
-    RANK=$r LOCAL_RANK=$r WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      timeout 600 "$@" "$steps" 10 "$batch" "$hidden" "$model" >"$tmp/rank$r.out" 2>&1 &
+    env "${envs[@]}" RANK=$r LOCAL_RANK=$r WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port timeout 900 "$@" "$steps" 10 "$batch" "$hidden" "$model" >"$tmp/rank$r.out" 2>&1 &
     pids+=($!)
   done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  grep impl= "$tmp/rank0.out" | tee -a "$log"
+  local failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  if [ "$failed" -ne 0 ] || ! grep -q impl= "$tmp/rank0.out"; then
+    echo "ddp_step.sh: $config failed:" >&2
+    cat "$tmp"/rank*.out >&2
+    exit 1
+  fi
+  echo "config=$config $(grep impl= "$tmp/rank0.out")" | tee -a "$tmp/$config.log"
 }
 
+{
+  echo "ddp_step -- $(date -u +%FT%TZ) on $(hostname), $cpus CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "model=$model world=$world batch=$batch hidden=$hidden rounds=$rounds steps=$steps;" \
+       "$(/usr/bin/python3 -c 'import torch; print("PyTorch", torch.__version__)')"
+} | tee "$out"
 for ((i = 1; i <= rounds; i++)); do
-  CTORCH_BENCH_HOOK=none run_job "$tmp/cpp.log" "$cpp"
-  CTORCH_BENCH_HOOK=shared-memory run_job "$tmp/shm.log" "$cpp"
-  if [[ $model == cnn ]]; then  # DDP alone: the pooling kernel and the allocator as Python has them
-    CTORCH_BENCH_HOOK=shared-memory CTORCH_BENCH_TORCH_POOL=1 CTORCH_BENCH_DEFAULT_ALLOCATOR=1 \
-      run_job "$tmp/plain.log" "$cpp"
+  run_job cpp "${launcher_omp[@]}" CTORCH_BENCH_HOOK=none -- "$cpp"
+  run_job cpp-shm "${launcher_omp[@]}" CTORCH_BENCH_HOOK=shared-memory -- "$cpp"
+  if [[ $model == cnn ]]; then
+    run_job cpp-torch-pool "${launcher_omp[@]}" CTORCH_BENCH_HOOK=none CTORCH_BENCH_TORCH_POOL=1 -- "$cpp"
+    run_job cpp-torch-pool-glibc "${launcher_omp[@]}" CTORCH_BENCH_HOOK=none CTORCH_BENCH_TORCH_POOL=1 \
+      CTORCH_BENCH_DEFAULT_ALLOCATOR=1 -- "$cpp"
   fi
-  run_job "$tmp/py.log" /usr/bin/python3 "$root/bench/ddp_step.py"
-done
-median() { sed -E 's/.*median_ms=([0-9.]+).*/\1/' "$1" | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-c=$(median "$tmp/cpp.log"); s=$(median "$tmp/shm.log"); p=$(median "$tmp/py.log")
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", a / b}'; }
-echo "model=$model world=$world batch=$batch hidden=$hidden OMP_NUM_THREADS=$OMP_NUM_THREADS rounds=$rounds steps=$steps"
-echo "median of per-run median step time: ctorch ${c} ms, ctorch shared-memory ${s} ms, python ${p} ms;" \
-  "ctorch/python $(ratio "$c" "$p"), ctorch shared-memory/python $(ratio "$s" "$p")"
-if [[ -s $tmp/plain.log ]]; then
-  q=$(median "$tmp/plain.log")
-  echo "ctorch shared-memory with torch's max_pool2d and glibc's default allocator (DDP alone): ${q} ms," \
-    "/python $(ratio "$q" "$p")"
-fi
+  run_job python-default "${launcher_omp[@]}" -- /usr/bin/python3 "$root/bench/ddp_step.py"
+  run_job python-threads "${same_threads[@]}" -- /usr/bin/python3 "$root/bench/ddp_step.py"
+  run_job python-like "${same_threads[@]}" "${same_allocator[@]}" -- /usr/bin/python3 "$root/bench/ddp_step.py"
+done | tee -a "$out"
+cat "$tmp"/*.log | /usr/bin/python3 "$root/bench/ddp_step_summary.py" | tee -a "$out"
+echo "(saved to $out)"

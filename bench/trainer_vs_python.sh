@@ -19,7 +19,11 @@
 #   ratios are given for both. Also measured in every round: both implementations at the same thread
 #   count (Python at OMP_NUM_THREADS=2, and with OPENBLAS_NUM_THREADS=1 as ctorch sets it), the
 #   ceiling's unit (ctorch-train --threads 1 at 1 rank: the ceiling is twice it) and two independent
-#   1-rank, 1-thread runs at the same time (what two processes that never meet reach on this machine).
+#   1-rank, 1-thread runs at the same time (what two processes that never meet reach on this machine),
+#   and Python like for like at 1 and 2 ranks: ctorch-train's threads (OMP_NUM_THREADS=2 at 1 rank,
+#   torchrun's 1 at 2; OPENBLAS_NUM_THREADS=1) and its allocator (what ctorch::tuneAllocator sets with
+#   mallopt, through glibc's MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824) --
+#   the ratio the README leads with; Python's default rows are beside it, labelled.
 # accuracy: test accuracy after each epoch, ctorch-train and the Python peer with 2 ranks x 64, for
 #   seeds 1..S (--seed on both sides: the same sampler order; weights and dropout drawn by each
 #   side's own generator calls), the mean over the seeds, and ctorch-train with 1 rank x 128 (the
@@ -39,8 +43,10 @@ trap 'rm -rf "$work"' EXIT
 results=$root/bench/results
 mkdir -p "$results"
 out=$results/trainer_vs_python${BENCH_MODEL:+-$BENCH_MODEL}-$(date +%Y%m%d-%H%M%S).txt
-unset OMP_NUM_THREADS RANK WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
+unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ RANK WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
 records=$work/records.jsonl
+# ctorch::tuneAllocator's two mallopt settings, as glibc reads them from the environment.
+same_allocator=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
 : >"$records"
 
 # cpp <label> <world> <epochs> [ctorch-train args...]: one ctorch-train run; its epoch/eval records.
@@ -115,6 +121,15 @@ if [ "$mode" = speed ] || [ "$mode" = all ]; then
     # as torch leaves it and as ctorch sets it (which Python can only do before torch loads).
     OMP_NUM_THREADS=2 py "python preloaded, 2 threads" 1 $epochs --data "$(pydata preloaded)" "${short[@]}"
     OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=1 py "python preloaded, 2 thr, BLAS 1" 1 $epochs --data "$(pydata preloaded)" "${short[@]}"
+    # Like for like: the same threads as ctorch-train (at 2 ranks torchrun's OMP_NUM_THREADS=1 already
+    # is) and the same allocator settings as its ctorch::tuneAllocator, through glibc's environment.
+    for world in 1 2; do
+      (
+        export OPENBLAS_NUM_THREADS=1 "${same_allocator[@]}"
+        [ "$world" -gt 1 ] || export OMP_NUM_THREADS=2
+        py "python preloaded, like for like" $world $epochs --data "$(pydata preloaded)" "${short[@]}"
+      ) || exit 1
+    done
     # The ceiling's unit, and two such processes side by side that never meet.
     cpp "ctorch-train --threads 1" 1 $epochs --threads 1 "${short[@]}" "${cppmodel[@]}"
     cpp "independent --threads 1 (a)" 1 $epochs --threads 1 "${short[@]}" "${cppmodel[@]}" &
@@ -152,19 +167,24 @@ if speed:
         print(f"{label:34} {world:>5} {s:7.1f} ({statistics.median(r['seconds'] for r in rs):6.1f}) "
               f"{best[(label, world)]:8.0f} ({med[(label, world)]:7.0f}) "
               f"{(100 * statistics.median(acc)) if acc else float('nan'):12.2f}%")
-    print("\nratios: best (median) samples/s")
-    pairs = [(("ctorch-train", 1), ("python per-sample", 1)), (("ctorch-train", 1), ("python preloaded", 1)),
-             (("ctorch-train", 1), ("python preloaded, 2 threads", 1)),
+    print("\nratios: best (median) samples/s (> 1: ctorch-train faster)")
+    like = "python preloaded, like for like"
+    pairs = [(("ctorch-train", 1), (like, 1)), (("ctorch-train", 2), (like, 2)),
+             (("ctorch-train --comm-hook none", 2), (like, 2)),
              (("ctorch-train", 1), ("python preloaded, 2 thr, BLAS 1", 1)),
+             (("ctorch-train", 1), ("python preloaded, 2 threads", 1)),
+             (("ctorch-train", 1), ("python per-sample", 1)), (("ctorch-train", 1), ("python preloaded", 1)),
              (("ctorch-train", 2), ("python per-sample", 2)), (("ctorch-train", 2), ("python preloaded", 2))]
+    print("  (first like for like: Python with the same threads and allocator settings as ctorch-train; then the same\n"
+          "   threads on glibc's defaults; then Python as its users run it by default, per-sample and preloaded)")
     for a, b in pairs:
         if a in best and b in best:
-            print(f"  {a[0]} {a[1]} rank{'s' if a[1] > 1 else ' '} / {b[0]:32} "
+            print(f"  {a[0]:29} {a[1]} rank{'s' if a[1] > 1 else ' '} / {b[0]:32} "
                   f"{best[a] / best[b]:5.2f} ({med[a] / med[b]:5.2f})")
     unit = ("ctorch-train --threads 1", 1)
     if unit in best:
         print(f"\nceiling: 2 x ctorch-train --threads 1 at 1 rank = {2 * best[unit]:.0f} ({2 * med[unit]:.0f}) samples/s")
-        for label in ("ctorch-train", "ctorch-train --comm-hook none", "python preloaded"):
+        for label in ("ctorch-train", "ctorch-train --comm-hook none", "python preloaded", like):
             if (label, 2) in best:
                 print(f"  {label + ' 2 ranks':36} {best[(label, 2)] / (2 * best[unit]):5.2f} "
                       f"({med[(label, 2)] / (2 * med[unit]):5.2f}) of it")
