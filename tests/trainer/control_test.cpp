@@ -156,6 +156,29 @@ class Outsider {
   std::thread thread_;
 };
 
+// Whether the program `exe`, running as `pid`, has a handler for `signo` (its SigCgt mask in /proc),
+// polled until `timeout`. A signal sent before the handler is installed kills the process instead
+// (seen in CI: on a loaded machine loading LibTorch took more than 3 s). Between fork and exec the
+// child still has the test's own handlers (Catch's), hence the program check.
+bool waitForStopHandler(int pid, const fs::path& exe, int signo, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const fs::path proc = "/proc/" + std::to_string(pid);
+  do {
+    std::error_code ec;
+    if (fs::equivalent(fs::read_symlink(proc / "exe", ec), exe, ec)) {
+      std::ifstream status(proc / "status");
+      std::string line;
+      while (std::getline(status, line)) {
+        if (line.rfind("SigCgt:", 0) != 0) continue;
+        const unsigned long long mask = std::stoull(line.substr(7), nullptr, 16);
+        if (mask & (1ULL << (signo - 1))) return true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (std::chrono::steady_clock::now() < deadline);
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("outsider: deleting liveness marks and lowering counters in the store gets no healthy worker killed "
@@ -530,7 +553,10 @@ TEST_CASE("a rank waiting for its peers in initProcessGroup answers SIGTERM with
   o.setEnv["MASTER_ADDR"] = "127.0.0.1";
   o.setEnv["MASTER_PORT"] = std::to_string(ctorch::test::freePort());
   Process p(o);
-  std::this_thread::sleep_for(std::chrono::seconds(3));  // well into the wait (LibTorch loads in ~0.5 s)
+  // Its stop handler first (installed just before the process group is set up), then well into the
+  // wait (LibTorch loads in ~0.5 s on a quiet machine).
+  REQUIRE(waitForStopHandler(p.pid(), o.argv.at(0), SIGTERM, std::chrono::seconds(40)));
+  std::this_thread::sleep_for(std::chrono::seconds(3));
   REQUIRE(p.running());
   const auto sent = std::chrono::steady_clock::now();
   ::kill(p.pid(), SIGTERM);
