@@ -1,7 +1,8 @@
-"""Summary of bench/ddp_step.sh's runs (its 'config=... impl=... key=value' lines on stdin): per
-configuration the median over the runs of each phase's per-run median, the reduction's cost to the
-step (backward minus backward under no_sync), and the ratios: like for like (the same threads and
-allocator on both sides) first, Python's defaults beside them, labelled."""
+"""Summary of bench/ddp_step.sh's runs (its 'config=... impl=... key=value' lines on stdin, in round
+order): per configuration the median over the runs of each phase's per-run median, the reduction's
+cost to the step (backward minus backward under no_sync), and the ratios of the step time, each the
+median of the per-round ratios: like for like (the same threads and allocator on both sides) first,
+Python's defaults beside them, labelled."""
 import statistics
 import sys
 
@@ -44,11 +45,15 @@ print("(step = zero + forward + backward + optimizer; reduction = backward - bac
 
 
 def ratio(a, b, what):
-    if a in med and b in med:
-        print(f"  {a:22} / {b:16} {med[a]['median_ms'] / med[b]['median_ms']:6.3f}   {what}")
+    # Per round: the i-th run of each configuration ran in the same round, minutes apart at most, so
+    # their ratio is robust to the machine's speed moving between rounds (a shared VM's does).
+    if a in runs and b in runs:
+        per_round = [float(x["median_ms"]) / float(y["median_ms"]) for x, y in zip(runs[a], runs[b])]
+        print(f"  {a:22} / {b:16} {statistics.median(per_round):6.3f} ({min(per_round):.3f}-{max(per_round):.3f})"
+              f"   {what}")
 
 
-print("\nratios of the step time (< 1: ctorch faster)")
+print("\nratios of the step time (< 1: ctorch faster): the median of the per-round ratios (their range)")
 print(" like for like (the same threads and the same allocator on both sides):")
 ratio("cpp-shm", "python-like", "ctorch as ctorch-train runs it (its kernels, shared-memory gradients)")
 ratio("cpp", "python-like", "ctorch's Reducer through Gloo, as Python's DDP")
