@@ -553,8 +553,8 @@ TEST_CASE("a rank waiting for its peers in initProcessGroup answers SIGTERM with
   o.setEnv["MASTER_ADDR"] = "127.0.0.1";
   o.setEnv["MASTER_PORT"] = std::to_string(ctorch::test::freePort());
   Process p(o);
-  // Its stop handler first (installed just before the process group is set up), then well into the
-  // wait (LibTorch loads in ~0.5 s on a quiet machine).
+  // Its stop handler first (ctorch-train installs it first thing in main, once LibTorch is loaded),
+  // then well into the wait (the data and model take well under 3 s on a quiet machine).
   REQUIRE(waitForStopHandler(p.pid(), o.argv.at(0), SIGTERM, std::chrono::seconds(40)));
   std::this_thread::sleep_for(std::chrono::seconds(3));
   REQUIRE(p.running());
