@@ -121,7 +121,9 @@ int main(int argc, char** argv) {
     };
 
     std::vector<double> total, data, zero, forward, backward, optim, faults, backwardAlone;
-    auto step = [&](bool measured, std::vector<double>* backwardTo) {
+    // kWarmup: not recorded; kSynced: every phase recorded; kNoSync: only the backward (under noSync()).
+    enum class Record { kWarmup, kSynced, kNoSync };
+    auto step = [&](Record record) {
       auto t = Clock::now();
       const long faultsBefore = minorFaults();
       const auto index = torch::randint(0, pool, {batch}, torch::kLong);
@@ -136,17 +138,16 @@ int main(int argc, char** argv) {
       optimizer.step();
       const double o = msSince(t);
       const long stepFaults = minorFaults() - faultsBefore;
-      if (!measured) return;
-      if (backwardTo) backwardTo->push_back(b);
-      if (backwardTo != &backward) return;
+      if (record == Record::kNoSync) backwardAlone.push_back(b);
+      if (record != Record::kSynced) return;
       total.push_back(z + f + b + o), data.push_back(d), zero.push_back(z), forward.push_back(f);
-      optim.push_back(o), faults.push_back(static_cast<double>(stepFaults));
+      backward.push_back(b), optim.push_back(o), faults.push_back(static_cast<double>(stepFaults));
     };
-    for (int i = 0; i < warmup + steps; ++i) step(i >= warmup, &backward);
+    for (int i = 0; i < warmup + steps; ++i) step(i < warmup ? Record::kWarmup : Record::kSynced);
     // The same steps without the reduction: backward is the compute alone.
     {
       auto guard = ddp.noSync();
-      for (int i = 0; i < steps; ++i) step(true, &backwardAlone);
+      for (int i = 0; i < steps; ++i) step(Record::kNoSync);
     }
     ctorch::barrier();
     rusage usage{};

@@ -72,7 +72,7 @@ def main() -> None:
     loss_of = torch.nn.functional.mse_loss if kind == "linear" else torch.nn.functional.cross_entropy
     phases = {k: [] for k in ("total", "data", "zero", "forward", "backward", "optimizer", "faults", "nosync")}
 
-    def step(measured, backward_key):
+    def step(record):  # "warmup": not recorded; "synced": every phase; "nosync": only the backward
         t0 = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         index = torch.randint(0, pool, (batch,))
@@ -87,21 +87,20 @@ def main() -> None:
         optimizer.step()
         t5 = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        if not measured:
-            return
-        phases[backward_key].append((t4 - t3) * 1000.0)
-        if backward_key != "backward":
+        if record == "nosync":
+            phases["nosync"].append((t4 - t3) * 1000.0)
+        if record != "synced":
             return
         for key, ms in (("total", t5 - t1), ("data", t1 - t0), ("zero", t2 - t1), ("forward", t3 - t2),
-                        ("optimizer", t5 - t4)):
+                        ("backward", t4 - t3), ("optimizer", t5 - t4)):
             phases[key].append(ms * 1000.0)
         phases["faults"].append(faults)
 
     for i in range(warmup + steps):
-        step(i >= warmup, "backward")
+        step("warmup" if i < warmup else "synced")
     with ddp.no_sync():  # the same steps without the reduction: backward is the compute alone
         for _ in range(steps):
-            step(True, "nosync")
+            step("nosync")
     dist.barrier()
     if rank == 0:
         m = {k: median(v) for k, v in phases.items()}
