@@ -30,14 +30,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$root/bench/results"
 out=$root/bench/results/ddp_step-$model-$(date +%Y%m%d-%H%M%S).txt
-unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS GOTO_NUM_THREADS MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ \
-  GLIBC_TUNABLES TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
+source "$root/bench/python_settings.sh"
+unset TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
 cpus=$(nproc)
 launcher_omp=()  # what torchrun and ctorchrun set when several workers share the node
 [ "$world" -gt 1 ] && launcher_omp=(OMP_NUM_THREADS=1)
 ctorch_threads=$(( world > 1 ? 1 : cpus ))
 same_threads=(OMP_NUM_THREADS=$ctorch_threads OPENBLAS_NUM_THREADS=1)
-same_allocator=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
 
 # run_job <config> <env assignments...> -- <command...>: one job of $world processes; rank 0's line
 # goes to $tmp/<config>.log.

@@ -43,10 +43,9 @@ trap 'rm -rf "$work"' EXIT
 results=$root/bench/results
 mkdir -p "$results"
 out=$results/trainer_vs_python${BENCH_MODEL:+-$BENCH_MODEL}-$(date +%Y%m%d-%H%M%S).txt
-unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ RANK WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
+source "$root/bench/python_settings.sh"
+unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
 records=$work/records.jsonl
-# ctorch::tuneAllocator's two mallopt settings, as glibc reads them from the environment.
-same_allocator=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
 : >"$records"
 
 # cpp <label> <world> <epochs> [ctorch-train args...]: one ctorch-train run; its epoch/eval records.
