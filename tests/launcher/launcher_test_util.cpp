@@ -9,7 +9,9 @@
 #include <atomic>
 #include <csignal>
 #include <fstream>
+#include <iterator>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -115,6 +117,34 @@ std::map<int, std::map<std::string, std::string>> envByRank(const std::string& o
     auto eq = rest.find('=');
     out[rank][rest.substr(4, eq - 4)] = rest.substr(eq + 1);
   }
+  return out;
+}
+
+std::string rejoinTailedLines(const std::string& output, const std::string& role) {
+  const std::regex header("\\[" + role + "([0-9]+)\\]:");
+  std::map<int, std::string> pending;  // a rank's line so far, until its '\n' comes
+  std::string out;
+  auto it = std::sregex_iterator(output.begin(), output.end(), header);
+  const auto end = std::sregex_iterator();
+  if (it == end) return output;
+  out.append(output, 0, static_cast<std::size_t>(it->position()));
+  for (; it != end; ++it) {
+    const int rank = std::stoi((*it)[1].str());
+    const std::size_t from = static_cast<std::size_t>(it->position() + it->length());
+    auto next = std::next(it);
+    const std::size_t to = next == end ? output.size() : static_cast<std::size_t>(next->position());
+    // One tailer write is a header and at most one line: what follows its '\n' is torchrun's own.
+    const std::size_t nl = output.find('\n', from);
+    if (nl == std::string::npos || nl >= to) {
+      pending[rank].append(output, from, to - from);
+    } else {
+      out.append(it->str()).append(pending[rank]).append(output, from, nl + 1 - from);
+      pending[rank].clear();
+      out.append(output, nl + 1, to - nl - 1);
+    }
+  }
+  for (auto& [rank, rest] : pending)
+    if (!rest.empty()) out.append("[" + role + std::to_string(rank) + "]:").append(rest).push_back('\n');
   return out;
 }
 

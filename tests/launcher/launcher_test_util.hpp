@@ -46,6 +46,13 @@ std::vector<std::string> linesWith(const std::string& output, const std::string&
 std::map<int, std::map<std::string, std::string>> envByRank(const std::string& output,
                                                             const std::string& role = "default");
 
+// torchrun's own console output with its workers' lines made whole again. Its log tailer
+// (torch/distributed/elastic/multiprocessing/tail_log.py) writes "<header><whatever readline() returned>",
+// so a line the worker had only half written when it was read comes out as two pieces, each with the
+// header, maybe with other ranks' lines between: "[default0]:ENV RANK=0[default0]:\n". Each piece is
+// joined to the rest of its rank's line; torchrun's own lines (no header) pass through.
+std::string rejoinTailedLines(const std::string& output, const std::string& role = "default");
+
 // A TCP connection to 127.0.0.1:port (a raw store client in tests); -1 if it cannot connect.
 int connectLoopback(int port);
 
