@@ -83,9 +83,13 @@ void Executor::ensureKey() {
 }
 
 void Executor::read() {
-  ensureKey();
-  raw_ = store_.get(key_);
-  state_ = decodeStoreValue(raw_);
+  // The compare-and-set that creates the key answers with the value stored: that is the read.
+  if (keyReady_) {
+    raw_ = store_.get(key_);
+    state_ = decodeStoreValue(raw_);
+  } else {
+    ensureKey();
+  }
   lastFullRead_ = clock_.steadyNow();
 }
 
