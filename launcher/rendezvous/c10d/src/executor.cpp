@@ -277,11 +277,11 @@ bool Executor::admitIfDue(const NodeView& view) {
   return true;
 }
 
-Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout,
-                       bool resetDeadlineOnSpareExit, bool oneShot, bool joining) {
+Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout, RunMode mode) {
   auto deadline = clock_.steadyNow() + timeout;
+  const bool joining = mode.joining, oneShot = mode.oneShot;
   const bool scalable = joining && announcing_;
-  read();
+  if (!mode.stateIsFresh || !keyReady_) read();
   for (;;) {
     NodeView view{self_, settings_, clock_.now(),
                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_.steadyNow())};
@@ -371,7 +371,7 @@ Decision Executor::run(const DecideFn& decide, std::chrono::milliseconds timeout
           (d.action == Action::RemoveDead && oneShot))
         return d;
       // A spare that finds room starts the join timeout afresh (torch's update_deadline).
-      if (d.action == Action::LeaveRedundancyList && resetDeadlineOnSpareExit)
+      if (d.action == Action::LeaveRedundancyList && mode.resetDeadlineOnSpareExit)
         deadline = clock_.steadyNow() + timeout;
     } else if (d.action == Action::KeepAlive && announcing_) {
       // A heartbeat lost its race: the nodes of a round send theirs at about the same moment, and
@@ -398,8 +398,12 @@ std::chrono::milliseconds Executor::heartbeatBackoff() {
 
 RoundResult Executor::nextRound() {
   run(&decideExit, settings_.joinTimeout);
-  run(&decideJoin, settings_.joinTimeout, /*resetDeadlineOnSpareExit=*/true, /*oneShot=*/false,
-      /*joining=*/true);
+  // The join decides first on the state the exit ended with, read or written a moment ago.
+  RunMode join;
+  join.resetDeadlineOnSpareExit = true;
+  join.joining = true;
+  join.stateIsFresh = true;
+  run(&decideJoin, settings_.joinTimeout, join);
   RoundResult r = roundResult(*state_, self_.id);
   self_.previousRank = r.nodeRank;
   lastRound_ = r;
@@ -448,7 +452,9 @@ RoundAssessment Executor::keepAlive() {
     monitorIfDue(/*force=*/false);
     pruneAnnouncements();
   } else if (reread) {
-    run(&decideKeepAlive, settings_.heartbeatTimeout);
+    RunMode fresh;
+    fresh.stateIsFresh = true;  // read just above
+    run(&decideKeepAlive, settings_.heartbeatTimeout, fresh);
   }
   return assessRound(state_, *lastRound_, self_.id, settings_);
 }
@@ -603,9 +609,11 @@ bool Executor::reportFailure(const std::string& reason) {
 }
 
 bool Executor::removeNodes(const std::vector<std::string>& ids, const std::string& why) {
+  RunMode oneShot;
+  oneShot.oneShot = true;
   Decision d = run([&](const std::optional<State>& s,
                        const NodeView& v) { return decideRemove(s, v, ids, why); },
-                   settings_.heartbeatTimeout, false, /*oneShot=*/true);
+                   settings_.heartbeatTimeout, oneShot);
   return d.action == Action::RemoveDead;
 }
 

@@ -122,10 +122,18 @@ class Executor {
 
  private:
   using DecideFn = std::function<Decision(const std::optional<State>&, const NodeView&)>;
+  struct RunMode {
+    bool resetDeadlineOnSpareExit = false;  // a spare that finds room starts the timeout afresh
+    bool oneShot = false;                   // RemoveDead returns once its write landed
+    bool joining = false;                   // the scalable join's announcements and heartbeats
+    // The state this executor read or wrote a moment ago in the same call (the exit before the
+    // join, the keep-alive after a read): decide on it instead of reading it again.
+    bool stateIsFresh = false;
+  };
   // Decides and writes until the decision is Finish (or a one-shot write landed: ReportFailure,
   // Leave, and RemoveDead when `oneShot`).
-  Decision run(const DecideFn& decide, std::chrono::milliseconds timeout,
-               bool resetDeadlineOnSpareExit = false, bool oneShot = false, bool joining = false);
+  Decision run(const DecideFn& decide, std::chrono::milliseconds timeout, RunMode mode);
+  Decision run(const DecideFn& decide, std::chrono::milliseconds timeout) { return run(decide, timeout, RunMode()); }
   void read();
   // Sleeps one poll interval, then reads the state again: at once with a store that cannot
   // announce, else only when the phase counter moved or the last full read is fullReadEvery old.
