@@ -168,19 +168,26 @@ void Executor::announce() {
   myNumber_ = store_.add(countKey_, 1);
   myRound_ = s.round;
   store_.set(announceKey(settings_.runId, myNumber_), encodeAnnouncement(Announcement{s.round, self_}));
+  // The number taken is the counter's value: admitIfDue's next look at the counter, for a node
+  // that is not the designated writer, is due a check interval from now.
+  const auto now = clock_.steadyNow();
+  nextCountCheck_ = now + options_.takeOverAfter / 4;
+  if (!pendingSince_ || pendingAt_ != s.announced) {
+    pendingSince_ = now;
+    pendingAt_ = s.announced;
+  }
 }
 
 int Executor::writerSlot(const State& s) const {
   // Participants by join order, then the pending announcements by number; the rest never.
-  constexpr int kNever = 1 << 20;
   if (const Participant* me = s.participant(self_.id)) {
     int before = 0;
     for (const auto& p : s.participants) before += p.joinSeq < me->joinSeq ? 1 : 0;
     return before;
   }
   if (myRound_ == s.round && myNumber_ > s.announced)
-    return static_cast<int>(std::min<std::int64_t>(s.participantCount() + (myNumber_ - s.announced - 1), kNever));
-  return kNever;
+    return static_cast<int>(std::min<std::int64_t>(s.participantCount() + (myNumber_ - s.announced - 1), kNeverWrites - 1));
+  return kNeverWrites;
 }
 
 std::chrono::milliseconds Executor::takeOverDelay(const State& s) const {
@@ -194,7 +201,9 @@ bool Executor::admitIfDue(const NodeView& view) {
   const State s = state_ ? *state_ : freshState(settings_.runId);
   if (s.complete || s.closed) return false;
   const auto now = clock_.steadyNow();
-  const bool designated = writerSlot(s) == 0;
+  const int slot = writerSlot(s);
+  if (slot == kNeverWrites) return false;  // neither a participant nor announced: never this node's turn
+  const bool designated = slot == 0;
   if (!designated) {
     if (now < nextCountCheck_) return false;
     nextCountCheck_ = now + options_.takeOverAfter / 4;

@@ -148,6 +148,7 @@ class Executor {
   // This node's turn to write for the open round in `s`: 0 = its designated writer (the
   // participant that joined first; with none, the holder of the first pending announcement).
   int writerSlot(const State& s) const;
+  static constexpr int kNeverWrites = 1 << 20;  // the slot of a node neither in the round nor announced
   std::chrono::milliseconds takeOverDelay(const State& s) const;
   // Heartbeats under per-node keys (a store with the scalable join's operations and
   // keep_alive_max_attempt >= 2): each node SETs heartbeatKey(run, id) once per interval; the
