@@ -592,6 +592,68 @@ TEST_CASE("rendezvous simulation: 64 agents joining at once write the state a ha
     CHECK(sim.store().casOps() >= 64 + 64);
 }
 
+// What one node asks of the store to join a rendezvous of its own (min = max = 1), by operation:
+// each request saved here is saved by every node of a large job (bench/rendezvous.sh, issue 46).
+namespace {
+class CountingStore final : public CasStore {
+ public:
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    ++calls["compareSet"];
+    return store.compareSet(key, expected, desired);
+  }
+  std::string get(const std::string& key) override {
+    ++calls["get"];
+    return store.get(key);
+  }
+  bool supportsAnnouncements() const override { return true; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    ++calls["add"];
+    return store.add(key, delta);
+  }
+  void set(const std::string& key, const std::string& value) override {
+    ++calls["set"];
+    store.set(key, value);
+  }
+  bool check(const std::string& key) override {
+    ++calls["check"];
+    return store.check(key);
+  }
+  void deleteKey(const std::string& key) override {
+    ++calls["deleteKey"];
+    store.deleteKey(key);
+  }
+  MemStore store;
+  std::map<std::string, int> calls;
+};
+
+class StillClock final : public Clock {
+ public:
+  Timestamp now() override { return Timestamp(milliseconds(1'700'000'000'000)) + elapsed; }
+  std::chrono::steady_clock::time_point steadyNow() override { return std::chrono::steady_clock::time_point(elapsed); }
+  void sleepFor(milliseconds d) override { elapsed += d; }
+  milliseconds elapsed{0};
+};
+} // namespace
+
+TEST_CASE("rendezvous simulation: a node that joins alone asks the store only what the join needs", "[rendezvous]") {
+  CountingStore store;
+  StillClock clock;
+  Executor executor(store, simSettings("job", 1, 1), simNode("a"), clock);
+  const RoundResult r = executor.nextRound();
+  CHECK(r.nodeCount == 1);
+  CHECK(clock.elapsed == 0ms);  // no wait
+  // The state key created (its answer is the first read: no get), the number taken and the
+  // announcement written, the counter read, the announcement checked and read (the default
+  // getMany: one get per key), the admission written with the node's heartbeat key (its first
+  // heartbeat: the node sends no other) and the phase moved.
+  const std::map<std::string, int> expected{{"compareSet", 2}, {"add", 3}, {"set", 2}, {"check", 1}, {"get", 1}};
+  std::string calls;
+  for (const auto& [op, n] : store.calls) calls += " " + op + "=" + std::to_string(n);
+  INFO("store calls:" << calls);
+  CHECK(store.calls == expected);
+  CHECK(store.store.keys().count(heartbeatKey("job", simNode("a").id)) == 1);
+}
+
 TEST_CASE("rendezvous simulation: a number taken and never written is skipped after the take-over delay", "[rendezvous]") {
   Simulation sim(true);
   auto s = simSettings("job", 3, 3);

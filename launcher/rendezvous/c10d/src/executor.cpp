@@ -479,7 +479,14 @@ std::string Executor::monitorOf(const State& s) {
 bool Executor::isMonitor() const { return state_ && monitorOf(*state_) == self_.id; }
 
 void Executor::beatIfDue(bool force) {
-  if (!state_ || !state_->heartbeats.count(self_.id)) return;  // not in the rendezvous (yet)
+  if (!state_) return;
+  const auto mine = state_->heartbeats.find(self_.id);
+  if (mine == state_->heartbeats.end()) return;  // not in the rendezvous (yet)
+  // Admitted from this node's announcement: the admitting node wrote this node's key with the
+  // admission time along with the state (admitIfDue), which makes that its first heartbeat. (If
+  // that node died before the key, the monitor keeps the state's entry, the same time.)
+  if (!lastBeatSent_ && myRound_ == state_->round && myNumber_ > 0 && myNumber_ <= state_->announced)
+    lastBeatSent_ = mine->second;
   const Timestamp now = clock_.now();
   const auto minGap = force ? settings_.keepAliveInterval / 4 : settings_.keepAliveInterval;
   if (lastBeatSent_ && now - *lastBeatSent_ < minGap) return;
