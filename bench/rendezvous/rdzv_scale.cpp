@@ -8,7 +8,8 @@
 // Usage: rdzv_scale_bench N [N ...]   (RDZV_STEADY_S=S: then S seconds of heartbeats as ctorchrun
 // sends them, and the store load; RDZV_CAS_ONLY=1: every node joins by compare-and-set on the
 // whole state, as torch does and ctorchrun did before the announcements; RDZV_REQUEST_TIMEOUT_MS:
-// the store server's per-request deadline, 0 for none)
+// the store server's per-request deadline, 0 for none; RDZV_MAX_BUFFERED_MB: its cap on what it
+// buffers over all connections)
 #include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/executor.hpp"
 #include "ctorch/rdzv/c10d/state.hpp"
@@ -173,6 +174,10 @@ int runOnce(int n) {
   // server can take longer than its deadline to read the admitting node's large compare-and-set
   // and then drops that node as if it were the slow one (ctorchrun keeps the deadline).
   if (const char* t = std::getenv("RDZV_REQUEST_TIMEOUT_MS")) so.requestTimeout = std::chrono::milliseconds(std::atoll(t));
+  // RDZV_MAX_BUFFERED_MB: the server's cap on unsent replies over all connections. When a large
+  // round closes, every node reads the whole state (~420 KB at 1,000 nodes) at about the same
+  // moment: over the default 128 MiB if the readers are slower than the server.
+  if (const char* m = std::getenv("RDZV_MAX_BUFFERED_MB")) so.maxBufferedBytes = static_cast<std::size_t>(std::atoll(m)) << 20;
   store::TcpStoreServer server(so);
   rc::Settings settings;
   settings.runId = "bench";
