@@ -406,6 +406,9 @@ std::chrono::milliseconds Executor::heartbeatBackoff() {
 }
 
 RoundResult Executor::nextRound() {
+  // The phase counter before the state, in waitForChange's order: otherwise the first poll finds
+  // the counter "moved" from nothing and reads the whole state again though nothing changed.
+  if (announcing_ && phaseSeen_ < 0) phaseSeen_ = store_.add(phaseKey_, 0);
   run(&decideExit, settings_.joinTimeout);
   // The join decides first on the state the exit ended with, read or written a moment ago.
   RunMode join;
