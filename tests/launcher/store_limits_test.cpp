@@ -273,10 +273,13 @@ TEST_CASE("store limits: half-sent SETs from many connections stay under maxBuff
 
 // Replies count too: connections that ask for a large value again and again and never read
 // make the server hold the replies (each connection up to maxPendingOutput, 64 MiB, before its
-// requests wait). Past maxBufferedBytes the one holding the most is dropped.
+// requests wait). Past maxBufferedBytes the server stops serving requests, and a connection that
+// takes none of its replies for replyTimeout is dropped (it was dropped at once, as the largest
+// holder: a reader taking a large reply was dropped the same way, issue 46).
 TEST_CASE("store limits: large replies left unread by many connections stay under maxBufferedBytes") {
   TcpStoreServerOptions o;
   o.maxBufferedBytes = 8u << 20;
+  o.replyTimeout = 500ms;
   TcpStoreServer server(o);
   TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
   legit.set("value", Bytes(2u << 20, 'v'));
@@ -291,18 +294,159 @@ TEST_CASE("store limits: large replies left unread by many connections stay unde
     readers.push_back(std::make_unique<Socket>(server.port(), Socket::kSmallReceiveBuffer));
     REQUIRE(sendAll(readers.back()->fd, gets));
   }
-  // Every reader's GETs served (the stats count them) or its connection dropped.
+  // Every reader's GETs served (the stats count them) or its connection dropped: one suspension
+  // and replyTimeout per non-reader at most.
   CHECK(eventually([&] {
     auto now = server.stats();
     return now.requests + 9 * now.droppedConnections >= 2 + 6 * 9 && now.bufferedBytes <= o.maxBufferedBytes;
-  }, 5s));
+  }, 15s));
   auto s = server.stats();
   INFO("buffered now " << s.bufferedBytes << ", at most " << s.peakBufferedBytes << "; " << s.droppedConnections
                        << " dropped, " << s.requests << " requests served");
   CHECK(s.droppedConnections >= 1);
-  // One reply (2 MiB) may go past the cap before the largest holder is dropped.
+  CHECK(s.slowReaders == s.droppedConnections);
+  // One reply (2 MiB) may go past the cap before serving stops.
   CHECK(s.peakBufferedBytes <= o.maxBufferedBytes + (2u << 20) + 64);
   CHECK(legit.get("value").size() == 2u << 20);
+}
+
+namespace store_limits_test {
+
+// Pipelined validated GETs of `key`, `count` of them.
+Bytes pipelinedGets(const std::string& key, int count) {
+  Bytes gets = protocol::encodeValidate();
+  for (int i = 0; i < count; ++i) {
+    Bytes get = wire().u8(3).str(key).take();
+    gets.insert(gets.end(), get.begin(), get.end());
+  }
+  return gets;
+}
+
+// Reads from `fd` until `expected` bytes came, the connection closed or `deadline` passed, `piece`
+// bytes at most every `every`; checks that every byte of each value (after its 8-byte length) is
+// `fill`. Returns the bytes read.
+std::size_t readReplies(int fd, std::size_t expected, std::size_t valueSize, std::size_t piece,
+                        std::chrono::milliseconds every, char fill, bool& intact,
+                        std::chrono::seconds deadline = 30s) {
+  std::vector<char> buf(piece);
+  std::size_t got = 0;
+  const auto end = Clock::now() + deadline;
+  while (got < expected && Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 200) != 1) continue;
+    ssize_t n = ::recv(fd, buf.data(), std::min(piece, expected - got), 0);
+    if (n <= 0) break;
+    for (ssize_t i = 0; i < n; ++i)
+      if ((got + static_cast<std::size_t>(i)) % (8 + valueSize) >= 8 && buf[static_cast<std::size_t>(i)] != fill)
+        intact = false;
+    got += static_cast<std::size_t>(n);
+    std::this_thread::sleep_for(every);
+  }
+  return got;
+}
+
+} // namespace store_limits_test
+
+// Issue 46: at 1,000 agents every node reads the ~420 KB rendezvous state when the round closes,
+// ~420 MB of replies queued at once. Past maxBufferedBytes the server dropped the connection
+// holding the most: a node taking its reply like the others. Now serving stops until the replies
+// are taken, and readers that take theirs steadily are all served, however much each holds.
+TEST_CASE("store limits: many connections taking large replies steadily past maxBufferedBytes are all served") {
+  ctorch::launcher_test::LogLines log;
+  TcpStoreServerOptions o;
+  o.maxBufferedBytes = 1u << 20;
+  o.replyTimeout = 1s;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  constexpr std::size_t kValue = 512u << 10;
+  constexpr int kReaders = 8, kGets = 8;  // 32 MiB of replies against a 1 MiB cap
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("value", Bytes(kValue, 'v'));
+  REQUIRE(legit.get("value").size() == kValue);
+  std::vector<std::unique_ptr<Socket>> readers;
+  for (int i = 0; i < kReaders; ++i) {
+    readers.push_back(std::make_unique<Socket>(server.port(), Socket::kSmallReceiveBuffer));
+    REQUIRE(readers.back()->fd >= 0);
+    REQUIRE(sendAll(readers.back()->fd, pipelinedGets("/value", kGets)));
+  }
+  // They start reading once all have asked (a busy node reads late), then take 32 KiB every 10 ms.
+  std::this_thread::sleep_for(300ms);
+  const std::size_t expected = kGets * (8 + kValue);
+  std::vector<std::size_t> got(kReaders);
+  std::vector<char> intact(kReaders, 1);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kReaders; ++i)
+    threads.emplace_back([&, i] {
+      bool ok = true;
+      got[static_cast<std::size_t>(i)] = readReplies(readers[static_cast<std::size_t>(i)]->fd, expected, kValue,
+                                                     32u << 10, 10ms, 'v', ok);
+      intact[static_cast<std::size_t>(i)] = ok;
+    });
+  for (auto& t : threads) t.join();
+  auto s = server.stats();
+  INFO(s.readSuspensions << " suspensions, " << s.droppedConnections << " dropped, peak buffered "
+                         << s.peakBufferedBytes);
+  for (int i = 0; i < kReaders; ++i) {
+    CHECK(got[static_cast<std::size_t>(i)] == expected);
+    CHECK(intact[static_cast<std::size_t>(i)]);
+  }
+  CHECK(s.droppedConnections == 0);
+  CHECK(s.readSuspensions >= 1);  // the replies did take the server past its cap
+  // Serving stops before the request that would go further: one reply past the cap at most.
+  CHECK(s.peakBufferedBytes <= o.maxBufferedBytes + kValue + 4096);
+  CHECK(log.count("more than maxBufferedBytes") == s.readSuspensions);
+  CHECK(toString(legit.get("value")).size() == kValue);
+}
+
+// What suspending cannot wait for: a client that does not take its replies, or takes them slower
+// than minReplyRate. It is dropped one or two replyTimeout windows after reading stopped (the
+// first may pass while the socket buffers fill), and the others are served again.
+TEST_CASE("store limits: a client that does not take its replies is dropped while reading is suspended") {
+  ctorch::launcher_test::LogLines log;
+  TcpStoreServerOptions o;
+  o.maxBufferedBytes = 1u << 20;
+  o.replyTimeout = 500ms;
+  o.debugLog = log.sink();
+  TcpStoreServer server(o);
+  constexpr std::size_t kValue = 512u << 10;
+  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
+  legit.set("value", Bytes(kValue, 'v'));
+  REQUIRE(legit.get("value").size() == kValue);
+  Socket hog(server.port(), Socket::kSmallReceiveBuffer);
+  REQUIRE(hog.fd >= 0);
+  REQUIRE(sendAll(hog.fd, pipelinedGets("/value", 32)));  // 16 MiB of replies
+  std::thread slowReader;
+  bool intact = true;
+  SECTION("it never reads") {}
+  SECTION("it reads 1 KiB every 100 ms, a sixth of minReplyRate") {
+    slowReader = std::thread([&] { readReplies(hog.fd, 32 * (8 + kValue), kValue, 1024, 100ms, 'v', intact, 10s); });
+  }
+  const auto start = Clock::now();
+  const bool dropped = eventually([&] { return server.stats().slowReaders == 1; }, 5s);
+  const auto took = Clock::now() - start;
+  ::shutdown(hog.fd, SHUT_RDWR);  // the slow reader stops (its socket still holds replies)
+  if (slowReader.joinable()) slowReader.join();
+  auto s = server.stats();
+  INFO(s.readSuspensions << " suspensions, " << s.droppedConnections << " dropped, peak buffered "
+                         << s.peakBufferedBytes << "; dropped after "
+                         << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+  CHECK(dropped);
+  CHECK(s.droppedConnections == 1);
+  CHECK(s.readSuspensions >= 1);
+  CHECK(s.peakBufferedBytes <= o.maxBufferedBytes + kValue + 4096);
+  CHECK(log.count("takes its replies slower than minReplyRate (65536 bytes/s) over replyTimeout (500 ms)") == 1);
+  CHECK(intact);
+  // Served again: a new client and the one that was waiting.
+  TcpStoreClient other("127.0.0.1", server.port(), shortTimeouts());
+  other.set("k", toBytes("v"));
+  CHECK(toString(other.get("k")) == "v");
+  CHECK(legit.get("value").size() == kValue);
+}
+
+TEST_CASE("store limits: replyTimeout must be positive") {
+  TcpStoreServerOptions o;
+  o.replyTimeout = 0ms;
+  CHECK_THROWS_AS(TcpStoreServer(o), std::invalid_argument);
 }
 
 // What the stats count is what the server holds: a connection's input buffer grew (by doubling) to
@@ -356,6 +500,73 @@ TEST_CASE("store limits: a request sent slower than requestTimeout but faster th
   TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
   CHECK(eventually([&] { return legit.check({"slow"}); }, 5s));
   CHECK(server.stats().timedOutConnections == 0);
+}
+
+// Issue 46: the deadline was checked before the server read what had arrived. While the server was
+// busy elsewhere (a pass over its events took 1.4 s at 1,000 agents), a request sent whole sat in
+// its socket and was judged late: the round's writer was dropped. Here the server is stalled by
+// a slow handler (2.5 s, requestTimeout 1 s) while a client sends the rest of its request.
+TEST_CASE("store limits: a request that arrived whole while the server was busy is served, not judged late") {
+  TcpStoreServerOptions o;
+  o.requestTimeout = 1s;
+  o.ephemeralKeyPrefix = "/eph/";
+  std::atomic<bool> stalling{false};
+  o.onEphemeralKeyLost = [&](const std::string&) {
+    stalling = true;
+    std::this_thread::sleep_for(2500ms);
+  };
+  TcpStoreServer server(o);
+  Socket late(server.port());
+  REQUIRE(late.fd >= 0);
+  const Bytes whole = partialSet("/late", 64u << 10, 64u << 10);
+  const std::size_t head = 100;  // the request's start: its clock runs from here
+  REQUIRE(sendAll(late.fd, Bytes(whole.begin(), whole.begin() + head)));
+  REQUIRE(eventually([&] { return server.stats().bufferedBytes > 0; }, 5s));
+  {
+    Socket writer(server.port());  // writes an ephemeral key and closes: the handler stalls the server
+    REQUIRE(sendAll(writer.fd, partialSet("/eph/x", 1, 1)));
+  }
+  REQUIRE(eventually([&] { return stalling.load(); }, 5s));
+  Bytes rest(whole.begin() + head, whole.end());
+  Bytes numKeys = wire().u8(7).take();  // GETNUMKEYS: its reply says the SET was served
+  rest.insert(rest.end(), numKeys.begin(), numKeys.end());
+  REQUIRE(sendAll(late.fd, rest));
+  char reply[8];
+  pollfd p{late.fd, POLLIN, 0};
+  CHECK(::poll(&p, 1, 10000) == 1);
+  CHECK(::recv(late.fd, reply, sizeof reply, MSG_WAITALL) == 8);
+  auto s = server.stats();
+  CHECK(s.timedOutConnections == 0);
+  CHECK(s.droppedConnections == 0);
+  TcpStoreClient check("127.0.0.1", server.port(), shortTimeouts());
+  CHECK(check.get("late").size() == 64u << 10);
+}
+
+// The deadline still drops a client that drips its request: the server is idle, nothing is
+// waiting in the socket, and the rate is far below minRequestRate.
+TEST_CASE("store limits: a client dripping a request byte by byte is dropped at its deadline") {
+  TcpStoreServerOptions o;
+  o.requestTimeout = 500ms;
+  TcpStoreServer server(o);
+  Socket d(server.port());
+  REQUIRE(d.fd >= 0);
+  REQUIRE(sendAll(d.fd, partialSet("/drip", 1u << 20, 0)));
+  const auto start = Clock::now();
+  bool dropped = false;
+  while (Clock::now() - start < 5s) {
+    const std::uint8_t byte = 'd';
+    if (::send(d.fd, &byte, 1, MSG_NOSIGNAL) != 1 || server.stats().timedOutConnections == 1) {
+      dropped = true;
+      break;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  const auto took = Clock::now() - start;
+  INFO("dropped after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+  CHECK(dropped);
+  CHECK(took >= 450ms);
+  CHECK(took < 3s);
+  CHECK(server.stats().timedOutConnections == 1);
 }
 
 namespace store_limits_test {

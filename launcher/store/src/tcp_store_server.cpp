@@ -20,6 +20,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 
 namespace ctorch::store {
@@ -41,6 +42,12 @@ constexpr std::size_t kReadBudget = 4 * kReadChunk;
 // How often connections are checked against the request deadline while some request is in
 // progress (a slow client is dropped at most this late).
 constexpr std::chrono::milliseconds kSweepInterval{100};
+// A pass over one batch of events that takes longer than this is the server being busy, not its
+// clients being slow: the excess does not count against their request deadlines.
+constexpr std::chrono::milliseconds kAttentivePass = kSweepInterval;
+// Bytes read from a connection whose request looks late before judging it: all its socket holds,
+// up to this much (a client with more than this waiting is sending fast, not late).
+constexpr std::size_t kDrainBudget = 64 * kReadChunk;
 
 std::string describeBind(const TcpStoreServerOptions& o) {
   return (o.host.empty() ? std::string("*") : o.host) + ":" + std::to_string(o.port);
@@ -148,6 +155,8 @@ class TcpStoreServer::Impl {
   std::size_t ephemeralKeyCount() const { return ephemeral_.load(); }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   struct Connection {
     Fd fd;
     protocol::RequestParser parser;
@@ -158,10 +167,20 @@ class TcpStoreServer::Impl {
     bool identified = false;    // has sent a complete request
     bool side = false;          // served by options_.side (its first bytes were the side magic)
     bool handshaking = false;   // side magic begun or handshake not done: counted in handshakes_
-    std::size_t held = 0;       // request bytes not served yet + reply bytes not sent (in `buffered_`)
+    bool waiting = false;       // not read while reading is suspended (in `waiting_`)
+    std::size_t heldIn = 0;     // request bytes not served yet (in `bufferedIn_`)
+    std::size_t heldOut = 0;    // reply bytes not sent (in `bufferedOut_`)
     // When the request in progress began (its first byte, or the end of the one before it in
-    // the same read); the epoch when none is in progress.
+    // the same read); the epoch when none is in progress. With the server's away time then.
     std::chrono::steady_clock::time_point requestStart{};
+    std::chrono::steady_clock::duration awayAtRequestStart{};
+    // The reply clock's current window (replyWindowOver): when it began (output queued into an empty
+    // buffer, reading suspended, or the previous window passed); the epoch when nothing is held.
+    // With the server's busy time then, the bytes taken since, and what it must take in it.
+    std::chrono::steady_clock::time_point replyStart{};
+    std::chrono::steady_clock::duration busyAtReplyStart{};
+    std::size_t replyTaken = 0;
+    std::size_t replyQuota = 0;
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -178,6 +197,7 @@ class TcpStoreServer::Impl {
   void run() {
     epoll_event events[64];
     for (;;) {
+      creditBusyPass(Clock::now());
       int timeout = -1;
       if (listenDisarmed_) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(rearmAt_ - Clock::now()).count();
@@ -187,21 +207,30 @@ class TcpStoreServer::Impl {
           timeout = static_cast<int>(left);
         }
       }
-      if (options_.requestTimeout.count() > 0 && (buffered_ > 0 || handshakes_ > 0)) {
+      if ((options_.requestTimeout.count() > 0 && (buffered_ > 0 || handshakes_ > 0)) || suspended_) {
         const auto now = Clock::now();
         if (now >= nextSweep_) {
-          dropSlowRequests();
+          try {
+            if (suspended_) dropSlowReaders();
+            else if (options_.requestTimeout.count() > 0) dropSlowRequests();
+          } catch (const std::exception& e) {
+            debug(std::string("store: the deadline sweep failed: ") + e.what());
+          }
           nextSweep_ = now + kSweepInterval;
         }
         const auto left = std::chrono::ceil<std::chrono::milliseconds>(nextSweep_ - now).count();
         timeout = timeout < 0 ? static_cast<int>(left) : std::min(timeout, static_cast<int>(left));
       }
+      maybeResumeReading();
+      if (!resumed_.empty()) timeout = 0;
       int n = ::epoll_wait(epoll_.get(), events, 64, timeout);
       if (n < 0) {
         if (errno == EINTR) continue;
         debug(std::string("store: epoll_wait failed: ") + std::strerror(errno));
         return;
       }
+      wokeAt_ = Clock::now();
+      suspendedAtWake_ = suspendedTime(wokeAt_);
       for (int i = 0; i < n; ++i) {
         std::uint64_t tag = events[i].data.u64;
         if (tag == kWakeTag) return;  // shutting down
@@ -220,6 +249,7 @@ class TcpStoreServer::Impl {
             drop(tag, std::string("store: dropping a client after an internal error: ") + e.what());
         }
       }
+      maybeResumeReading();
       std::vector<std::uint64_t> resumed;
       resumed.swap(resumed_);
       for (std::uint64_t id : resumed) {
@@ -235,12 +265,17 @@ class TcpStoreServer::Impl {
   void handle(std::uint64_t id, std::uint32_t ev) {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;  // closed earlier in this batch
-    if (it->second.paused && (ev & (EPOLLHUP | EPOLLERR)) && !(ev & EPOLLOUT)) {
+    Connection& c = it->second;
+    if ((c.paused || c.waiting) && (ev & (EPOLLHUP | EPOLLERR)) && !(ev & EPOLLOUT)) {
       close(id);
       return;
     }
-    if (!it->second.paused && (ev & (EPOLLIN | EPOLLHUP | EPOLLERR))) {
-      if (!readFrom(id)) return;
+    if (!c.paused && !c.waiting && (ev & (EPOLLIN | EPOLLHUP | EPOLLERR))) {
+      if (suspended_) {
+        holdBack(id, c);
+      } else if (!readFrom(id)) {
+        return;
+      }
     }
     if (ev & EPOLLOUT) flush(id);
   }
@@ -347,12 +382,12 @@ class TcpStoreServer::Impl {
   }
 
   // ---- reading and serving ----------------------------------------------------------------------
-  // Reads what is available (up to kReadBudget) and serves every complete request. False if the
-  // connection closed.
-  bool readFrom(std::uint64_t id) {
+  // Reads what is available (up to `budget`) and serves every complete request. False if the
+  // connection closed. `drained`, if given, is set when the socket was left empty.
+  bool readFrom(std::uint64_t id, std::size_t budget = kReadBudget, bool* drained = nullptr) {
     Connection& c = conns_.at(id);
     std::size_t got = 0;
-    while (got < kReadBudget) {
+    while (got < budget) {
       // Into the one scratch buffer, then only what arrived is appended: growing `in` by a chunk
       // per read zero-filled 64 KiB for every byte a dripping client sent (most of the server's
       // time under 900 such clients).
@@ -360,7 +395,10 @@ class TcpStoreServer::Impl {
       if (n > 0) {
         c.in.insert(c.in.end(), scratch_.data(), scratch_.data() + n);
         got += static_cast<std::size_t>(n);
-        if (static_cast<std::size_t>(n) < scratch_.size()) break;
+        if (static_cast<std::size_t>(n) < scratch_.size()) {
+          if (drained) *drained = true;
+          break;
+        }
         continue;
       }
       if (n == 0) {
@@ -369,7 +407,10 @@ class TcpStoreServer::Impl {
         return false;
       }
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (drained) *drained = true;
+        break;
+      }
       close(id);
       return false;
     }
@@ -394,7 +435,7 @@ class TcpStoreServer::Impl {
       const std::size_t n = std::min(c.in.size(), magic.size());
       if (n > 0 && std::memcmp(c.in.data(), magic.data(), n) == 0) {
         if (n < magic.size()) {  // the rest of the magic is still on its way, under the request deadline
-          if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+          if (c.requestStart == Clock::time_point{}) startRequestClock(c);
           setHandshaking(c, true);
           return true;
         }
@@ -413,6 +454,13 @@ class TcpStoreServer::Impl {
     while (offset < c.in.size()) {
       if (c.out.size() >= options_.maxPendingOutput) {
         c.paused = true;
+        break;
+      }
+      // Past the cap no request is served (its reply would add to what is held) until the
+      // replies are taken: checked per request, so one batch goes past by one reply at most.
+      if (suspended_ || buffered_ > options_.maxBufferedBytes) {
+        suspendReading();
+        holdBack(id, c);
         break;
       }
       Generation before = c.parser.generation();
@@ -434,16 +482,6 @@ class TcpStoreServer::Impl {
       }
       ++served;
       queue(id, replies);
-      // Replies count against maxBufferedBytes as they are made, not once the batch is done (a
-      // batch may make up to maxPendingOutput of them).
-      if (buffered_ > options_.maxBufferedBytes) {
-        dropLargestHolders();
-        if (!conns_.count(id)) {  // this connection held the most
-          std::lock_guard<std::mutex> lock(statsMutex_);
-          stats_.requests += served;
-          return false;
-        }
-      }
     }
     c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(offset));
     // A large field, once taken, leaves its capacity behind: give it back, or every connection
@@ -452,7 +490,7 @@ class TcpStoreServer::Impl {
     if (pendingInput(c) == 0) {
       c.requestStart = {};
     } else if (served > 0 || c.requestStart == Clock::time_point{}) {
-      c.requestStart = Clock::now();
+      startRequestClock(c);
     }
     account(c);
     {
@@ -468,7 +506,7 @@ class TcpStoreServer::Impl {
       flush(id);
     }
     flushTouched();
-    if (buffered_ > options_.maxBufferedBytes) dropLargestHolders();
+    if (bufferedIn_ > options_.maxBufferedBytes) dropLargestRequests();
     return conns_.count(id) > 0;
   }
 
@@ -490,7 +528,7 @@ class TcpStoreServer::Impl {
     }
     c.in.clear();
     if (established) c.requestStart = {};
-    else if (c.requestStart == Clock::time_point{}) c.requestStart = Clock::now();
+    else if (c.requestStart == Clock::time_point{}) startRequestClock(c);
     setHandshaking(c, !established);
     account(c);
     queueSide(out);
@@ -507,7 +545,9 @@ class TcpStoreServer::Impl {
         overflowing_.push_back(o.conn);
         continue;
       }
+      const bool first = c.out.empty();
       c.out.insert(c.out.end(), o.bytes.begin(), o.bytes.end());
+      if (first) startReplyClock(c, Clock::now());
       notePending(c.out.size());
       account(c);
       touched_.push_back(o.conn);
@@ -530,41 +570,142 @@ class TcpStoreServer::Impl {
 
   // Brings `buffered_` up to date with what `c` holds now.
   void account(Connection& c) {
-    const std::size_t held = pendingInput(c) + c.out.size();
-    buffered_ = buffered_ - c.held + held;
-    c.held = held;
+    const std::size_t in = pendingInput(c), out = c.out.size();
+    bufferedIn_ = bufferedIn_ - c.heldIn + in;
+    bufferedOut_ = bufferedOut_ - c.heldOut + out;
+    c.heldIn = in;
+    c.heldOut = out;
+    buffered_ = bufferedIn_ + bufferedOut_;
     std::lock_guard<std::mutex> lock(statsMutex_);
     stats_.bufferedBytes = buffered_;
     stats_.peakBufferedBytes = std::max<std::uint64_t>(stats_.peakBufferedBytes, buffered_);
   }
 
-  // Past maxBufferedBytes, drops the connection holding the most until under it: a well-behaved
-  // client's requests are served as they arrive and its replies read, so it holds little; the
-  // largest holder is the one building the largest request or not reading the largest replies.
-  void dropLargestHolders() {
-    while (buffered_ > options_.maxBufferedBytes) {
+  // Starts a window of the reply clock (replyWindowOver): as output is queued into an empty buffer,
+  // for every holder when reading is suspended, and when a window has passed.
+  void startReplyClock(Connection& c, Clock::time_point now) {
+    c.replyStart = now;
+    c.busyAtReplyStart = busyTime_;
+    c.replyTaken = 0;
+    const double perWindow = static_cast<double>(options_.minReplyRate) *
+                             std::chrono::duration<double>(options_.replyTimeout).count();
+    c.replyQuota = std::max<std::size_t>(1, std::min(c.out.size(), static_cast<std::size_t>(perWindow)));
+  }
+
+  // ---- the server's own time: not charged to its clients ---------------------------------------
+  // Time spent with reading suspended, up to `now`.
+  Clock::duration suspendedTime(Clock::time_point now) const {
+    return suspendedTotal_ + (suspended_ ? now - suspendedSince_ : Clock::duration::zero());
+  }
+  // Time the server was not listening to its clients: suspended, or busy beyond kAttentivePass
+  // in one pass over its events. A client's request deadline does not run meanwhile.
+  Clock::duration awayTime(Clock::time_point now) const { return busyTime_ + suspendedTime(now); }
+
+  // Called once per loop, before the next epoll_wait: the pass that began at wokeAt_ took
+  // `now - wokeAt_`; what it took beyond kAttentivePass (not already counted as suspended) was
+  // the server's delay, not its clients'.
+  void creditBusyPass(Clock::time_point now) {
+    if (wokeAt_ == Clock::time_point{}) return;
+    const auto busy = (now - wokeAt_) - (suspendedTime(now) - suspendedAtWake_);
+    if (busy > kAttentivePass) busyTime_ += busy - std::chrono::duration_cast<Clock::duration>(kAttentivePass);
+    wokeAt_ = {};
+  }
+
+  void startRequestClock(Connection& c) {
+    c.requestStart = Clock::now();
+    c.awayAtRequestStart = awayTime(c.requestStart);
+  }
+
+  // ---- backpressure past maxBufferedBytes -------------------------------------------------------
+  // Each holder's reply clock starts again now, counting what it takes from here: a reader is
+  // judged by what it takes while the others wait, not by what the socket buffers took before.
+  void suspendReading() {
+    if (suspended_) return;
+    suspended_ = true;
+    suspendedSince_ = Clock::now();
+    for (auto& entry : conns_)
+      if (!entry.second.out.empty()) startReplyClock(entry.second, suspendedSince_);
+    debug("store: reading suspended: the server holds " + std::to_string(buffered_) + " bytes (" +
+          std::to_string(bufferedOut_) + " of replies not taken yet), more than maxBufferedBytes (" +
+          std::to_string(options_.maxBufferedBytes) + ")");
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.readSuspensions;
+  }
+
+  // Stops reading `c` until reading resumes (its requests wait in its socket).
+  void holdBack(std::uint64_t id, Connection& c) {
+    if (c.waiting) return;
+    c.waiting = true;
+    waiting_.push_back(id);
+    updateInterest(c, id);
+  }
+
+  // Reading resumes once the replies held are down to half the cap (not at once below it, so that
+  // every connection is not held back and released again for each reply taken).
+  void maybeResumeReading() {
+    if (!suspended_ || bufferedOut_ > options_.maxBufferedBytes / 2 || buffered_ > options_.maxBufferedBytes) return;
+    const auto now = Clock::now();
+    suspendedTotal_ += now - suspendedSince_;
+    suspended_ = false;
+    std::vector<std::uint64_t> waiting;
+    waiting.swap(waiting_);
+    for (std::uint64_t id : waiting) {
+      auto it = conns_.find(id);
+      if (it == conns_.end() || !it->second.waiting) continue;
+      it->second.waiting = false;
+      updateInterest(it->second, id);
+      if (!it->second.in.empty()) resumed_.push_back(id);
+    }
+  }
+
+  // Past maxBufferedBytes with requests alone, drops the connection holding the largest one until
+  // under it: a well-behaved client's requests are served as they arrive, so it holds little; the
+  // largest holder is the one building the largest request. (Suspending reading would not help:
+  // an unfinished request is finished only by reading more of it.)
+  void dropLargestRequests() {
+    while (bufferedIn_ > options_.maxBufferedBytes) {
       auto largest = std::max_element(conns_.begin(), conns_.end(),
-                                      [](const auto& a, const auto& b) { return a.second.held < b.second.held; });
-      if (largest == conns_.end() || largest->second.held == 0) return;
-      drop(largest->first, "store: dropping a client holding " + std::to_string(largest->second.held) +
-                               " bytes of requests and replies: the server holds " + std::to_string(buffered_) +
-                               " over all connections, more than maxBufferedBytes (" +
+                                      [](const auto& a, const auto& b) { return a.second.heldIn < b.second.heldIn; });
+      if (largest == conns_.end() || largest->second.heldIn == 0) return;
+      drop(largest->first, "store: dropping a client holding " + std::to_string(largest->second.heldIn) +
+                               " bytes of unfinished requests: the server holds " + std::to_string(bufferedIn_) +
+                               " bytes of requests over all connections, more than maxBufferedBytes (" +
                                std::to_string(options_.maxBufferedBytes) + ")");
     }
   }
 
+  Clock::duration allowedFor(const Connection& c) const {
+    auto allowed = std::chrono::duration_cast<Clock::duration>(options_.requestTimeout);
+    if (options_.minRequestRate > 0)
+      allowed += std::chrono::milliseconds(pendingInput(c) * 1000 / options_.minRequestRate);
+    return allowed;
+  }
+  bool requestLate(const Connection& c, Clock::time_point now) const {
+    if (c.requestStart == Clock::time_point{} || c.paused || c.waiting) return false;
+    return (now - c.requestStart) - (awayTime(now) - c.awayAtRequestStart) > allowedFor(c);
+  }
+
   // Drops the connections whose request in progress has taken longer than requestTimeout plus one
   // second per minRequestRate bytes of it received (a client dripping bytes, or stopped
-  // mid-request). Paused connections are not read, so their clock does not run.
+  // mid-request). Paused connections are not read, so their clock does not run; nor does anyone's
+  // while reading is suspended or the server is busy (awayTime). A request that looks late is
+  // judged only after its socket has been read: what arrived while the server was not looking
+  // counts (a request complete in the socket is served, not dropped).
   void dropSlowRequests() {
-    const auto now = Clock::now();
+    auto now = Clock::now();
+    std::vector<std::uint64_t> late;
+    for (const auto& [id, c] : conns_)
+      if (requestLate(c, now)) late.push_back(id);
+    if (late.empty()) return;
     std::vector<std::uint64_t> slow;
-    for (const auto& [id, c] : conns_) {
-      if (c.requestStart == Clock::time_point{} || c.paused) continue;
-      auto allowed = std::chrono::duration_cast<Clock::duration>(options_.requestTimeout);
-      if (options_.minRequestRate > 0)
-        allowed += std::chrono::milliseconds(pendingInput(c) * 1000 / options_.minRequestRate);
-      if (now - c.requestStart > allowed) slow.push_back(id);
+    for (std::uint64_t id : late) {
+      if (suspended_) break;  // reading stopped meanwhile: clocks stopped too, judged after it resumes
+      if (!conns_.count(id)) continue;
+      bool drained = false;
+      if (!readFrom(id, kDrainBudget, &drained)) continue;
+      auto it = conns_.find(id);
+      if (it == conns_.end() || !drained) continue;  // not drained: bytes still pouring in
+      if (requestLate(it->second, Clock::now())) slow.push_back(id);
     }
     if (slow.empty()) return;
     debug("store: dropping " + std::to_string(slow.size()) + " client(s) whose request took longer than requestTimeout (" +
@@ -576,6 +717,49 @@ class TcpStoreServer::Impl {
       stats_.droppedConnections += slow.size();
     }
     for (std::uint64_t id : slow) close(id);
+  }
+
+  // Whether `c`'s current reply window (replyTimeout long, not counting the server's busy time)
+  // has passed; `late` if it took less than its quota meanwhile (minReplyRate x replyTimeout, or
+  // all it held when the window began). What a socket's buffers take counts as taken, so a client
+  // that never reads passes one window at most, while they fill.
+  bool replyWindowOver(const Connection& c, Clock::time_point now, bool& late) const {
+    late = false;
+    if (c.out.empty()) return false;
+    if ((now - c.replyStart) - (busyTime_ - c.busyAtReplyStart) < options_.replyTimeout) return false;
+    late = c.replyTaken < c.replyQuota;
+    return true;
+  }
+
+  // While reading is suspended, drops the connections that take their replies slower than
+  // minReplyRate over a window of replyTimeout (one that never reads): the suspension lasts until
+  // the replies are taken, so it must not wait on them for ever. A connection that reads, however
+  // much it holds, is never dropped for it. Each is tried once more before (the server may not
+  // have written to it for a while).
+  void dropSlowReaders() {
+    const auto now = Clock::now();
+    std::vector<std::uint64_t> late;
+    for (auto& [id, c] : conns_) {
+      bool slow = false;
+      if (!replyWindowOver(c, now, slow)) continue;
+      if (slow) late.push_back(id);
+      else startReplyClock(c, now);
+    }
+    for (std::uint64_t id : late) {
+      flush(id);
+      auto it = conns_.find(id);
+      if (it == conns_.end() || it->second.out.empty() || it->second.replyTaken >= it->second.replyQuota) continue;
+      {
+        std::lock_guard<std::mutex> lock(statsMutex_);
+        ++stats_.slowReaders;
+      }
+      drop(id, "store: dropping a client that takes its replies slower than minReplyRate (" +
+                   std::to_string(options_.minReplyRate) + " bytes/s) over replyTimeout (" +
+                   std::to_string(options_.replyTimeout.count()) + " ms) while reading is suspended (" +
+                   std::to_string(it->second.out.size()) + " bytes unsent; the server holds " +
+                   std::to_string(buffered_) + ", more than maxBufferedBytes (" +
+                   std::to_string(options_.maxBufferedBytes) + "))");
+    }
   }
 
   // Appends replies to their connections' output (sent by flush/flushTouched). Output pushed to
@@ -592,6 +776,7 @@ class TcpStoreServer::Impl {
       }
       if (c.out.empty()) {
         c.out = std::move(r.bytes);
+        startReplyClock(c, Clock::now());
       } else {
         c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
       }
@@ -634,12 +819,16 @@ class TcpStoreServer::Impl {
       return;
     }
     c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
-    if (sent > 0) account(c);
+    if (sent > 0) {
+      c.replyTaken += sent;
+      if (c.out.empty()) c.replyStart = {};
+      account(c);
+    }
     if (c.paused && c.out.size() <= options_.maxPendingOutput / 2) {
       // Drained enough: read again, and serve what it sent meanwhile (after this round of events,
       // not from here: serving may fill the output and flush again). Its request clock restarts.
       c.paused = false;
-      if (c.requestStart != Clock::time_point{}) c.requestStart = Clock::now();
+      if (c.requestStart != Clock::time_point{}) startRequestClock(c);
       if (!c.in.empty()) resumed_.push_back(id);
     }
     updateInterest(c, id);
@@ -648,7 +837,7 @@ class TcpStoreServer::Impl {
   // Paused connections are not read (nor watched for a half-close, which would be reported
   // again and again); hang-ups and errors are reported whatever the interest set.
   void updateInterest(Connection& c, std::uint64_t id) {
-    std::uint32_t want = (c.paused ? 0u : (EPOLLIN | EPOLLRDHUP)) | (c.out.empty() ? 0u : EPOLLOUT);
+    std::uint32_t want = (c.paused || c.waiting ? 0u : (EPOLLIN | EPOLLRDHUP)) | (c.out.empty() ? 0u : EPOLLOUT);
     if (want == c.events) return;
     epoll_event ev{};
     ev.events = want;
@@ -674,7 +863,9 @@ class TcpStoreServer::Impl {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
     // Closed on return, once the stats say what the peer will then see.
     Fd fd = std::move(it->second.fd);
-    buffered_ -= it->second.held;
+    bufferedIn_ -= it->second.heldIn;
+    bufferedOut_ -= it->second.heldOut;
+    buffered_ = bufferedIn_ + bufferedOut_;
     setHandshaking(it->second, false);
     const bool side = it->second.side;
     conns_.erase(it);
@@ -706,8 +897,6 @@ class TcpStoreServer::Impl {
     if (g == Generation::Validated) ++stats_.validatedConnections;
   }
 
-  using Clock = std::chrono::steady_clock;
-
   TcpStoreServerOptions options_;
   Fd listen_;
   Fd epoll_;
@@ -717,15 +906,24 @@ class TcpStoreServer::Impl {
   bool listenDisarmed_ = false;  // accept4 failed with nothing to make room: retry at rearmAt_
   Clock::time_point rearmAt_{};
   Clock::time_point nextSweep_{};  // for requests slower than requestTimeout
+  Clock::time_point wokeAt_{};     // when the current pass over events began (epoch: none)
+  Clock::duration suspendedAtWake_{};
+  Clock::duration busyTime_{};     // passes' time beyond kAttentivePass, summed
+  bool suspended_ = false;         // reading stopped: past maxBufferedBytes
+  Clock::time_point suspendedSince_{};
+  Clock::duration suspendedTotal_{};  // of the suspensions that ended
   StoreEngine engine_;
   std::atomic<std::size_t> ephemeral_{0};
-  std::size_t buffered_ = 0;  // the sum of every connection's `held`
+  std::size_t buffered_ = 0;     // bufferedIn_ + bufferedOut_
+  std::size_t bufferedIn_ = 0;   // the sum of every connection's `heldIn`
+  std::size_t bufferedOut_ = 0;  // the sum of every connection's `heldOut`
   std::size_t handshakes_ = 0;  // connections whose `handshaking` is set
   protocol::Bytes scratch_ = protocol::Bytes(kReadChunk);  // what one recv may bring
   std::unordered_map<std::uint64_t, Connection> conns_;
   std::vector<std::uint64_t> touched_;      // connections given output by another's request
   std::vector<std::uint64_t> overflowing_;  // connections to drop once the current step is done
   std::vector<std::uint64_t> resumed_;      // unpaused connections with requests still buffered
+  std::vector<std::uint64_t> waiting_;      // connections held back while reading is suspended
   std::uint64_t nextId_ = kFirstConn;
   mutable std::mutex statsMutex_;
   TcpStoreServerStats stats_;
@@ -733,6 +931,10 @@ class TcpStoreServer::Impl {
 };
 
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options) {
+  // Without it a client that never reads would hold every other client's requests back for ever.
+  if (options.replyTimeout.count() <= 0)
+    throw std::invalid_argument("TcpStoreServerOptions::replyTimeout must be positive, not " +
+                                std::to_string(options.replyTimeout.count()) + " ms");
   Fd fd = listenOn(options);
   port_ = boundPort(fd.get());
   impl_ = std::make_unique<Impl>(std::move(options), std::move(fd));

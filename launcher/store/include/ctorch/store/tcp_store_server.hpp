@@ -47,15 +47,27 @@ struct TcpStoreServerOptions {
   // without such a connection the new one is closed.
   std::size_t maxConnections = 0;
   // Bytes of requests received but not served yet (incomplete ones, mostly) and of replies not
-  // sent yet, over all connections. Past it the connection holding the most is dropped: half-sent
-  // large values, or large replies left unread, from many connections cannot add up to gigabytes.
+  // sent yet, over all connections. Past it the server stops reading requests (backpressure)
+  // until the replies it holds are taken (down to half the cap): a round's worth of large reads
+  // (every node of a 1,000-node rendezvous reading the state) waits instead of being dropped.
+  // Requests alone past it (half-sent large values from many connections) drop the connection
+  // holding the largest one: only more bytes or a drop can finish them.
   std::size_t maxBufferedBytes = 128u << 20;
   // A request must arrive whole within requestTimeout of its first byte plus one second per
   // minRequestRate bytes of it received so far; a slower one (a client dripping bytes, or one
   // stopped mid-request) drops its connection. A large value over a slow link still gets
-  // through. Zero: no deadline.
+  // through. The clock runs only while the server listens: time it spent handling others (the
+  // part of a pass over its events beyond 100 ms) or with reading suspended is not counted, and
+  // a request is judged only once what its socket holds has been read. Zero: no deadline.
   std::chrono::milliseconds requestTimeout{std::chrono::seconds(5)};
   std::size_t minRequestRate = 64u << 10;  // bytes per second
+  // While reading is suspended (maxBufferedBytes), a connection holding unsent replies must take
+  // minReplyRate x replyTimeout bytes of them (or all it holds) in every replyTimeout (the
+  // server's own busy time not counted); a slower reader (one that never reads) is dropped, after
+  // one or two such windows (the first may pass while the socket buffers fill), so that no
+  // client holds the others' requests back for longer. Must be positive.
+  std::chrono::milliseconds replyTimeout{std::chrono::seconds(5)};
+  std::size_t minReplyRate = 64u << 10;  // bytes per second
   // Optional sink for diagnostics (protocol errors, dropped connections); called on the server
   // thread. Kept as a callback so that this library stays free of any logging framework.
   std::function<void(const std::string&)> debugLog;
@@ -87,6 +99,8 @@ struct TcpStoreServerStats {
   std::uint64_t bufferedBytes = 0;        // now: requests not served yet + replies not sent yet
   std::uint64_t peakBufferedBytes = 0;
   std::uint64_t timedOutConnections = 0;  // dropped for a request slower than the deadline
+  std::uint64_t readSuspensions = 0;      // times reading stopped: maxBufferedBytes reached
+  std::uint64_t slowReaders = 0;          // dropped for taking replies too slowly while suspended
 };
 
 class TcpStoreServer {
