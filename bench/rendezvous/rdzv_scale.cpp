@@ -170,13 +170,14 @@ int runOnce(int n) {
   so.host = "127.0.0.1";
   // Only what goes wrong is logged (a dropped client, refused connections): a failed run says why.
   so.debugLog = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
-  // RDZV_REQUEST_TIMEOUT_MS=0: no per-request deadline. On a machine busy with other work, the
-  // server can take longer than its deadline to read the admitting node's large compare-and-set
-  // and then drops that node as if it were the slow one (ctorchrun keeps the deadline).
+  // RDZV_REQUEST_TIMEOUT_MS=0: no per-request deadline (ctorchrun keeps it). Before issue 46 the
+  // server, busy with 1,000 agents, judged the admitting node's large compare-and-set late before
+  // reading what had arrived, and dropped the round's writer; its own busy time no longer counts.
   if (const char* t = std::getenv("RDZV_REQUEST_TIMEOUT_MS")) so.requestTimeout = std::chrono::milliseconds(std::atoll(t));
   // RDZV_MAX_BUFFERED_MB: the server's cap on unsent replies over all connections. When a large
   // round closes, every node reads the whole state (~420 KB at 1,000 nodes) at about the same
-  // moment: over the default 128 MiB if the readers are slower than the server.
+  // moment: over the default 128 MiB if the readers are slower than the server, which then stops
+  // reading requests until the replies are taken (it dropped readers before issue 46).
   if (const char* m = std::getenv("RDZV_MAX_BUFFERED_MB")) so.maxBufferedBytes = static_cast<std::size_t>(std::atoll(m)) << 20;
   store::TcpStoreServer server(so);
   rc::Settings settings;
@@ -270,6 +271,13 @@ int runOnce(int n) {
               n, static_cast<double>(lastDoneNs.load()) / 1e9, static_cast<unsigned long long>(stats.requests),
               static_cast<double>(stats.requests) / n, static_cast<unsigned long long>(stats.bytesReceived),
               failures.load(), rankErrors.load());
+  std::printf("store server: dropped=%llu (request deadline %llu, slow readers %llu) read_suspensions=%llu "
+              "peak_buffered_mib=%.1f\n",
+              static_cast<unsigned long long>(stats.droppedConnections),
+              static_cast<unsigned long long>(stats.timedOutConnections),
+              static_cast<unsigned long long>(stats.slowReaders),
+              static_cast<unsigned long long>(stats.readSuspensions),
+              static_cast<double>(stats.peakBufferedBytes) / (1 << 20));
   printCounts(n, totalCounts, wirePerAgent);
   std::fflush(stdout);
   return failures.load() + rankErrors.load() == 0 ? 0 : 1;
