@@ -654,6 +654,59 @@ TEST_CASE("rendezvous simulation: a node that joins alone asks the store only wh
   CHECK(store.store.keys().count(heartbeatKey("job", simNode("a").id)) == 1);
 }
 
+// An outsider rewrites the state as the admission lands, with the admitted node's heartbeat an hour
+// ahead: the node must still beat on its own schedule (a future time taken as its last beat would
+// hold every heartbeat back for an hour, and the monitor would expire it).
+namespace {
+class FutureBeatStore final : public CasStore {
+ public:
+  explicit FutureBeatStore(std::string id) : id_(std::move(id)) {}
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    if (!tampered && key == stateKey("job")) {
+      if (auto s = decodeStoreValue(desired); s && s->heartbeats.count(id_)) {
+        s->heartbeats[id_] += std::chrono::hours(1);
+        tampered = true;
+        return store.compareSet(key, expected, encodeState(*s));  // not what was asked: the outsider's
+      }
+    }
+    return store.compareSet(key, expected, desired);
+  }
+  std::string get(const std::string& key) override { return store.get(key); }
+  bool supportsAnnouncements() const override { return true; }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return store.add(key, delta); }
+  void set(const std::string& key, const std::string& value) override {
+    if (key == heartbeatKey("job", id_)) ++beats;
+    store.set(key, value);
+  }
+  bool check(const std::string& key) override { return store.check(key); }
+  void deleteKey(const std::string& key) override { store.deleteKey(key); }
+  MemStore store;
+  bool tampered = false;
+  int beats = 0;
+
+ private:
+  std::string id_;
+};
+} // namespace
+
+TEST_CASE("rendezvous simulation: a heartbeat time ahead of the node's clock in the state does not hold its heartbeats back", "[rendezvous]") {
+  const NodeInfo self = simNode("a");
+  FutureBeatStore store(self.id);
+  StillClock clock;
+  const Settings settings = simSettings("job", 1, 1);
+  Executor executor(store, settings, self, clock);
+  const RoundResult r = executor.nextRound();
+  REQUIRE(r.nodeCount == 1);
+  REQUIRE(store.tampered);
+  const int before = store.beats;
+  for (int i = 0; i < 4; ++i) {
+    clock.sleepFor(settings.keepAliveInterval);
+    executor.keepAlive();
+  }
+  INFO("heartbeat sets before the keep-alives: " << before << ", after: " << store.beats);
+  CHECK(store.beats - before >= 3);
+}
+
 TEST_CASE("rendezvous simulation: a number taken and never written is skipped after the take-over delay", "[rendezvous]") {
   Simulation sim(true);
   auto s = simSettings("job", 3, 3);

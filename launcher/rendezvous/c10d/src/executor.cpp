@@ -487,10 +487,12 @@ void Executor::beatIfDue(bool force) {
   if (mine == state_->heartbeats.end()) return;  // not in the rendezvous (yet)
   // Admitted from this node's announcement: the admitting node wrote this node's key with the
   // admission time along with the state (admitIfDue), which makes that its first heartbeat. (If
-  // that node died before the key, the monitor keeps the state's entry, the same time.)
-  if (!lastBeatSent_ && myRound_ == state_->round && myNumber_ > 0 && myNumber_ <= state_->announced)
-    lastBeatSent_ = mine->second;
+  // that node died before the key, the monitor keeps the state's entry, the same time.) Never a
+  // time ahead of this node's clock: anyone can write the state, and a time in the future would
+  // hold this node's heartbeats back until its clock got there.
   const Timestamp now = clock_.now();
+  if (!lastBeatSent_ && myRound_ == state_->round && myNumber_ > 0 && myNumber_ <= state_->announced)
+    lastBeatSent_ = std::min(mine->second, now);
   const auto minGap = force ? settings_.keepAliveInterval / 4 : settings_.keepAliveInterval;
   if (lastBeatSent_ && now - *lastBeatSent_ < minGap) return;
   store_.set(heartbeatKey(settings_.runId, self_.id), std::to_string(now.time_since_epoch().count()));
