@@ -43,6 +43,30 @@ TcpStoreClientOptions shortTimeouts() {
   return o;
 }
 
+// A server for the tests of many large replies: maxBufferedBytes `cap`, `replyTimeout`, an optional
+// log, and "value" (`valueSize` bytes of 'v') stored by `legit` before anyone asks for it.
+struct ValueServer {
+  ValueServer(std::size_t cap, std::chrono::milliseconds replyTimeout, std::size_t valueSize,
+              std::function<void(const std::string&)> log = {})
+      : options(optionsFor(cap, replyTimeout, std::move(log))),
+        server(options),
+        legit("127.0.0.1", server.port(), shortTimeouts()) {
+    legit.set("value", Bytes(valueSize, 'v'));
+    REQUIRE(legit.get("value").size() == valueSize);  // stored before anyone asks for it (SET has no reply)
+  }
+  static TcpStoreServerOptions optionsFor(std::size_t cap, std::chrono::milliseconds replyTimeout,
+                                          std::function<void(const std::string&)> log) {
+    TcpStoreServerOptions o;
+    o.maxBufferedBytes = cap;
+    o.replyTimeout = replyTimeout;
+    o.debugLog = std::move(log);
+    return o;
+  }
+  TcpStoreServerOptions options;
+  TcpStoreServer server;
+  TcpStoreClient legit;
+};
+
 // Sends all of `b` (blocking); false once the server has closed the connection.
 bool sendAll(int fd, const Bytes& b) {
   std::size_t sent = 0;
@@ -277,13 +301,10 @@ TEST_CASE("store limits: half-sent SETs from many connections stay under maxBuff
 // takes none of its replies for replyTimeout is dropped (it was dropped at once, as the largest
 // holder: a reader taking a large reply was dropped the same way, issue 46).
 TEST_CASE("store limits: large replies left unread by many connections stay under maxBufferedBytes") {
-  TcpStoreServerOptions o;
-  o.maxBufferedBytes = 8u << 20;
-  o.replyTimeout = 500ms;
-  TcpStoreServer server(o);
-  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
-  legit.set("value", Bytes(2u << 20, 'v'));
-  REQUIRE(legit.get("value").size() == 2u << 20);  // stored before anyone asks for it (SET has no reply)
+  ValueServer v(8u << 20, 500ms, 2u << 20);
+  const TcpStoreServerOptions& o = v.options;
+  TcpStoreServer& server = v.server;
+  TcpStoreClient& legit = v.legit;
   std::vector<std::unique_ptr<Socket>> readers;
   Bytes gets = protocol::encodeValidate();
   for (int i = 0; i < 8; ++i) {  // 16 MiB of replies per connection, more than the socket buffers take
@@ -353,16 +374,12 @@ std::size_t readReplies(int fd, std::size_t expected, std::size_t valueSize, std
 // are taken, and readers that take theirs steadily are all served, however much each holds.
 TEST_CASE("store limits: many connections taking large replies steadily past maxBufferedBytes are all served") {
   ctorch::launcher_test::LogLines log;
-  TcpStoreServerOptions o;
-  o.maxBufferedBytes = 1u << 20;
-  o.replyTimeout = 1s;
-  o.debugLog = log.sink();
-  TcpStoreServer server(o);
   constexpr std::size_t kValue = 512u << 10;
   constexpr int kReaders = 8, kGets = 8;  // 32 MiB of replies against a 1 MiB cap
-  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
-  legit.set("value", Bytes(kValue, 'v'));
-  REQUIRE(legit.get("value").size() == kValue);
+  ValueServer v(1u << 20, 1s, kValue, log.sink());
+  const TcpStoreServerOptions& o = v.options;
+  TcpStoreServer& server = v.server;
+  TcpStoreClient& legit = v.legit;
   std::vector<std::unique_ptr<Socket>> readers;
   for (int i = 0; i < kReaders; ++i) {
     readers.push_back(std::make_unique<Socket>(server.port(), Socket::kSmallReceiveBuffer));
@@ -403,15 +420,11 @@ TEST_CASE("store limits: many connections taking large replies steadily past max
 // first may pass while the socket buffers fill), and the others are served again.
 TEST_CASE("store limits: a client that does not take its replies is dropped while reading is suspended") {
   ctorch::launcher_test::LogLines log;
-  TcpStoreServerOptions o;
-  o.maxBufferedBytes = 1u << 20;
-  o.replyTimeout = 500ms;
-  o.debugLog = log.sink();
-  TcpStoreServer server(o);
   constexpr std::size_t kValue = 512u << 10;
-  TcpStoreClient legit("127.0.0.1", server.port(), shortTimeouts());
-  legit.set("value", Bytes(kValue, 'v'));
-  REQUIRE(legit.get("value").size() == kValue);
+  ValueServer v(1u << 20, 500ms, kValue, log.sink());
+  const TcpStoreServerOptions& o = v.options;
+  TcpStoreServer& server = v.server;
+  TcpStoreClient& legit = v.legit;
   Socket hog(server.port(), Socket::kSmallReceiveBuffer);
   REQUIRE(hog.fd >= 0);
   REQUIRE(sendAll(hog.fd, pipelinedGets("/value", 32)));  // 16 MiB of replies
