@@ -15,7 +15,7 @@ FLOORS = {
     "core": 1,
     "comm": 2, "sampler": 2, "tensorboard": 2, "optim": 2,
     "snapshot": 3, "ddp": 3, "amp": 3, "zero": 3,
-    "fsdp": 4, "parameter_server": 4, "cuda_graph": 4,
+    "fsdp": 4, "parameter_server": 4, "cuda_graph": 4, "pipeline": 4,
     "resilience": 5,
 }
 # Each public header (trainer/include/ctorch/<name>.hpp) belongs to the room that implements it.
@@ -28,7 +28,7 @@ PUBLIC = {
     "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
     "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
-    "tensorboard": "tensorboard", "optim": "optim", "memory_format": "core", "cuda_graph": "cuda_graph",
+    "tensorboard": "tensorboard", "optim": "optim", "pipeline": "pipeline", "memory_format": "core", "cuda_graph": "cuda_graph",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([A-Za-z0-9_]+)/([A-Za-z0-9_/]+)\.hpp[>"]', re.M)
 

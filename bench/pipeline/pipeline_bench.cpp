@@ -1,0 +1,94 @@
+// One pipeline job under ctorchrun (S = the world size): an MLP of `layers` x (Linear(width, width),
+// ReLU) + Linear(width, 10) cut into S balanced stages, SGD, M micro-batches of a `batch`-row batch.
+// After two warm-up steps, `steps` measured steps; each rank prints one line: the median step, compute
+// and receive-wait times, the measured bubble (wait / step) beside the (S-1)/(M+S-1) model, the most
+// micro-batches in flight, and the peak resident memory above what it was before the measured steps
+// (activations and their buffers: VmHWM reset through /proc/self/clear_refs).
+// Usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps
+#include <ctorch/distributed.hpp>
+#include <ctorch/pipeline.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+long statusKb(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
+  return -1;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 7) {
+    std::cerr << "usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps\n";
+    return 2;
+  }
+  try {
+    const auto kind = ctorch::parsePipelineSchedule(argv[1]);
+    const int layers = std::stoi(argv[2]), width = std::stoi(argv[3]), batch = std::stoi(argv[4]);
+    const int M = std::stoi(argv[5]), steps = std::stoi(argv[6]);
+    ctorch::initProcessGroup();
+    const int S = ctorch::getWorldSize(), rank = ctorch::getRank();
+    torch::manual_seed(1);
+    torch::nn::Sequential model;
+    for (int i = 0; i < layers; ++i) {
+      model->push_back(torch::nn::Linear(width, width));
+      model->push_back(torch::nn::ReLU());
+    }
+    model->push_back(torch::nn::Linear(width, 10));
+    const auto sizes = ctorch::balancedPartition(model, S);
+    ctorch::PipelineStage stage(ctorch::pipelineSplit(model, sizes, rank), rank, S);
+    ctorch::PipelineSchedule schedule(stage, M, kind, [](const at::Tensor& out, const at::Tensor& y) {
+      return torch::nn::functional::cross_entropy(out, y);
+    });
+    torch::optim::SGD optimizer(stage.module()->parameters(), 0.01);
+    const at::Tensor x = torch::randn({batch, width}), y = torch::randint(0, 10, {batch}, torch::kLong);
+    auto oneStep = [&] {
+      optimizer.zero_grad();
+      schedule.step(x, y);
+      optimizer.step();
+    };
+    for (int i = 0; i < 2; ++i) oneStep();
+    ctorch::barrier();
+    std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+    const long before = statusKb("VmRSS");
+    std::vector<double> total, compute, waiting;
+    int inFlight = 0;
+    for (int i = 0; i < steps; ++i) {
+      oneStep();
+      const auto& st = schedule.lastStepStats();
+      total.push_back(st.total.count() * 1e3);
+      compute.push_back(st.compute.count() * 1e3);
+      waiting.push_back(st.waiting.count() * 1e3);
+      inFlight = std::max(inFlight, st.maxInFlight);
+    }
+    const long peak = statusKb("VmHWM");
+    const double t = median(total), w = median(waiting);
+    std::printf("rank=%d stage=%d schedule=%s S=%d M=%d step_ms=%.1f compute_ms=%.1f wait_ms=%.1f bubble=%.3f "
+                "model=%.3f max_in_flight=%d peak_extra_mb=%.1f\n",
+                rank, rank, ctorch::toString(kind), S, M, t, median(compute), w, t > 0 ? w / t : 0,
+                static_cast<double>(S - 1) / (M + S - 1), inFlight, (peak - before) / 1024.0);
+    std::fflush(stdout);
+    ctorch::barrier();
+    ctorch::destroyProcessGroup();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "pipeline_bench: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,441 @@
+// Running a pipeline schedule: one stage's forwards and backwards in the order pipelineActions()
+// gives, activations sent forward and their gradients back with c10d send/recv.
+//
+// The wire, per step and per pair of neighbours (stage s -> s+1 on one tag, s+1 -> s on another):
+// a header from the first stage passed down the pipeline (magic, M, step, whether shapes follow,
+// training); when they follow, each activation is preceded by its shape and dtype; then the
+// activations themselves into fixed receive buffers, and each micro-batch's input gradient back,
+// whose shape the receiver knows (it sent the activation). Shapes are exchanged on the first step
+// and whenever the first stage's micro-batch shapes change; a stage whose output shape changes
+// while its input's did not is refused (the receiver's buffer would not fit it).
+#include "ctorch/pipeline.hpp"
+
+#include "ctorch/distributed.hpp"
+#include "ctorch/hybrid_shard_groups.hpp"
+#include "core/exception_text.hpp"
+
+#include <ATen/Context.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+
+namespace ctorch {
+namespace pipeline_wire {
+
+constexpr std::int64_t kMagic = 0x63747069706531;  // "ctpipe1"
+constexpr int kForwardTag = 0x7e10;                // stage s -> s+1: header, shapes, activations
+constexpr int kBackwardTag = 0x7e11;               // stage s+1 -> s: input gradients
+constexpr std::int64_t kMaxDims = 12;
+enum HeaderField : std::int64_t { kHMagic, kHMicroBatches, kHStep, kHShapes, kHTraining, kHeaderSize };
+
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  std::vector<std::int64_t> sizes;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool operator==(const Shape& o) const { return sizes == o.sizes && dtype == o.dtype; }
+  bool operator!=(const Shape& o) const { return !(*this == o); }
+  std::string text() const {
+    std::ostringstream out;
+    out << "[";
+    for (std::size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+    out << "] " << c10::toString(dtype);
+    return out.str();
+  }
+};
+
+Shape shapeOf(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type()}; }
+
+std::string stageName(int stage) { return "pipeline stage " + std::to_string(stage); }
+
+// One send/recv/wait; its failure becomes one DistributedError (DistributedTimeout) naming it.
+template <typename F>
+auto communicate(const std::string& what, F&& f) {
+  try {
+    return f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed(what + " failed: " + message, message);
+  }
+}
+
+// The default generator of `device` seeded for one forward, its state put back after.
+class SeedGuard {
+ public:
+  SeedGuard(const std::optional<std::uint64_t>& seed, const torch::Device& device) {
+    if (!seed) return;
+    generator_ = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator_->mutex());
+    saved_ = generator_->get_state();
+    generator_->set_current_seed(*seed);
+  }
+  ~SeedGuard() {
+    if (!generator_) return;
+    std::lock_guard<std::mutex> lock(generator_->mutex());
+    generator_->set_state(saved_);
+  }
+  SeedGuard(const SeedGuard&) = delete;
+  SeedGuard& operator=(const SeedGuard&) = delete;
+
+ private:
+  std::optional<at::Generator> generator_;
+  at::Tensor saved_;
+};
+
+} // namespace pipeline_wire
+
+using namespace pipeline_wire;
+
+// ---- PipelineStage -----------------------------------------------------------------------------------
+PipelineStage::PipelineStage(torch::nn::Sequential module, int stageIndex, int numStages, PipelineStageOptions options)
+    : module_(std::move(module)), stageIndex_(stageIndex), numStages_(numStages), options_(std::move(options)) {
+  if (numStages < 1 || stageIndex < 0 || stageIndex >= numStages)
+    throw ConfigError("PipelineStage: stage " + std::to_string(stageIndex) + " is not one of " +
+                      std::to_string(numStages) + " stages");
+  if (module_->is_empty()) throw ConfigError("PipelineStage: stage " + std::to_string(stageIndex) + " has no module");
+  group_ = options_.group();
+  if (!group_ && numStages > 1) group_ = getDefaultGroup();  // ConfigError without initProcessGroup()
+  if (group_ && (group_->getSize() != numStages || group_->getRank() != stageIndex))
+    throw ConfigError("PipelineStage: stage " + std::to_string(stageIndex) + " of " + std::to_string(numStages) +
+                      " needs a pipeline group of " + std::to_string(numStages) + " ranks in which it is rank " +
+                      std::to_string(stageIndex) + "; this rank is rank " + std::to_string(group_->getRank()) +
+                      " of " + std::to_string(group_->getSize()) + " (pipelineGroups() makes them)");
+}
+
+// ---- PipelineSchedule -----------------------------------------------------------------------------------
+struct PipelineSchedule::Impl {
+  std::vector<PipelineAction> actions;
+  torch::Device device{torch::kCPU};
+  // The first stage's micro-batch input shapes of the step before (shapes are exchanged when they change).
+  std::vector<Shape> lastInputShapes;
+  std::vector<Shape> received;  // per micro-batch: the activation shape from the stage before
+  std::vector<Shape> sent;      // per micro-batch: the activation shape sent to the stage after
+  // Fixed receive buffers by shape, handed back when their micro-batch is done.
+  std::map<std::string, std::vector<at::Tensor>> pool;
+
+  // Per micro-batch, for its backward.
+  struct Flight {
+    at::Tensor buffer;   // the receive buffer under `input` (back to the pool after the backward)
+    at::Tensor input;    // the leaf whose gradient goes back to the stage before
+    at::Tensor output;   // the stage's output (or, on the last stage, the scaled loss)
+    c10::intrusive_ptr<c10d::Work> activationSend;  // the output on its way to the stage after
+    at::Tensor activation;                           // what it sends
+    bool live = false;
+  };
+  std::vector<Flight> flights;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;  // waited at the step's end
+
+  at::Tensor takeBuffer(const Shape& shape) {
+    auto& free = pool[shape.text()];
+    if (!free.empty()) {
+      at::Tensor t = std::move(free.back());
+      free.pop_back();
+      return t;
+    }
+    return torch::empty(shape.sizes, torch::TensorOptions().dtype(shape.dtype).device(device));
+  }
+  void giveBack(at::Tensor buffer) {
+    if (buffer.defined()) pool[shapeOf(buffer).text()].push_back(std::move(buffer));
+  }
+};
+
+PipelineSchedule::PipelineSchedule(PipelineStage& stage, int microBatches, PipelineScheduleKind kind,
+                                   PipelineLossFn loss, PipelineScheduleOptions options)
+    : stage_(stage), microBatches_(microBatches), kind_(kind), loss_(std::move(loss)), options_(std::move(options)),
+      impl_(std::make_unique<Impl>()) {
+  if (microBatches < 1)
+    throw ConfigError("pipeline: micro-batches must be at least 1, got " + std::to_string(microBatches));
+  if (stage.isLast() && !loss_) throw ConfigError("pipeline: the last stage needs a loss function");
+  impl_->actions = pipelineActions(kind, stage.stageIndex(), stage.numStages(), microBatches);
+  for (const auto& p : stage.module()->parameters()) {
+    impl_->device = p.device();
+    break;
+  }
+}
+
+PipelineSchedule::~PipelineSchedule() {
+  // Sends still in flight after a failed step: their buffers must outlive them.
+  for (auto& [work, tensor] : impl_->sends) {
+    try {
+      if (work) work->wait();
+    } catch (...) {
+    }
+  }
+  for (auto& flight : impl_->flights) {
+    try {
+      if (flight.activationSend) flight.activationSend->wait();
+    } catch (...) {
+    }
+  }
+}
+
+std::vector<at::Tensor> PipelineSchedule::step(const at::Tensor& input, const at::Tensor& target) {
+  return run(input, target, true);
+}
+
+at::Tensor PipelineSchedule::evaluate(const at::Tensor& input) {
+  torch::NoGradGuard noGrad;
+  auto outputs = run(input, {}, false);
+  if (outputs.empty()) return {};
+  return torch::cat(outputs, 0);
+}
+
+std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at::Tensor& target, bool training) {
+  Impl& im = *impl_;
+  const int s = stage_.stageIndex(), S = stage_.numStages(), M = microBatches_;
+  const bool first = stage_.isFirst(), last = stage_.isLast();
+  const auto& group = stage_.group();
+  const std::string me = stageName(s);
+  stats_ = {};
+  const auto stepStart = Clock::now();
+
+  auto split = [&](const at::Tensor& t, const char* what) {
+    if (!t.defined()) throw ConfigError(me + ": step() needs the " + std::string(what) + " on this stage");
+    if (t.dim() == 0 || t.size(0) < M)
+      throw ConfigError(me + ": a " + what + " of " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) +
+                        " rows cannot make " + std::to_string(M) + " micro-batches");
+    return t.tensor_split(M, 0);
+  };
+  std::vector<at::Tensor> inputs, targets;
+  if (first) inputs = split(input, "input");
+  if (last && training) targets = split(target, "target");
+
+  auto timedWait = [&](const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    const auto start = Clock::now();
+    communicate(me + ": " + what, [&] { return work->wait(); });
+    stats_.waiting += Clock::now() - start;
+  };
+  auto sendTo = [&](int peer, int tag, const at::Tensor& tensor, const std::string& what) {
+    std::vector<at::Tensor> tensors{tensor};
+    return communicate(me + ": " + what, [&] { return group->send(tensors, peer, tag); });
+  };
+  auto recvInto = [&](int peer, int tag, at::Tensor& tensor, const std::string& what) {
+    std::vector<at::Tensor> tensors{tensor};
+    auto work = communicate(me + ": " + what, [&] { return group->recv(tensors, peer, tag); });
+    timedWait(work, what);
+  };
+  auto keepSending = [&](c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor) {
+    im.sends.emplace_back(std::move(work), std::move(tensor));
+  };
+
+  // The header: made by the first stage, passed down.
+  at::Tensor header = torch::zeros({kHeaderSize}, torch::kInt64);
+  bool exchange = false;
+  if (first) {
+    std::vector<Shape> shapes;
+    for (const auto& x : inputs) shapes.push_back(shapeOf(x));
+    exchange = shapes != im.lastInputShapes;
+    im.lastInputShapes = std::move(shapes);
+    auto* h = header.data_ptr<std::int64_t>();
+    h[kHMagic] = kMagic;
+    h[kHMicroBatches] = M;
+    h[kHStep] = steps_;
+    h[kHShapes] = exchange;
+    h[kHTraining] = training;
+  } else {
+    recvInto(s - 1, kForwardTag, header, "receiving the step's header from stage " + std::to_string(s - 1));
+    const auto* h = header.data_ptr<std::int64_t>();
+    if (h[kHMagic] != kMagic)
+      throw DistributedError(me + ": the message from stage " + std::to_string(s - 1) +
+                             " is not a pipeline step's header (is the stage before running a schedule?)");
+    if (h[kHMicroBatches] != M || h[kHTraining] != training || h[kHStep] != steps_)
+      throw ConfigError(me + ": stage " + std::to_string(s - 1) + " runs " + (h[kHTraining] ? "step" : "evaluate") +
+                        " " + std::to_string(h[kHStep]) + " with " + std::to_string(h[kHMicroBatches]) +
+                        " micro-batches, this stage " + (training ? "step" : "evaluate") + " " +
+                        std::to_string(steps_) + " with " + std::to_string(M) +
+                        ": every stage makes the same calls with the same micro-batches and step count");
+    exchange = h[kHShapes] != 0;
+  }
+  if (!last) keepSending(sendTo(s + 1, kForwardTag, header, "sending the step's header"), header);
+  stats_.shapesExchanged = exchange;
+  if (exchange) {
+    im.received.assign(static_cast<std::size_t>(M), Shape{});
+    im.sent.assign(static_cast<std::size_t>(M), Shape{});
+  }
+  im.flights.assign(static_cast<std::size_t>(M), Impl::Flight{});
+
+  std::vector<at::Tensor> results;
+  int inFlight = 0;
+  const std::vector<PipelineAction> forwardOnly = [&] {
+    std::vector<PipelineAction> f;
+    for (int m = 0; m < M; ++m) f.push_back({PipelineAction::Kind::kForward, m});
+    return f;
+  }();
+
+  for (const PipelineAction& action : training ? im.actions : forwardOnly) {
+    const int m = action.microBatch;
+    const auto mu = static_cast<std::size_t>(m);
+    auto& flight = im.flights[mu];
+    const std::string micro = "micro-batch " + std::to_string(m);
+    if (action.kind == PipelineAction::Kind::kForward) {
+      at::Tensor x;
+      if (first) {
+        x = inputs[mu];
+      } else {
+        if (exchange) {
+          at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
+          recvInto(s - 1, kForwardTag, meta, "receiving " + micro + "'s activation shape from stage " + std::to_string(s - 1));
+          const auto* d = meta.data_ptr<std::int64_t>();
+          if (d[1] < 0 || d[1] > kMaxDims || d[0] < 0 || d[0] >= static_cast<std::int64_t>(c10::ScalarType::NumOptions))
+            throw DistributedError(me + ": stage " + std::to_string(s - 1) + " sent no activation shape for " + micro);
+          Shape shape{std::vector<std::int64_t>(d + 2, d + 2 + d[1]), static_cast<c10::ScalarType>(d[0])};
+          for (auto size : shape.sizes)
+            if (size < 0) throw DistributedError(me + ": stage " + std::to_string(s - 1) + " sent a negative size");
+          im.received[mu] = shape;
+        }
+        flight.buffer = im.takeBuffer(im.received[mu]);
+        recvInto(s - 1, kForwardTag, flight.buffer, "receiving " + micro + "'s activation from stage " + std::to_string(s - 1));
+        x = flight.buffer.detach();
+        if (training && x.is_floating_point()) x.requires_grad_(true);
+        flight.input = x;
+      }
+      const auto computeStart = Clock::now();
+      at::Tensor y;
+      {
+        std::optional<std::uint64_t> seed;
+        if (stage_.options().seed()) seed = pipelineMicroBatchSeed(*stage_.options().seed(), steps_, m, s);
+        SeedGuard guard(seed, im.device);
+        y = stage_.module()->forward(x);
+      }
+      if (last) {
+        if (training) {
+          at::Tensor loss = loss_(y, targets[mu]);
+          if (!loss.defined() || loss.numel() != 1)
+            throw ConfigError(me + ": the loss function must return one value, got " +
+                              (loss.defined() ? std::to_string(loss.numel()) : std::string("none")));
+          results.push_back(loss.detach().reshape({}));
+          flight.output = options_.scaleLoss() ? loss / static_cast<double>(M) : loss;
+        } else {
+          results.push_back(y.detach());
+        }
+      }
+      stats_.compute += Clock::now() - computeStart;
+      if (!last) {
+        const at::Tensor out = y.detach().contiguous();
+        const Shape shape = shapeOf(out);
+        if (exchange) {
+          if (static_cast<std::int64_t>(shape.sizes.size()) > kMaxDims)
+            throw ConfigError(me + ": an activation of " + std::to_string(shape.sizes.size()) + " dimensions (at most " +
+                              std::to_string(kMaxDims) + ")");
+          at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
+          auto* d = meta.data_ptr<std::int64_t>();
+          d[0] = static_cast<std::int64_t>(shape.dtype);
+          d[1] = static_cast<std::int64_t>(shape.sizes.size());
+          std::copy(shape.sizes.begin(), shape.sizes.end(), d + 2);
+          keepSending(sendTo(s + 1, kForwardTag, meta, "sending " + micro + "'s activation shape"), meta);
+          im.sent[mu] = shape;
+        } else if (shape != im.sent[mu]) {
+          throw ConfigError(me + ": " + micro + "'s output is " + shape.text() + " where the step before sent " +
+                            im.sent[mu].text() + " for the same input shapes: a stage's output shape must follow from its input's");
+        }
+        // Waited once (a Gloo send's second wait never returns): at its backward, or at the step's end.
+        flight.activationSend = sendTo(s + 1, kForwardTag, out, "sending " + micro + "'s activation");
+        flight.activation = out;
+        if (training) flight.output = y;
+      }
+      if (training) {
+        flight.live = true;
+        stats_.maxInFlight = std::max(stats_.maxInFlight, ++inFlight);
+      }
+      continue;
+    }
+
+    // Backward of micro-batch m.
+    if (!flight.live) throw std::logic_error("pipeline: backward of a micro-batch never forwarded");
+    at::Tensor gradOut;
+    if (!last) {
+      gradOut = torch::empty(im.sent[mu].sizes, torch::TensorOptions().dtype(im.sent[mu].dtype).device(im.device));
+      recvInto(s + 1, kBackwardTag, gradOut, "receiving " + micro + "'s gradient from stage " + std::to_string(s + 1));
+    }
+    const auto computeStart = Clock::now();
+    if (flight.output.requires_grad()) {
+      if (last) torch::autograd::backward({flight.output});
+      else torch::autograd::backward({flight.output}, {gradOut});
+    }
+    stats_.compute += Clock::now() - computeStart;
+    if (!first) {
+      at::Tensor grad = flight.input.defined() && flight.input.requires_grad() ? flight.input.grad() : at::Tensor();
+      if (!grad.defined()) grad = torch::zeros_like(flight.buffer);
+      grad = grad.contiguous();
+      keepSending(sendTo(s - 1, kBackwardTag, grad, "sending " + micro + "'s input gradient"), grad);
+    }
+    // The activation came back as a gradient, so its send is done; the buffer may serve again.
+    if (flight.activationSend) timedWait(flight.activationSend, "sending " + micro + "'s activation");
+    im.giveBack(std::move(flight.buffer));
+    flight = Impl::Flight{};
+    --inFlight;
+  }
+
+  for (auto& [work, tensor] : im.sends) timedWait(work, "finishing the step's sends");
+  im.sends.clear();
+  for (auto& flight : im.flights) {  // evaluation: nothing came back to say the activations were taken
+    if (flight.activationSend) timedWait(flight.activationSend, "sending an activation");
+    im.giveBack(std::move(flight.buffer));
+  }
+  im.flights.clear();
+
+  if (training && options_.dataParallelGroup() && options_.dataParallelGroup()->getSize() > 1) {
+    const auto& dp = options_.dataParallelGroup();
+    std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> byType;
+    for (auto& p : stage_.module()->parameters()) {
+      if (!p.requires_grad()) continue;
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      byType[{p.scalar_type(), p.device().str()}].push_back(p.grad());
+    }
+    for (auto& [key, grads] : byType) {
+      std::vector<at::Tensor> flat{torch::cat([&] {
+        std::vector<at::Tensor> views;
+        for (const auto& g : grads) views.push_back(g.reshape({-1}));
+        return views;
+      }())};
+      auto work = communicate(me + ": averaging the stage's gradients over its data-parallel group",
+                              [&] { return dp->allreduce(flat); });
+      timedWait(work, "averaging the stage's gradients over its data-parallel group");
+      flat[0].div_(dp->getSize());
+      std::int64_t offset = 0;
+      for (auto& g : grads) {
+        g.copy_(flat[0].narrow(0, offset, g.numel()).view_as(g));
+        offset += g.numel();
+      }
+    }
+  }
+  ++steps_;
+  stats_.total = Clock::now() - stepStart;
+  return results;
+}
+
+// ---- Pipeline x data parallelism ---------------------------------------------------------------------
+PipelineGroups pipelineGroups(int stages) {
+  const int world = getWorldSize(), rank = getRank();
+  if (stages < 1 || world % stages != 0)
+    throw ConfigError("pipeline: " + std::to_string(stages) + " stages do not divide the world of " +
+                      std::to_string(world) + " ranks into whole pipelines");
+  // The same layout as hybrid sharding's: a pipeline is a "node" of S consecutive ranks.
+  const HybridShardLayout layout = hybridShardLayout(world, rank, stages);
+  PipelineGroups groups;
+  groups.stages = stages;
+  groups.replicas = layout.replicas;
+  groups.stage = layout.localRank;
+  groups.replica = layout.node;
+  if (layout.replicas == 1) {
+    groups.pipeline = getDefaultGroup();
+    return groups;
+  }
+  for (std::size_t r = 0; r < layout.shardGroups.size(); ++r) {
+    auto g = newGroup(layout.shardGroups[r]);
+    if (static_cast<int>(r) == layout.node) groups.pipeline = g;
+  }
+  for (std::size_t st = 0; st < layout.replicateGroups.size(); ++st) {
+    auto g = newGroup(layout.replicateGroups[st]);
+    if (static_cast<int>(st) == layout.localRank) groups.dataParallel = g;
+  }
+  return groups;
+}
+
+} // namespace ctorch
