@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipeline parallelism on this host: the measured bubble (time a stage waits in receives / its step)
-# against the (S-1)/(M+S-1) model, and the peak memory a stage adds during a step (activations), for
+# against the (S-1)/(M+S-1) model, and the heap a stage holds at most during a step above its start (activations), for
 # GPipe and 1F1B at S stages and M in MICRO (default 1,2,4,8), one ctorchrun job per cell, one thread
 # per rank. On a 2-core machine keep S = 2 (more ranks than cores measures the scheduler, not the bubble).
 # Usage: [MICRO=1,2,4,8] bench/pipeline.sh [S=2] [layers=8] [width=256] [batch=8192] [steps=5]

@@ -2,28 +2,29 @@
 // ReLU) + Linear(width, 10) cut into S balanced stages, SGD, M micro-batches of a `batch`-row batch.
 // After two warm-up steps, `steps` measured steps; each rank prints one line: the median step, compute
 // and receive-wait times, the measured bubble (wait / step) beside the (S-1)/(M+S-1) model, the most
-// micro-batches in flight, and the peak resident memory above what it was before the measured steps
-// (activations and their buffers: VmHWM reset through /proc/self/clear_refs).
+// micro-batches in flight, and the activation memory: the most heap bytes in use during a step above
+// those in use at its start (glibc's mallinfo2, sampled every 200 us by a thread; every tensor here is
+// on the heap).
 // Usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps
 #include <ctorch/distributed.hpp>
 #include <ctorch/pipeline.hpp>
 
 #include <torch/torch.h>
 
+#include <malloc.h>
+
 #include <algorithm>
-#include <fstream>
+#include <atomic>
+#include <thread>
 #include <iostream>
 #include <string>
 #include <vector>
 
 namespace {
 
-long statusKb(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
-  return -1;
+std::size_t heapInUse() {
+  const struct mallinfo2 info = mallinfo2();
+  return info.uordblks + info.hblkhd;
 }
 
 double median(std::vector<double> v) {
@@ -65,24 +66,36 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 2; ++i) oneStep();
     ctorch::barrier();
-    std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
-    const long before = statusKb("VmRSS");
-    std::vector<double> total, compute, waiting;
+    std::atomic<bool> sampling{true};
+    std::atomic<std::size_t> peak{0};
+    std::thread sampler([&] {
+      while (sampling.load()) {
+        std::size_t now = heapInUse(), seen = peak.load();
+        while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    });
+    std::vector<double> total, compute, waiting, activation;
     int inFlight = 0;
     for (int i = 0; i < steps; ++i) {
+      const std::size_t start = heapInUse();
+      peak = start;
       oneStep();
+      activation.push_back(static_cast<double>(peak.load() - start) / 1e6);
       const auto& st = schedule.lastStepStats();
       total.push_back(st.total.count() * 1e3);
       compute.push_back(st.compute.count() * 1e3);
       waiting.push_back(st.waiting.count() * 1e3);
       inFlight = std::max(inFlight, st.maxInFlight);
     }
-    const long peak = statusKb("VmHWM");
+    sampling = false;
+    sampler.join();
     const double t = median(total), w = median(waiting);
     std::printf("rank=%d stage=%d schedule=%s S=%d M=%d step_ms=%.1f compute_ms=%.1f wait_ms=%.1f bubble=%.3f "
-                "model=%.3f max_in_flight=%d peak_extra_mb=%.1f\n",
+                "model=%.3f max_in_flight=%d activation_mb=%.1f\n",
                 rank, rank, ctorch::toString(kind), S, M, t, median(compute), w, t > 0 ? w / t : 0,
-                static_cast<double>(S - 1) / (M + S - 1), inFlight, (peak - before) / 1024.0);
+                static_cast<double>(S - 1) / (M + S - 1), inFlight, median(activation));
     std::fflush(stdout);
     ctorch::barrier();
     ctorch::destroyProcessGroup();
