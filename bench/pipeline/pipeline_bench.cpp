@@ -1,11 +1,14 @@
 // One pipeline job under ctorchrun (S = the world size): an MLP of `layers` x (Linear(width, width),
 // ReLU) + Linear(width, 10) cut into S balanced stages, SGD, M micro-batches of a `batch`-row batch.
-// After two warm-up steps, `steps` measured steps; each rank prints one line: the median step, compute
-// and receive-wait times, the measured bubble (wait / step) beside the (S-1)/(M+S-1) model, the most
+// After two warm-up steps, `steps` measured steps; each rank prints one line: the median whole step
+// (zero_grad, the schedule's step, the optimizer's step), the schedule's step alone, its compute and
+// receive-wait times, the measured bubble (wait / schedule step) beside the (S-1)/(M+S-1) model, the most
 // micro-batches in flight, and the activation memory: the most heap bytes in use during a step above
 // those in use at its start (glibc's mallinfo2, sampled every 200 us by a thread; every tensor here is
 // on the heap).
-// Usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps
+// Usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps [memory|nomemory]
+// (nomemory: no sampling thread, activation_mb=0; its mallinfo2 calls take every malloc arena's lock,
+// which slows the step: step times compared with another program are taken without it)
 #include <ctorch/distributed.hpp>
 #include <ctorch/pipeline.hpp>
 
@@ -35,8 +38,8 @@ double median(std::vector<double> v) {
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::cerr << "usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps\n";
+  if (argc != 7 && argc != 8) {
+    std::cerr << "usage: pipeline_bench gpipe|1f1b layers width batch microBatches steps [memory|nomemory]\n";
     return 2;
   }
   try {
@@ -66,7 +69,8 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 2; ++i) oneStep();
     ctorch::barrier();
-    std::atomic<bool> sampling{true};
+    const bool sampleMemory = argc < 8 || std::string(argv[7]) != "nomemory";
+    std::atomic<bool> sampling{sampleMemory};
     std::atomic<std::size_t> peak{0};
     std::thread sampler([&] {
       while (sampling.load()) {
@@ -76,12 +80,14 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     });
-    std::vector<double> total, compute, waiting, activation;
+    std::vector<double> whole, total, compute, waiting, activation;
     int inFlight = 0;
     for (int i = 0; i < steps; ++i) {
       const std::size_t start = heapInUse();
       peak = start;
+      const auto begin = std::chrono::steady_clock::now();
       oneStep();
+      whole.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
       activation.push_back(static_cast<double>(peak.load() - start) / 1e6);
       const auto& st = schedule.lastStepStats();
       total.push_back(st.total.count() * 1e3);
@@ -92,9 +98,9 @@ int main(int argc, char** argv) {
     sampling = false;
     sampler.join();
     const double t = median(total), w = median(waiting);
-    std::printf("rank=%d stage=%d schedule=%s S=%d M=%d step_ms=%.1f compute_ms=%.1f wait_ms=%.1f bubble=%.3f "
+    std::printf("rank=%d impl=ctorch schedule=%s S=%d M=%d step_ms=%.1f schedule_ms=%.1f compute_ms=%.1f wait_ms=%.1f bubble=%.3f "
                 "model=%.3f max_in_flight=%d activation_mb=%.1f\n",
-                rank, rank, ctorch::toString(kind), S, M, t, median(compute), w, t > 0 ? w / t : 0,
+                rank, ctorch::toString(kind), S, M, median(whole), t, median(compute), w, t > 0 ? w / t : 0,
                 static_cast<double>(S - 1) / (M + S - 1), inFlight, median(activation));
     std::fflush(stdout);
     ctorch::barrier();
