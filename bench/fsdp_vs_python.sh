@@ -22,25 +22,10 @@ for v in "$layers" "$width" "$steps" "$TIMEOUT"; do
 done
 [[ $worlds =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "fsdp_vs_python.sh: worlds '$worlds' is not a list like 1,2,4" >&2; exit 2; }
 
-if [ "${CTORCH_LANE:-}" != modern ]; then
-  # Outside the root: build there, then run this script inside (modern.sh passes no environment on).
-  build=${CTORCH_MODERN_BUILD_DIR:-$root/build-modern}
-  log=$(mktemp)
-  CTORCH_JOBS=${CTORCH_JOBS:-1} CTORCH_MODERN_BUILD_DIR=$build "$root/scripts/modern.sh" build \
-    --target zero_memory_bench ctorchrun >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
-  rm -f "$log"
-  malloc=()
-  for v in MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ MALLOC_ARENA_MAX; do
-    [ -z "${!v:-}" ] || malloc+=("$v=${!v}")
-  done
-  exec "$root/scripts/modern.sh" run env BUILD="$build" MODES="$MODES" PY_MODES="$PY_MODES" TIMEOUT="$TIMEOUT" \
-    "${malloc[@]}" bash "$root/bench/fsdp_vs_python.sh" "$worlds" "$layers" "$width" "$steps"
-fi
-
-build=${BUILD:-$root/build-modern}
-bin=$(find "$build" -name zero_memory_bench -type f -perm -u+x | head -1)
-launcher=$(find "$build" -name ctorchrun -type f -perm -u+x | head -1)
-[ -n "$bin" ] && [ -n "$launcher" ] || { echo "fsdp_vs_python.sh: no zero_memory_bench or ctorchrun in $build" >&2; exit 1; }
+. "$root/bench/lib.sh"
+# Outside the root: build there, then run this script inside.
+bench_in_modern_lane zero_memory_bench "MODES PY_MODES TIMEOUT" "$root/bench/fsdp_vs_python.sh" "$worlds" "$layers" "$width" "$steps"
+bench_binaries zero_memory_bench "${BUILD:-$root/build-modern}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 USE_LIBUV=0

@@ -8,10 +8,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 stages=${1:-2}; layers=${2:-8}; width=${3:-256}; batch=${4:-8192}; steps=${5:-5}
 micro=${MICRO:-1,2,4,8}
-"$root/scripts/build.sh" --target pipeline_bench ctorchrun >/dev/null
-build=${CTORCH_BUILD_DIR:-$root/build}
-bin=$(find "$build" -name pipeline_bench -type f -perm -u+x | head -1)
-launcher=$(find "$build" -name ctorchrun -type f -perm -u+x | head -1)
+. "$root/bench/lib.sh"
+bench_binaries pipeline_bench
 export OMP_NUM_THREADS=1
 echo "machine: $(nproc --all) cores; $(date -u +%FT%TZ); S=$stages, $layers x Linear($width, $width) + ReLU, batch $batch, SGD; median of $steps steps; load average $(cut -d" " -f1-3 /proc/loadavg)"
 for m in ${micro//,/ }; do

@@ -17,24 +17,9 @@ for v in "$stages" "$layers" "$width" "$batch" "$steps"; do
 done
 [[ $MICRO =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "pipeline_vs_python.sh: MICRO '$MICRO' is not a list like 4,8" >&2; exit 2; }
 
-if [ "${CTORCH_LANE:-}" != modern ]; then
-  build=${CTORCH_MODERN_BUILD_DIR:-$root/build-modern}
-  log=$(mktemp)
-  CTORCH_JOBS=${CTORCH_JOBS:-1} CTORCH_MODERN_BUILD_DIR=$build "$root/scripts/modern.sh" build \
-    --target pipeline_bench ctorchrun >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
-  rm -f "$log"
-  malloc=()
-  for v in MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ MALLOC_ARENA_MAX; do
-    [ -z "${!v:-}" ] || malloc+=("$v=${!v}")
-  done
-  exec "$root/scripts/modern.sh" run env BUILD="$build" MICRO="$MICRO" SCHEDULES="$SCHEDULES" "${malloc[@]}" \
-    bash "$root/bench/pipeline_vs_python.sh" "$stages" "$layers" "$width" "$batch" "$steps"
-fi
-
-build=${BUILD:-$root/build-modern}
-bin=$(find "$build" -name pipeline_bench -type f -perm -u+x | head -1)
-launcher=$(find "$build" -name ctorchrun -type f -perm -u+x | head -1)
-[ -n "$bin" ] && [ -n "$launcher" ] || { echo "pipeline_vs_python.sh: no pipeline_bench or ctorchrun in $build" >&2; exit 1; }
+. "$root/bench/lib.sh"
+bench_in_modern_lane pipeline_bench "MICRO SCHEDULES" "$root/bench/pipeline_vs_python.sh" "$stages" "$layers" "$width" "$batch" "$steps"
+bench_binaries pipeline_bench "${BUILD:-$root/build-modern}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 USE_LIBUV=0

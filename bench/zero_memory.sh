@@ -10,10 +10,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 worlds=${1:-1,2,4}; layers=${2:-6}; width=${3:-4096}; steps=${4:-4}
 modes=${MODES:-ddp,zero,fsdp,fsdp-grad-op}
-"$root/scripts/build.sh" --target zero_memory_bench ctorchrun >/dev/null
-build=${CTORCH_BUILD_DIR:-$root/build}
-bin=$(find "$build" -name zero_memory_bench -type f -perm -u+x | head -1)
-launcher=$(find "$build" -name ctorchrun -type f -perm -u+x | head -1)
+. "$root/bench/lib.sh"
+bench_binaries zero_memory_bench
 export OMP_NUM_THREADS=1
 echo "machine: $(nproc --all) cores, $(free -g | awk '/Mem:/ {print $2}') GiB; $(date -u +%FT%TZ); $layers x $width^2 parameters, Adam, batch 8; modes $modes; load average $(cut -d" " -f1-3 /proc/loadavg)"
 for world in ${worlds//,/ }; do
