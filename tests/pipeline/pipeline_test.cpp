@@ -200,6 +200,39 @@ CTORCH_TEST_WORKER(pipeline_refusals) {
   std::_Exit(0);
 }
 
+// World 2: stage 0's output narrows on the second step while its input keeps its shape. Stage 0
+// refuses before sending it (stage 1's buffer would not fit) and leaves; stage 1 gets an error.
+CTORCH_TEST_WORKER(pipeline_shape_change) {
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+  const int rank = ctorch::getRank();
+  static int calls = 0;
+  torch::nn::Sequential part =
+      rank == 0 ? torch::nn::Sequential(torch::nn::Functional([](const at::Tensor& x) {
+        return ++calls > 2 ? x.narrow(1, 0, 6) : x;  // two micro-batches per step
+      }))
+                : torch::nn::Sequential(torch::nn::Linear(12, 3));
+  ctorch::PipelineStage stage(part, rank, 2);
+  ctorch::Schedule1F1B schedule(stage, 2, lossFn);
+  auto [x, y] = batch(0, 8);
+  for (int step = 0; step < 2; ++step) {
+    try {
+      schedule.step(x, y);
+      std::cout << "step " << step << " done\n";
+    } catch (const ctorch::ConfigError& e) {
+      std::cout << "refused: " << e.what() << "\n";
+      std::cout.flush();
+      std::_Exit(0);
+    } catch (const ctorch::DistributedError& e) {
+      std::cout << "distributed error: " << e.what() << "\n";
+      std::cout.flush();
+      std::_Exit(0);
+    }
+  }
+  std::cout << "no error\n";
+  std::cout.flush();
+  std::_Exit(0);
+}
+
 } // namespace pipeline_test
 
 using namespace pipeline_test;
@@ -334,4 +367,15 @@ TEST_CASE("pipeline: a wrong group, too few rows and stages that disagree are re
   CHECK_THAT(first, Catch::Contains("refused: pipeline stage 0: a input of 3 rows cannot make 4 micro-batches"));
   CHECK_THAT(second, Catch::Contains("refused: pipeline stage 1: stage 0 runs step 0 with 4 micro-batches, this stage step 0 with 2"));
   CHECK_THAT(first, Catch::Contains("distributed error: pipeline stage 0: "));
+}
+
+TEST_CASE("pipeline: a stage whose output shape changes while its input's did not is refused before it sends, "
+          "and its neighbour gets an error", "[pipeline][multiproc]") {
+  auto results = runWorkerGroup({.worker = "pipeline_shape_change", .worldSize = 2, .timeout = std::chrono::seconds(60)});
+  requireAllOk(results);
+  INFO("rank 0:\n" << results[0].output << "\nrank 1:\n" << results[1].output);
+  for (const auto& r : results) CHECK_THAT(r.output, Catch::Contains("step 0 done"));
+  CHECK_THAT(results[0].output, Catch::Contains("refused: pipeline stage 0: micro-batch 0's output is [4, 6] Float where the "
+                                                "step before sent [4, 12] Float for the same input shapes"));
+  CHECK_THAT(results[1].output, Catch::Contains("distributed error: pipeline stage 1: "));
 }
