@@ -317,7 +317,7 @@ TEST_CASE("pipeline: one stage is gradient accumulation itself, with no process 
   CHECK_THROWS_WITH(ctorch::ScheduleGPipe(stage, 0, lossFn), "pipeline: micro-batches must be at least 1, got 0");
   CHECK_THROWS_WITH(ctorch::ScheduleGPipe(stage, 2), "pipeline: the last stage needs a loss function");
   CHECK_THROWS_WITH(schedule.step(x.narrow(0, 0, 3), y.narrow(0, 0, 3)),
-                    "pipeline stage 0: a input of 3 rows cannot make 4 micro-batches");
+                    "pipeline stage 0: the input has 3 rows, fewer than the 4 micro-batches");
 }
 
 TEST_CASE("pipeline: 2 and 3 processes equal one process accumulating gradients, bit for bit (GPipe, 1F1B, M = 1 "
@@ -364,7 +364,7 @@ TEST_CASE("pipeline: a wrong group, too few rows and stages that disagree are re
   for (const auto* out : {&first, &second})
     CHECK_THAT(*out, Catch::Contains("refused: PipelineStage: stage " + std::string(out == &first ? "0" : "1") +
                                      " of 3 needs a pipeline group of 3 ranks"));
-  CHECK_THAT(first, Catch::Contains("refused: pipeline stage 0: a input of 3 rows cannot make 4 micro-batches"));
+  CHECK_THAT(first, Catch::Contains("refused: pipeline stage 0: the input has 3 rows, fewer than the 4 micro-batches"));
   CHECK_THAT(second, Catch::Contains("refused: pipeline stage 1: stage 0 runs step 0 with 4 micro-batches, this stage step 0 with 2"));
   CHECK_THAT(first, Catch::Contains("distributed error: pipeline stage 0: "));
 }

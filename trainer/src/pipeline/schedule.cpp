@@ -198,8 +198,8 @@ std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at:
   auto split = [&](const at::Tensor& t, const char* what) {
     if (!t.defined()) throw ConfigError(me + ": step() needs the " + std::string(what) + " on this stage");
     if (t.dim() == 0 || t.size(0) < M)
-      throw ConfigError(me + ": a " + what + " of " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) +
-                        " rows cannot make " + std::to_string(M) + " micro-batches");
+      throw ConfigError(me + ": the " + what + " has " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) +
+                        " rows, fewer than the " + std::to_string(M) + " micro-batches");
     return t.tensor_split(M, 0);
   };
   std::vector<at::Tensor> inputs, targets;
