@@ -38,17 +38,8 @@ accepted=$("$bin" 2>&1 | grep -o '<[a-z|-]*>' | head -1 | tr -d '<>' | tr '|' ' 
 # job <impl> <mode> <world> <command...>: one job; its rank lines tagged with impl, or a line saying why not.
 job() {
   local impl=$1 mode=$2 world=$3; shift 3
-  local log=$work/$impl-$mode-$world.log rc=0
-  timeout --kill-after=30 "$TIMEOUT" "$@" >"$log" 2>&1 || rc=$?
-  local got
-  got=$(grep -o 'rank=[0-9]* world=.*' "$log" | sort -t= -k2n || true)
-  if [ "$rc" -ne 0 ] || [ "$(printf '%s' "$got" | grep -c '^rank=')" -ne "$world" ]; then
-    [ "$rc" -eq 124 ] && rc="timeout after ${TIMEOUT}s"
-    echo "$impl $mode world=$world: failed ($rc); last lines of its log:"
-    grep -v 'gloo/transport' "$log" | tail -n 5 | sed 's/^/    /'
-    return 0
-  fi
-  printf '%s\n' "$got" | sed "s/^/impl=$impl /" | tee -a "$lines"
+  bench_job "$impl $mode world=$world" "$world" 'rank=[0-9]* world=.*' "$TIMEOUT" "$@" |
+    sed "s/^/impl=$impl /" | tee -a "$lines"
 }
 
 echo "machine: $(nproc --all) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load $(cut -d' ' -f1-3 /proc/loadavg);" \

@@ -30,3 +30,20 @@ bench_in_modern_lane() {
   done
   exec "$root/scripts/modern.sh" run env "${pass[@]}" bash "$script" "$@"
 }
+
+# bench_job LABEL RANKS PATTERN TIMEOUT COMMAND...: runs one job under `timeout` (its log in $work) and
+# prints its lines matching PATTERN, in rank order (a line per rank, starting "rank="); when it failed,
+# ran out of time or printed fewer than RANKS such lines, says so on stderr with the log's last lines.
+bench_job() {
+  local label=$1 ranks=$2 pattern=$3 limit=$4; shift 4
+  local log=$work/${label// /_}.log rc=0 got
+  timeout --kill-after=30 "$limit" "$@" >"$log" 2>&1 || rc=$?
+  got=$(grep -o "$pattern" "$log" | sort -t= -k2n || true)
+  if [ "$rc" -ne 0 ] || [ "$(printf '%s' "$got" | grep -c '^rank=')" -ne "$ranks" ]; then
+    [ "$rc" -eq 124 ] && rc="timeout after ${limit}s"
+    { echo "$label: failed ($rc); last lines of its log:"
+      grep -v 'gloo/transport' "$log" | tail -n 5 | sed 's/^/    /'; } >&2
+    return 0
+  fi
+  printf '%s\n' "$got"
+}

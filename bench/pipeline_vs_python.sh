@@ -26,18 +26,9 @@ export OMP_NUM_THREADS=1 USE_LIBUV=0
 lines=$work/lines.txt
 : >"$lines"
 
-job() {  # job <label> <command...>: its rank lines, or why not
+job() {  # job <label> <command...>: its rank lines (kept for the table), or why not
   local label=$1; shift
-  local log=$work/$label.log rc=0
-  timeout --kill-after=30 600 "$@" >"$log" 2>&1 || rc=$?
-  local got
-  got=$(grep -o 'rank=[0-9]* impl=.*' "$log" | sort || true)
-  if [ "$rc" -ne 0 ] || [ "$(printf '%s' "$got" | grep -c '^rank=')" -ne "$stages" ]; then
-    echo "$label: failed ($rc); last lines of its log:"
-    grep -v 'gloo/transport' "$log" | tail -n 5 | sed 's/^/    /'
-    return 0
-  fi
-  printf '%s\n' "$got" | tee -a "$lines"
+  bench_job "$label" "$stages" 'rank=[0-9]* impl=.*' 600 "$@" | tee -a "$lines"
 }
 
 echo "machine: $(nproc --all) cores, load $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%FT%TZ);" \

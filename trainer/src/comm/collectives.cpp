@@ -55,14 +55,8 @@ void onDense(at::Tensor& tensor, F&& f) {
 // Runs one collective; its failure becomes one DistributedError naming it.
 template <typename F>
 void run(const char* what, F&& f) {
-  try {
-    f(*getDefaultGroup())->wait();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string message = detail::messageOf(e);
-    detail::throwDistributed("rank " + std::to_string(getRank()) + ": " + what + " failed: " + message, message);
-  }
+  detail::failuresAsDistributed([&] { return f(*getDefaultGroup())->wait(); },
+                                [&] { return "rank " + std::to_string(getRank()) + ": " + what; });
 }
 
 } // namespace

@@ -124,15 +124,8 @@ void check(const char* what, const c10::intrusive_ptr<c10d::ProcessGroup>& group
 // A native collective (NCCL), its failure as one DistributedError.
 template <typename F>
 void runNative(const char* what, c10d::ProcessGroup& group, F&& f) {
-  try {
-    f()->wait();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string message = detail::messageOf(e);
-    detail::throwDistributed("rank " + std::to_string(group.getRank()) + ": " + what + " failed: " + message,
-                             message);
-  }
+  detail::failuresAsDistributed([&] { return f()->wait(); },
+                                [&] { return "rank " + std::to_string(group.getRank()) + ": " + what; });
 }
 
 std::int64_t segmentNumel(const FlatCollectiveOptions& options, const at::Tensor& t) {

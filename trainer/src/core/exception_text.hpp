@@ -33,4 +33,19 @@ inline bool looksLikeTimeout(const std::string& message) {
   throw DistributedError(text);
 }
 
+// Runs `f` (a call into c10d or Gloo) and returns what it returns. A failure that is not one of the
+// library's own errors becomes one DistributedError (DistributedTimeout): "<describe()> failed:
+// <message>" (`describe` is called only then).
+template <typename F, typename D>
+auto failuresAsDistributed(F&& f, D&& describe) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = messageOf(e);
+    throwDistributed(describe() + " failed: " + message, message);
+  }
+}
+
 } // namespace ctorch::detail

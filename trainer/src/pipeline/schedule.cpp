@@ -55,14 +55,7 @@ std::string stageName(int stage) { return "pipeline stage " + std::to_string(sta
 // One send/recv/wait; its failure becomes one DistributedError (DistributedTimeout) naming it.
 template <typename F>
 auto communicate(const std::string& what, F&& f) {
-  try {
-    return f();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string message = detail::messageOf(e);
-    detail::throwDistributed(what + " failed: " + message, message);
-  }
+  return detail::failuresAsDistributed(std::forward<F>(f), [&] { return what; });
 }
 
 // The default generator of `device` seeded for one forward, its state put back after.
