@@ -87,7 +87,8 @@ bool describe(const ctorch::Snapshot& s, std::ostream& out) {
   for (const auto& [key, value] : h.config) out << "    " << key << " = " << value << "\n";
   const ctorch::SnapshotSharding sharding = ctorch::shardingOf(s);
   out << "  sharding:      " << ctorch::toString(sharding) << "\n";
-  if (sharding != ctorch::SnapshotSharding::kFullyShardedModel) describeModel(s, out);
+  if (sharding != ctorch::SnapshotSharding::kFullyShardedModel && sharding != ctorch::SnapshotSharding::kPipelineStages)
+    describeModel(s, out);
   if (sharding == ctorch::SnapshotSharding::kNone) return true;
   const auto shards = ctorch::findSnapshotShards(s);
   bool whole = true;

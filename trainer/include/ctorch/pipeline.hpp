@@ -153,6 +153,7 @@ class PipelineSchedule {
   void setStepCount(std::int64_t steps) { steps_ = steps; }
   int microBatches() const { return microBatches_; }
   PipelineScheduleKind kind() const { return kind_; }
+  PipelineStage& stage() const { return stage_; }
 
  private:
   struct Impl;

@@ -55,6 +55,7 @@ class LRScheduler;
 
 namespace ctorch {
 
+class PipelineSchedule;
 namespace detail {
 class TrackedState;
 }
@@ -208,6 +209,14 @@ class ResilientTraining {
   ResilientTraining& track(FullyShardedDataParallel<M>& fsdp) {
     return trackSharded(fsdp.core());
   }
+  // A pipeline stage, through its schedule (pipeline.hpp): every rank writes its stage's parameters,
+  // buffers and the tracked optimizer's state (built over the stage's parameters), the stage's
+  // layout and the schedule's step count (the dropout seeds' step) in each snapshot's shard folder
+  // ("<file>.shards/rank<r>.pt"; the snapshot itself holds neither). A resume takes each rank's
+  // stage from its own shard, or another replica's of the same stage when the number of pipelines
+  // changed; a snapshot of another number of stages or another partition is refused, naming both.
+  // recover() is off for it: a lost rank's stage comes back from the files with a group restart.
+  ResilientTraining& track(PipelineSchedule& pipeline);
   // A model trained without DDP: a module holder (TORCH_MODULE) or a torch::nn::Module.
   template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>>>
   ResilientTraining& track(M& holder) {

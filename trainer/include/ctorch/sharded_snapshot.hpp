@@ -19,6 +19,7 @@ enum class SnapshotSharding {
   kNone,                // the whole state is in the snapshot file
   kOptimizer,           // ZeRO-1 or a parameter server: the optimizer's state is in the shards
   kFullyShardedModel,   // FSDP: the parameters and the optimizer's state are in the shards
+  kPipelineStages,      // pipeline stages: each stage's parameters and optimizer state in its ranks' shards
 };
 const char* toString(SnapshotSharding sharding);
 
@@ -39,7 +40,8 @@ std::vector<SnapshotShard> findSnapshotShards(const Snapshot& snapshot);
 
 // The whole state of a sharded snapshot in one snapshot: its progress, sampler, RNG, scheduler and
 // user state as they are, MODEL_STATE whole (FSDP's parameters gathered from the shards' flat
-// buffers), OPTIMIZER_TYPE and OPTIMIZER_STATE whole, indexed by the model's parameters in order as
+// buffers; a pipeline's stages side by side, under the model's own names), OPTIMIZER_TYPE and
+// OPTIMIZER_STATE whole, indexed by the model's parameters in order as
 // a run without sharding saves them (one group per distinct set of options). A snapshot without
 // sharding comes back as it is. Throws SnapshotError naming the first shard that is missing, damaged
 // or of another save, and SnapshotIncompatible for an FSDP snapshot written before its shards

@@ -21,12 +21,14 @@ const char* toString(SnapshotSharding sharding) {
     case SnapshotSharding::kNone: return "none";
     case SnapshotSharding::kOptimizer: return "optimizer (ZeRO-1 or parameter server)";
     case SnapshotSharding::kFullyShardedModel: return "model and optimizer (FSDP)";
+    case SnapshotSharding::kPipelineStages: return "model and optimizer by pipeline stage";
   }
   return "?";
 }
 
 SnapshotSharding shardingOf(const Snapshot& snapshot) {
   if (!snapshot.userState.contains(detail::kZeroShardsKey)) return SnapshotSharding::kNone;
+  if (snapshot.userState.contains(detail::kPipelineStageKey)) return SnapshotSharding::kPipelineStages;
   return snapshot.userState.contains(detail::kShardedModelKey) ? SnapshotSharding::kFullyShardedModel
                                                                : SnapshotSharding::kOptimizer;
 }
@@ -155,6 +157,67 @@ void consolidateOptimizer(Snapshot& whole, const std::vector<ItemDict>& shards) 
   if (type.empty()) return;  // saved without an optimizer
   whole.optimizerState.insert("state", state);
   whole.optimizerState.insert("param_groups", mergeGroups(whole, groups));
+}
+
+// Pipeline stages: one shard of each stage (its replicas hold the same), the stages' parameters and
+// buffers side by side (they carry the model's names: "5.weight"), and their optimizer states merged
+// as ZeRO's are once each stage's indices are offset by the parameters of the stages before it.
+void consolidatePipeline(Snapshot& whole, const std::vector<ItemDict>& shards) {
+  const auto& saved = whole.userState.at(detail::kPipelineStageKey);
+  if (!saved.isInt() || saved.toInt() < 1 || saved.toInt() > static_cast<std::int64_t>(shards.size()))
+    bad(whole, "a number of stages that is not between 1 and the number of shards");
+  const auto stages = static_cast<std::size_t>(saved.toInt());
+  std::vector<const ItemDict*> byStage(stages, nullptr);
+  std::vector<detail::PipelineStageLayout> layouts(stages);
+  for (const auto& shard : shards) {
+    auto layout = detail::pipelineShardLayout(whole, shard);
+    if (static_cast<std::size_t>(layout.stages) != stages) bad(whole, "a shard of a pipeline of another length");
+    const auto k = static_cast<std::size_t>(layout.stage);
+    if (!byStage[k]) {
+      byStage[k] = &shard;
+      layouts[k] = std::move(layout);
+    }
+  }
+  whole.modelState = c10::Dict<std::string, at::Tensor>();
+  std::vector<ItemDict> offset;
+  std::int64_t before = 0;
+  for (std::size_t k = 0; k < stages; ++k) {
+    if (!byStage[k]) bad(whole, "no shard holds stage " + std::to_string(k));
+    const ItemDict& shard = *byStage[k];
+    for (const auto& e : shard.at(detail::kPipelineModelKey).toGenericDict()) {
+      if (!e.key().isString() || !e.value().isTensor()) bad(whole, "a parameter that is not a named tensor");
+      if (whole.modelState.contains(e.key().toStringRef())) bad(whole, "two stages hold '" + e.key().toStringRef() + "'");
+      whole.modelState.insert(e.key().toStringRef(), e.value().toTensor());
+    }
+    ItemDict moved = newItemDict();
+    moved.insert("optimizer_type", shard.at("optimizer_type"));
+    c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+    if (!shard.at("state").isGenericDict() || !shard.at("param_groups").isList()) bad(whole, "a shard's optimizer state is not a dict");
+    for (const auto& e : shard.at("state").toGenericDict()) {
+      if (!e.key().isInt() || e.key().toInt() < 0 || e.key().toInt() >= layouts[k].parameters)
+        bad(whole, "stage " + std::to_string(k) + "'s optimizer state names a parameter it does not hold");
+      state.insert(e.key().toInt() + before, e.value());
+    }
+    c10::impl::GenericList groups(c10::AnyType::get());
+    for (const auto& g : shard.at("param_groups").toListRef()) {
+      if (!g.isGenericDict()) bad(whole, "a param group is not a dict");
+      auto group = g.toGenericDict().copy();
+      if (!group.contains("params") || !group.at("params").isList()) bad(whole, "a param group without params");
+      c10::impl::GenericList ids(c10::AnyType::get());
+      for (const auto& id : group.at("params").toListRef()) {
+        if (!id.isInt() || id.toInt() < 0 || id.toInt() >= layouts[k].parameters)
+          bad(whole, "stage " + std::to_string(k) + "'s param group names a parameter it does not hold");
+        ids.push_back(id.toInt() + before);
+      }
+      group.insert_or_assign("params", ids);
+      groups.push_back(group);
+    }
+    moved.insert("state", state);
+    moved.insert("param_groups", groups);
+    offset.push_back(std::move(moved));
+    before += layouts[k].parameters;
+  }
+  consolidateOptimizer(whole, offset);
 }
 
 // One flat buffer whole ([numel]) from the pieces every shard holds of it (each from "begin").
@@ -333,6 +396,7 @@ Snapshot consolidateSnapshot(const Snapshot& snapshot) {
   whole.userState = snapshot.userState.copy();
   try {
     if (sharding == SnapshotSharding::kOptimizer) consolidateOptimizer(whole, shards);
+    else if (sharding == SnapshotSharding::kPipelineStages) consolidatePipeline(whole, shards);
     else consolidateFullyShardedModel(whole, shards);
   } catch (const SnapshotError&) {
     throw;
@@ -341,6 +405,7 @@ Snapshot consolidateSnapshot(const Snapshot& snapshot) {
   }
   (void)whole.userState.erase(kZeroShardsKey);
   (void)whole.userState.erase(kShardedModelKey);
+  (void)whole.userState.erase(detail::kPipelineStageKey);
   return whole;
 }
 

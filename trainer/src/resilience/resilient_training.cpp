@@ -174,7 +174,7 @@ struct ResilientTraining::Impl {
       perRank = ranks->allReduce(std::move(perRank), c10d::ReduceOp::SUM, "gathering the ranks' own values");
     }
     if (state.sharded()) {  // every rank writes its own shard (no gather to rank 0)
-      Snapshot shard = state.captureRankShard(identity(), progress());
+      Snapshot shard = state.captureRankShard(identity(), progress(), rank);
       shard.header.saveId = saveId();
       saver->writeShard(std::move(shard), kind == Kind::kEpochBoundary, extras, targets, label(kind));
     }
@@ -556,7 +556,7 @@ struct ResilientTraining::Impl {
     else if (!o.inPlaceRecovery())
       declareInPlaceRecovery(false, "ResilienceOptions::inPlaceRecovery is off in its loop");
     else if (state.sharded() && o.shardCopies() == 0)
-      declareInPlaceRecovery(false, "its training state is sharded (ZeRO, FSDP or a parameter server) without shard "
+      declareInPlaceRecovery(false, "its training state is sharded (ZeRO, FSDP, a parameter server or pipeline stages) without shard "
                                     "copies (ResilienceOptions::shardCopies, ctorch-train --shard-copies 1): a lost "
                                     "rank's shard comes back from the snapshot files with a group restart");
     else if (state.sharded() && !state.whyNoShardCopies().empty())

@@ -47,6 +47,14 @@ Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, 
   return s;
 }
 
+Snapshot captureShard(torch::nn::Module& stageModule, torch::optim::Optimizer* optimizer, const ItemDict& layout,
+                      int rank, const SnapshotIdentity& identity, const TrainingProgress& progress) {
+  Snapshot s = captureSnapshot(TrainingObjects{&stageModule, optimizer, nullptr}, identity, progress);
+  s.userState.insert(kPipelineStageKey, layout);
+  s.userState.insert("zero_rank", static_cast<std::int64_t>(rank));
+  return s;
+}
+
 namespace {
 
 ItemDict asShard(const Snapshot& file) {
@@ -59,6 +67,10 @@ ItemDict asShard(const Snapshot& file) {
   shard.insert("optimizer_type", file.optimizerType);
   for (const char* key : {kShardedModelKey, "fsdp_optimizer"})
     if (file.userState.contains(key)) shard.insert(key, file.userState.at(key));
+  if (file.userState.contains(kPipelineStageKey)) {  // a pipeline stage's: its parameters too
+    shard.insert(kPipelineStageKey, file.userState.at(kPipelineStageKey));
+    shard.insert(kPipelineModelKey, file.modelState);
+  }
   return shard;
 }
 
@@ -101,6 +113,38 @@ ShardLookup lookForShard(const Snapshot& snapshot, int world, int rank, const st
     }
   }
   return out;
+}
+
+namespace {
+[[noreturn]] void badStage(const Snapshot& snap, const std::string& what) {
+  throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "its pipeline stage shards: " + what);
+}
+
+}  // namespace
+
+PipelineStageLayout pipelineStageLayout(const Snapshot& snap, const c10::IValue& value) {
+  if (!value.isGenericDict()) badStage(snap, "a stage layout that is not a dict");
+  const auto d = value.toGenericDict();
+  PipelineStageLayout layout;
+  for (auto [key, field] : {std::pair{"stages", &layout.stages}, std::pair{"stage", &layout.stage},
+                            std::pair{"parameters", &layout.parameters}, std::pair{"steps", &layout.steps}}) {
+    if (!d.contains(key) || !d.at(key).isInt() || d.at(key).toInt() < 0) badStage(snap, std::string("no count '") + key + "'");
+    *field = d.at(key).toInt();
+  }
+  if (layout.stages < 1 || layout.stage >= layout.stages) badStage(snap, "a stage index outside its stages");
+  if (!d.contains("children") || !d.at("children").isList()) badStage(snap, "no list of the stage's children");
+  for (const auto& child : d.at("children").toListRef()) {
+    if (!child.isString()) badStage(snap, "a child's name that is not a string");
+    layout.children.push_back(child.toStringRef());
+  }
+  return layout;
+}
+
+PipelineStageLayout pipelineShardLayout(const Snapshot& snap, const ItemDict& shard) {
+  if (!shard.contains(kPipelineStageKey) || !shard.at(kPipelineStageKey).isGenericDict() || !shard.contains(kPipelineModelKey) ||
+      !shard.at(kPipelineModelKey).isGenericDict())
+    badStage(snap, "a shard without a stage layout or parameters");
+  return pipelineStageLayout(snap, shard.at(kPipelineStageKey));
 }
 
 int shardWorld(const Snapshot& snapshot) {

@@ -20,6 +20,13 @@ inline constexpr const char* kZeroShardsKey = "zero_shards";
 // USER_STATE of a snapshot saved with FullyShardedDataParallel (it holds no parameters), and the key
 // of the parameter shard in each rank's file (its optimizer shard: "fsdp_optimizer").
 inline constexpr const char* kShardedModelKey = "fsdp_model";
+// USER_STATE of a snapshot saved by pipeline stages (the number of stages; it holds no parameters),
+// and of each rank's shard file: its stage's layout (a dict: "stages", "stage", "children" — the
+// model's children it holds, by their index in the model —, "parameters", "steps": the schedule's
+// step count); the shard's MODEL_STATE and OPTIMIZER_STATE are the stage's.
+inline constexpr const char* kPipelineStageKey = "pipeline_stage";
+// The stage's parameters and buffers in a shard as restore() takes it (a shard file's MODEL_STATE).
+inline constexpr const char* kPipelineModelKey = "pipeline_model";
 
 // The empty module a snapshot without parameters is captured from.
 torch::nn::Module& noModel();
@@ -36,6 +43,21 @@ Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
 // FSDP's: this rank's parameter shard and, with `optimizer`, its optimizer's state shard.
 Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
+
+// A pipeline stage's: its module's parameters and buffers, `optimizer`'s state (indexed by the stage's
+// parameters), `layout` (kPipelineStageKey's dict) and `rank`.
+Snapshot captureShard(torch::nn::Module& stageModule, torch::optim::Optimizer* optimizer, const ItemDict& layout,
+                      int rank, const SnapshotIdentity& identity, const TrainingProgress& progress);
+
+// A pipeline stage's layout (kPipelineStageKey's dict), checked: SnapshotCorrupt naming `snapshot`
+// when an entry is missing or of another type.
+struct PipelineStageLayout {
+  std::int64_t stages = 0, stage = 0, parameters = 0, steps = 0;
+  std::vector<std::string> children;  // the model's children the stage holds, by their index in it
+};
+PipelineStageLayout pipelineStageLayout(const Snapshot& snapshot, const c10::IValue& layout);
+// The same of a pipeline shard as findShards returns it (its parameters there too).
+PipelineStageLayout pipelineShardLayout(const Snapshot& snapshot, const ItemDict& shard);
 
 // One rank's shard of `snapshot` among the shard files of `slots`: the first intact one of its step,
 // world size, save and configuration; else why none fits (and the file that came closest).

@@ -5,6 +5,7 @@
 #include "resilience/shard_files.hpp"
 
 #include "ctorch/errors.hpp"
+#include "ctorch/pipeline.hpp"
 
 #include <torch/optim/optimizer.h>
 
@@ -26,6 +27,20 @@ ItemDict itemDictOf(const c10::IValue& value) {
   ItemDict out = newItemDict();
   for (const auto& item : value.toGenericDict()) out.insert(item.key().toStringRef(), item.value());
   return out;
+}
+
+// A value of a snapshot in a message: a number as it is, anything else by its type (a hostile file's
+// string is not echoed).
+std::string describeValue(const c10::IValue& value) {
+  if (value.isInt()) return std::to_string(value.toInt());
+  return "a " + value.tagKind();
+}
+
+// "children 3 to 5" (the names of a Sequential's children are their indices in the model).
+std::string describeChildren(const std::vector<std::string>& children) {
+  if (children.empty()) return "no children";
+  if (children.size() == 1) return "child " + children.front();
+  return "children " + children.front() + " to " + children.back();
 }
 
 }  // namespace
@@ -71,13 +86,33 @@ void TrackedState::setModel(FSDPCore& fsdp) {
   fsdp_ = &fsdp;
 }
 
-Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const {
+void TrackedState::setModel(PipelineSchedule& pipeline) {
+  setModel(*pipeline.stage().module().ptr(), nullptr);
+  pipeline_ = &pipeline;
+}
+
+ItemDict TrackedState::pipelineLayout() const {
+  PipelineStage& stage = pipeline_->stage();
+  ItemDict layout = newItemDict();
+  layout.insert("stages", static_cast<std::int64_t>(stage.numStages()));
+  layout.insert("stage", static_cast<std::int64_t>(stage.stageIndex()));
+  c10::List<std::string> children;
+  for (const auto& child : stage.module()->named_children()) children.push_back(child.key());
+  layout.insert("children", children);
+  layout.insert("parameters", static_cast<std::int64_t>(stage.module()->parameters().size()));
+  layout.insert("steps", pipeline_->stepCount());
+  return layout;
+}
+
+Snapshot TrackedState::captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress, int rank) const {
   if (zero_) return captureShard(zero_->shard(), identity, progress);
+  if (pipeline_) return captureShard(*model_, optimizer_, pipelineLayout(), rank, identity, progress);
   return captureShard(*fsdp_, optimizer_, identity, progress);
 }
 
 ItemDict TrackedState::rankShard() const {
   if (zero_) return zero_->shard();
+  if (pipeline_) return wholeOptimizerAsShard(captureShard(*model_, optimizer_, pipelineLayout(), -1, {}, {}));
   ItemDict shard = newItemDict();
   shard.insert(kShardedModelKey, fsdp_->shardStateDict());
   if (optimizer_) shard.insert("fsdp_optimizer", fsdp_->optimizerShardStateDict(*optimizer_));
@@ -88,6 +123,8 @@ std::string TrackedState::whyNoShardCopies() const {
   if (fsdp_ && !fsdp_->followsDefaultGroup())
     return "its FullyShardedDataParallel runs on process groups of its own (hybrid sharding or FSDPOptions::processGroup), "
            "which are not re-formed";
+  if (pipeline_)
+    return "its pipeline stages run on process groups of their own (PipelineStageOptions::group), which are not re-formed";
   if (zero_ && !zero_->rejoin)
     return "its sharded optimizer (a parameter server, or one on a process group of its own) cannot follow a re-formed group";
   return {};
@@ -209,7 +246,8 @@ Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingP
   Snapshot s = [&] {
     CapturePoolScope reuse(pool);
     // A sharded model's parameters and its optimizer's state are in the ranks' shard files.
-    if (fsdp_) return captureSnapshot(TrainingObjects{&noModel(), nullptr, sampler_}, identity, progress);
+    // So are a pipeline stage's.
+    if (fsdp_ || pipeline_) return captureSnapshot(TrainingObjects{&noModel(), nullptr, sampler_}, identity, progress);
     return captureSnapshot(TrainingObjects{model_, optimizer_, sampler_}, identity, progress);
   }();
   if (schedulerSave_) s.schedulerState = schedulerSave_();
@@ -218,11 +256,17 @@ Snapshot TrackedState::capture(const SnapshotIdentity& identity, const TrainingP
   if (buckets) s.userState.insert(kDdpBucketsKey, bucketsValue(*buckets));
   if (sharded()) s.userState.insert(kZeroShardsKey, static_cast<std::int64_t>(identity.worldSize));
   if (fsdp_) s.userState.insert(kShardedModelKey, true);
+  if (pipeline_) s.userState.insert(kPipelineStageKey, static_cast<std::int64_t>(pipeline_->stage().numStages()));
   return s;
 }
 
 SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& options,
                                     const std::vector<ItemDict>& shards) const {
+  if (pipeline_) return restorePipeline(snap, options, shards);
+  if (snap.userState.contains(kPipelineStageKey))
+    throw SnapshotIncompatible(snap.source, {"its model is split into pipeline stages (saved with a PipelineSchedule: " +
+                                             describeValue(snap.userState.at(kPipelineStageKey)) +
+                                             " stages): track a PipelineSchedule with the same stages to resume it"});
   const bool shardedModel = snap.userState.contains(kShardedModelKey);
   if (fsdp_) {
     if (!shardedModel)
@@ -260,6 +304,69 @@ SnapshotPoint TrackedState::restore(const Snapshot& snap, const RestoreOptions& 
                                              " ranks (saved with a ZeroRedundancyOptimizer): track one to resume it"});
   }
   restoreSnapshot(snap, TrainingObjects{model_, optimizer_, sampler_}, options);
+  if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
+  for (const auto& item : items_) item.load(snap.userState);
+  return pointOf(snap);
+}
+
+SnapshotPoint TrackedState::restorePipeline(const Snapshot& snap, const RestoreOptions& options,
+                                            const std::vector<ItemDict>& shards) const {
+  PipelineStage& stage = pipeline_->stage();
+  if (!snap.userState.contains(kPipelineStageKey))
+    throw SnapshotIncompatible(snap.source, {"it holds a whole model (saved without pipeline stages): resume it without a "
+                                             "PipelineSchedule, or start this pipeline afresh"});
+  const auto& saved = snap.userState.at(kPipelineStageKey);
+  if (!saved.isInt() || saved.toInt() != stage.numStages())
+    throw SnapshotIncompatible(snap.source, {"it was saved by a pipeline of " + describeValue(saved) + " stages, this run has " +
+                                             std::to_string(stage.numStages()) + ": resume it with " + describeValue(saved) +
+                                             " stages (ctorch-train --pipeline-stages), or make it one whole model's "
+                                             "(ctorch-snapshot consolidate)"});
+  // This rank's own shard when it holds this stage (the same world and layout), else the shard of
+  // another replica of the same stage (replicas hold the same state): a world of another number of
+  // pipelines resumes too.
+  std::vector<std::size_t> order;
+  if (options.rank >= 0 && static_cast<std::size_t>(options.rank) < shards.size()) order.push_back(static_cast<std::size_t>(options.rank));
+  for (std::size_t i = 0; i < shards.size(); ++i)
+    if (static_cast<std::int64_t>(i) != options.rank) order.push_back(i);
+  const ItemDict* shard = nullptr;
+  PipelineStageLayout layout;
+  for (const std::size_t i : order) {
+    PipelineStageLayout candidate = pipelineShardLayout(snap, shards[i]);
+    if (candidate.stages != stage.numStages())
+      throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "its pipeline stage shards are of pipelines of different lengths");
+    if (candidate.stage == stage.stageIndex()) {
+      shard = &shards[i];
+      layout = std::move(candidate);
+      break;
+    }
+  }
+  if (!shard)
+    throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "its pipeline stage shards: none holds stage " + std::to_string(stage.stageIndex()));
+  const PipelineStageLayout mine = pipelineStageLayout(snap, c10::IValue(pipelineLayout()));
+  if (layout.children != mine.children || layout.parameters != mine.parameters)
+    throw SnapshotIncompatible(snap.source, {"its stage " + std::to_string(stage.stageIndex()) + " held the model's " +
+                                             describeChildren(layout.children) + ", this run's holds " +
+                                             describeChildren(mine.children) +
+                                             ": resume it with the same partition of the model into stages, or make it one whole model's "
+                                             "(ctorch-snapshot consolidate)"});
+  const std::string type = shard->at("optimizer_type").isString() ? shard->at("optimizer_type").toStringRef() : "";
+  if (optimizer_ && options.optimizer && type.empty())
+    throw SnapshotIncompatible(snap.source, {"its stage shards hold no optimizer state"});
+  // The stage's state as a snapshot of its own: the file's checks (names, shapes, dtypes; the
+  // optimizer's kind and groups) before anything changes.
+  Snapshot part = snap;
+  part.modelState = c10::Dict<std::string, at::Tensor>();
+  for (const auto& entry : shard->at(kPipelineModelKey).toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isTensor())
+      throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "its pipeline stage shards: a parameter that is not a named tensor");
+    part.modelState.insert(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  part.optimizerType = type;
+  part.optimizerState = newItemDict();
+  part.optimizerState.insert("state", shard->at("state"));
+  part.optimizerState.insert("param_groups", shard->at("param_groups"));
+  restoreSnapshot(part, TrainingObjects{model_, optimizer_, sampler_}, options);
+  pipeline_->setStepCount(layout.steps);
   if (schedulerLoad_) schedulerLoad_(snap.schedulerState);
   for (const auto& item : items_) item.load(snap.userState);
   return pointOf(snap);

@@ -17,6 +17,10 @@
 #include <string>
 #include <vector>
 
+namespace ctorch {
+class PipelineSchedule;
+}
+
 namespace ctorch::detail {
 
 // User-state keys of the library's own (names a loop cannot register; zero_shards.hpp has one more).
@@ -48,6 +52,9 @@ class TrackedState {
   void setModel(torch::nn::Module& module, DDPCore* ddp);
   // A fully sharded model: its parameters (and the optimizer's state) are written per rank.
   void setModel(FSDPCore& fsdp);
+  // A pipeline stage (its schedule's): its parameters, buffers and optimizer state, its layout and
+  // the schedule's step count are written per rank.
+  void setModel(PipelineSchedule& pipeline);
   void setOptimizer(torch::optim::Optimizer& optimizer);
   // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
   void setOptimizer(ZeroRedundancyOptimizer& optimizer);
@@ -73,10 +80,11 @@ class TrackedState {
   DistributedSampler* sampler() const { return sampler_; }
   const ShardedOptimizer* zero() const { return zero_ ? &*zero_ : nullptr; }
   FSDPCore* fsdp() const { return fsdp_; }
-  // Every rank writes a shard file of its own beside each snapshot (a sharded optimizer's, FSDP's model).
-  bool sharded() const { return zero_.has_value() || fsdp_ != nullptr; }
-  // This rank's shard file's content (zero_shards.hpp), for a sharded() run.
-  Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress) const;
+  // Every rank writes a shard file of its own beside each snapshot (a sharded optimizer's, FSDP's
+  // model, a pipeline stage's).
+  bool sharded() const { return zero_.has_value() || fsdp_ != nullptr || pipeline_ != nullptr; }
+  // This rank's shard file's content (shard_files.hpp), for a sharded() run.
+  Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress, int rank) const;
   // This rank's shard as restore() takes it among `shards` (a shard file's content, in memory): what
   // ResilienceOptions::shardCopies keeps on the next rank.
   ItemDict rankShard() const;
@@ -99,6 +107,12 @@ class TrackedState {
  private:
   // Refuses an empty name, one of the library's own, or one registered twice; records it.
   void claimName(const std::string& name);
+  // The pipeline stage's layout (kPipelineStageKey's dict).
+  ItemDict pipelineLayout() const;
+  // restore() of a pipeline stage: its shard among `shards` (rank options.rank's when it holds this
+  // stage, else another replica's of the same stage), the layout checked first.
+  SnapshotPoint restorePipeline(const Snapshot& snapshot, const RestoreOptions& options,
+                                const std::vector<ItemDict>& shards) const;
 
   struct Items {
     std::function<void(ItemDict&)> save;
@@ -110,6 +124,7 @@ class TrackedState {
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::optional<ShardedOptimizer> zero_;
   FSDPCore* fsdp_ = nullptr;
+  PipelineSchedule* pipeline_ = nullptr;
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;

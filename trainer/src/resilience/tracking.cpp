@@ -4,6 +4,7 @@
 #include "ctorch/resilience.hpp"
 
 #include "ctorch/amp.hpp"
+#include "ctorch/pipeline.hpp"
 #include "resilience/tracked_state.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -28,6 +29,11 @@ ResilientTraining& ResilientTraining::trackModule(torch::nn::Module& module, det
 
 ResilientTraining& ResilientTraining::trackSharded(detail::FSDPCore& fsdp) {
   tracked().setModel(fsdp);
+  return *this;
+}
+
+ResilientTraining& ResilientTraining::track(PipelineSchedule& pipeline) {
+  tracked().setModel(pipeline);
   return *this;
 }
 
