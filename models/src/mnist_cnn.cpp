@@ -33,4 +33,14 @@ torch::Tensor MnistCnn::forward(torch::Tensor x) {
   return F::log_softmax(x, F::LogSoftmaxFuncOptions(1));
 }
 
+torch::nn::Sequential MnistCnn::sequential() {
+  using torch::nn::Functional;
+  return torch::nn::Sequential(
+      conv1, Functional([](const torch::Tensor& x) { return F::relu(x); }), conv2,
+      Functional([](const torch::Tensor& x) { return F::relu(x); }), Functional([](const torch::Tensor& x) { return maxPool2x2(x); }),
+      dropout1, Functional([](const torch::Tensor& x) { return torch::flatten(x, 1); }), fc1,
+      Functional([](const torch::Tensor& x) { return F::relu(x); }), dropout2, fc2,
+      Functional([](const torch::Tensor& x) { return F::log_softmax(x, F::LogSoftmaxFuncOptions(1)); }));
+}
+
 } // namespace ctorch::models

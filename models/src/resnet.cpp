@@ -81,4 +81,16 @@ torch::Tensor ResNet18::forward(torch::Tensor x) {
   return ctorch::unitForward(fc, torch::flatten(x, 1));
 }
 
+torch::nn::Sequential ResNet18::sequential() {
+  // The stem, the eight blocks one by one, the pooling and the head.
+  torch::nn::Sequential seq(conv1, bn1, torch::nn::Functional([](const torch::Tensor& x) { return F::relu(x); }));
+  for (const auto& layer : {layer1, layer2, layer3, layer4})
+    for (std::size_t i = 0; i < layer->size(); ++i) seq->push_back(BasicBlock(layer->ptr<BasicBlockImpl>(i)));
+  seq->push_back(torch::nn::Functional([](const torch::Tensor& x) {
+    return torch::flatten(F::adaptive_avg_pool2d(x, F::AdaptiveAvgPool2dFuncOptions(1)), 1);
+  }));
+  seq->push_back(fc);
+  return seq;
+}
+
 } // namespace ctorch::models

@@ -29,4 +29,13 @@ torch::Tensor SimpleConvNet::forward(torch::Tensor x) {
   return ctorch::unitForward(fc3, x);
 }
 
+torch::nn::Sequential SimpleConvNet::sequential() {
+  using torch::nn::Functional;
+  auto reluPool = [](const torch::Tensor& x) { return maxPool2x2(F::relu(x)); };
+  auto relu = [](const torch::Tensor& x) { return F::relu(x); };
+  return torch::nn::Sequential(conv1, Functional(reluPool), conv2, Functional(reluPool),
+                               Functional([](const torch::Tensor& x) { return torch::flatten(x, 1); }), fc1,
+                               Functional(relu), fc2, Functional(relu), fc3);
+}
+
 } // namespace ctorch::models

@@ -15,6 +15,8 @@
 
 #include "multiproc.hpp"
 
+#include <set>
+
 using namespace ctorch::models;
 namespace fs = std::filesystem;
 
@@ -230,4 +232,44 @@ TEST_CASE("models: maxPool2x2 falls back to max_pool2d for what its kernel does 
     CHECK(got.sizes() == expected.sizes());
     CHECK(torch::equal(got, expected));
   }
+}
+
+TEST_CASE("models: sequential() holds the model's own modules and computes forward() bit for bit, in training and "
+          "evaluation, gradients included",
+          "[models][pipeline]") {
+  for (const std::string name : {"mnist-cnn", "simple-cnn", "resnet18"}) {
+    INFO(name);
+    ModelOptions options;
+    options.name = name;
+    options.imageSize = name == "resnet18" ? 16 : 28;
+    torch::manual_seed(3);
+    auto model = createModel(options);
+    torch::nn::Sequential seq = model->sequential();
+    REQUIRE(!seq.is_empty());
+    // The same tensors, not copies.
+    const auto mine = model->parameters(), its = seq->parameters();
+    REQUIRE(mine.size() == its.size());
+    std::set<const void*> shared;
+    for (const auto& p : mine) shared.insert(p.data_ptr());
+    for (const auto& p : its) CHECK(shared.count(p.data_ptr()) == 1);
+    const auto x = torch::randn({3, 1, options.imageSize, options.imageSize});
+    for (const bool training : {true, false}) {
+      model->train(training);
+      torch::manual_seed(17);
+      const auto a = model->forward(x);
+      a.sum().backward();
+      std::vector<at::Tensor> gradsA;
+      for (auto& p : mine) gradsA.push_back(p.grad().clone()), p.mutable_grad().zero_();
+      torch::manual_seed(17);
+      const auto b = seq->forward(x);
+      b.sum().backward();
+      CHECK(torch::equal(a, b));
+      for (std::size_t i = 0; i < mine.size(); ++i) CHECK(torch::equal(gradsA[i], mine[i].grad()));
+      for (auto& p : mine) p.mutable_grad().zero_();
+    }
+  }
+  // A model that is not a sequence says so with an empty holder.
+  ModelOptions linear;
+  linear.name = "linear";
+  CHECK(createModel(linear)->sequential().is_empty());
 }

@@ -144,6 +144,7 @@ int consolidate(const fs::path& file, const fs::path& output, bool force) {
   if (auto problem = ctorch::snapshotPathProblem(output, "-o")) throw UsageError(*problem);
   const ctorch::Snapshot s = load(file);
   if (shardRank(s)) throw UsageError(file.string() + " is one rank's shard: consolidate the snapshot it belongs to");
+  const bool pipeline = ctorch::shardingOf(s) == ctorch::SnapshotSharding::kPipelineStages;
   ctorch::Snapshot whole = ctorch::consolidateSnapshot(s);
   ctorch::SnapshotSlotOptions slot;
   slot.path = output;
@@ -159,7 +160,10 @@ int consolidate(const fs::path& file, const fs::path& output, bool force) {
   std::cout << "wrote " << output.string() << ": the whole model (" << whole.modelState.size() << " entries) and "
             << (whole.optimizerType.empty() ? std::string("no optimizer state")
                                             : whole.optimizerType + " state for " + std::to_string(params) + " parameters")
-            << " of " << point(whole) << "; torch.load opens it, and a run without sharding resumes from it\n";
+            << " of " << point(whole)
+            << (pipeline ? "; torch.load opens it; its names are the pipeline's sequence's (\"3.weight\": a torch.nn.Sequential "
+                           "of the same layers loads it)\n"
+                         : "; torch.load opens it, and a run without sharding resumes from it\n");
   return kExitOk;
 }
 

@@ -233,6 +233,7 @@ struct FlagTexts {
   std::string optimizer, optimizerImpl, lrDecay, device, backend, progress, augment, commHook, gradientReduction, sharding, resume = "auto",
       metrics;
   std::string sync;
+  std::string pipelineSchedule = "1f1b";
   std::string dataDir, snapshotPath, modelDir, syntheticShape, tensorboardDir;
   std::int64_t timeoutS, stepDelayMs = 0;
   bool noBucketView = false;
@@ -452,6 +453,16 @@ void addSyncFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
   f.option("--ps-servers", o.psServers,
            "with --sync parameter-server: how many ranks serve (the last ones; parameters spread over them by size)")
       ->group(kSync)->capture_default_str();
+  f.option("--pipeline-stages", o.pipelineStages,
+           "cut the model into this many stages, one per rank of each group of consecutive ranks (a pipeline; "
+           "the world holds world / S pipelines, data parallel); 1: no pipeline")
+      ->group(kSync)->capture_default_str();
+  f.option("--micro-batches", o.microBatches, "with --pipeline-stages: micro-batches each batch is split into")
+      ->group(kSync)->capture_default_str();
+  f.option("--schedule", t.pipelineSchedule,
+           "with --pipeline-stages: 1f1b (at most S micro-batches' activations held) or gpipe (all forwards, then "
+           "all backwards)")
+      ->group(kSync)->capture_default_str();
 }
 
 // The app with every flag of ctorch-train, in --help's order; the kinds of their values.
@@ -513,6 +524,10 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
   o.memoryFormat = pick("--memory-format", t.memoryFormat, kMemoryFormats, kPythonMemoryFormats);
   if (app.count("--ps-servers") && o.sync != SyncChoice::kParameterServer)
     bad("--ps-servers", std::to_string(o.psServers), "needs --sync parameter-server");
+  o.pipelineSchedule = pick("--schedule", t.pipelineSchedule, kPipelineSchedules);
+  if (app.count("--micro-batches") && o.pipelineStages == 1)
+    bad("--micro-batches", std::to_string(o.microBatches), "needs --pipeline-stages 2 or more");
+  if (app.count("--schedule") && o.pipelineStages == 1) bad("--schedule", t.pipelineSchedule, "needs --pipeline-stages 2 or more");
   o.resume = ResumeChoice::parse(t.resume);
   o.dataDir = t.dataDir;
   o.snapshotPath = t.snapshotPath;

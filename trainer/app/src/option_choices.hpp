@@ -71,6 +71,8 @@ inline const std::vector<std::pair<std::string, ShardingChoice>> kPythonSharding
     {"_HYBRID_SHARD_ZERO2", ShardingChoice::kHybridGradOp}};
 inline const std::vector<std::pair<std::string, SyncChoice>> kSyncs = {{"allreduce", SyncChoice::kAllreduce},
                                                                {"parameter-server", SyncChoice::kParameterServer}};
+inline const std::vector<std::pair<std::string, PipelineScheduleKind>> kPipelineSchedules = {
+    {"1f1b", PipelineScheduleKind::k1F1B}, {"gpipe", PipelineScheduleKind::kGPipe}};
 // Straight into the library's own enums (ctorch/comm_hook.hpp).
 inline const std::vector<std::pair<std::string, CommHook>> kCommHooks = {{"shared-memory", CommHook::kSharedMemory},
                                                                   {"none", CommHook::kNone},

@@ -110,6 +110,31 @@ void validateCudaGraphs(const TrainOptions& o) {
   if (o.gradAccumSteps > 1) refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "one micro-step per step only");
 }
 
+// --pipeline-stages: what a pipeline's step does not do, each refused in one line.
+void validatePipeline(const TrainOptions& o) {
+  if (o.pipelineStages < 1 || o.pipelineStages > 1024)
+    bad("--pipeline-stages", std::to_string(o.pipelineStages), "must be in [1, 1024]");
+  if (o.microBatches < 1 || o.microBatches > 1 << 20) bad("--micro-batches", std::to_string(o.microBatches), "must be in [1, 1048576]");
+  if (o.pipelineStages == 1) return;
+  auto refuse = [&](const std::string& with, const std::string& why) {
+    throw UsageError("--pipeline-stages " + std::to_string(o.pipelineStages) + " with " + with + ": " + why);
+  };
+  if (o.microBatches > o.batchSize)
+    refuse("--micro-batches " + std::to_string(o.microBatches) + " and --batch-size " + std::to_string(o.batchSize),
+           "every micro-batch needs a row of the batch (use --micro-batches <= --batch-size)");
+  if (o.model == "linear") refuse("--model linear", "the model is one layer, nothing to cut into stages (use mnist-cnn, simple-cnn or resnet18)");
+  if (o.sharding != ShardingChoice::kNone)
+    refuse(std::string("--sharding ") + toString(o.sharding), "each stage holds its own parameters and optimizer already (use --sharding none)");
+  if (o.sync == SyncChoice::kParameterServer) refuse("--sync parameter-server", "the stages' replicas average by allreduce (use --sync allreduce)");
+  if (o.gradAccumSteps > 1)
+    refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "a pipeline's step accumulates over its micro-batches already (use --micro-batches)");
+  if (o.clipGradNorm > 0) refuse("--clip-grad-norm", "the global norm over the stages is not computed yet");
+  if (o.amp) refuse("--amp", "mixed precision is not carried through the stages yet");
+  if (o.cudaGraphs) refuse("--cuda-graphs", "a pipeline's step sends and receives between processes");
+  if (o.memoryFormat == MemoryFormatChoice::kChannelsLast)
+    refuse("--memory-format channels-last", "activations travel between the stages contiguous (use --memory-format auto or contiguous)");
+}
+
 }  // namespace
 
 void TrainOptions::validate() const {
@@ -192,6 +217,7 @@ void TrainOptions::validate() const {
                      " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
                      "--memory-format auto or contiguous, or --sharding none or optimizer)");
   if (cudaGraphs) validateCudaGraphs(*this);
+  validatePipeline(*this);
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");
@@ -329,6 +355,12 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   if (!fsdpReduceDtype.empty()) c["fsdp_reduce_dtype"] = fsdpReduceDtype;
   // Only with a parameter server (older snapshots match): the servers do not read data, so the same
   // world size splits the data another way.
+  // Only with a pipeline (older snapshots match): the stages' shards and the micro-batches' seeds and
+  // sums (the schedule does not change a step's result).
+  if (pipelineStages > 1) {
+    c["pipeline_stages"] = std::to_string(pipelineStages);
+    c["micro_batches"] = std::to_string(microBatches);
+  }
   if (sync == SyncChoice::kParameterServer) {
     c["sync"] = toString(sync);
     c["ps_servers"] = std::to_string(psServers);
@@ -362,6 +394,9 @@ std::string TrainOptions::describe() const {
        << (!fsdpReduceDtype.empty() ? fsdpReduceDtype : fsdpParamDtype.empty() ? "float32" : fsdpParamDtype);
   if (sync == SyncChoice::kParameterServer)
     os << ", parameter server on the last " << psServers << (psServers == 1 ? " rank" : " ranks");
+  if (pipelineStages > 1)
+    os << ", a pipeline of " << pipelineStages << " stages, " << microBatches << " micro-batches per batch ("
+       << (pipelineSchedule == PipelineScheduleKind::kGPipe ? "GPipe" : "1F1B") << ")";
   os << ", seed " << seed << ", snapshot " << snapshotPath.string();
   return os.str();
 }

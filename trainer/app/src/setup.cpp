@@ -71,6 +71,7 @@ c10d::ProcessGroup& ProcessGroupScope::group() { return *getDefaultGroup(); }
 MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional) {
   MemoryFormatDecision d;
   const bool flat = shardsModel(o.sharding);
+  const bool pipeline = o.pipelineStages > 1;
   switch (o.memoryFormat) {
     case MemoryFormatChoice::kContiguous:
       d.reason = "--memory-format";
@@ -81,10 +82,11 @@ MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool c
       d.reason = convolutional ? "--memory-format" : "--memory-format channels-last ignored: the model has no 4-D weights";
       break;
     case MemoryFormatChoice::kAuto:
-      if (cuda && convolutional && !flat) d.format = at::MemoryFormat::ChannelsLast;
+      if (cuda && convolutional && !flat && !pipeline) d.format = at::MemoryFormat::ChannelsLast;
       d.reason = !convolutional ? "auto: the model has no 4-D weights"
                  : !cuda        ? "auto: contiguous on the CPU"
                  : flat         ? "auto: FSDP's flat parameters are contiguous"
+                 : pipeline     ? "auto: a pipeline's activations travel contiguous"
                                 : "auto: a convolutional model on CUDA";
       break;
   }

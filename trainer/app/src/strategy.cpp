@@ -10,6 +10,7 @@
 #include <ctorch/optim.hpp>
 #include <ctorch/models/resnet.hpp>
 #include <ctorch/parameter_server.hpp>
+#include <ctorch/pipeline.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
 
 #include <torch/nn/utils/clip_grad.h>
@@ -407,9 +408,92 @@ class ParameterServing final : public Strategy {
   std::unique_ptr<ParameterServer> ps_;
 };
 
+// --pipeline-stages S: the model's sequence (Model::sequential) cut into S balanced stages, one per
+// rank of each pipeline of S consecutive ranks; each batch runs as --micro-batches M under
+// --schedule; each stage's optimizer steps its own parameters; the replicas of a stage average their
+// gradients. Every rank keeps the whole model (the other stages' weights are brought up to date
+// for an evaluation and the final weights).
+class Pipelined final : public Strategy {
+ public:
+  Pipelined(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o), whole_(model->sequential()) {
+    if (whole_.is_empty()) throw ConfigError("--pipeline-stages: model " + o.model + " is not a sequence of layers");
+    groups_ = pipelineGroups(o.pipelineStages);
+    sizes_ = balancedPartition(whole_, o.pipelineStages);
+    stage_ = std::make_unique<PipelineStage>(pipelineSplit(whole_, sizes_, groups_.stage), groups_.stage, o.pipelineStages,
+                                             PipelineStageOptions().group(groups_.pipeline).seed(static_cast<std::uint64_t>(o.seed)));
+    PipelineScheduleOptions options;
+    if (groups_.replicas > 1) options.dataParallelGroup(groups_.dataParallel);
+    const models::ModelOutput output = model->output();
+    schedule_ = std::make_unique<PipelineSchedule>(
+        *stage_, o.microBatches, o.pipelineSchedule,
+        [output](const at::Tensor& prediction, const at::Tensor& target) { return lossFor(output, prediction, target); },
+        options);
+    optimizer_ = makeOptimizer(o, stage_->module()->parameters());
+  }
+  int dataRanks() const override { return groups_.replicas; }
+  const char* dataRankNoun() const override { return "pipeline"; }
+  int samplerRank() const override { return groups_.replica; }
+  StepOutcome step(const StepInputs& in) override {
+    StepOutcome out;
+    Lap lap;
+    const auto [inputs, targets] = nextMicroBatch(in.loader, in.sampler, out, lap, in.device, in.memoryFormat);
+    if (inputs.size(0) < o_.microBatches) {
+      // An epoch's last batch with fewer rows than micro-batches (the same on every rank: the
+      // sampler pads the replicas' shares alike): not trained on, said once.
+      if (!saidShortBatch_ && isMainProcess())
+        std::cerr << "ctorch-train: an epoch's last batch of " << inputs.size(0) << " rows is fewer than the "
+                  << o_.microBatches << " micro-batches: skipped" << std::endl;
+      saidShortBatch_ = true;
+      return out;
+    }
+    optimizer_->zero_grad();
+    const auto losses = schedule_->step(stage_->isFirst() ? inputs : at::Tensor(), stage_->isLast() ? targets : at::Tensor());
+    out.phases.forwardBackward += lap();
+    optimizer_->step();
+    // The last stage's loss (the mean over the micro-batches); the other stages add nothing to the
+    // sum over the ranks, which is divided by the number of pipelines.
+    if (!losses.empty()) out.loss = torch::stack(losses).mean().item<double>();
+    out.phases.optimizer += lap();
+    return out;
+  }
+  torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
+  void trackModel(ResilientTraining& t) override { t.track(*schedule_); }
+  void trackOptimizer(ResilientTraining& t) override { t.track(*optimizer_); }
+  std::string averaging(int worldSize) const override {
+    std::string text = "; a pipeline of " + std::to_string(groups_.stages) + " stages (this rank: stage " +
+                       std::to_string(groups_.stage) + ", " + std::to_string(sizes_[static_cast<std::size_t>(groups_.stage)]) +
+                       " of the model's " + std::to_string(whole_->size()) + " layers), " + std::to_string(o_.microBatches) +
+                       " micro-batches per batch (" + (o_.pipelineSchedule == PipelineScheduleKind::kGPipe ? "GPipe" : "1F1B") + ")";
+    if (groups_.replicas > 1)
+      text += ", each stage's gradients averaged over its " + std::to_string(groups_.replicas) + " replicas";
+    (void)worldSize;
+    return text;
+  }
+  std::string inPlaceRecoveryOffWith() const override { return "--pipeline-stages " + std::to_string(o_.pipelineStages); }
+  EvalForward prepareEvaluation() override {
+    pipelineGatherModel(whole_, sizes_, *stage_);  // every rank evaluates its share with the whole model
+    return EvalForward();
+  }
+  void withFullWeights(const std::function<void()>& write) override {
+    pipelineGatherModel(whole_, sizes_, *stage_);
+    write();
+  }
+
+ private:
+  const TrainOptions& o_;
+  torch::nn::Sequential whole_;
+  PipelineGroups groups_;
+  std::vector<std::size_t> sizes_;
+  std::unique_ptr<PipelineStage> stage_;
+  std::unique_ptr<PipelineSchedule> schedule_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  bool saidShortBatch_ = false;
+};
+
 } // namespace
 
 std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  if (o.pipelineStages > 1) return std::make_unique<Pipelined>(o, model);
   if (o.sync == SyncChoice::kParameterServer) return std::make_unique<ParameterServing>(o, model);
   if (shardsModel(o.sharding)) return std::make_unique<FullySharded>(o, model);
   return std::make_unique<DataParallel>(o, model);

@@ -181,6 +181,14 @@ class Schedule1F1B : public PipelineSchedule {
       : PipelineSchedule(stage, microBatches, PipelineScheduleKind::k1F1B, std::move(loss), std::move(options)) {}
 };
 
+// Every stage's current parameters and buffers into this rank's copy of the whole model: `model` as
+// the stages were cut from it (pipelineSplit with `stageSizes`), stage t's from the pipeline group's
+// rank t (one broadcast per stage and dtype). For what needs the whole model on a rank: an evaluation,
+// the final weights. A collective of the pipeline group: every stage calls it at the same point.
+// Throws DistributedError when a stage fails or does not answer within the group's timeout.
+void pipelineGatherModel(const torch::nn::Sequential& model, const std::vector<std::size_t>& stageSizes,
+                         const PipelineStage& stage);
+
 // ---- Pipeline x data parallelism ---------------------------------------------------------------------
 // World = replicas x stages, ranks numbered pipeline by pipeline (pipeline r holds ranks r*S .. r*S+S-1,
 // consecutive ranks, so a node's ranks form whole pipelines where S divides the node's size).

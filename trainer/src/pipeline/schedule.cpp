@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -401,6 +402,36 @@ std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at:
   ++steps_;
   stats_.total = Clock::now() - stepStart;
   return results;
+}
+
+void pipelineGatherModel(const torch::nn::Sequential& model, const std::vector<std::size_t>& stageSizes,
+                         const PipelineStage& stage) {
+  if (stage.numStages() == 1) return;
+  const auto& group = stage.group();
+  torch::NoGradGuard noGrad;
+  for (int t = 0; t < stage.numStages(); ++t) {
+    const torch::nn::Sequential part = pipelineSplit(model, stageSizes, t);
+    // One flat buffer per dtype and device, in the stage's order of parameters then buffers.
+    std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> byType;
+    for (const auto& p : part->parameters()) byType[{p.scalar_type(), p.device().str()}].push_back(p);
+    for (const auto& b : part->buffers()) byType[{b.scalar_type(), b.device().str()}].push_back(b);
+    const std::string what = stageName(stage.stageIndex()) + ": receiving stage " + std::to_string(t) + "'s weights";
+    for (auto& [key, tensors] : byType) {
+      std::vector<at::Tensor> views;
+      for (const auto& x : tensors) views.push_back(x.detach().reshape({-1}));
+      std::vector<at::Tensor> flat{torch::cat(views)};
+      c10d::BroadcastOptions options;
+      options.rootRank = t;
+      auto work = communicate(what, [&] { return group->broadcast(flat, options); });
+      communicate(what, [&] { return work->wait(); });
+      if (t == stage.stageIndex()) continue;
+      std::int64_t offset = 0;
+      for (auto& x : tensors) {
+        x.detach().copy_(flat[0].narrow(0, offset, x.numel()).view_as(x));
+        offset += x.numel();
+      }
+    }
+  }
 }
 
 // ---- Pipeline x data parallelism ---------------------------------------------------------------------

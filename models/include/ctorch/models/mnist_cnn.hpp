@@ -17,6 +17,7 @@ class MnistCnn : public Model {
   MnistCnn(int64_t inChannels = 1, int64_t numClasses = 10, int64_t imageSize = 28);
   torch::Tensor forward(torch::Tensor input) override;  // [B, C, S, S] -> [B, classes]
   ModelOutput output() const override { return ModelOutput::LogProbabilities; }
+  torch::nn::Sequential sequential() override;
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Dropout dropout1{nullptr}, dropout2{nullptr};

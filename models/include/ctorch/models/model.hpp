@@ -6,6 +6,7 @@
 #include <string>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 namespace ctorch::models {
@@ -19,6 +20,11 @@ class Model : public torch::nn::Module {
   using torch::nn::Module::Module;
   virtual torch::Tensor forward(torch::Tensor input) = 0;
   virtual ModelOutput output() const = 0;
+  // The model as a sequence of its own modules (sharing their parameters and buffers; the functional
+  // steps of forward() as torch::nn::Functional), whose forward is forward()'s, bit for bit: what a
+  // pipeline cuts into stages (ctorch::pipelineSplit). Its children are named by their place in it
+  // ("3.weight"). An empty holder (Sequential(nullptr)) when the model is not such a sequence.
+  virtual torch::nn::Sequential sequential() { return torch::nn::Sequential(nullptr); }
 };
 
 // Parameters and buffers by their dotted names, in registration order: the keys of Python's

@@ -29,6 +29,7 @@ class ResNet18 : public Model {
   ResNet18(int64_t inChannels = 3, int64_t numClasses = 10);
   torch::Tensor forward(torch::Tensor input) override;  // [B, C, H, W] -> [B, classes]
   ModelOutput output() const override { return ModelOutput::Logits; }
+  torch::nn::Sequential sequential() override;
 
   torch::nn::Conv2d conv1{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr};

@@ -17,6 +17,7 @@ class SimpleConvNet : public Model {
   SimpleConvNet(int64_t inChannels = 3, int64_t numClasses = 10, int64_t imageSize = 32);
   torch::Tensor forward(torch::Tensor input) override;
   ModelOutput output() const override { return ModelOutput::Logits; }
+  torch::nn::Sequential sequential() override;
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};

@@ -5,6 +5,7 @@
 
 #include "ctorch/comm_hook.hpp"
 #include "ctorch/optim.hpp"
+#include "ctorch/pipeline.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -149,6 +150,12 @@ struct TrainOptions {
   bool gradientAsBucketView = true;
   SyncChoice sync = SyncChoice::kAllreduce;  // --sync
   int psServers = 1;                         // --ps-servers: how many of the last ranks serve
+  // --pipeline-stages S: the model cut into S stages over each S consecutive ranks (a pipeline; the
+  // world holds world / S of them, data parallel over the replicas of each stage), each batch run as
+  // --micro-batches M under --schedule (docs/pipeline.md). 1: no pipeline.
+  int pipelineStages = 1;
+  int microBatches = 4;
+  PipelineScheduleKind pipelineSchedule = PipelineScheduleKind::k1F1B;
   // --memory-format. Not in bindingConfig: snapshots hold contiguous copies, so a run resumes in
   // either layout (the trajectories differ only by the convolutions' rounding).
   MemoryFormatChoice memoryFormat = MemoryFormatChoice::kAuto;
