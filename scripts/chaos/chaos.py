@@ -64,6 +64,12 @@ WORKLOADS = {
                           "--test-limit", "500", "--batch-size", "32", "--epochs", "2",
                           "--save-every-steps", "8"],
                     steps_per_rank_world={1: 80, 2: 40, 3: 27}, epochs=2, delay_ms=20),
+    # The seeds' CNN cut into 2 pipeline stages (ctorch-train --pipeline-stages): each rank writes its
+    # stage's shard; a lost rank restarts the group, which resumes from the stages' shards.
+    "fashion-pipeline": dict(args=["--model", "mnist-cnn", "--dataset", "fashion-mnist", "--train-limit", "2560",
+                                   "--test-limit", "500", "--batch-size", "32", "--epochs", "2",
+                                   "--save-every-steps", "8", "--pipeline-stages", "2", "--micro-batches", "4"],
+                             steps_per_rank_world={2: 80}, epochs=2, delay_ms=20),
     # A user's own loop on the installed library (tests/consumer/main.cpp: an MLP with dropout,
     # SGD with momentum, StepLR, ctorch::ResilientTraining), on its own synthetic regression set.
     "consumer": dict(program="consumer", args=["--epochs", "3", "--batch-size", "32", "--save-every-steps", "4"],
@@ -1534,6 +1540,11 @@ def build_suite(args, rng):
         # suites add the Fashion-MNIST CNN).
         for k in kinds:
             add(f"{k}", "synthetic", 2, [k])
+    elif args.suite == "pipeline":
+        # A 2-stage pipeline of the trainer (the CTest subset): a killed, crashed, hung worker and a
+        # kill during a snapshot's shard writes, two per run.
+        add("pipeline-kill+snapshot-kill", "fashion-pipeline", 2, ["worker-kill", "snapshot-kill"])
+        add("pipeline-segv+stop", "fashion-pipeline", 2, ["worker-segv", "worker-stop"])
     elif args.suite == "full":
         if consumer:
             for k in kinds:
@@ -1591,7 +1602,7 @@ def main():
     here = ROOT
     ap = argparse.ArgumentParser(description="Seeded fault injection into ctorchrun + ctorch-train (or consumer) runs.")
     ap.add_argument("--suite", choices=["quick", "full", "long", "self-test", "integrity", "slurm", "nodes", "consumer",
-                                        "inplace", "nodes-inplace", "nodes-store", "nodes-store-torchrun"],
+                                        "pipeline", "inplace", "nodes-inplace", "nodes-store", "nodes-store-torchrun"],
                     default="quick")
     ap.add_argument("--recovery", choices=["restart", "in-place"], default="",
                     help="ctorchrun's --recovery for the faulty runs (default: in-place for the inplace suite, "

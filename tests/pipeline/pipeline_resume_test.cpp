@@ -93,6 +93,11 @@ CTORCH_TEST_WORKER(pipeline_resume) {
     if (epochSteps > 0 && (step + 1) % epochSteps == 0 && training.epochDone()) return training.exitCode();
     if (stopAfter > 0 && step + 1 == stopAfter) break;
   }
+  if (stopAfter == 0) {  // the whole model on every rank: the other stages' weights are stale until gathered
+    std::cout << "whole before gathering " << paramsHex(model->parameters()) << "\n";
+    ctorch::pipelineGatherModel(model, sizes, stage);
+    std::cout << "whole after gathering " << paramsHex(model->parameters()) << "\n";
+  }
   training.finish();
   ctorch::destroyProcessGroup();
   return 0;
@@ -187,6 +192,10 @@ TEST_CASE("pipeline resume: stopped after step 2 and restarted, 2 stages and 2 p
       CHECK(linesWith(resumed, "restored ").front().substr(9) == steps[1].substr(steps[1].find(' ', 11) + 1));
       CHECK(stepsFrom(resumed, 0) == stepsFrom(expected, 2));
       CHECK(stepsFrom(first[static_cast<std::size_t>(r)].output, 0) == std::vector<std::string>(steps.begin(), steps.begin() + 2));
+      // pipelineGatherModel: every rank's copy of the whole model is the same once gathered, not before.
+      CHECK(linesWith(expected, "whole after gathering ") == linesWith(through.front().output, "whole after gathering "));
+      if (r % c.stages != 0)  // another stage than rank 0's: its copy of stage 0 was stale
+        CHECK(linesWith(expected, "whole before gathering ") != linesWith(through.front().output, "whole before gathering "));
     }
   }
 }

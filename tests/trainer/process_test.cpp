@@ -633,3 +633,48 @@ TEST_CASE("deterministic failures: a typo and an incompatible snapshot are not r
   CHECK(other.output.find("restarting, restart") == std::string::npos);
   CHECK_THAT(other.output, Catch::Contains("config 'lr' is '0.1' in the snapshot, '0.2' in this run"));
 }
+
+TEST_CASE("pipeline: ctorch-train --pipeline-stages 2 on the simple CNN equals one rank accumulating the same "
+          "micro-batches, bit for bit, and what a pipeline does not do is refused in one line",
+          "[trainer][process][pipeline]") {
+  TempDir dir("train-pipeline");
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--pipeline-stages", "2", "--model", "linear"}, "--pipeline-stages 2 with --model linear: the model is one layer"},
+           {{"--pipeline-stages", "2", "--sharding", "full"}, "--pipeline-stages 2 with --sharding full"},
+           {{"--pipeline-stages", "2", "--grad-accum-steps", "2"}, "--pipeline-stages 2 with --grad-accum-steps 2"},
+           {{"--pipeline-stages", "2", "--micro-batches", "65", "--batch-size", "64"}, "--micro-batches 65 and --batch-size 64"},
+           {{"--pipeline-stages", "2", "--schedule", "zero-bubble"}, "--schedule 'zero-bubble' is not one of: 1f1b, gpipe"},
+           {{"--micro-batches", "4"}, "--micro-batches '4' needs --pipeline-stages 2 or more"},
+           {{"--pipeline-stages", "0"}, "--pipeline-stages '0' must be in [1, 1024]"}}) {
+    const auto r = ctorch::test::run(trainAlone(dir.path(), args));
+    INFO(show(r));
+    CHECK(r.exitCode == ctorch::contract::kExitUsage);
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+    CHECK(r.output.rfind("ctorch-train: error: ", 0) == 0);
+    CHECK(r.output.find(says) != std::string::npos);
+  }
+  if (!haveFashionMnist()) CTORCH_SKIP("Debian's dataset-fashion-mnist is not installed");
+  // No dropout, no BatchNorm: a step of 4 micro-batches of 4 rows is the same arithmetic in a pipeline
+  // of 2 processes as in one process accumulating 4 batches of 4 rows.
+  TempDir piped("train-pipeline-2"), alone("train-pipeline-ref");
+  const std::vector<std::string> common = {"--model", "simple-cnn", "--train-limit", "256", "--test-limit", "100",
+                                           "--epochs", "2", "--log-interval", "4"};
+  const auto pipeline = ctorch::test::run(trainUnderLauncher(
+      piped.path(), 2, with(common, {"--batch-size", "16", "--pipeline-stages", "2", "--micro-batches", "4", "--schedule", "gpipe"})));
+  INFO(show(pipeline));
+  REQUIRE(pipeline.ok());
+  CHECK(pipeline.output.find("a pipeline of 2 stages (this rank: stage 0") != std::string::npos);
+  const auto reference = ctorch::test::run(trainAlone(alone.path(), with(common, {"--batch-size", "4", "--grad-accum-steps", "4"})));
+  INFO(show(reference));
+  REQUIRE(reference.ok());
+  // The final weights (the stages gathered on rank 0) and the test accuracy of every epoch.
+  CHECK(bitDifference(piped / "model.pt", alone / "model.pt").empty());
+  const std::regex accuracy(R"(test: loss \S+, accuracy \S+)");
+  auto accuracies = [&](const std::string& text) {
+    std::vector<std::string> found;
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), accuracy); it != std::sregex_iterator(); ++it) found.push_back(it->str());
+    return found;
+  };
+  CHECK(accuracies(pipeline.output).size() == 2);
+  CHECK(accuracies(pipeline.output) == accuracies(reference.output));
+}

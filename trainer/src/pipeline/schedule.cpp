@@ -439,7 +439,7 @@ PipelineGroups pipelineGroups(int stages) {
   const int world = getWorldSize(), rank = getRank();
   if (stages < 1 || world % stages != 0)
     throw ConfigError("pipeline: " + std::to_string(stages) + " stages do not divide the world of " +
-                      std::to_string(world) + " ranks into whole pipelines");
+                      std::to_string(world) + (world == 1 ? " rank" : " ranks") + " into whole pipelines");
   // The same layout as hybrid sharding's: a pipeline is a "node" of S consecutive ranks.
   const HybridShardLayout layout = hybridShardLayout(world, rank, stages);
   PipelineGroups groups;
