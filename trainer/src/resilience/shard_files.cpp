@@ -131,10 +131,15 @@ PipelineStageLayout pipelineStageLayout(const Snapshot& snap, const c10::IValue&
     if (!d.contains(key) || !d.at(key).isInt() || d.at(key).toInt() < 0) badStage(snap, std::string("no count '") + key + "'");
     *field = d.at(key).toInt();
   }
-  if (layout.stages < 1 || layout.stage >= layout.stages) badStage(snap, "a stage index outside its stages");
+  if (layout.stages < 1 || layout.stages > (1 << 20) || layout.stage >= layout.stages) badStage(snap, "a stage index outside its stages");
+  if (layout.parameters > (std::int64_t{1} << 40)) badStage(snap, "a parameter count beyond any model");
   if (!d.contains("children") || !d.at("children").isList()) badStage(snap, "no list of the stage's children");
   for (const auto& child : d.at("children").toListRef()) {
-    if (!child.isString()) badStage(snap, "a child's name that is not a string");
+    // A module's name (a Sequential's: its index), nothing a message should not echo.
+    if (!child.isString() || child.toStringRef().empty() || child.toStringRef().size() > 64 ||
+        !std::all_of(child.toStringRef().begin(), child.toStringRef().end(),
+                     [](unsigned char c) { return std::isalnum(c) != 0 || c == '_'; }))
+      badStage(snap, "a child's name that is not a module's name");
     layout.children.push_back(child.toStringRef());
   }
   return layout;

@@ -345,8 +345,9 @@ SnapshotPoint TrackedState::restorePipeline(const Snapshot& snap, const RestoreO
   const PipelineStageLayout mine = pipelineStageLayout(snap, c10::IValue(pipelineLayout()));
   if (layout.children != mine.children || layout.parameters != mine.parameters)
     throw SnapshotIncompatible(snap.source, {"its stage " + std::to_string(stage.stageIndex()) + " held the model's " +
-                                             describeChildren(layout.children) + ", this run's holds " +
-                                             describeChildren(mine.children) +
+                                             describeChildren(layout.children) + " (" + std::to_string(layout.parameters) +
+                                             " parameters), this run's holds " + describeChildren(mine.children) + " (" +
+                                             std::to_string(mine.parameters) + ")" +
                                              ": resume it with the same partition of the model into stages, or make it one whole model's "
                                              "(ctorch-snapshot consolidate)"});
   const std::string type = shard->at("optimizer_type").isString() ? shard->at("optimizer_type").toStringRef() : "";
