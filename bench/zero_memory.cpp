@@ -1,8 +1,10 @@
 // Per-rank model-state memory and step time of DDP with the whole Adam, DDP with a
-// ZeroRedundancyOptimizer (ZeRO-1) and FullyShardedDataParallel (full sharding, and SHARD_GRAD_OP), on
-// an MLP of ~100 M parameters; run under ctorchrun by bench/zero_memory.sh, which prints the table
-// quoted in docs/sharding.md.
-// Usage (as each worker): zero_memory_bench <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op> <layers> <width> <steps>
+// ZeroRedundancyOptimizer (ZeRO-1), FullyShardedDataParallel (full sharding, and SHARD_GRAD_OP) and a
+// pipeline of 2 stages (1F1B, 4 micro-batches; data parallel over world / 2 pipelines), on an MLP of
+// ~100 M parameters; run under ctorchrun by bench/zero_memory.sh, which prints the table quoted in
+// docs/sharding.md (and bench/memory_limit.sh, docs/pipeline.md).
+// Usage (as each worker): zero_memory_bench <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op|pipeline> <layers> <width> <steps>
+// Every mode computes the same rows per step over the world: 8 per rank (a pipeline's batch: 8 x 2).
 // hybrid and hybrid-grad-op are fsdp and fsdp-grad-op sharded over each node's ranks (LOCAL_WORLD_SIZE)
 // and replicated across the nodes (ctorch::hybridShardGroups(); bench/sharding_lab.sh runs them).
 // ZERO_MEMORY_TRACE=1 also prints, on stderr, the resident and peak memory after each phase and the
@@ -13,6 +15,7 @@
 #include <ctorch/fully_sharded_data_parallel.hpp>
 #include <ctorch/hybrid_shard_groups.hpp>
 #include <ctorch/optim.hpp>
+#include <ctorch/pipeline.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
 
@@ -193,13 +196,49 @@ Measured runFsdp(bool reshardAfterForward, bool hybrid, int layers, int width, i
   return out;
 }
 
+// Each rank builds the whole MLP, keeps its stage (the model's own Linears) and lets the rest go.
+Measured runPipeline(int layers, int width, int steps) {
+  constexpr int kStages = 2, kMicroBatches = 4;
+  const auto groups = ctorch::pipelineGroups(kStages);
+  std::unique_ptr<ctorch::PipelineStage> stage;
+  {
+    torch::nn::Sequential mlp;
+    for (int i = 0; i < layers; ++i) mlp->push_back(torch::nn::Linear(width, width));
+    const auto sizes = ctorch::balancedPartition(mlp, kStages);
+    stage = std::make_unique<ctorch::PipelineStage>(ctorch::pipelineSplit(mlp, sizes, groups.stage), groups.stage, kStages,
+                                                    ctorch::PipelineStageOptions().group(groups.pipeline));
+  }
+  trace("model");
+  ctorch::PipelineScheduleOptions options;
+  if (groups.replicas > 1) options.dataParallelGroup(groups.dataParallel);
+  ctorch::Schedule1F1B schedule(*stage, kMicroBatches, [](const at::Tensor& y, const at::Tensor&) { return y.pow(2).mean(); },
+                                options);
+  auto optimizer = adam(stage->module()->parameters());
+  Measured out;
+  timeSteps(steps, [&] {
+    optimizer->zero_grad();
+    const auto x = torch::randn({8 * kStages, width});
+    const auto losses = schedule.step(stage->isFirst() ? x : at::Tensor(), stage->isLast() ? torch::zeros({8 * kStages}) : at::Tensor());
+    trace("backward");
+    optimizer->step();
+    trace("optimizer");
+    return losses.empty() ? 0.0 : losses.front().item<double>();
+  }, out);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : stage->module()->parameters()) grads.push_back(p.grad());
+  out.params = bytesOf(stage->module()->parameters());
+  out.grads = bytesOf(grads);
+  out.optimizer = stateBytes(*optimizer);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 5 ? argv[1] : "";
   const bool hybrid = mode == "hybrid" || mode == "hybrid-grad-op";
-  if (mode != "ddp" && mode != "zero" && mode != "fsdp" && mode != "fsdp-grad-op" && !hybrid) {
-    std::fprintf(stderr, "usage: %s <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op> <layers> <width> <steps>%s%s\n",
+  if (mode != "ddp" && mode != "zero" && mode != "fsdp" && mode != "fsdp-grad-op" && mode != "pipeline" && !hybrid) {
+    std::fprintf(stderr, "usage: %s <ddp|zero|fsdp|fsdp-grad-op|hybrid|hybrid-grad-op|pipeline> <layers> <width> <steps>%s%s\n",
                  argv[0],
                  argc == 5 ? "; unknown mode: " : "", argc == 5 ? argv[1] : "");
     return 2;
@@ -210,8 +249,9 @@ int main(int argc, char** argv) {
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   torch::manual_seed(1);
   const bool fsdp = mode.rfind("fsdp", 0) == 0 || hybrid;
-  Measured m = fsdp ? runFsdp(mode == "fsdp" || mode == "hybrid", hybrid, layers, width, steps)
-                    : runDdp(mode == "zero", layers, width, steps);
+  Measured m = fsdp                 ? runFsdp(mode == "fsdp" || mode == "hybrid", hybrid, layers, width, steps)
+               : mode == "pipeline" ? runPipeline(layers, width, steps)
+                                    : runDdp(mode == "zero", layers, width, steps);
   std::sort(m.ms.begin() + 1, m.ms.end());  // the first step builds the optimizer state: left out
   char unit[64] = "";
   if (fsdp) std::snprintf(unit, sizeof unit, " unit_mb=%.1f", m.unit / 1e6);
