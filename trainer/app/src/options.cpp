@@ -353,14 +353,14 @@ std::map<std::string, std::string> TrainOptions::bindingConfig() const {
   // Only when set (older snapshots match): a lower precision changes every step's result.
   if (!fsdpParamDtype.empty()) c["fsdp_param_dtype"] = fsdpParamDtype;
   if (!fsdpReduceDtype.empty()) c["fsdp_reduce_dtype"] = fsdpReduceDtype;
-  // Only with a parameter server (older snapshots match): the servers do not read data, so the same
-  // world size splits the data another way.
   // Only with a pipeline (older snapshots match): the stages' shards and the micro-batches' seeds and
   // sums (the schedule does not change a step's result).
   if (pipelineStages > 1) {
     c["pipeline_stages"] = std::to_string(pipelineStages);
     c["micro_batches"] = std::to_string(microBatches);
   }
+  // Only with a parameter server (older snapshots match): the servers do not read data, so the same
+  // world size splits the data another way.
   if (sync == SyncChoice::kParameterServer) {
     c["sync"] = toString(sync);
     c["ps_servers"] = std::to_string(psServers);
