@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -52,6 +53,24 @@ struct Shape {
 Shape shapeOf(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type()}; }
 
 std::string stageName(int stage) { return "pipeline stage " + std::to_string(stage); }
+
+// `tensors` in one flat buffer per dtype and device (in their order): `onFlat` runs on each (a
+// collective in place), whose values are then copied back into the tensors.
+void throughFlatBuffers(const std::vector<at::Tensor>& tensors, const std::function<void(at::Tensor&)>& onFlat) {
+  std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> byType;
+  for (const auto& t : tensors) byType[{t.scalar_type(), t.device().str()}].push_back(t);
+  for (auto& [key, group] : byType) {
+    std::vector<at::Tensor> views;
+    for (const auto& t : group) views.push_back(t.detach().reshape({-1}));
+    at::Tensor flat = torch::cat(views);
+    onFlat(flat);
+    std::int64_t offset = 0;
+    for (const auto& t : group) {
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+}
 
 // One send/recv/wait; its failure becomes one DistributedError (DistributedTimeout) naming it.
 template <typename F>
@@ -376,28 +395,19 @@ std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at:
 
   if (training && options_.dataParallelGroup() && options_.dataParallelGroup()->getSize() > 1) {
     const auto& dp = options_.dataParallelGroup();
-    std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> byType;
+    std::vector<at::Tensor> grads;
     for (auto& p : stage_.module()->parameters()) {
       if (!p.requires_grad()) continue;
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-      byType[{p.scalar_type(), p.device().str()}].push_back(p.grad());
+      grads.push_back(p.grad());
     }
-    for (auto& [key, grads] : byType) {
-      std::vector<at::Tensor> flat{torch::cat([&] {
-        std::vector<at::Tensor> views;
-        for (const auto& g : grads) views.push_back(g.reshape({-1}));
-        return views;
-      }())};
+    throughFlatBuffers(grads, [&](at::Tensor& flat) {
+      std::vector<at::Tensor> tensors{flat};
       auto work = communicate(me + ": averaging the stage's gradients over its data-parallel group",
-                              [&] { return dp->allreduce(flat); });
+                              [&] { return dp->allreduce(tensors); });
       timedWait(work, "averaging the stage's gradients over its data-parallel group");
-      flat[0].div_(dp->getSize());
-      std::int64_t offset = 0;
-      for (auto& g : grads) {
-        g.copy_(flat[0].narrow(0, offset, g.numel()).view_as(g));
-        offset += g.numel();
-      }
-    }
+      flat.div_(dp->getSize());
+    });
   }
   ++steps_;
   stats_.total = Clock::now() - stepStart;
@@ -411,26 +421,16 @@ void pipelineGatherModel(const torch::nn::Sequential& model, const std::vector<s
   torch::NoGradGuard noGrad;
   for (int t = 0; t < stage.numStages(); ++t) {
     const torch::nn::Sequential part = pipelineSplit(model, stageSizes, t);
-    // One flat buffer per dtype and device, in the stage's order of parameters then buffers.
-    std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> byType;
-    for (const auto& p : part->parameters()) byType[{p.scalar_type(), p.device().str()}].push_back(p);
-    for (const auto& b : part->buffers()) byType[{b.scalar_type(), b.device().str()}].push_back(b);
+    std::vector<at::Tensor> state = part->parameters();
+    for (const auto& b : part->buffers()) state.push_back(b);
     const std::string what = stageName(stage.stageIndex()) + ": receiving stage " + std::to_string(t) + "'s weights";
-    for (auto& [key, tensors] : byType) {
-      std::vector<at::Tensor> views;
-      for (const auto& x : tensors) views.push_back(x.detach().reshape({-1}));
-      std::vector<at::Tensor> flat{torch::cat(views)};
+    throughFlatBuffers(state, [&](at::Tensor& flat) {
+      std::vector<at::Tensor> tensors{flat};
       c10d::BroadcastOptions options;
       options.rootRank = t;
-      auto work = communicate(what, [&] { return group->broadcast(flat, options); });
+      auto work = communicate(what, [&] { return group->broadcast(tensors, options); });
       communicate(what, [&] { return work->wait(); });
-      if (t == stage.stageIndex()) continue;
-      std::int64_t offset = 0;
-      for (auto& x : tensors) {
-        x.detach().copy_(flat[0].narrow(0, offset, x.numel()).view_as(x));
-        offset += x.numel();
-      }
-    }
+    });
   }
 }
 
