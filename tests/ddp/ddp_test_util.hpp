@@ -1,4 +1,4 @@
-// Small helpers shared by the ddp test sources: worker arguments, tensor bytes as hex, a free port
+// Small helpers shared by the ddp test sources: worker arguments, tensor bytes as hex, a port
 // in the Slurm-derived range.
 #pragma once
 
@@ -44,22 +44,12 @@ inline std::string paramsHex(const std::vector<torch::Tensor>& params) {
   return out;
 }
 
-// A port in [20000, 31999] (contract::slurmDerivedPort's range) that was free a moment ago.
-inline int freePortInSlurmRange() {
-  std::mt19937 gen(static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
-  std::uniform_int_distribution<int> pick(20000, 31999);
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    int port = pick(gen);
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    ::close(fd);
-    if (ok) return port;
-  }
-  return -1;
+// A port in [20000, 31999] (contract::slurmDerivedPort's range, below the kernel's ephemeral range
+// where no outgoing connection takes one), for rank 0 to host on; withFreshPort runs again with
+// another when a server already holds it. Never probed by binding: a probe closes before use.
+inline int portInSlurmRange() {
+  static std::mt19937 gen(std::random_device{}());
+  return std::uniform_int_distribution<int>(20000, 31999)(gen);
 }
 
 } // namespace ddptest

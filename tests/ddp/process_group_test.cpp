@@ -156,7 +156,10 @@ CTORCH_TEST_WORKER(mixed_peer) {
 }
 
 TEST_CASE("process group: rank 0 hosts the store and 3 ranks allreduce through Gloo", "[pg]") {
-  auto results = runWorkerGroup({.worker = "pg_allreduce", .worldSize = 3, .timeout = std::chrono::seconds(60)});
+  auto results = runWorkerGroup({.worker = "pg_allreduce",
+                                 .worldSize = 3,
+                                 .timeout = std::chrono::seconds(60),
+                                 .store = StoreHost::kRankZero});
   requireAllOk(results);
   CHECK_THAT(results[0].output, Catch::Contains("rank 0/3 (local 0/3) from torchrun environment"));
   CHECK_THAT(results[2].output, Catch::Contains("hosted by rank 0"));
@@ -205,17 +208,21 @@ TEST_CASE("process group: the launcher's agent store is used as a client, prefix
 }
 
 TEST_CASE("process group: plain srun with the port derived from SLURM_JOB_ID", "[pg]") {
-  const int port = ddptest::freePortInSlurmRange();
-  REQUIRE(port > 0);
-  const std::string jobId = std::to_string(12000 * 7 + (port - 20000));  // slurmDerivedPort -> port
-  WorkerGroupOptions o;
-  o.worker = "pg_allreduce";
-  o.worldSize = 2;
-  o.torchrunEnv = false;
-  o.env = {{"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", jobId}, {"SLURM_STEP_NODELIST", "127.0.0.1"},
-           {"SLURM_NODEID", "0"}, {"SLURM_TASKS_PER_NODE", "2"}};
-  for (int r = 0; r < 2; ++r) o.rankEnv[r] = {{"SLURM_PROCID", std::to_string(r)}, {"SLURM_LOCALID", std::to_string(r)}};
-  auto results = runWorkerGroup(o);
+  // Rank 0 hosts on the port derived from the job id (20000-31999, below the ephemeral range): a
+  // job id of a fresh port when another server holds the one drawn.
+  int port = 0;
+  auto results = withFreshPort([&](int) {
+    port = ddptest::portInSlurmRange();
+    const std::string jobId = std::to_string(12000 * 7 + (port - 20000));  // slurmDerivedPort -> port
+    WorkerGroupOptions o;
+    o.worker = "pg_allreduce";
+    o.worldSize = 2;
+    o.torchrunEnv = false;
+    o.env = {{"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", jobId}, {"SLURM_STEP_NODELIST", "127.0.0.1"},
+             {"SLURM_NODEID", "0"}, {"SLURM_TASKS_PER_NODE", "2"}};
+    for (int r = 0; r < 2; ++r) o.rankEnv[r] = {{"SLURM_PROCID", std::to_string(r)}, {"SLURM_LOCALID", std::to_string(r)}};
+    return runWorkerGroup(o);
+  });
   requireAllOk(results);
   CHECK_THAT(results[1].output, Catch::Contains("rank 1/2 (local 1/2) from srun"));
   CHECK_THAT(results[1].output, Catch::Contains("store 127.0.0.1:" + std::to_string(port)));
@@ -255,7 +262,8 @@ TEST_CASE("process group: rank 0 waiting for a rank that never comes times out w
                                  .worldSize = 1,
                                  .args = {"timeout_ms=2000"},
                                  .env = {{"WORLD_SIZE", "2"}},
-                                 .timeout = std::chrono::seconds(60)});
+                                 .timeout = std::chrono::seconds(60),
+                                 .store = StoreHost::kRankZero});
   INFO(results[0].output);
   REQUIRE(results[0].exitCode == 3);
   CHECK_THAT(results[0].output, Catch::Contains("DistributedTimeout: rank 0/2: hosting the store at 127.0.0.1:"));
@@ -268,11 +276,13 @@ TEST_CASE("process group: rank 0 waiting for a rank that never comes times out w
 }
 
 TEST_CASE("process group: a rank whose store host never comes times out with a clear message", "[pg][timeout]") {
+  ReservedPort nobody;  // bound, never listening: nothing answers there
   auto results = runWorkerGroup({.worker = "pg_expect_failure",
                                  .worldSize = 1,
                                  .args = {"timeout_ms=2000"},
                                  .env = {{"WORLD_SIZE", "2"}, {"RANK", "1"}},
-                                 .timeout = std::chrono::seconds(60)});
+                                 .timeout = std::chrono::seconds(60),
+                                 .masterPort = nobody.port()});
   INFO(results[0].output);
   REQUIRE(results[0].exitCode == 3);
   CHECK_THAT(results[0].output, Catch::Contains("DistributedTimeout: rank 1/2: connecting to the store at 127.0.0.1:"));
@@ -303,9 +313,9 @@ namespace {
 
 // Runs a 2-rank job where `pythonRank` is a Python 1.13 worker (tests/ddp/python_peer.py) and the
 // other rank is this binary's mixed_peer; returns {C++ result, Python result}.
-std::pair<ProcessResult, ProcessResult> runMixed(int pythonRank, bool agentStore) {
+// With agentStore, the test hosts the store on a port it bound (`port` is not used).
+std::pair<ProcessResult, ProcessResult> runMixedOnce(int pythonRank, bool agentStore, int port) {
   std::optional<c10d::TCPStore> agent;
-  int port = freePort();
   std::map<std::string, std::string> common = {{"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"},
                                                {"MASTER_ADDR", "127.0.0.1"}, {"OMP_NUM_THREADS", "1"}};
   if (agentStore) {
@@ -336,6 +346,13 @@ std::pair<ProcessResult, ProcessResult> runMixed(int pythonRank, bool agentStore
   auto cppResult = cpp->wait();
   auto pyResult = py->wait();
   return {cppResult, pyResult};
+}
+
+std::pair<ProcessResult, ProcessResult> runMixed(int pythonRank, bool agentStore) {
+  if (!agentStore) {  // the rank 0 of the two hosts: on a fresh port when the one drawn was taken
+    return withFreshPort([&](int port) { return runMixedOnce(pythonRank, false, port); });
+  }
+  return runMixedOnce(pythonRank, true, 0);
 }
 
 std::string paramsLine(const std::string& output) {

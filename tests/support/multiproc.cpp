@@ -27,6 +27,10 @@
 #include <system_error>
 #include <thread>
 
+#ifdef CTORCH_TEST_HAS_STORE
+#include "ctorch/store/tcp_store_server.hpp"
+#endif
+
 extern char** environ;
 
 namespace ctorch::test {
@@ -209,8 +213,11 @@ ProcessResult run(const SpawnOptions& options) {
   return p.wait();
 }
 
-std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options) {
-  const int port = options.masterPort ? options.masterPort : freePort();
+namespace {
+
+// One run of the group with MASTER_PORT = port (0: not set) and `storeEnv` under the test's env.
+std::vector<ProcessResult> runGroupOnce(const WorkerGroupOptions& options, int port,
+                                        const std::map<std::string, std::string>& storeEnv) {
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   std::vector<std::unique_ptr<Process>> procs;
   for (int rank = 0; rank < options.worldSize; ++rank) {
@@ -230,8 +237,9 @@ std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options) {
                    {"WORLD_SIZE", std::to_string(options.worldSize)},
                    {"LOCAL_WORLD_SIZE", std::to_string(options.worldSize)},
                    {"GROUP_RANK", "0"},
-                   {"MASTER_ADDR", options.masterAddr},
-                   {"MASTER_PORT", std::to_string(port)}};
+                   {"MASTER_ADDR", options.masterAddr}};
+      if (port) so.setEnv["MASTER_PORT"] = std::to_string(port);
+      for (const auto& [k, v] : storeEnv) so.setEnv[k] = v;
     }
     so.setEnv["OMP_NUM_THREADS"] = "1";
     for (const auto& [k, v] : options.env) so.setEnv[k] = v;
@@ -256,13 +264,27 @@ std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options) {
         if (expired && results[i].termSignal == SIGKILL) results[i].timedOut = true;
         done[i] = true;
         --remaining;
-        if (!results[i].ok() && !failDeadline)
+        const bool expectedExit = !results[i].timedOut && results[i].termSignal == 0 &&
+                                  options.expectedExitCodes.count(results[i].exitCode) > 0;
+        if (!results[i].ok() && !expectedExit && !failDeadline)
           failDeadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return results;
+}
+
+} // namespace
+
+std::vector<ProcessResult> runWorkerGroup(const WorkerGroupOptions& options) {
+  if (!options.torchrunEnv || options.masterPort != 0) return runGroupOnce(options, options.masterPort, {});
+  if (options.store == StoreHost::kHarness && HostedStore::available()) {
+    HostedStore store;  // outlives every rank: runGroupOnce reaps them all
+    return runGroupOnce(options, store.port(),
+                        {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "0"}});
+  }
+  return withFreshPort([&](int port) { return runGroupOnce(options, port, {}); });
 }
 
 void requireAllOk(const std::vector<ProcessResult>& results) {
@@ -280,22 +302,93 @@ fs::path selfExe() {
   return fs::read_symlink("/proc/self/exe");
 }
 
-int freePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throwErrno("socket");
+int fixedPortCandidate() {
+  // The ephemeral range's low end (Linux's default 32768); ports from 20000 up to it. Below 20000
+  // lie the lab's Slurm controllers (scripts/lab/slurm.sh: 10000-19999).
+  int low = 32768, high = 60999;
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  if (!(range >> low >> high)) low = 32768;
+  constexpr int kFirst = 20000;
+  if (low <= kFirst + 100)
+    throw std::runtime_error("the ephemeral port range starts at " + std::to_string(low) +
+                             " (/proc/sys/net/ipv4/ip_local_port_range): no room below it for a fixed test port");
+  static std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(::getpid()));
+  return std::uniform_int_distribution<int>(kFirst, low - 1)(rng);
+}
+
+bool portTaken(const std::string& output) {
+  for (const char* says : {"port already in use", "Address already in use", "address already in use",
+                           "EADDRINUSE", "errno: 98", "Errno 98"})
+    if (output.find(says) != std::string::npos) return true;
+  return false;
+}
+
+bool portTaken(const ProcessResult& result) { return portTaken(result.output); }
+
+bool portTaken(const std::vector<ProcessResult>& results) {
+  for (const auto& r : results)
+    if (portTaken(r)) return true;
+  return false;
+}
+
+ReservedPort::ReservedPort() {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throwErrno("socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
+  addr.sin_port = 0;  // no SO_REUSEADDR and no listen(): refused to connectors, unbindable to others
+  socklen_t len = sizeof(addr);
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int e = errno;
+    ::close(fd_);
+    errno = e;
     throwErrno("bind 127.0.0.1:0");
   }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  port_ = ntohs(addr.sin_port);
 }
+
+ReservedPort::~ReservedPort() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+#ifdef CTORCH_TEST_HAS_STORE
+struct HostedStore::Impl {
+  explicit Impl(store::TcpStoreServerOptions o) : server(std::move(o)) {}
+  store::TcpStoreServer server;
+};
+
+namespace {
+store::TcpStoreServerOptions loopbackStore() {
+  store::TcpStoreServerOptions o;
+  o.host = "127.0.0.1";  // port 0: the server binds any and says which
+  return o;
+}
+} // namespace
+
+HostedStore::HostedStore() : HostedStore(std::make_unique<Impl>(loopbackStore())) {}
+
+HostedStore HostedStore::rendezvous() {
+  auto o = loopbackStore();
+  o.ephemeralKeyPrefix = "/ctorchrun.alive/";  // what a hosting agent sets (c10d_rendezvous_impl.hpp)
+  return HostedStore(std::make_unique<Impl>(std::move(o)));
+}
+
+int HostedStore::port() const { return impl_->server.port(); }
+bool HostedStore::available() { return true; }
+#else
+struct HostedStore::Impl {};
+HostedStore::HostedStore() { throw std::logic_error("HostedStore: built without ctorchrun's store (CTORCH_BUILD_LAUNCHER=OFF)"); }
+HostedStore HostedStore::rendezvous() { return HostedStore(); }
+int HostedStore::port() const { return 0; }
+bool HostedStore::available() { return false; }
+#endif
+
+HostedStore::HostedStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostedStore::~HostedStore() = default;
+HostedStore::HostedStore(HostedStore&&) noexcept = default;
+HostedStore& HostedStore::operator=(HostedStore&&) noexcept = default;
 
 TempDir::TempDir(const std::string& tag) {
   std::string templ = (tempRoot() / (tag + "-XXXXXX")).string();
