@@ -6,7 +6,8 @@
 //   signal NAME                  raise a signal (SEGV, ABRT, KILL, TERM, ... or a number)
 //   sleep MS                     sleep
 //   hang                         sleep until killed
-//   ignore-term                  ignore SIGTERM from now on
+//   ignore-term                  ignore SIGTERM from now on, saying "ignoring SIGTERM" each time
+//                                one comes (from the handler: the test sees that it arrived)
 //   trap-term CODE               on SIGTERM print "got SIGTERM" and exit CODE
 //   spawn MARK [setsid]          start a grandchild that sleeps, tagged CTORCH_TEST_MARK=MARK
 //                                (setsid: in its own session, out of the worker's process group)
@@ -29,6 +30,11 @@
 //   save-delay MS                train's snapshot on a stop takes MS (a real save is not instant);
 //                                it then also prints "stop signals received: N"
 //   partial TEXT                 TEXT on stdout without a newline, flushed ("\r" becomes a CR)
+//   wait-file PATH               wait until PATH exists (the test says when to go on)
+//   hold-at STEP FILE            train stops counting at STEP ("holding at step STEP", once) until
+//                                FILE exists; a stop signal still saves and exits 75 meanwhile
+//   barrier N                    wait until N workers of this round (TORCHELASTIC_RESTART_COUNT)
+//                                reached a barrier in the store at MASTER_ADDR:MASTER_PORT
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -107,9 +113,16 @@ long long nowNs() {
   return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+void onTermIgnored(int) {
+  const char msg[] = "ignoring SIGTERM\n";
+  [[maybe_unused]] ssize_t n = ::write(STDOUT_FILENO, msg, sizeof msg - 1);
+}
+
 volatile sig_atomic_t gStopSignal = 0;
 volatile sig_atomic_t gStopCount = 0;
 int gSaveDelayMs = 0;
+int gHoldStep = -1;
+std::string gHoldFile;
 void onStop(int signo) {
   if (!gStopSignal) gStopSignal = signo;
   gStopCount = gStopCount + 1;
@@ -120,6 +133,8 @@ void sleepMs(int ms) {
   while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
   }
 }
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
 
 int readStep(const std::string& path) {
   std::ifstream f(path);
@@ -148,6 +163,7 @@ int train(const std::string& path, int steps, int ms) {
   int step = readStep(path);
   std::printf("resumed at step %d\n", step);
   std::fflush(stdout);
+  bool held = false;
   while (step < steps) {
     if (gStopSignal) {
       if (gSaveDelayMs > 0) sleepMs(gSaveDelayMs);
@@ -156,6 +172,16 @@ int train(const std::string& path, int steps, int ms) {
       if (gSaveDelayMs > 0) std::printf("stop signals received: %d\n", static_cast<int>(gStopCount));
       std::fflush(stdout);
       return 75;
+    }
+    if (step == gHoldStep && !exists(gHoldFile)) {
+      if (!held) {
+        std::printf("holding at step %d\n", step);
+        std::fflush(stdout);
+        held = true;
+      }
+      timespec tick{0, 10 * 1000000L};
+      ::nanosleep(&tick, nullptr);  // a stop signal cuts it short
+      continue;
     }
     timespec ts{ms / 1000, (ms % 1000) * 1000000L};
     while (::nanosleep(&ts, &ts) != 0 && errno == EINTR && !gStopSignal) {
@@ -225,6 +251,19 @@ int main(int argc, char** argv) {
     if (cmd == "save-delay") {
       int ms = std::atoi(arg().c_str());
       if (!skip) gSaveDelayMs = ms;
+    } else if (cmd == "hold-at") {
+      int step = std::atoi(arg().c_str());
+      std::string file = arg();
+      if (!skip) {
+        gHoldStep = step;
+        gHoldFile = file;
+      }
+    } else if (cmd == "wait-file") {
+      std::string file = arg();
+      if (!skip) {
+        std::fflush(nullptr);
+        while (!exists(file)) sleepMs(10);
+      }
     } else if (cmd == "partial") {
       std::string t = arg();
       if (!skip) {
@@ -270,7 +309,14 @@ int main(int argc, char** argv) {
         sleepForever();
       }
     } else if (cmd == "ignore-term") {
-      if (!skip) ::signal(SIGTERM, SIG_IGN);
+      if (!skip) {
+        std::fflush(nullptr);  // the handler writes to the fd directly
+        struct sigaction sa {};
+        sa.sa_handler = onTermIgnored;
+        ::sigemptyset(&sa.sa_mask);
+        sa.sa_flags = SA_RESTART;
+        ::sigaction(SIGTERM, &sa, nullptr);
+      }
     } else if (cmd == "trap-term") {
       int code = std::atoi(arg().c_str());
       if (!skip) {
@@ -316,6 +362,18 @@ int main(int argc, char** argv) {
           std::fputc('\n', stdout);
         }
         std::fflush(stdout);
+      }
+    } else if (cmd == "barrier") {
+      const int n = std::atoi(arg().c_str());
+      if (!skip) {
+        std::fflush(nullptr);  // what came before is out, even if the worker is stopped while it waits
+        const char* addr = std::getenv("MASTER_ADDR");
+        const char* port = std::getenv("MASTER_PORT");
+        ctorch::store::TcpStoreClient client(addr ? addr : "127.0.0.1",
+                                             static_cast<std::uint16_t>(std::atoi(port ? port : "0")));
+        const std::string key = "fake_worker.barrier." + envOr("TORCHELASTIC_RESTART_COUNT", "0");
+        if (client.add(key, 1) == n) client.set(key + ".done", ctorch::store::toBytes("1"));
+        client.wait({key + ".done"});  // the client's timeout (300 s) bounds it
       }
     } else if (cmd == "store-set" || cmd == "store-has") {
       std::string key = arg();
