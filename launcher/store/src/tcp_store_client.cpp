@@ -25,7 +25,7 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
   // The server may not be listening yet (another agent starting it): retry until the timeout.
   auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   auto delay = std::chrono::milliseconds(5);
-  for (;;) {
+  for (int attempts = 1;; ++attempts) {
     try {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
@@ -34,10 +34,15 @@ TcpStoreClient::TcpStoreClient(std::string host, std::uint16_t port, TcpStoreCli
     } catch (const std::system_error& e) {
       if (!options_.retryConnect || std::chrono::steady_clock::now() + delay >= deadline) {
         const std::string what = "cannot reach the store at " + host_ + ":" + std::to_string(port_) + " within " +
-                                 std::to_string(options_.timeout.count()) + " ms: " + e.what();
+                                 std::to_string(options_.timeout.count()) + " ms (" + std::to_string(attempts) +
+                                 (attempts == 1 ? " connection attempt): " : " connection attempts): ") + e.what();
         if (e.code().value() == ECONNREFUSED) throw StoreRefused(what);
         throw StoreConnectionError(what);
       }
+      if (options_.debugLog)
+        options_.debugLog("store client: connection attempt " + std::to_string(attempts) + " to " + host_ + ":" +
+                          std::to_string(port_) + " failed (" + e.what() + "); retrying in " +
+                          std::to_string(delay.count()) + " ms");
       std::this_thread::sleep_for(delay);
       delay = std::min(delay * 2, std::chrono::milliseconds(200));
     }
@@ -90,9 +95,15 @@ void TcpStoreClient::send(const Request& q) {
 }
 
 void TcpStoreClient::recvRaw(void* data, std::size_t size) {
-  auto bound = options_.operationTimeout.count() > 0 ? options_.operationTimeout : options_.timeout;
+  const bool operation = options_.operationTimeout.count() > 0;
+  auto bound = operation ? options_.operationTimeout : options_.timeout;
   try {
     detail::recvAll(fd_, data, size, std::chrono::steady_clock::now() + bound);
+  } catch (const StoreTimeout&) {
+    broken_ = true;
+    // Named, with the bound that fired: the operation timeout and the store's timeout differ.
+    throw StoreTimeout("no reply from the store at " + host_ + ":" + std::to_string(port_) + " within " +
+                       std::to_string(bound.count()) + " ms (" + (operation ? "operationTimeout" : "timeout") + ")");
   } catch (...) {
     broken_ = true;
     throw;

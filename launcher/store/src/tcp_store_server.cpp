@@ -194,10 +194,14 @@ class TcpStoreServer::Impl {
     if (options_.debugLog) options_.debugLog(msg);
   }
 
+  // The deadlines' clock (TcpStoreServerOptions::clock). Pausing the listening socket is not a
+  // deadline: it runs on the steady clock whatever the deadlines' clock says.
+  Clock::time_point clockNow() const { return options_.clock ? options_.clock() : Clock::now(); }
+
   void run() {
     epoll_event events[64];
     for (;;) {
-      creditBusyPass(Clock::now());
+      creditBusyPass(clockNow());
       int timeout = -1;
       if (listenDisarmed_) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(rearmAt_ - Clock::now()).count();
@@ -208,7 +212,7 @@ class TcpStoreServer::Impl {
         }
       }
       if ((options_.requestTimeout.count() > 0 && (buffered_ > 0 || handshakes_ > 0)) || suspended_) {
-        const auto now = Clock::now();
+        const auto now = clockNow();
         if (now >= nextSweep_) {
           try {
             if (suspended_) dropSlowReaders();
@@ -217,7 +221,11 @@ class TcpStoreServer::Impl {
             debug(std::string("store: the deadline sweep failed: ") + e.what());
           }
           nextSweep_ = now + kSweepInterval;
+          std::lock_guard<std::mutex> lock(statsMutex_);
+          ++stats_.deadlineSweeps;
+          stats_.lastSweep = now;
         }
+        // (A clock a test holds still: a sweep is tried again every kSweepInterval of real time.)
         const auto left = std::chrono::ceil<std::chrono::milliseconds>(nextSweep_ - now).count();
         timeout = timeout < 0 ? static_cast<int>(left) : std::min(timeout, static_cast<int>(left));
       }
@@ -229,7 +237,11 @@ class TcpStoreServer::Impl {
         debug(std::string("store: epoll_wait failed: ") + std::strerror(errno));
         return;
       }
-      wokeAt_ = Clock::now();
+      {
+        std::lock_guard<std::mutex> lock(statsMutex_);
+        ++stats_.loopPasses;
+      }
+      wokeAt_ = clockNow();
       suspendedAtWake_ = suspendedTime(wokeAt_);
       for (int i = 0; i < n; ++i) {
         std::uint64_t tag = events[i].data.u64;
@@ -547,7 +559,7 @@ class TcpStoreServer::Impl {
       }
       const bool first = c.out.empty();
       c.out.insert(c.out.end(), o.bytes.begin(), o.bytes.end());
-      if (first) startReplyClock(c, Clock::now());
+      if (first) startReplyClock(c, clockNow());
       notePending(c.out.size());
       account(c);
       touched_.push_back(o.conn);
@@ -612,7 +624,7 @@ class TcpStoreServer::Impl {
   }
 
   void startRequestClock(Connection& c) {
-    c.requestStart = Clock::now();
+    c.requestStart = clockNow();
     c.awayAtRequestStart = awayTime(c.requestStart);
   }
 
@@ -622,7 +634,7 @@ class TcpStoreServer::Impl {
   void suspendReading() {
     if (suspended_) return;
     suspended_ = true;
-    suspendedSince_ = Clock::now();
+    suspendedSince_ = clockNow();
     for (auto& entry : conns_)
       if (!entry.second.out.empty()) startReplyClock(entry.second, suspendedSince_);
     debug("store: reading suspended: the server holds " + std::to_string(buffered_) + " bytes (" +
@@ -644,7 +656,7 @@ class TcpStoreServer::Impl {
   // every connection is not held back and released again for each reply taken).
   void maybeResumeReading() {
     if (!suspended_ || bufferedOut_ > options_.maxBufferedBytes / 2 || buffered_ > options_.maxBufferedBytes) return;
-    const auto now = Clock::now();
+    const auto now = clockNow();
     suspendedTotal_ += now - suspendedSince_;
     suspended_ = false;
     std::vector<std::uint64_t> waiting;
@@ -692,7 +704,7 @@ class TcpStoreServer::Impl {
   // judged only after its socket has been read: what arrived while the server was not looking
   // counts (a request complete in the socket is served, not dropped).
   void dropSlowRequests() {
-    auto now = Clock::now();
+    auto now = clockNow();
     std::vector<std::uint64_t> late;
     for (const auto& [id, c] : conns_)
       if (requestLate(c, now)) late.push_back(id);
@@ -705,7 +717,7 @@ class TcpStoreServer::Impl {
       if (!readFrom(id, kDrainBudget, &drained)) continue;
       auto it = conns_.find(id);
       if (it == conns_.end() || !drained) continue;  // not drained: bytes still pouring in
-      if (requestLate(it->second, Clock::now())) slow.push_back(id);
+      if (requestLate(it->second, clockNow())) slow.push_back(id);
     }
     if (slow.empty()) return;
     debug("store: dropping " + std::to_string(slow.size()) + " client(s) whose request took longer than requestTimeout (" +
@@ -737,7 +749,7 @@ class TcpStoreServer::Impl {
   // much it holds, is never dropped for it. Each is tried once more before (the server may not
   // have written to it for a while).
   void dropSlowReaders() {
-    const auto now = Clock::now();
+    const auto now = clockNow();
     std::vector<std::uint64_t> late;
     for (auto& [id, c] : conns_) {
       bool slow = false;
@@ -776,7 +788,7 @@ class TcpStoreServer::Impl {
       }
       if (c.out.empty()) {
         c.out = std::move(r.bytes);
-        startReplyClock(c, Clock::now());
+        startReplyClock(c, clockNow());
       } else {
         c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
       }
@@ -873,22 +885,25 @@ class TcpStoreServer::Impl {
       std::vector<SideProtocol::Output> out;
       options_.side->closed(id, out);
       queueSide(out);
-      return;
+    } else {
+      std::vector<StoreEngine::Reply> replies;
+      auto lost = engine_.disconnect(id, &replies);
+      ephemeral_.store(engine_.ephemeralKeyCount());
+      {
+        std::lock_guard<std::mutex> lock(statsMutex_);
+        stats_.storedBytes = engine_.storedBytes();
+        stats_.bufferedBytes = buffered_;
+      }
+      queue(0, replies);
+      for (const auto& key : lost) {
+        debug("store: ephemeral key '" + key + "' removed: its connection closed");
+        if (options_.onEphemeralKeyLost) options_.onEphemeralKeyLost(key);
+      }
+      flushTouched();
     }
-    std::vector<StoreEngine::Reply> replies;
-    auto lost = engine_.disconnect(id, &replies);
-    ephemeral_.store(engine_.ephemeralKeyCount());
-    {
-      std::lock_guard<std::mutex> lock(statsMutex_);
-      stats_.storedBytes = engine_.storedBytes();
-      stats_.bufferedBytes = buffered_;
-    }
-    queue(0, replies);
-    for (const auto& key : lost) {
-      debug("store: ephemeral key '" + key + "' removed: its connection closed");
-      if (options_.onEphemeralKeyLost) options_.onEphemeralKeyLost(key);
-    }
-    flushTouched();
+    // Last: a test that sees the count knows what the close did (keys lost, the side told).
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.closedConnections;
   }
 
   void countGeneration(Generation g) {

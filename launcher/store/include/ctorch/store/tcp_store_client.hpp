@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -29,6 +30,9 @@ struct TcpStoreClientOptions {
   bool retryConnect = true;
   protocol::Generation generation = protocol::Generation::Validated;
   std::string keyPrefix = "/";
+  // Optional sink for diagnostics: one line per refused or failed connection attempt that is
+  // retried. Kept as a callback so that this library stays free of any logging framework.
+  std::function<void(const std::string&)> debugLog;
 };
 
 class TcpStoreClient : public Store {

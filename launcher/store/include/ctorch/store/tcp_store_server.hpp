@@ -80,6 +80,11 @@ struct TcpStoreServerOptions {
   // Connections that open with side->magic() are served by `side` instead of the store
   // (side_protocol.hpp); null: every connection speaks c10d's protocol.
   std::shared_ptr<SideProtocol> side;
+  // The time the request and reply deadlines (and the server's own busy time) are measured on;
+  // null: std::chrono::steady_clock. Tests give a clock they move by hand, so that a deadline
+  // passes when the test says and never because the machine was slow. Called on the server
+  // thread; it must never go back, nor return the epoch.
+  std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
 struct TcpStoreServerStats {
@@ -101,6 +106,10 @@ struct TcpStoreServerStats {
   std::uint64_t timedOutConnections = 0;  // dropped for a request slower than the deadline
   std::uint64_t readSuspensions = 0;      // times reading stopped: maxBufferedBytes reached
   std::uint64_t slowReaders = 0;          // dropped for taking replies too slowly while suspended
+  std::uint64_t closedConnections = 0;    // closed by either side, counted once its ephemeral keys are gone
+  std::uint64_t deadlineSweeps = 0;       // checks of every connection against its request or reply deadline
+  std::chrono::steady_clock::time_point lastSweep{};  // when the last one ran, on the deadlines' clock
+  std::uint64_t loopPasses = 0;           // returns from epoll_wait: an idle server makes few (a spin, millions)
 };
 
 class TcpStoreServer {
