@@ -21,7 +21,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <regex>
 #include <thread>
 
 using ctorch::SharedMemoryAllreduce;
@@ -55,6 +57,20 @@ torch::Tensor shmExpected(torch::ScalarType dtype, std::int64_t n, int world, bo
   auto sum = shmInput(dtype, n, 0) + shmInput(dtype, n, 1);
   for (int r = 2; r < world; ++r) sum.add_(shmInput(dtype, n, r));
   return average ? sum / world : sum;
+}
+
+// Polls `done` every millisecond for up to a minute (a bound against a hang, not a measure).
+bool waitFor(const std::function<bool()>& done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+bool waitForFile(const fs::path& file) {
+  return waitFor([&] { return fs::exists(file); });
 }
 
 int shmEntriesOf(pid_t pid) {
@@ -120,20 +136,36 @@ CTORCH_TEST_WORKER(shm_exact) {
         !torch::equal(now, shmExpected(torch::kFloat64, 4099, world, false)))
       ++failures, std::cout << "FAIL queued then synchronous" << std::endl;
   }
-  // The statistics: every call counted; a peer 200 ms late shows as waiting on the others only.
+  // The statistics, by the order of arrival, not by durations: rank r enters the call only once rank
+  // r - 1 is known to wait at its first barrier (its own counter says so, read while its worker
+  // thread is in the call), so the last rank arrives last there and every other rank waits for it.
+  // At each of the call's two barriers exactly one rank arrives last (the parent sums them).
   {
+    const fs::path dir = arg(args, "dir");
     const auto before = shm->stats();
-    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (rank > 0 && !waitForFile(dir / ("waiting-" + std::to_string(rank - 1))))
+      ++failures, std::cout << "FAIL rank " << rank - 1 << " never said it waited" << std::endl;
     auto t = shmInput(torch::kFloat32, 1000, rank);
-    shm->allreduce(t);
+    bool sawWait = true;
+    if (rank + 1 < world) {
+      auto done = shm->allreduceAsync(t);
+      sawWait = waitFor([&] { return shm->stats().waits > before.waits || done->completed(); }) &&
+                shm->stats().waits > before.waits;
+      if (sawWait) std::ofstream(dir / ("waiting-" + std::to_string(rank))) << "x";
+      done->wait();
+    } else {
+      shm->allreduce(t);
+    }
     const auto after = shm->stats();
-    const double waited = std::chrono::duration<double>(after.waiting - before.waiting).count();
+    const auto waits = after.waits - before.waits, lasts = after.lastArrivals - before.lastArrivals;
+    const bool last = rank + 1 == world;
     ++checks;
-    const bool ok = after.calls == before.calls + 1 && after.waiting <= after.total &&
-                    (rank == 1 ? waited < 0.1 : waited > 0.15);
+    const bool ok = after.calls == before.calls + 1 && after.waiting <= after.total && waits + lasts == 2 &&
+                    (last ? lasts >= 1 : sawWait && waits >= 1 && after.waiting > before.waiting) &&
+                    torch::equal(t, shmExpected(torch::kFloat32, 1000, world, false));
     if (!ok) ++failures;
-    std::cout << (ok ? "" : "FAIL ") << "stats: calls " << after.calls << ", waited for the late rank " << waited
-              << " s" << std::endl;
+    std::cout << (ok ? "" : "FAIL ") << "stats: calls " << after.calls << ", waits +" << waits << ", last arrivals +"
+              << lasts << std::endl;
   }
   // Bad input is refused in one line, before anything is shared (so the ranks stay in step).
   try {
@@ -243,13 +275,18 @@ TEST_CASE("shared-memory allreduce: exact rank-order sums and means for every dt
           "[ddp][shm]") {
   for (int world : {2, 3})
     for (const char* chunk : {"chunk=4096", "chunk=1048576"}) {
-      auto results = runWorkerGroup({.worker = "shm_exact", .worldSize = world, .args = {chunk}});
+      ctorch::test::TempDir dir("shm-exact");
+      auto results = runWorkerGroup({.worker = "shm_exact", .worldSize = world, .args = {chunk, "dir=" + dir.path().string()}});
       INFO("world " << world << " " << chunk);
       ctorch::test::requireAllOk(results);
+      long lastArrivals = 0;
       for (const auto& r : results) {
         CHECK_THAT(r.output, Catch::Contains("failures 0"));
         CHECK_THAT(r.output, Catch::Contains("refused: SharedMemoryAllreduce::allreduce takes a dense, contiguous"));
+        std::smatch m;
+        if (std::regex_search(r.output, m, std::regex(R"(last arrivals \+(\d+))"))) lastArrivals += std::stol(m[1]);
       }
+      CHECK(lastArrivals == 2);  // one rank arrives last at each of the call's two barriers
       CHECK_THAT(results[0].output, Catch::Contains("segment entries left in /dev/shm 0"));
     }
 }
@@ -257,7 +294,11 @@ TEST_CASE("shared-memory allreduce: exact rank-order sums and means for every dt
 TEST_CASE("shared-memory allreduce: a peer that exits is noticed at once, by every rank left, without the timeout",
           "[ddp][shm][errors]") {
   for (int world : {2, 3}) {
-    auto results = runWorkerGroup({.worker = "shm_dead_peer", .worldSize = world});
+    ctorch::test::WorkerGroupOptions o;
+    o.worker = "shm_dead_peer";
+    o.worldSize = world;
+    o.expectedExitCodes = {3};  // the leaver's: the others still have to notice it
+    auto results = runWorkerGroup(o);
     for (int r = 0; r + 1 < world; ++r) {
       INFO("world " << world << " rank " << r << ": " << results[r].output);
       CHECK(results[r].ok());

@@ -167,6 +167,8 @@ struct SharedMemoryAllreduce::Impl {
   std::atomic<std::int64_t> calls{0};
   std::atomic<std::int64_t> totalNs{0};
   std::atomic<std::int64_t> waitingNs{0};
+  std::atomic<std::int64_t> waits{0};
+  std::atomic<std::int64_t> lastArrivals{0};
 
   ~Impl() {
     {
@@ -226,11 +228,13 @@ struct SharedMemoryAllreduce::Impl {
     const std::uint32_t generation = h.generation.load(std::memory_order_acquire);
     peer(rank).arrived.store(generation + 1, std::memory_order_release);
     if (h.arrive.fetch_add(1, std::memory_order_acq_rel) == static_cast<std::uint32_t>(world - 1)) {
+      ++lastArrivals;
       h.arrive.store(0, std::memory_order_relaxed);
       h.generation.fetch_add(1, std::memory_order_seq_cst);
       if (h.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&h.generation);
       return;
     }
+    ++waits;  // before the wait: another thread of this rank reading stats() knows it is waiting here
     const TimeInto waited(waitingNs);
     for (int i = 0; i < kSpins; ++i) {
       if (h.generation.load(std::memory_order_acquire) != generation) return;
@@ -484,6 +488,8 @@ SharedMemoryAllreduce::Stats SharedMemoryAllreduce::stats() const {
   out.calls = impl_->calls.load();
   out.total = std::chrono::nanoseconds(impl_->totalNs.load());
   out.waiting = std::chrono::nanoseconds(impl_->waitingNs.load());
+  out.waits = impl_->waits.load();
+  out.lastArrivals = impl_->lastArrivals.load();
   return out;
 }
 

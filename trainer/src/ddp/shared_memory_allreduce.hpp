@@ -66,11 +66,14 @@ class SharedMemoryAllreduce {
   // on a host whose cores all compute, it takes its time from the caller's.
   c10::intrusive_ptr<c10::ivalue::Future> allreduceAsync(const at::Tensor& tensor, Op op = Op::kSum);
 
-  // Where this rank's time in the reductions went, since it was created.
+  // Where this rank's time in the reductions went, since it was created. Each call passes two
+  // barriers per chunk: at each, exactly one rank arrives last and goes on at once; the others wait.
   struct Stats {
     std::int64_t calls = 0;
     std::chrono::nanoseconds total{0};    // inside the reductions (work and waits)
     std::chrono::nanoseconds waiting{0};  // of which waiting at a barrier for the other ranks
+    std::int64_t waits = 0;               // barriers this rank reached before another rank (counted as it begins to wait)
+    std::int64_t lastArrivals = 0;        // barriers this rank reached last (it waited for nobody)
   };
   Stats stats() const;
 
