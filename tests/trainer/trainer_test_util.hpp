@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -53,14 +54,25 @@ inline SpawnOptions trainAlone(const fs::path& dir, std::vector<std::string> arg
   return o;
 }
 
+// Launcher flags for a test whose workers are to stop gracefully (SIGTERM: save, exit 75): a grace
+// period no loaded machine outlasts, so that a slow save is never cut short by SIGKILL. Such a test
+// also checks that the launcher never said "grace period over".
+inline std::vector<std::string> gracefulStop(std::vector<std::string> launcherArgs = {}) {
+  launcherArgs.insert(launcherArgs.end(), {"--shutdown-timeout", "120"});
+  return launcherArgs;
+}
+
 // ctorch-train under `ctorchrun --standalone --nproc-per-node N [launcherArgs] ctorch-train args`.
-// The launcher's grace period between SIGTERM and SIGKILL is short: tests stop workers on purpose.
+// The launcher's grace period between SIGTERM and SIGKILL is short (3 s) unless launcherArgs give
+// one (gracefulStop()): tests stop and kill workers on purpose.
 inline SpawnOptions trainUnderLauncher(const fs::path& dir, int nproc, std::vector<std::string> args,
                                        std::vector<std::string> launcherArgs = {},
                                        std::chrono::seconds timeout = std::chrono::seconds(150)) {
   SpawnOptions o;
   o.argv = {launcherExe(), "--standalone", "--nproc-per-node", std::to_string(nproc), "--log-dir",
-            (dir / "launcher-logs").string(), "--shutdown-timeout", "3"};
+            (dir / "launcher-logs").string()};
+  if (std::find(launcherArgs.begin(), launcherArgs.end(), "--shutdown-timeout") == launcherArgs.end())
+    o.argv.insert(o.argv.end(), {"--shutdown-timeout", "3"});
   o.argv.insert(o.argv.end(), launcherArgs.begin(), launcherArgs.end());
   o.argv.push_back(trainExe());
   o.argv.insert(o.argv.end(), args.begin(), args.end());

@@ -21,7 +21,7 @@ bool SnapshotSaver::lockSlot(std::string& holder) {
   for (char& c : runId)
     if (c == ' ' || c < 0x20 || c > 0x7e) c = '_';
   std::string detail;
-  switch (slotLock_.acquire(o_.slot, runId, std::chrono::seconds(10), detail)) {
+  switch (slotLock_.acquire(o_.slot, runId, std::chrono::seconds(10), detail, o_.say)) {
     case SlotLock::Result::kHeld: return true;
     case SlotLock::Result::kUnavailable:
       o_.say("warning: " + detail + "; running without the check that no other job uses this snapshot slot");

@@ -68,7 +68,8 @@ SlotLock::~SlotLock() {
 }
 
 SlotLock::Result SlotLock::acquire(const std::filesystem::path& slot, const std::string& runId,
-                                   std::chrono::milliseconds sameRunWait, std::string& detail) {
+                                   std::chrono::milliseconds sameRunWait, std::string& detail,
+                                   const std::function<void(const std::string&)>& say) {
   path_ = detail::lockFile(slot);
   // The slot's directory is made here (the first save would make it): the lock must exist from
   // the start of the run, not from its first snapshot.
@@ -77,7 +78,7 @@ SlotLock::Result SlotLock::acquire(const std::filesystem::path& slot, const std:
     std::filesystem::create_directories(slot.parent_path(), ec);
   }
   for (int attempt = 0;; ++attempt) {
-    const Result r = lockOnce(runId, sameRunWait, detail);
+    const Result r = lockOnce(runId, sameRunWait, detail, say);
     if (r != Result::kHeld || namesOpenFile(path_, fd_) || attempt >= 100) return r;
     ::close(fd_);  // locked a file its holder removed as it let go: the lock is the new file's
     fd_ = -1;
@@ -85,7 +86,7 @@ SlotLock::Result SlotLock::acquire(const std::filesystem::path& slot, const std:
 }
 
 SlotLock::Result SlotLock::lockOnce(const std::string& runId, std::chrono::milliseconds sameRunWait,
-                                    std::string& detail) {
+                                    std::string& detail, const std::function<void(const std::string&)>& say) {
   // O_NONBLOCK: a FIFO put in its place must not block the open; O_NOFOLLOW: never someone's link.
   const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY, 0644);
   if (fd < 0) {
@@ -99,6 +100,7 @@ SlotLock::Result SlotLock::lockOnce(const std::string& runId, std::chrono::milli
     return Result::kUnavailable;
   }
   const auto deadline = std::chrono::steady_clock::now() + sameRunWait;
+  bool said = false;
   for (;;) {
     if (::flock(fd, LOCK_EX | LOCK_NB) == 0) break;
     const int err = errno;
@@ -115,6 +117,10 @@ SlotLock::Result SlotLock::lockOnce(const std::string& runId, std::chrono::milli
       detail = describeHolder(holder);
       return Result::kInUse;
     }
+    if (!said && say)
+      say("snapshot slot lock " + path_.string() + " is held by this job's previous rank 0 (" + describeHolder(holder) +
+          "): waiting up to " + std::to_string(sameRunWait.count()) + " ms for it to let go");
+    said = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   fd_ = fd;

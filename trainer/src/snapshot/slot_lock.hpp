@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <string>
 
 namespace ctorch::detail {
@@ -21,16 +22,19 @@ class SlotLock {
   enum class Result { kHeld, kInUse, kUnavailable };
   // Takes the lock on "<slot>.lock". kInUse: another live process holds it (`detail` names it:
   // "run X, pid P on host H since T"); a holder of the same non-empty `runId` (this job's previous
-  // rank 0, still exiting) is waited for up to `sameRunWait` first. kUnavailable: the lock file
-  // cannot be made or locked here (a read-only directory, a file system without locks, a FIFO in
-  // its place): `detail` says why, and the run goes on without the check.
+  // rank 0, still exiting) is waited for up to `sameRunWait` first, after one line to `say` (when
+  // given) naming the holder. kUnavailable: the lock file cannot be made or locked here (a read-only
+  // directory, a file system without locks, a FIFO in its place): `detail` says why, and the run goes
+  // on without the check.
   Result acquire(const std::filesystem::path& slot, const std::string& runId,
-                 std::chrono::milliseconds sameRunWait, std::string& detail);
+                 std::chrono::milliseconds sameRunWait, std::string& detail,
+                 const std::function<void(const std::string&)>& say = {});
   bool held() const { return fd_ >= 0; }
   std::filesystem::path path() const { return path_; }
 
  private:
-  Result lockOnce(const std::string& runId, std::chrono::milliseconds sameRunWait, std::string& detail);
+  Result lockOnce(const std::string& runId, std::chrono::milliseconds sameRunWait, std::string& detail,
+                  const std::function<void(const std::string&)>& say);
 
   int fd_ = -1;
   std::filesystem::path path_;
