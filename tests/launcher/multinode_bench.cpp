@@ -71,14 +71,16 @@ TEST_CASE("bench: c10d rendezvous of 2 / 8 / 32 ctorchrun agents on loopback", "
   for (int n : {2, 8, 32}) {
     std::vector<double> total, afterLast;
     for (int rep = 0; rep < reps; ++rep) {
-      int port = test::freePort();
+      // The rendezvous store is the bench's own (port 0): every agent is a client, as all but one
+      // are when an agent hosts it.
+      const auto store = test::HostedStore::rendezvous();
       std::vector<std::unique_ptr<test::Process>> agents;
       SysTime t0 = std::chrono::system_clock::now();
       for (int i = 0; i < n; ++i)
         agents.push_back(std::make_unique<test::Process>(ctorchrunSpawn(
             {"--nnodes", std::to_string(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-             "127.0.0.1:" + std::to_string(port), "--rdzv-id", "bench" + std::to_string(rep), fakeWorkerBin(),
-             "stamp", "ready"},
+             "127.0.0.1:" + std::to_string(store.port()), "--rdzv-id", "bench" + std::to_string(rep), "--rdzv-conf",
+             "is_host=false", fakeWorkerBin(), "stamp", "ready"},
             {}, 120s)));
       SysTime tLast = std::chrono::system_clock::now();
       SysTime done = t0;

@@ -3,13 +3,17 @@
 // scenario runs in both topologies where it makes sense: static and c10d rendezvous,
 // heterogeneous nproc, one endpoint shared by two jobs, a late joiner, a killed node, a cut-off
 // (netns) or paused (loopback) node, fewer than MIN nodes, a worker failure restarting every
-// node. Short heartbeats and timeouts come from --rdzv-conf; every wait is bounded.
+// node. Short heartbeats and timeouts come from --rdzv-conf; every wait is bounded, and nothing is
+// asserted of how long anything took: what happened shows in the order of the agents' lines.
+// On loopback the rendezvous store is the test's own (bound to port 0) unless the scenario is about
+// an agent serving it; then that agent gets a fixed port, drawn again if the port was taken.
 #include "ctorch_catch.hpp"
 
 #include "lab.hpp"
 #include "launcher_test_util.hpp"
 
 #include <csignal>
+#include <functional>
 #include <memory>
 #include <regex>
 #include <set>
@@ -24,7 +28,9 @@ namespace {
 
 // Heartbeat every 0.5 s, dead after 1.5 s; a short last call; bounded waits everywhere.
 const std::string kConf = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=0.5,close_timeout=3";
-constexpr auto kAgentTimeout = 60s;
+// Bounds against a hang only.
+constexpr auto kAgentTimeout = 120s;
+constexpr auto kWaitBound = 60s;
 
 // "[n2:default3]:ENV RANK=3" (or "[default3]:...") -> global rank -> {KEY: VALUE}; later lines of
 // the same rank (a later round) overwrite earlier ones.
@@ -45,12 +51,16 @@ std::size_t countOf(const std::string& hay, const std::string& needle) {
   return n;
 }
 
+// Who serves the c10d rendezvous store on loopback: the test itself (the agents are all clients),
+// or host 1's agent (the scenario is about that agent: its loss, its view of the others).
+enum class RdzvStore { kTest, kHost1 };
+
 // Where the agents run: all on this machine (loopback), or one per network-namespace host.
 class Topology {
  public:
   virtual ~Topology() = default;
   virtual std::string name() const = 0;
-  // The c10d endpoint, and flags that make host 1's agent the store host.
+  // The c10d endpoint, and flags that make host 1's agent the store host (or nobody's).
   virtual std::string endpoint() const = 0;
   virtual std::string confFor(int host) const = 0;
   // Address of host `host` as the others see it (MASTER_ADDR when it is node rank 0).
@@ -59,6 +69,23 @@ class Topology {
   virtual std::string masterAddr() const = 0;
   virtual int masterPort() const = 0;
   virtual test::SpawnOptions spawn(int host, const std::vector<std::string>& args) const = 0;
+  // Starts host 1's c10d agent, the first of a scenario. Where it serves the rendezvous store on a
+  // fixed port (loopback, RdzvStore::kHost1) `args` are made once the port is drawn, and made
+  // again with a fresh one while the agent says the port was taken; it returns once the agent
+  // serves the store.
+  virtual std::unique_ptr<test::Process> startHost1(const std::function<std::vector<std::string>()>& args) {
+    return std::make_unique<test::Process>(spawn(1, args()));
+  }
+  // Runs one agent per host to the end (args(host), host 1 first; c10d or static), again with a
+  // fresh port on loopback while host 1 says its port was taken. Results in host order.
+  virtual std::vector<test::ProcessResult> runAll(int hosts,
+                                                  const std::function<std::vector<std::string>(int host)>& args) {
+    std::vector<std::unique_ptr<test::Process>> agents;
+    for (int host = 1; host <= hosts; ++host) agents.push_back(std::make_unique<test::Process>(spawn(host, args(host))));
+    std::vector<test::ProcessResult> out;
+    for (auto& a : agents) out.push_back(a->wait());
+    return out;
+  }
   // A crashed machine: every process of the node dies at once.
   virtual void kill(int host, test::Process& agent) = 0;
   // The node stops answering without closing anything (netns: link down; loopback: SIGSTOP).
@@ -69,16 +96,54 @@ class Topology {
 
 class Loopback final : public Topology {
  public:
-  Loopback() : port_(test::freePort()), masterPort_(test::freePort()) {}
+  explicit Loopback(RdzvStore store) : storeAt_(store) {
+    if (store == RdzvStore::kTest) store_ = std::make_unique<test::HostedStore>(test::HostedStore::rendezvous());
+  }
   std::string name() const override { return "loopback"; }
-  std::string endpoint() const override { return "127.0.0.1:" + std::to_string(port_); }
-  // On one machine every agent matches the endpoint: name the host explicitly.
-  std::string confFor(int host) const override { return kConf + (host == 1 ? ",is_host=true" : ",is_host=false"); }
+  std::string endpoint() const override {
+    return "127.0.0.1:" + std::to_string(store_ ? store_->port() : port_);
+  }
+  // On one machine every agent matches the endpoint: name the host explicitly (or none).
+  std::string confFor(int host) const override {
+    return kConf + (storeAt_ == RdzvStore::kHost1 && host == 1 ? ",is_host=true" : ",is_host=false");
+  }
   std::string addr(int) const override { return "127.0.0.1"; }
   std::string masterAddr() const override { return "127.0.0.1"; }
-  int masterPort() const override { return masterPort_; }
+  int masterPort() const override { return port_; }
   test::SpawnOptions spawn(int, const std::vector<std::string>& args) const override {
     return ctorchrunSpawn(args, {}, kAgentTimeout);
+  }
+  std::unique_ptr<test::Process> startHost1(const std::function<std::vector<std::string>()>& args) override {
+    if (storeAt_ == RdzvStore::kTest) return Topology::startHost1(args);
+    std::unique_ptr<test::Process> agent;
+    test::withFreshPort([&](int port) {
+      port_ = port;
+      agent = std::make_unique<test::Process>(spawn(1, args()));
+      eventually(
+          [&] {
+            return !agent->running() ||
+                   agent->outputSoFar().find("hosting the rendezvous store on port") != std::string::npos;
+          },
+          kWaitBound);
+      return !agent->running() && test::portTaken(agent->outputSoFar());
+    });
+    return agent;
+  }
+  std::vector<test::ProcessResult> runAll(int hosts,
+                                          const std::function<std::vector<std::string>(int host)>& args) override {
+    if (storeAt_ == RdzvStore::kTest) return Topology::runAll(hosts, args);
+    return test::withFreshPort([&](int port) {
+      port_ = port;
+      std::vector<std::unique_ptr<test::Process>> agents;
+      for (int host = 1; host <= hosts; ++host)
+        agents.push_back(std::make_unique<test::Process>(spawn(host, args(host))));
+      std::vector<test::ProcessResult> out{agents[0]->wait()};
+      // Host 1 could not serve the port: the others may be talking to whoever has it.
+      if (test::portTaken(out[0]))
+        for (auto& a : agents) a->signalGroup(SIGKILL);
+      for (std::size_t i = 1; i < agents.size(); ++i) out.push_back(agents[i]->wait());
+      return out;
+    });
   }
   void kill(int, test::Process& agent) override { agent.signalGroup(SIGKILL); }
   void silence(int, test::Process& agent) override { agent.signalGroup(SIGSTOP); }
@@ -86,7 +151,9 @@ class Loopback final : public Topology {
   bool isLab() const override { return false; }
 
  private:
-  int port_, masterPort_;
+  RdzvStore storeAt_;
+  std::unique_ptr<test::HostedStore> store_;  // RdzvStore::kTest
+  int port_ = 0;  // host 1's fixed port (c10d endpoint or static --master-port), when it serves one
 };
 
 class NetnsHosts final : public Topology {
@@ -127,18 +194,19 @@ std::vector<std::string> c10d(const Topology& t, int host, const std::string& nn
   return a;
 }
 
-bool waitFor(test::Process& p, const std::string& text, std::chrono::milliseconds deadline = 30s, int count = 1) {
+bool waitFor(test::Process& p, const std::string& text, std::chrono::milliseconds deadline = kWaitBound, int count = 1) {
   return eventually([&] { return countOf(p.outputSoFar(), text) >= static_cast<std::size_t>(count); }, deadline);
 }
 
 } // namespace
 
-// One scenario, two test cases: agents on loopback, and agents on HOSTS network-namespace hosts
-// (skipped with the reason where this machine cannot make namespaces).
-#define MULTINODE_SCENARIO(NAME, TITLE, HOSTS)                   \
+// One scenario, two test cases: agents on loopback (the rendezvous store served by STORE), and
+// agents on HOSTS network-namespace hosts (skipped with the reason where this machine cannot make
+// namespaces; there host 1's agent serves the store, on a port of its own host).
+#define MULTINODE_SCENARIO(NAME, TITLE, HOSTS, STORE)            \
   static void NAME(Topology& t);                                 \
   TEST_CASE(TITLE " (loopback)", "[multinode]") {                \
-    Loopback t;                                                  \
+    Loopback t(STORE);                                           \
     NAME(t);                                                     \
   }                                                              \
   TEST_CASE(TITLE " (netns)", "[multinode][netns]") {            \
@@ -150,7 +218,7 @@ bool waitFor(test::Process& p, const std::string& text, std::chrono::millisecond
 
 // ---- c10d: forming a group ------------------------------------------------------------------------
 
-MULTINODE_SCENARIO(threeAgentsHeterogeneous, "multinode c10d: three agents with different nproc get predictable node ranks and prefix-sum global ranks", 3) {
+MULTINODE_SCENARIO(threeAgentsHeterogeneous, "multinode c10d: three agents with different nproc get predictable node ranks and prefix-sum global ranks", 3, RdzvStore::kTest) {
   // Host 2 asks for node rank 0, host 1 for 2; host 3 takes the lowest free rank (1).
   test::Process a1(t.spawn(1, c10d(t, 1, "3", 1, {"--node-rank", "2"}, {"env"})));
   test::Process a2(t.spawn(2, c10d(t, 2, "3", 2, {"--node-rank", "0"}, {"env"})));
@@ -187,11 +255,14 @@ MULTINODE_SCENARIO(threeAgentsHeterogeneous, "multinode c10d: three agents with 
       ports.insert(vars["MASTER_PORT"]);
     }
   CHECK(ports.size() == 1);
-  CHECK_THAT(r1.output, Catch::Contains("hosting the rendezvous store"));
-  CHECK_THAT(r2.output, !Catch::Contains("hosting the rendezvous store"));
+  if (t.isLab()) {
+    // Host 1 is the endpoint's host: it serves the rendezvous store, not node rank 0's host.
+    CHECK_THAT(r1.output, Catch::Contains("hosting the rendezvous store"));
+    CHECK_THAT(r2.output, !Catch::Contains("hosting the rendezvous store"));
+  }
 }
 
-MULTINODE_SCENARIO(twoJobsOneEndpoint, "multinode c10d: two jobs on the same endpoint with different rdzv ids never mix", 2) {
+MULTINODE_SCENARIO(twoJobsOneEndpoint, "multinode c10d: two jobs on the same endpoint with different rdzv ids never mix", 2, RdzvStore::kTest) {
   // Both jobs have an agent on host 1: in the lab both match the endpoint, one hosts the store and
   // the other falls back to being a client of it.
   test::Process a1(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env", "sleep", "300"}, "jobA")));
@@ -227,7 +298,7 @@ MULTINODE_SCENARIO(twoJobsOneEndpoint, "multinode c10d: two jobs on the same end
 
 // ---- c10d: elastic membership -------------------------------------------------------------------
 
-MULTINODE_SCENARIO(lateJoiner, "multinode c10d: a late joiner triggers a new round at the step boundary and is not counted as a failure", 3) {
+MULTINODE_SCENARIO(lateJoiner, "multinode c10d: a late joiner triggers a new round at the step boundary and is not counted as a failure", 3, RdzvStore::kTest) {
   // Workers run until told to stop (SIGTERM: "snapshot" and exit 0), and finish at once in a
   // group of three.
   std::vector<std::string> worker = {"env", "if-world", "3", "exit", "0", "trap-term", "0", "hang"};
@@ -256,14 +327,14 @@ MULTINODE_SCENARIO(lateJoiner, "multinode c10d: a late joiner triggers a new rou
     for (auto& [rank, vars] : envOf(r->output)) CHECK(vars["TORCHELASTIC_RESTART_COUNT"] == "0");
 }
 
-MULTINODE_SCENARIO(killedNode, "multinode c10d: a killed node is removed and the survivors continue without it", 3) {
+MULTINODE_SCENARIO(killedNode, "multinode c10d: a killed node is removed and the survivors continue without it", 3, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
-  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker)));
+  auto a1 = t.startHost1([&] { return c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker); });
   test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, {"--node-rank", "1"}, worker)));
   test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, {"--node-rank", "2"}, worker)));
-  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  for (auto* a : {a1.get(), &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
   t.kill(3, a3);
-  auto r1 = a1.wait(), r2 = a2.wait(), r3 = a3.wait();
+  auto r1 = a1->wait(), r2 = a2.wait(), r3 = a3.wait();
   INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
   CHECK(r3.termSignal == SIGKILL);
   REQUIRE(r1.ok());
@@ -279,7 +350,7 @@ MULTINODE_SCENARIO(killedNode, "multinode c10d: a killed node is removed and the
   CHECK(envOf(r2.output)[1]["TORCHELASTIC_RESTART_COUNT"] == "0");
 }
 
-MULTINODE_SCENARIO(silentNode, "multinode c10d: a node that goes silent is dropped by heartbeat and gives up on its own", 3) {
+MULTINODE_SCENARIO(silentNode, "multinode c10d: a node that goes silent is dropped by heartbeat and gives up on its own", 3, RdzvStore::kTest) {
   std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
   test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, {"--node-rank", "0"}, worker)));
   test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, {"--node-rank", "1"}, worker)));
@@ -311,7 +382,7 @@ MULTINODE_SCENARIO(silentNode, "multinode c10d: a node that goes silent is dropp
   }
 }
 
-MULTINODE_SCENARIO(belowMin, "multinode c10d: below MIN the survivor waits for the join timeout and then fails with one clear line", 2) {
+MULTINODE_SCENARIO(belowMin, "multinode c10d: below MIN the survivor waits for the join timeout and then fails with one clear line", 2, RdzvStore::kTest) {
   std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
   test::Process a1(t.spawn(1, c10d(t, 1, "2", 1, {}, worker, "job", "1.5")));
   test::Process a2(t.spawn(2, c10d(t, 2, "2", 1, {}, worker, "job", "1.5")));
@@ -326,7 +397,6 @@ MULTINODE_SCENARIO(belowMin, "multinode c10d: below MIN the survivor waits for t
   // The error is one line: what timed out, how many nodes came, how many are needed.
   std::regex err(R"(ctorchrun: error: rendezvous 'job' timed out after 1\.5 s: 1 node\(s\) joined round 1, at least 2 needed \(--nnodes 2\)[^\n]*\n?$)");
   CHECK(std::regex_search(r1.output, err));
-  CHECK(r1.elapsed < 40s);
 }
 
 // ---- c10d: store failover (--store-failover) ------------------------------------------------------
@@ -336,18 +406,16 @@ namespace {
 std::vector<std::string> failoverNode(const std::string& rank) { return {"--store-failover", "--node-rank", rank}; }
 } // namespace
 
-MULTINODE_SCENARIO(storeHostKilled, "multinode c10d --store-failover: the store host is killed and the others re-form on the next node's standby store", 3) {
+MULTINODE_SCENARIO(storeHostKilled, "multinode c10d --store-failover: the store host is killed and the others re-form on the next node's standby store", 3, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
-  test::Process a1(t.spawn(1, c10d(t, 1, "2:3", 1, failoverNode("0"), worker)));
+  auto a1 = t.startHost1([&] { return c10d(t, 1, "2:3", 1, failoverNode("0"), worker); });
   test::Process a2(t.spawn(2, c10d(t, 2, "2:3", 1, failoverNode("1"), worker)));
   test::Process a3(t.spawn(3, c10d(t, 3, "2:3", 1, failoverNode("2"), worker)));
-  for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  for (auto* a : {a1.get(), &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
   for (auto* a : {&a2, &a3}) CHECK_THAT(a->outputSoFar(), Catch::Contains("standby rendezvous store on port"));
-  const auto killedAt = std::chrono::steady_clock::now();
-  t.kill(1, a1);
+  t.kill(1, *a1);
   auto r2 = a2.wait(), r3 = a3.wait();
-  const auto reformed = std::chrono::steady_clock::now() - killedAt;
-  auto r1 = a1.wait();
+  auto r1 = a1->wait();
   INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output);
   CHECK(r1.termSignal == SIGKILL);
   REQUIRE(r2.ok());
@@ -372,13 +440,24 @@ MULTINODE_SCENARIO(storeHostKilled, "multinode c10d --store-failover: the store 
       CHECK(r->output.substr(a, r->output.find('\n', a) - a) != t.addr(1));
     }
   }
-  // Loss noticed after the heartbeat expiry (1.5 s), then a round of two: well within the bound.
-  CHECK(reformed < 20s);
+  // In order: the loss, the take-over, the round of two - with no rendezvous timing out on the way
+  // (the agents' own bounds are what a slow take-over would hit).
+  const auto lost = r2.output.find("its agent served the rendezvous store, which was lost");
+  const auto serves = r2.output.find("this node serves the rendezvous store now");
+  const auto reformed = r2.output.find("ENV WORLD_SIZE=2");
+  CHECK(lost < serves);
+  CHECK(serves < reformed);
+  CHECK(reformed != std::string::npos);
+  for (auto* r : {&r2, &r3}) {
+    const auto from = r->output.find("ENV WORLD_SIZE=3");
+    CHECK(countOf(r->output.substr(from, r->output.find("ENV WORLD_SIZE=2") - from), "timed out") == 0);
+  }
 }
 
-MULTINODE_SCENARIO(storeHostSilenced, "multinode c10d --store-failover: a cut-off store host stops, the others take the store over and finish", 3) {
+MULTINODE_SCENARIO(storeHostSilenced, "multinode c10d --store-failover: a cut-off store host stops, the others take the store over and finish", 3, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "trap-term", "0", "hang"};
-  test::Process a1(t.spawn(1, c10d(t, 1, "1:3", 1, failoverNode("0"), worker)));
+  auto host1 = t.startHost1([&] { return c10d(t, 1, "1:3", 1, failoverNode("0"), worker); });
+  test::Process& a1 = *host1;
   test::Process a2(t.spawn(2, c10d(t, 2, "1:3", 1, failoverNode("1"), worker)));
   test::Process a3(t.spawn(3, c10d(t, 3, "1:3", 1, failoverNode("2"), worker)));
   for (auto* a : {&a1, &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
@@ -399,18 +478,17 @@ MULTINODE_SCENARIO(storeHostSilenced, "multinode c10d --store-failover: a cut-of
   CHECK(countOf(r1.output, "ENV WORLD_SIZE=1") == 0);
 }
 
-MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover: with two nodes the survivor of the store host does not take the store over", 2) {
+MULTINODE_SCENARIO(storeFailoverNeedsMajority, "multinode c10d --store-failover: with two nodes the survivor of the store host does not take the store over", 2, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
-  test::Process a1(t.spawn(1, c10d(t, 1, "1:2", 1, failoverNode("0"), worker)));
+  auto a1 = t.startHost1([&] { return c10d(t, 1, "1:2", 1, failoverNode("0"), worker); });
   test::Process a2(t.spawn(2, c10d(t, 2, "1:2", 1, failoverNode("1"), worker)));
-  for (auto* a : {&a1, &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
-  t.kill(1, a1);
+  for (auto* a : {a1.get(), &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  t.kill(1, *a1);
   auto r2 = a2.wait();
   INFO(r2.output);
   CHECK(r2.exitCode == 3);
   CHECK_THAT(r2.output, Catch::Contains("only 1 of round 0's 2 nodes confirm that they lost the rendezvous store"));
   CHECK(countOf(r2.output, "ENV WORLD_SIZE=1") == 0);
-  CHECK(r2.elapsed < 40s);
 }
 
 // Issue 47.5: only the store host and the successor cut from each other; host 3 reaches both. The
@@ -436,15 +514,14 @@ TEST_CASE("multinode c10d --store-failover: a partial partition (only the store 
   CHECK_THAT(r2.output, !Catch::Contains("this node serves the rendezvous store now"));
   CHECK_THAT(r3.output, !Catch::Contains("moving to the standby store"));  // host 3 never lost the store
   CHECK(countOf(r2.output, "ENV WORLD_SIZE=2") == 0);
-  CHECK(r2.elapsed < 25s);
 }
 
-MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-failover: losing the store host ends the survivor with what happened and what survives it (issue 28.3)", 2) {
+MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-failover: losing the store host ends the survivor with what happened and what survives it (issue 28.3)", 2, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
-  test::Process a1(t.spawn(1, c10d(t, 1, "1:2", 1, {"--node-rank", "0"}, worker)));
+  auto a1 = t.startHost1([&] { return c10d(t, 1, "1:2", 1, {"--node-rank", "0"}, worker); });
   test::Process a2(t.spawn(2, c10d(t, 2, "1:2", 1, {"--node-rank", "1"}, worker)));
-  for (auto* a : {&a1, &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
-  t.kill(1, a1);
+  for (auto* a : {a1.get(), &a2}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  t.kill(1, *a1);
   auto r2 = a2.wait();
   INFO(r2.output);
   CHECK(r2.exitCode == 3);
@@ -455,11 +532,10 @@ MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-fail
   CHECK_THAT(r2.output, Catch::Contains("Without --store-failover no other store takes its place: with 3 or more "
                                         "nodes, --store-failover keeps the nodes that still reach each other training"));
   CHECK_THAT(r2.output, !Catch::Contains("they have removed it by now") || Catch::Contains("was lost, or this node"));
-  CHECK(r2.elapsed < 40s);
 }
 
 TEST_CASE("multinode c10d: an agent alone below MIN fails after the join timeout without starting workers", "[multinode]") {
-  Loopback t;
+  Loopback t(RdzvStore::kTest);
   auto r = test::run(t.spawn(1, c10d(t, 1, "2", 1, {}, {"env"}, "job", "1")));
   INFO(r.output);
   CHECK(r.exitCode == 3);
@@ -485,20 +561,21 @@ std::vector<std::string> staticArgs(const Topology& t, int rank, int nproc, cons
 
 } // namespace
 
-// Global rank 2 (node 1's first worker) fails in the first attempt, once every node runs (0.6 s
-// after starting); then everyone succeeds.
+// Global rank 2 (node 1's first worker) fails in the first attempt, once all four workers run (a
+// barrier in their store); the others wait to be stopped. Then everyone succeeds.
 static void workerFailureRestartsAll(Topology& t, const std::string& backend) {
-  std::vector<std::string> worker = {"env", "sleep", "600", "if-rank", "2", "if-restart-below", "1", "exit", "3",
-                                     "sleep", "600"};
-  auto args = [&](int host, std::vector<std::string> extra) {
+  std::vector<std::string> worker = {"env", "barrier", "4", "if-rank", "2", "if-restart-below", "1", "exit", "3",
+                                     "if-restart-below", "1", "hang"};
+  // Each part its own rendezvous id (on loopback both meet in one store of the test's).
+  auto args = [&](int host, std::vector<std::string> extra, const std::string& id) {
     if (backend == "static") return staticArgs(t, host - 1, 2, extra, worker);
     extra.insert(extra.end(), {"--node-rank", std::to_string(host - 1)});
-    return c10d(t, host, "2", 2, extra, worker);
+    return c10d(t, host, "2", 2, extra, worker, id);
   };
   {
-    test::Process a1(t.spawn(1, args(1, {"--max-restarts", "1"})));
-    test::Process a2(t.spawn(2, args(2, {"--max-restarts", "1"})));
-    auto r1 = a1.wait(), r2 = a2.wait();
+    auto results = t.runAll(2, [&](int host) { return args(host, {"--max-restarts", "1"}, "restarts"); });
+    const auto& r1 = results[0];
+    const auto& r2 = results[1];
     INFO(r1.output << "\n----\n" << r2.output);
     REQUIRE(r1.ok());
     REQUIRE(r2.ok());
@@ -517,9 +594,9 @@ static void workerFailureRestartsAll(Topology& t, const std::string& backend) {
   }
   {
     // Control: no restart allowed, both nodes fail: node 1 with its worker's code, node 0 with 1.
-    test::Process a1(t.spawn(1, args(1, {})));
-    test::Process a2(t.spawn(2, args(2, {})));
-    auto r1 = a1.wait(), r2 = a2.wait();
+    auto results = t.runAll(2, [&](int host) { return args(host, {}, "no-restarts"); });
+    const auto& r1 = results[0];
+    const auto& r2 = results[1];
     INFO(r1.output << "\n----\n" << r2.output);
     CHECK(r2.exitCode == 3);
     CHECK(r1.exitCode == 1);
@@ -528,11 +605,11 @@ static void workerFailureRestartsAll(Topology& t, const std::string& backend) {
   }
 }
 
-MULTINODE_SCENARIO(workerFailureC10d, "multinode c10d: a worker failure on one node restarts the workers of every node and counts once", 2) {
+MULTINODE_SCENARIO(workerFailureC10d, "multinode c10d: a worker failure on one node restarts the workers of every node and counts once", 2, RdzvStore::kTest) {
   workerFailureRestartsAll(t, "c10d");
 }
 
-MULTINODE_SCENARIO(workerFailureStatic, "multinode static: a worker failure on one node restarts the workers of every node and counts once", 2) {
+MULTINODE_SCENARIO(workerFailureStatic, "multinode static: a worker failure on one node restarts the workers of every node and counts once", 2, RdzvStore::kHost1) {
   workerFailureRestartsAll(t, "static");
 }
 
