@@ -22,7 +22,8 @@ std::string trim(std::string s) {
   return s;
 }
 
-// Runs a lab script to completion; throws with its output unless it succeeds.
+// Runs a lab script to completion; throws with its output unless it succeeds. The timeouts below
+// only keep a stuck script from hanging a test: a busy machine makes them slow, never wrong.
 std::string runScript(const std::vector<std::string>& argv, std::chrono::milliseconds timeout) {
   SpawnOptions o;
   o.argv = argv;
@@ -39,7 +40,7 @@ std::string runScript(const std::vector<std::string>& argv, std::chrono::millise
 std::string reasonFrom(const std::string& script) {
   SpawnOptions o;
   o.argv = {script, "check"};
-  o.timeout = std::chrono::seconds(20);
+  o.timeout = std::chrono::seconds(60);
   auto r = run(o);
   if (r.ok()) return "";
   std::string why = trim(r.output);
@@ -84,7 +85,7 @@ std::map<std::string, std::string> parseVars(const std::string& text) {
 // ---- NetnsLab ------------------------------------------------------------------------------------------
 NetnsLab::NetnsLab(int hosts) {
   auto out = runScript({netnsScript(), "up", std::to_string(hosts), "--owner", std::to_string(::getpid())},
-                       std::chrono::seconds(60));
+                       std::chrono::seconds(120));
   vars_ = parseVars(out);
   if (!vars_.count("LAB_PREFIX") || !vars_.count("LAB_SUBNET"))
     throw std::runtime_error("netns.sh up printed no lab: " + out);
@@ -122,7 +123,7 @@ SpawnOptions NetnsLab::spawnIn(int host, SpawnOptions options) const {
 void NetnsLab::script(const std::vector<std::string>& args) const {
   std::vector<std::string> argv{netnsScript()};
   argv.insert(argv.end(), args.begin(), args.end());
-  runScript(argv, std::chrono::seconds(30));
+  runScript(argv, std::chrono::seconds(60));
 }
 
 void NetnsLab::cut(int host) { script({"cut", prefix_, std::to_string(host)}); }
@@ -140,7 +141,7 @@ void NetnsLab::unblock(int host, int port) {
 void NetnsLab::killHost(int host) { script({"kill", prefix_, std::to_string(host)}); }
 
 std::vector<int> NetnsLab::pids(int host) const {
-  auto out = runScript({netnsScript(), "pids", prefix_, std::to_string(host)}, std::chrono::seconds(30));
+  auto out = runScript({netnsScript(), "pids", prefix_, std::to_string(host)}, std::chrono::seconds(60));
   std::vector<int> result;
   std::istringstream in(out);
   int pid;
@@ -151,7 +152,7 @@ std::vector<int> NetnsLab::pids(int host) const {
 void NetnsLab::down() {
   if (!up_) return;
   up_ = false;
-  runScript({netnsScript(), "down", prefix_}, std::chrono::seconds(60));
+  runScript({netnsScript(), "down", prefix_}, std::chrono::seconds(120));
 }
 
 // ---- SlurmLab ------------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ SlurmLab::SlurmLab(const SlurmLabOptions& options) : nodes_(options.nodes) {
   auto out = runScript({slurmScript(), "up", std::to_string(options.nodes), "--gpus",
                         std::to_string(options.gpusPerNode), "--cpus", std::to_string(options.cpusPerNode),
                         "--owner", std::to_string(::getpid())},
-                       std::chrono::seconds(90));
+                       std::chrono::seconds(180));
   vars_ = parseVars(out);
   if (!vars_.count("SLURM_CONF") || !vars_.count("LAB_SLURM_DIR") || !vars_.count("LAB_PREFIX"))
     throw std::runtime_error("slurm.sh up printed no cluster: " + out);
@@ -189,7 +190,7 @@ ProcessResult SlurmLab::run(const std::vector<std::string>& argv, std::chrono::m
 void SlurmLab::down() {
   if (!up_) return;
   up_ = false;
-  runScript({slurmScript(), "down", dir()}, std::chrono::seconds(60));
+  runScript({slurmScript(), "down", dir()}, std::chrono::seconds(120));
 }
 
 } // namespace ctorch::test::lab

@@ -43,11 +43,13 @@ std::string hostName() {
 
 } // namespace
 
-// tcp_serve ADDR: listens on ADDR, port 0; prints "port N"; answers each connection with its hostname.
+// tcp_serve ADDR [PORT]: listens on ADDR, port PORT (0: any, the default); prints "port N"; answers
+// each connection with its hostname.
 CTORCH_TEST_WORKER(tcp_serve) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
+  if (args.size() > 1) a.sin_port = htons(static_cast<uint16_t>(std::stoi(args[1])));
   if (::inet_pton(AF_INET, args.at(0).c_str(), &a.sin_addr) != 1) return 3;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return 4;
   if (::listen(fd, 16) != 0) return 5;
@@ -112,13 +114,16 @@ std::vector<std::string> self(const std::string& worker, std::vector<std::string
   return argv;
 }
 
-// Starts tcp_serve inside `host` on `addr`; returns the process and its port.
-std::pair<std::unique_ptr<Process>, int> serve(const NetnsLab& lab, int host, const std::string& addr) {
+// Bounds against a hang only: nothing here is expected to take long.
+constexpr auto kBound = 60s;
+
+// Starts tcp_serve inside `host` on `addr` (and `port`, 0: any); returns the process and its port.
+std::pair<std::unique_ptr<Process>, int> serve(const NetnsLab& lab, int host, const std::string& addr, int port = 0) {
   SpawnOptions o;
-  o.argv = self("tcp_serve", {addr});
-  o.timeout = 120s;
+  o.argv = self("tcp_serve", {addr, std::to_string(port)});
+  o.timeout = 180s;
   auto p = std::make_unique<Process>(lab.spawnIn(host, o));
-  auto deadline = std::chrono::steady_clock::now() + 20s;
+  auto deadline = std::chrono::steady_clock::now() + kBound;
   std::smatch m;
   const std::regex re("port (\\d+)");
   while (std::chrono::steady_clock::now() < deadline) {
@@ -131,26 +136,32 @@ std::pair<std::unique_ptr<Process>, int> serve(const NetnsLab& lab, int host, co
   return {};
 }
 
+// A probe that is to connect (or be refused) gets all the time a busy machine may need: only a
+// probe that is to time out (a dropped packet) is given a short timeout, and its timing out is
+// what it shows.
+constexpr int kProbeAnswerMs = 30000;
+constexpr int kProbeDropMs = 700;
+
 ProcessResult probe(const NetnsLab& lab, int fromHost, const std::string& addr, int port,
-                    int timeoutMs = 1000) {
+                    int timeoutMs = kProbeAnswerMs) {
   SpawnOptions o;
   o.argv = self("tcp_probe", {addr, std::to_string(port), std::to_string(timeoutMs)});
-  o.timeout = 30s;
+  o.timeout = std::chrono::milliseconds(timeoutMs) * 2 + kBound;
   return run(fromHost > 0 ? lab.spawnIn(fromHost, o) : o);  // host 0: this machine itself
 }
 
 // Probes until the result has `code` (links take a moment to come back), bounded.
 ProcessResult probeUntil(const NetnsLab& lab, int fromHost, const std::string& addr, int port, int code) {
   ProcessResult r;
-  for (int i = 0; i < 50; ++i) {
-    r = probe(lab, fromHost, addr, port, 500);
-    if (r.exitCode == code) break;
-  }
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  do {
+    r = probe(lab, fromHost, addr, port, 1000);
+  } while (r.exitCode != code && std::chrono::steady_clock::now() < deadline);
   return r;
 }
 
 std::string sh(const std::string& cmd) {
-  auto r = run({.argv = {"bash", "-c", cmd}, .timeout = 30s});
+  auto r = run({.argv = {"bash", "-c", cmd}, .timeout = kBound});
   return r.output;
 }
 
@@ -174,7 +185,11 @@ bool labPresent(const std::string& prefix) {
 TEST_CASE("netns lab: two hosts talk TCP through their own addresses only", "[lab][netns]") {
   CTORCH_REQUIRE_NETNS();
   NetnsLab lab(2);
-  auto [server, port] = serve(lab, 1, "0.0.0.0");
+  // Host 1 listens on a port that this machine holds bound and unserved: on this machine's own
+  // loopback nobody can answer on it, whatever else runs here.
+  ReservedPort reserved;
+  auto [server, port] = serve(lab, 1, "0.0.0.0", reserved.port());
+  REQUIRE(port == reserved.port());
 
   auto r = probe(lab, 2, lab.addr(1), port);
   INFO(r.output);
@@ -202,7 +217,7 @@ TEST_CASE("netns lab: a cut link stops traffic and restore brings it back", "[la
 
   lab.cut(1);
   // A partition: no refusal, no reset, just silence until the caller's own timeout.
-  auto cut = probe(lab, 2, lab.addr(1), port, 700);
+  auto cut = probe(lab, 2, lab.addr(1), port, kProbeDropMs);
   INFO(cut.output);
   CHECK(cut.exitCode == kProbeTimeout);
   // The other hosts still talk to each other.
@@ -221,7 +236,7 @@ TEST_CASE("netns lab: a blocked port drops only that port", "[lab][netns]") {
   auto [a, portA] = serve(lab, 1, "0.0.0.0");
   auto [b, portB] = serve(lab, 1, "0.0.0.0");
   lab.block(1, portA);
-  CHECK(probe(lab, 2, lab.addr(1), portA, 700).exitCode == kProbeTimeout);
+  CHECK(probe(lab, 2, lab.addr(1), portA, kProbeDropMs).exitCode == kProbeTimeout);
   CHECK(probe(lab, 2, lab.addr(1), portB).exitCode == kProbeOk);
   lab.unblock(1, portA);
   CHECK(probe(lab, 2, lab.addr(1), portA).exitCode == kProbeOk);
@@ -235,7 +250,8 @@ TEST_CASE("netns lab: killing a host kills every process in it and nothing else"
   o.timeout = 120s;
   Process a(lab.spawnIn(1, o)), b(lab.spawnIn(1, o)), c(lab.spawnIn(2, o));
   // Wait until all three are inside their namespaces.
-  for (int i = 0; i < 200 && (lab.pids(1).size() < 2 || lab.pids(2).empty()); ++i)
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  while ((lab.pids(1).size() < 2 || lab.pids(2).empty()) && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(20ms);
   REQUIRE(lab.pids(1).size() >= 2);
   REQUIRE(!lab.pids(2).empty());
@@ -257,9 +273,10 @@ TEST_CASE("netns lab: teardown leaves no namespace process link or state", "[lab
      " 2 sleep 300 </dev/null >/dev/null 2>&1 & pid=$!; "
      "while [ \"$(ps -o sid= -p $pid | tr -d ' ')\" != $pid ]; do sleep 0.01; done");
   std::vector<int> pids;
-  for (int i = 0; i < 200 && pids.empty(); ++i) {
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  while (pids.empty() && std::chrono::steady_clock::now() < deadline) {
     pids = lab->pids(2);
-    std::this_thread::sleep_for(20ms);
+    if (pids.empty()) std::this_thread::sleep_for(20ms);
   }
   REQUIRE(!pids.empty());
   REQUIRE(labPresent(prefix));  // control: the checks below can see a lab
@@ -275,7 +292,8 @@ TEST_CASE("netns lab: a lab goes away when the process that made it is killed", 
   // The owner is a shell that makes a lab and then waits; SIGKILL gives it no chance to clean up.
   Process owner({.argv = {"bash", "-c", netnsScript() + " up 2 --owner $$ && sleep 300"}, .timeout = 120s});
   std::string prefix;
-  for (int i = 0; i < 500 && prefix.empty(); ++i) {
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  while (prefix.empty() && std::chrono::steady_clock::now() < deadline) {
     auto vars = parseVars(owner.outputSoFar());
     if (vars.count("LAB_PREFIX")) prefix = vars["LAB_PREFIX"];
     else std::this_thread::sleep_for(20ms);
@@ -285,7 +303,8 @@ TEST_CASE("netns lab: a lab goes away when the process that made it is killed", 
   owner.signalGroup(SIGKILL);
   owner.wait();
   bool gone = false;
-  for (int i = 0; i < 250 && !gone; ++i) {  // the watcher polls every 0.2 s
+  const auto goneBy = std::chrono::steady_clock::now() + kBound;  // the watcher polls every 0.2 s
+  while (!gone && std::chrono::steady_clock::now() < goneBy) {
     gone = !labPresent(prefix);
     if (!gone) std::this_thread::sleep_for(20ms);
   }
