@@ -25,13 +25,14 @@ inline std::string dataDir() { return LAUNCHER_TEST_DATA; }
 inline const char* kSystemPython = "/usr/bin/python3";
 
 // Runs ctorchrun with `args`; the launcher's own logs are at warn level unless args say otherwise.
+// The timeout only ends a run that hangs (then killed, timedOut): nothing is expected to take long.
 test::ProcessResult runCtorchrun(const std::vector<std::string>& args,
                                  const std::map<std::string, std::string>& env = {},
-                                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
 test::SpawnOptions ctorchrunSpawn(const std::vector<std::string>& args,
                                   const std::map<std::string, std::string>& env = {},
-                                  std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
 // Processes whose environment holds CTORCH_TEST_MARK=<mark> (zombies excluded).
 std::vector<int> processesMarked(const std::string& mark);
