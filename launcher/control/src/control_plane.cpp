@@ -32,13 +32,16 @@ void ControlPlane::refuseOnce(const std::string& why) {
 }
 
 void ControlPlane::deliver(std::vector<Outgoing>& outgoing, std::vector<Output>& out) {
+  std::uint64_t welcomes = 0;
   for (auto& o : outgoing) {
     auto s = sessions_.find(o.peer);
     if (s == sessions_.end() || s->second.stage != Session::Stage::kReady) continue;
     out.push_back({o.peer, s->second.channel.seal(o.message), o.close});
+    welcomes += o.message.type == Type::kWelcome;
   }
   outgoing.clear();
   std::lock_guard<std::mutex> lock(statsMutex_);
+  stats_.welcomed += welcomes;
   stats_.generation = coordinator_.generation();
   stats_.killsOrdered = coordinator_.killsOrdered();
   stats_.capability = coordinator_.capability();

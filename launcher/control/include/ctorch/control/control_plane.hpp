@@ -22,6 +22,7 @@ struct ControlPlaneStats {
   std::uint64_t connections = 0;    // opened with the control magic
   std::uint64_t authenticated = 0;  // proved the key
   std::uint64_t refused = 0;        // closed for a bad handshake, frame or message
+  std::uint64_t welcomed = 0;       // welcomes sent (a worker's once its agent registered its process)
   std::int64_t generation = 0;      // the group's generation now
   int killsOrdered = 0;
   int capability = -1;              // Coordinator::capability()
