@@ -76,6 +76,7 @@ class FakeProcessContext : public ProcessContext {
   void signalAll(int signo) override {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     signals.push_back(signo);
+    stops.push_back("signal " + std::to_string(signo));
     if (onSignalAll) onSignalAll(signo);
     for (auto it = live_.begin(); it != live_.end();) {
       if (signo == SIGTERM && it->second.ignoreTerm) {
@@ -89,6 +90,7 @@ class FakeProcessContext : public ProcessContext {
   void killAll() override {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     ++kills;
+    stops.push_back("kill");
     for (auto& [rank, b] : live_) queue(rank, ExitStatus::killed(SIGKILL));
     live_.clear();
   }
@@ -127,6 +129,7 @@ class FakeProcessContext : public ProcessContext {
   std::vector<std::vector<WorkerLaunch>> launches;
   std::vector<int> signals;
   int kills = 0;
+  std::vector<std::string> stops;  // signalAll ("signal N") and killAll ("kill") calls, in order
   std::optional<int> exitOnSignal;  // workers handle signals and exit with this code
   std::function<void(int)> onSignalAll;  // called when the agent signals the workers
   std::vector<WorkerLaunch> added;        // replacements started by add()
@@ -186,6 +189,7 @@ class FakeRendezvous : public RendezvousHandler {
   // The workers' store with the job's control plane (keyed `controlKey`), as node rank 0 serves it.
   void serveWorkerStore(const std::string& controlKey = "") {
     ctorch::store::TcpStoreServerOptions o;
+    o.requestTimeout = std::chrono::milliseconds(0);  // no handshake is late for the machine being slow
     if (!controlKey.empty()) {
       control = std::make_shared<ctorch::control::ControlPlane>(controlKey);
       o.side = control;
@@ -359,10 +363,10 @@ TEST_CASE("agent: a worker that ignores SIGTERM is killed when the grace period 
     stubborn.ignoreTerm = true;
     return std::vector<FakeWorker>{{ExitStatus::exited(3)}, stubborn};
   });
-  auto start = std::chrono::steady_clock::now();
-  CHECK(f.run(pc) == 3);
+  CHECK(f.run(pc) == 3);  // it returns: bounded by the grace, not forever (else CTest's timeout)
   CHECK(pc.kills == 1);
-  CHECK(std::chrono::steady_clock::now() - start < 30s);  // bounded by the grace, not forever
+  // SIGTERM first; SIGKILL when the grace ended, not before it was asked for.
+  CHECK(pc.stops == std::vector<std::string>{"signal " + std::to_string(SIGTERM), "kill"});
   const auto& attempt = f.agent->attempts().at(0);
   REQUIRE(attempt.outcome.stopped.size() == 1);
   CHECK(attempt.outcome.stopped[0].status.signal == SIGKILL);
@@ -600,7 +604,7 @@ namespace cc = ctorch::contract::control;
 // names (its rank, its CTORCH_INCARNATION, the job's key) and does what the test says.
 class ControlWorkers {
  public:
-  explicit ControlWorkers(FakeRendezvous& r) : r_(r) {}
+  explicit ControlWorkers(Fixture& f) : f_(f), r_(f.rendezvous) {}
   ~ControlWorkers() {
     stop_ = true;  // spares still waiting for a rank give up
     for (auto& t : threads_) t.join();
@@ -614,7 +618,7 @@ class ControlWorkers {
     const bool spare = envValue(w, "CTORCH_SPARE") != "<unset>";
     const cc::Message hello = spare ? cc::spareHello(0, envValue(w, "CTORCH_SPARE"), *incarnation, 100 + w.localRank)
                                     : cc::workerHello(w.globalRank, *incarnation, 100 + w.localRank);
-    auto client = std::make_shared<cc::BlockingClient>("127.0.0.1", r_.storePort, key, hello, 10s);
+    auto client = std::make_shared<cc::BlockingClient>("127.0.0.1", r_.storePort, key, hello, 60s);
     std::lock_guard<std::mutex> lock(m_);
     clients_[w.localRank] = client;
     return client;
@@ -638,8 +642,8 @@ class ControlWorkers {
   }
 
   // On a thread: every worker of `launches` connects and says whether it can recover in place
-  // (`incapable`: the local ranks that say they cannot); once the coordinator knows the job's
-  // answer (and `spares` spares are ready) and the agent had time to hear it, `then` runs.
+  // (`incapable`: the local ranks that say they cannot); once the agent has heard the job's answer
+  // from the coordinator (and `spares` spares are ready), `then` runs.
   void declareAll(const std::vector<WorkerLaunch>& launches, std::function<void()> then, std::set<int> incapable = {},
                   int spares = 0) {
     run([this, launches, then = std::move(then), incapable, spares] {
@@ -650,13 +654,24 @@ class ControlWorkers {
         connect(w)->send(m);
       }
       const int want = incapable.empty() ? 1 : 0;
-      const auto deadline = std::chrono::steady_clock::now() + 10s;
-      while ((r_.control->stats().capability != want || readySpares() < spares) && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(5ms);
-      if (r_.control->stats().capability != want) throw std::runtime_error("the coordinator never learnt the job's capability");
-      std::this_thread::sleep_for(200ms);  // the agent reads it from its link meanwhile
+      if (!waitFor([&] { return agent().heardCapability() == want && readySpares() >= spares; }))
+        throw std::runtime_error("the agent never heard the job's capability (the coordinator's: " +
+                                 std::to_string(r_.control->stats().capability) + ")");
       then();
     });
+  }
+
+  // The agent under test (run() has created it before any worker starts).
+  const ElasticAgent& agent() const { return *f_.agent; }
+
+  // Polls `pred` until true, 60 s at most (a hang guard).
+  static bool waitFor(const std::function<bool()>& pred) {
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (!pred()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(5ms);
+    }
+    return true;
   }
 
   // A spare connects and waits for its assignment (recorded in assignments()).
@@ -667,7 +682,7 @@ class ControlWorkers {
         std::lock_guard<std::mutex> lock(m_);
         ++ready_;
       }
-      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      const auto deadline = std::chrono::steady_clock::now() + 60s;
       while (!stop_ && std::chrono::steady_clock::now() < deadline) {
         std::optional<cc::Message> m;
         try {
@@ -697,6 +712,7 @@ class ControlWorkers {
   }
 
  private:
+  Fixture& f_;
   FakeRendezvous& r_;
   std::mutex m_;
   std::map<int, std::shared_ptr<cc::BlockingClient>> clients_;
@@ -710,8 +726,7 @@ class ControlWorkers {
 // Once the spare has its assignment, it (now local rank `to`) and the survivor (local rank 0) finish.
 void finishOnceAssigned(ControlWorkers& cw, FakeProcessContext& pc, int to) {
   cw.run([&cw, &pc, to] {
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (cw.assignments().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    ControlWorkers::waitFor([&] { return !cw.assignments().empty(); });
     pc.exitWorker(to, ExitStatus::exited(0));
     pc.exitWorker(0, ExitStatus::exited(0));
   });
@@ -729,7 +744,7 @@ std::vector<std::string> inPlaceArgs(int nproc, int maxRestarts, std::vector<std
 TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its rank and CTORCH_REPLACEMENT") {
   Fixture f(inPlaceArgs(3, 2));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);  // never a second group
     return std::vector<FakeWorker>(static_cast<std::size_t>(n));
@@ -763,7 +778,7 @@ TEST_CASE("agent: --recovery in-place replaces only the failed worker, with its 
 TEST_CASE("agent: --recovery in-place counts replacements against --max-restarts, then fails as torchrun") {
   Fixture f(inPlaceArgs(2, 1));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int, int n) { return std::vector<FakeWorker>(static_cast<std::size_t>(n)); });
   pc.onStart = [&](int attempt, const std::vector<WorkerLaunch>& launches) {
     if (attempt == 0) cw.declareAll(launches, [&pc] { pc.exitWorker(1, ExitStatus::exited(3)); });
@@ -784,7 +799,7 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
   // re-form. One group restart for the one fault, and every later failure restarts the group.
   Fixture f(inPlaceArgs(2, 2));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     if (attempt == 0) return std::vector<FakeWorker>(static_cast<std::size_t>(n));
     if (attempt == 1) return std::vector<FakeWorker>{{ExitStatus::exited(0)}, {ExitStatus::exited(1)}};  // a later fault
@@ -812,7 +827,7 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
   // failed later is replaced in place as before.
   Fixture g(inPlaceArgs(2, 2));
   g.rendezvous.serveWorkerStore(g.config.controlKey);
-  ControlWorkers cw2(g.rendezvous);
+  ControlWorkers cw2(g);
   FakeProcessContext pc2([](int attempt, int n) {
     REQUIRE(attempt == 0);
     return std::vector<FakeWorker>(static_cast<std::size_t>(n));
@@ -832,7 +847,9 @@ TEST_CASE("agent: --recovery in-place falls back to one group restart when a sur
       reform.generation = 0;
       reform.value = 1;
       cw2.client(0)->send(reform);
-      std::this_thread::sleep_for(300ms);  // the coordinator tells the agent
+      // The coordinator tells the agent that rank 0 waits in the re-form; then rank 0 fails.
+      if (!ControlWorkers::waitFor([&] { return cw2.agent().heardInReform(0); }))
+        throw std::runtime_error("the agent never heard that rank 0 joined the re-form");
       pc2.exitWorker(0, ExitStatus::exited(1));
     });
   };
@@ -859,7 +876,7 @@ TEST_CASE("agent: --recovery in-place restarts the group when the coordinator do
   // Control: the same failure with the coordinator answering is repaired in place.
   Fixture g(inPlaceArgs(2, 1));
   g.rendezvous.serveWorkerStore(g.config.controlKey);
-  ControlWorkers cw(g.rendezvous);
+  ControlWorkers cw(g);
   FakeProcessContext pc2([](int, int n) { return std::vector<FakeWorker>(static_cast<std::size_t>(n)); });
   pc2.onStart = [&](int, const std::vector<WorkerLaunch>& launches) {
     cw.declareAll(launches, [&pc2] { pc2.exitWorker(1, ExitStatus::exited(1)); });
@@ -889,7 +906,7 @@ TEST_CASE("agent: --recovery in-place: a rank that says it cannot recover in pla
   // the whole group at once (one restart each), as --recovery restart.
   Fixture f(inPlaceArgs(2, 3, {}));  // a preloaded worker by default
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     if (attempt == 1) return std::vector<FakeWorker>{{}, {ExitStatus::exited(1)}};  // a later fault
     if (attempt == 2) return allSucceed(n);
@@ -911,7 +928,7 @@ TEST_CASE("agent: --recovery in-place kills only the processes the coordinator n
           "waits in the re-form") {
   Fixture f(inPlaceArgs(3, 3));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);
     return std::vector<FakeWorker>(static_cast<std::size_t>(n));
@@ -925,12 +942,14 @@ TEST_CASE("agent: --recovery in-place kills only the processes the coordinator n
         reform.value = 1;
         cw.client(r)->send(reform);
       }
-      std::this_thread::sleep_for(100ms);
+      // Both waits are known to the coordinator (it told the agent) before rank 0 asks.
+      if (!ControlWorkers::waitFor([&] { return cw.agent().heardInReform(0) && cw.agent().heardInReform(2); }))
+        throw std::runtime_error("the agent never heard that ranks 0 and 2 wait in the re-form");
       cc::Message evict = cc::message(cc::Type::kEvictSilent);
       evict.generation = 0;
       evict.value = 0;
       cw.client(0)->send(evict);
-      const auto answer = cw.client(0)->receive(std::chrono::steady_clock::now() + 5s);
+      const auto answer = cw.client(0)->receive(std::chrono::steady_clock::now() + 60s);
       if (!answer || answer->type != cc::Type::kEvicting || answer->value != 1 || answer->text != "waiting for rank(s) 1")
         throw std::runtime_error("the coordinator did not evict exactly rank 1");
     });
@@ -950,7 +969,7 @@ TEST_CASE("agent: --recovery in-place kills only the processes the coordinator n
 TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed rank over and a new spare starts") {
   Fixture f(inPlaceArgs(2, 1, {"--spare-workers", "1"}));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);
     return std::vector<FakeWorker>(static_cast<std::size_t>(n));
@@ -987,7 +1006,7 @@ TEST_CASE("agent: --recovery in-place with a spare: the spare takes the failed r
 TEST_CASE("agent: --recovery in-place starts a preloaded worker by default, which takes the failed rank over") {
   Fixture f(inPlaceArgs(2, 1, {}));
   f.rendezvous.serveWorkerStore(f.config.controlKey);
-  ControlWorkers cw(f.rendezvous);
+  ControlWorkers cw(f);
   FakeProcessContext pc([](int attempt, int n) {
     REQUIRE(attempt == 0);
     return std::vector<FakeWorker>(static_cast<std::size_t>(n));

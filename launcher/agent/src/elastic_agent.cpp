@@ -65,6 +65,10 @@ ElasticAgent::~ElasticAgent() {
   ::close(timerFd_);
 }
 
+int ElasticAgent::heardCapability() const { return replacements_->heardCapability(); }
+
+bool ElasticAgent::heardInReform(int rank) const { return replacements_->heardInReform(rank); }
+
 std::vector<WorkerLaunch> ElasticAgent::buildLaunches(const RendezvousInfo& info, int restartCount,
                                                       std::vector<WorkerLogs::WorkerFiles>& files) {
   files = logs_.beginAttempt(info, restartCount);

@@ -65,8 +65,11 @@ void Replacements::beginGroup(const RendezvousInfo& info, int restartCount, cons
   launches_ = launches;
   files_ = files;
   spares_.clear();
-  inReform_.clear();
-  capability_ = -1;
+  {
+    std::lock_guard<std::mutex> lock(heardMutex_);
+    inReform_.clear();
+    capability_ = -1;
+  }
   incapable_.clear();
   if (!link_ || !inPlace) return;
   link_->open(info.storeHost, info.storePort, config_.controlKey,
@@ -120,11 +123,16 @@ void Replacements::onMessage(const cc::Message& m) {
       processes_.kill(pid->second);
       return;
     }
-    case cc::Type::kRankState:
+    case cc::Type::kRankState: {
+      std::lock_guard<std::mutex> lock(heardMutex_);
       inReform_[m.rank] = m.incarnation;
       return;
+    }
     case cc::Type::kReformed:
-      inReform_.clear();  // what is said from now on is about the next re-form
+      {
+        std::lock_guard<std::mutex> lock(heardMutex_);
+        inReform_.clear();  // what is said from now on is about the next re-form
+      }
       if (monitor_ && monitor_->reformPending()) {
         monitor_->noteReformed();
         l.debug("the group re-formed at generation {}", m.generation);
@@ -132,7 +140,10 @@ void Replacements::onMessage(const cc::Message& m) {
       return;
     case cc::Type::kCapability:
       if (capability_ == 0) return;
-      capability_ = m.value == 1 ? 1 : 0;
+      {
+        std::lock_guard<std::mutex> lock(heardMutex_);
+        capability_ = m.value == 1 ? 1 : 0;
+      }
       if (capability_ == 1) {
         l.debug("every rank can recover in place");
       } else {
@@ -146,6 +157,16 @@ void Replacements::onMessage(const cc::Message& m) {
     default:
       l.debug("control channel: ignoring message type {}", static_cast<int>(m.type));
   }
+}
+
+int Replacements::heardCapability() const {
+  std::lock_guard<std::mutex> lock(heardMutex_);
+  return capability_;
+}
+
+bool Replacements::heardInReform(int rank) const {
+  std::lock_guard<std::mutex> lock(heardMutex_);
+  return inReform_.count(rank) > 0;
 }
 
 std::optional<std::string> Replacements::takeInPlaceImpossible() {

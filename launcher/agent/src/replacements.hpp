@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -59,6 +60,11 @@ class Replacements {
   void onReady(GroupMonitor& monitor);
   // Set once when a rank said it cannot recover in place: the run restarts the group from now on.
   std::optional<std::string> takeInPlaceImpossible();
+  // What the coordinator has said so far, for another thread (ElasticAgent's accessors): -1 not
+  // yet whether every rank can recover in place, 1 every rank can, 0 one cannot; and whether it
+  // said global rank `rank`'s process takes part in the pending re-form.
+  int heardCapability() const;
+  bool heardInReform(int rank) const;
 
   // A process with a negative local rank ended: a spare that held no rank yet.
   void spareEnded(const WorkerExit& exit);
@@ -91,6 +97,8 @@ class Replacements {
   std::vector<WorkerLogs::WorkerFiles> files_;
   std::map<int, std::uint64_t> incarnations_;  // local rank -> the process holding it now
   std::set<int> replacedRanks_;                // local ranks held by a replacement
+  // Written on the agent's thread under heardMutex_ (read there without it): what the coordinator said.
+  mutable std::mutex heardMutex_;
   std::map<int, std::uint64_t> inReform_;      // global rank -> process the coordinator said takes part
   int capability_ = -1;                        // the coordinator's word: -1 not yet, 1 every rank can, 0 not
   std::string incapable_;                      // why not (rank and reason)

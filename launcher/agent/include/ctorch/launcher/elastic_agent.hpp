@@ -58,6 +58,12 @@ class ElasticAgent {
 
   const std::vector<Attempt>& attempts() const { return attempts_; }
   const std::optional<FailureReport>& failureReport() const { return report_; }
+  // --recovery in-place: what the agent has heard from the job's coordinator in the running group,
+  // safe to ask from another thread while run() runs (tests wait on it). -1: not yet whether every
+  // rank can recover in place; 1: every rank can; 0: one cannot.
+  int heardCapability() const;
+  // Whether the coordinator said global rank `rank`'s process takes part in the pending re-form.
+  bool heardInReform(int rank) const;
 
  private:
   std::optional<int> joinRound(RendezvousInfo& info);
