@@ -590,14 +590,12 @@ TEST_CASE("coordinator: a re-form naming generation 2^63-1 forms nothing and cos
   twoNodes(job);
   for (int r = 0; r < 3; ++r) job.send(workerPeer(r), reform(0, true));
   job.now += 1h;
-  // No walk over generations: a thousand of them return at once (the bound is ~10^4 times what
-  // they take) and say nothing.
-  const auto start = std::chrono::steady_clock::now();
+  // No walk over generations (one to 2^63-1 would never end: CTest's timeout fails the test): a
+  // thousand of them return and say nothing.
   for (int i = 0; i < 1000; ++i) {
     REQUIRE(job.send(workerPeer(3), reform(kMax, true)).empty());
     REQUIRE(job.send(workerPeer(0), evictSilent(kMax, 0ms)).empty());
   }
-  CHECK(std::chrono::steady_clock::now() - start < 2s);
   CHECK(job.c.generation() == 0);
   CHECK(job.c.killsOrdered() == 0);
   CHECK(job.send(workerPeer(3), reform(std::numeric_limits<std::int64_t>::min(), true)).empty());

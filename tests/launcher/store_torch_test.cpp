@@ -30,7 +30,7 @@ c10::intrusive_ptr<c10d::TCPStore> client(int port, std::optional<std::size_t> w
   o.port = static_cast<std::uint16_t>(port);
   o.isServer = false;
   if (workers) o.numWorkers = *workers;
-  o.timeout = std::chrono::milliseconds(20000);
+  o.timeout = std::chrono::milliseconds(60000);  // a hang guard: every reply comes at once
   return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
 }
 
@@ -78,7 +78,7 @@ TEST_CASE("store torch: 1.13 watchKey (the callback connection) gets created/upd
   writer->set("w", bytes("2"));
   writer->deleteKey("w");
   std::unique_lock<std::mutex> lock(m);
-  REQUIRE(cv.wait_for(lock, 10s, [&] { return events.size() >= 3; }));
+  REQUIRE(cv.wait_for(lock, 60s, [&] { return events.size() >= 3; }));
   CHECK(events[0] == "<none>->1");
   CHECK(events[1] == "1->2");
   CHECK(events[2] == "2-><none>");
@@ -95,7 +95,7 @@ TEST_CASE("store torch: Gloo process groups rendezvous through the native store 
     ranks.emplace_back([&, rank] {
       try {
         auto store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_0", client(server.port(), world));
-        auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(30000));
+        auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(60000));
         options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
         c10d::ProcessGroupGloo pg(store, rank, world, options);
         std::vector<at::Tensor> t{torch::full({4}, static_cast<float>(rank + 1))};

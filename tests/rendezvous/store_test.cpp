@@ -73,7 +73,7 @@ std::unique_ptr<c10d::TCPStore> server(const std::string& host) {
   o.port = 0;
   o.isServer = true;
   o.waitWorkers = false;
-  o.timeout = 30s;
+  o.timeout = 60s;
   return std::make_unique<c10d::TCPStore>(host, o);
 }
 
@@ -207,15 +207,15 @@ TEST_CASE("c10d store: three agent processes with mixed nproc complete a round",
   const int requested[] = {-1, 0, -1};
   for (int i = 0; i < 3; ++i) {
     SpawnOptions o;
-    o.argv = agentArgs("127.0.0.1", port, "mixed", 3, 3, nprocs[i], requested[i], 1000, 1000, 30000, 10000,
+    o.argv = agentArgs("127.0.0.1", port, "mixed", 3, 3, nprocs[i], requested[i], 1000, 1000, 60000, 10000,
                        "agent" + std::to_string(i));
-    o.timeout = 60s;
+    o.timeout = 120s;
     agents.push_back(std::make_unique<Process>(o));
   }
   std::vector<AgentLine> r(3);
   for (int i = 0; i < 3; ++i) {
     INFO(agents[i]->outputSoFar());
-    REQUIRE(waitFor(*agents[i], [](const std::string& out) { return !results(out).empty(); }, 30s));
+    REQUIRE(waitFor(*agents[i], [](const std::string& out) { return !results(out).empty(); }, 60s));
     r[i] = results(agents[i]->outputSoFar()).at(0);
   }
   CHECK(r[1].rank == 0);  // requested
@@ -303,7 +303,7 @@ void startLab(LabRun& run, const std::string& runId) {
   run.server = std::make_unique<Process>(run.lab->spawnIn(1, so));
   const std::regex portRe("PORT (\\d+)");
   std::smatch m;
-  REQUIRE(waitFor(*run.server, [&](const std::string& out) { return std::regex_search(out, m, portRe); }, 30s));
+  REQUIRE(waitFor(*run.server, [&](const std::string& out) { return std::regex_search(out, m, portRe); }, 60s));
   std::string out = run.server->outputSoFar();
   REQUIRE(std::regex_search(out, m, portRe));
   run.port = std::stoi(m[1]);
