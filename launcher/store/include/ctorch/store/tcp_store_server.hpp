@@ -106,7 +106,8 @@ struct TcpStoreServerStats {
   std::uint64_t timedOutConnections = 0;  // dropped for a request slower than the deadline
   std::uint64_t readSuspensions = 0;      // times reading stopped: maxBufferedBytes reached
   std::uint64_t slowReaders = 0;          // dropped for taking replies too slowly while suspended
-  std::uint64_t closedConnections = 0;    // closed by either side, counted once its ephemeral keys are gone
+  std::uint64_t closedConnections = 0;    // accepted ones closed by either side, counted once the close
+                                          // is done (ephemeral keys gone, the side protocol told)
   std::uint64_t deadlineSweeps = 0;       // checks of every connection against its request or reply deadline
   std::chrono::steady_clock::time_point lastSweep{};  // when the last one ran, on the deadlines' clock
   std::uint64_t loopPasses = 0;           // returns from epoll_wait: an idle server makes few (a spin, millions)
