@@ -178,6 +178,9 @@ TEST_CASE("trainer options: every bad value is one line naming the flag and the 
       {{"--resume", "/nonexistent/snapshot.pt"}, "--resume '/nonexistent/snapshot.pt'"},
       {{"--max-steps", "-5"}, "--max-steps '-5'"},
       {{"--step-delay-ms", "-1"}, "--step-delay-ms '-1'"},
+      {{"--hold-after-step", "-1", "--hold-file", "go"}, "--hold-after-step '-1'"},
+      {{"--hold-after-step", "3"}, "--hold-after-step needs --hold-file"},
+      {{"--hold-file", "go"}, "--hold-file 'go' needs --hold-after-step"},
       {{"--no-such-flag"}, "--no-such-flag"},
   };
   for (const auto& c : cases) {
@@ -613,7 +616,7 @@ TEST_CASE("snapshot writer: a failed background write is reported at once and se
   };
   writer.submit(std::move(job));
   // Nobody calls wait() or submit(): the failure must show by itself.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!writer.failed() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   REQUIRE(writer.failed());

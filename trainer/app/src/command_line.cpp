@@ -236,6 +236,7 @@ struct FlagTexts {
   std::string pipelineSchedule = "1f1b";
   std::string dataDir, snapshotPath, modelDir, syntheticShape, tensorboardDir;
   std::int64_t timeoutS, stepDelayMs = 0;
+  std::string holdFile;
   bool noBucketView = false;
   std::string profileSteps, profileFile;
   std::string memoryFormat = "auto";
@@ -440,6 +441,11 @@ void addSystemFlags(FlagTable& f, TrainOptions& o, FlagTexts& t) {
       ->group(kSys);
 
   f.option("--step-delay-ms", t.stepDelayMs, "testing aid: sleep after every step")->group("Testing");
+  f.option("--hold-after-step", o.holdAfterStep,
+           "testing aid: after global step N every rank says so and waits until --hold-file exists (or a stop "
+           "signal comes), so that a test acts at a known step")
+      ->group("Testing");
+  f.option("--hold-file", t.holdFile, "testing aid: the file --hold-after-step waits for")->group("Testing");
 }
 
 // How the replicas are kept in step (docs/parameter-server.md).
@@ -538,6 +544,7 @@ void applyFlagTexts(const CLI::App& app, const FlagTexts& t, TrainOptions& o) {
     o.metricsFile = t.metrics == "none" ? std::filesystem::path() : std::filesystem::path(t.metrics);
   o.timeout = std::chrono::seconds(t.timeoutS);
   o.stepDelay = std::chrono::milliseconds(t.stepDelayMs);
+  o.holdFile = t.holdFile;
   if (app.count("--profile-steps")) parseProfileSteps(t.profileSteps, o);
   o.profileFile = t.profileFile;
   o.gradientAsBucketView = !t.noBucketView;

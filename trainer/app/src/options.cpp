@@ -224,6 +224,10 @@ void TrainOptions::validate() const {
   finiteIn("--bucket-cap-mb", bucketCapMb, 0.0, 1e6, true, false);
   if (stepDelay.count() < 0 || stepDelay.count() > 60000)
     bad("--step-delay-ms", std::to_string(stepDelay.count()), "must be in [0, 60000]");
+  if (holdAfterStep < 0) bad("--hold-after-step", std::to_string(holdAfterStep), "must be 0 (never) or a global step");
+  if ((holdAfterStep > 0) != !holdFile.empty())
+    throw UsageError(holdAfterStep > 0 ? "--hold-after-step needs --hold-file (the file it waits for)"
+                                       : "--hold-file '" + holdFile.string() + "' needs --hold-after-step");
 }
 
 namespace {

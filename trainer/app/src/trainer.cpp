@@ -29,6 +29,7 @@
 #include <ctorch/amp.hpp>
 #include <ctorch/sampler.hpp>
 #include <ctorch/snapshot.hpp>
+#include <ctorch/stop_signal.hpp>
 
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/optim/adam.h>
@@ -41,6 +42,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <regex>
 #include <iomanip>
@@ -295,6 +297,7 @@ class Trainer {
   RunResult stopped(RunResult result, bool stepLimit);
   RunResult finish(RunResult result);
   void writeFinalWeights();
+  void holdIfAsked(std::int64_t doneStep) const;
   double trainSeconds() const { return trainSecondsBefore_ + secondsSince(runStart_); }
   std::string point() const;
 
@@ -581,10 +584,23 @@ PassEnd Trainer::runEpochPass(RunResult& result) {
       result = stopped(result, true);
       return PassEnd::kStopped;
     }
+    holdIfAsked(t.globalStep());
     if (o_.stepDelay.count() > 0) std::this_thread::sleep_for(o_.stepDelay);
   }
   reportEpoch(pass);
   return PassEnd::kEpochDone;
+}
+
+// --hold-after-step (a testing aid): every rank waits here, after the step and its snapshot, until
+// the test makes --hold-file or stops the run; a resumed run never comes back to this step.
+void Trainer::holdIfAsked(std::int64_t doneStep) const {
+  if (o_.holdAfterStep <= 0 || doneStep != o_.holdAfterStep) return;
+  std::cerr << "ctorch-train: rank " + std::to_string(rank_) + ": holding after global step " + std::to_string(doneStep) +
+                   " until " + o_.holdFile.string() + " exists (--hold-after-step)\n"
+            << std::flush;
+  std::error_code ec;
+  while (!std::filesystem::exists(o_.holdFile, ec) && stopSignal() == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 // Losses: this rank's own since the last sum; summed over the ranks (in that step's agreement)

@@ -167,7 +167,11 @@ struct TrainOptions {
   std::filesystem::path profilePath(int rank) const;
 
   // ---- testing aids
-  std::chrono::milliseconds stepDelay{0};  // sleep after every step (makes kill tests deterministic)
+  std::chrono::milliseconds stepDelay{0};  // sleep after every step (a run that lasts)
+  // After global step holdAfterStep (0: never) every rank waits until holdFile exists or a stop
+  // signal comes: a test kills or stops the run at a known step, however loaded the machine.
+  std::int64_t holdAfterStep = 0;
+  std::filesystem::path holdFile;
 
   // Throws UsageError naming the first bad value.
   void validate() const;
