@@ -34,34 +34,27 @@ ProcessResult launch(const fs::path& dir, int nproc, const std::vector<std::stri
   return r;
 }
 
-// Runs `args` under ctorchrun (`nproc` ranks, --max-restarts 1), kills rank `victim` with SIGKILL
-// once rank 0 wrote a snapshot at a global step >= `afterStep`, and lets the launcher restart the
-// group, which resumes from the snapshot and finishes. Returns the launcher's result.
+// Runs `args` under ctorchrun (`nproc` ranks, --max-restarts 1) with every rank held after global
+// step `atStep` (--hold-after-step; a step with a snapshot), kills rank `victim` with SIGKILL once
+// rank 0 wrote that step's snapshot, and lets the launcher restart the group, which resumes from it
+// and finishes. Returns the launcher's result.
 ProcessResult killAndResume(const fs::path& dir, int nproc, const std::vector<std::string>& args, int victim,
-                            std::int64_t afterStep) {
-  std::vector<std::string> logged = args;
-  logged.push_back("--log-saves");  // a line for every save, mid-epoch ones included
-  ctorch::test::Process p(trainUnderLauncher(dir, nproc, logged, {"--max-restarts", "1"}));
-  const std::regex written(R"(snapshot written: \S*snapshot\.pt \([^,]*, global step (\d+))");
-  bool killed = false;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
-  while (!killed && std::chrono::steady_clock::now() < deadline && p.running()) {
-    const std::string seen = p.outputSoFar();
-    for (auto it = std::sregex_iterator(seen.begin(), seen.end(), written); it != std::sregex_iterator() && !killed; ++it)
-      if (std::stoll((*it)[1]) >= afterStep) {
-        int pid = -1;
-        for (int i = 0; i < 500 && pid < 0; ++i) {
-          pid = findWorkerPid(dir, victim);
-          if (pid < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
-        REQUIRE(pid > 0);
-        REQUIRE(::kill(pid, SIGKILL) == 0);
-        killed = true;
-      }
-    if (!killed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                            std::int64_t atStep) {
+  // --log-saves: a line for every save, mid-epoch ones included.
+  const auto held = with(args, {"--log-saves", "--hold-after-step", std::to_string(atStep), "--hold-file",
+                                (dir / "never-released").string()});
+  ctorch::test::Process p(trainUnderLauncher(dir, nproc, held, {"--max-restarts", "1"}));
+  const std::regex written(R"(snapshot written: \S*snapshot\.pt \([^,]*, global step )" + std::to_string(atStep) + R"(\b)");
+  const bool saved = waitForOutput(p, written, std::chrono::seconds(90)).has_value();
+  int pid = -1;
+  for (int i = 0; saved && i < 500 && pid < 0; ++i) {
+    pid = findWorkerPid(dir, victim);
+    if (pid < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  const bool killed = pid > 0 && ::kill(pid, SIGKILL) == 0;
   auto result = p.wait();
   INFO(show(result));
+  REQUIRE(saved);
   REQUIRE(killed);
   return result;
 }
@@ -158,9 +151,8 @@ TEST_CASE("sync: a server or a worker killed mid-run: ctorchrun restarts the gro
   for (int victim : {2, 1}) {  // the server, then a worker
     INFO("rank " << victim << " killed");
     TempDir dir("sync-ps-killed");
-    // --step-delay-ms makes the run last long enough to be killed mid-way; it changes no result.
-    const auto r = synctest::killAndResume(
-        dir.path(), 3, synctest::with(args, {"--sync", "parameter-server", "--step-delay-ms", "20"}), victim, 8);
+    // --hold-after-step holds the run at step 8 for the kill; it changes no result.
+    const auto r = synctest::killAndResume(dir.path(), 3, synctest::with(args, {"--sync", "parameter-server"}), victim, 8);
     INFO(show(r));
     CHECK(r.ok());
     CHECK(r.output.find("exactly where it stopped") != std::string::npos);  // the restarted group resumed
