@@ -22,6 +22,7 @@
 # Usage: bench/ddp_step.sh [world=2] [rounds=3] [steps=50] [batch=64] [hidden=1024] [model=mlp]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$root/bench/lib.sh"
 world=${1:-2}; rounds=${2:-3}; steps=${3:-50}; batch=${4:-64}; hidden=${5:-1024}; model=${6:-mlp}
 "$root/scripts/build.sh" --target ddp_step_bench >/dev/null
 build=${CTORCH_BUILD_DIR:-$root/build}
@@ -38,23 +39,15 @@ launcher_omp=()  # what torchrun and ctorchrun set when several workers share th
 ctorch_threads=$(( world > 1 ? 1 : cpus ))
 same_threads=(OMP_NUM_THREADS=$ctorch_threads OPENBLAS_NUM_THREADS=1)
 
-# run_job <config> <env assignments...> -- <command...>: one job of $world processes; rank 0's line
-# goes to $tmp/<config>.log.
+# run_job <config> <env assignments...> -- <command...>: one job of $world processes (bench_ranks: rank 0
+# hosts the store); rank 0's line goes to $tmp/<config>.log.
 run_job() {
   local config=$1; shift
   local envs=()
   while [ "$1" != -- ]; do envs+=("$1"); shift; done
   shift
-  local port
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  local pids=()
-  for ((r = 0; r < world; r++)); do
-    env "${envs[@]}" RANK=$r LOCAL_RANK=$r WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-      MASTER_PORT=$port timeout 900 "$@" "$steps" 10 "$batch" "$hidden" "$model" >"$tmp/rank$r.out" 2>&1 &
-    pids+=($!)
-  done
   local failed=0
-  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  bench_ranks "$world" "$tmp/rank" 900 env "${envs[@]}" "$@" "$steps" 10 "$batch" "$hidden" "$model" || failed=1
   if [ "$failed" -ne 0 ] || ! grep -q impl= "$tmp/rank0.out"; then
     echo "ddp_step.sh: $config failed:" >&2
     cat "$tmp"/rank*.out >&2

@@ -6,6 +6,7 @@
 # Env: RATE (default 1gbit). Writes bench/results/gather-dtype-<date>.txt.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$root/bench/lib.sh"
 hosts=${1:-2}; sizes=${2:-16,64}; reps=${3:-5}; rate=${RATE:-1gbit}
 [[ $hosts =~ ^[2-8]$ && $reps =~ ^[1-9][0-9]*$ && $sizes =~ ^[0-9,]+$ ]] || { echo "gather_dtype.sh: hosts 2-8, reps > 0, sizes a list of MB" >&2; exit 2; }
 "$root/scripts/build.sh" --target shard_collectives_bench >/dev/null
@@ -25,15 +26,10 @@ summary() {  # what: the fp32 and bf16 gathers of each size, and their ratio
     END {for (s in f) printf "%s: %s MB of float32 parameters gathered: float32 %.1f ms, bfloat16 (cast included) %.1f ms, ratio %.2f\n", what, s, f[s], b[s], b[s]/f[s]}' "$2" | sort -t: -k2 -n
 }
 # 1) loopback, every rank on this machine
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-pids=()
-for ((r = 0; r < hosts; r++)); do
-  RANK=$r LOCAL_RANK=$r WORLD_SIZE=$hosts LOCAL_WORLD_SIZE=$hosts MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout 600 "$bin" "$sizes" "$reps" >"$tmp/lo$r.out" 2>&1 & pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p"; done
+bench_ranks "$hosts" "$tmp/lo" 600 "$bin" "$sizes" "$reps" ||
+  { echo "gather_dtype.sh: the loopback job failed:"; cat "$tmp"/lo*.out; exit 1; }
 summary "127.0.0.1, $hosts ranks" "$tmp/lo0.out"
-# 2) one rank per namespace host, links shaped to $rate
+# 2) one rank per namespace host, links shaped to $rate (a fixed port: nothing else lives in these namespaces)
 if [ "$(id -u)" -ne 0 ] || ! why=$("$lab" check 2>&1); then echo "no namespace hosts here (${why:-needs root}): loopback only"; exit 0; fi
 lab_out=$("$lab" up "$hosts" --owner $$)
 prefix=$(sed -n 's/^LAB_PREFIX=//p' <<<"$lab_out")

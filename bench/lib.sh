@@ -1,4 +1,6 @@
 # Shared by the bench scripts (source it after setting `root` to the checkout).
+# shellcheck source=../scripts/lib/ports.sh
+. "$root/scripts/lib/ports.sh"
 
 # bench_binaries TARGET [BUILD]: sets `bin` to TARGET and `launcher` to ctorchrun, found in BUILD (default:
 # the bookworm build, which it brings up to date first); exits naming what is missing.
@@ -46,4 +48,32 @@ bench_job() {
     return 0
   fi
   printf '%s\n' "$got"
+}
+
+# bench_ranks WORLD OUT LIMIT COMMAND...: one job of WORLD processes of COMMAND on this machine, without
+# a launcher: rank r's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+# MASTER_PORT) set, its output in OUT<r>.out, each under `timeout LIMIT`. Rank 0 hosts the store (no
+# TORCHELASTIC_USE_AGENT_STORE) on a fixed_port_candidate port; when it ends saying the port was taken,
+# the other ranks (waiting on whatever holds that port) are stopped and the job runs again on a fresh
+# port. Returns 0 when every rank exited 0.
+bench_ranks() {
+  with_fresh_port _bench_ranks_on "$@"
+}
+
+_bench_ranks_on() {  # PORT WORLD OUT LIMIT COMMAND...: one try of bench_ranks; 98: the port was taken
+  local port=$1 world=$2 out=$3 limit=$4; shift 4
+  local r pid pids=() rc=0
+  for ((r = 0; r < world; r++)); do
+    # (in braces: the shell's own word on a rank killed by a signal goes to that rank's log)
+    { RANK=$r LOCAL_RANK=$r WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        timeout "$limit" env -u TORCHELASTIC_USE_AGENT_STORE "$@"; } >"$out$r.out" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[0]}" || rc=$?
+  if [ "$rc" -ne 0 ] && port_taken "${out}0.out"; then
+    for pid in "${pids[@]:1}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+    return 98
+  fi
+  for pid in "${pids[@]:1}"; do wait "$pid" || rc=1; done
+  [ "$rc" -eq 0 ]
 }

@@ -5,6 +5,7 @@
 # Usage: bench/shard_collectives.sh [worlds=2,4] [rounds=3] [reps=5] [sizes_mb=1,16,64] [segment_bytes=1048576]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$root/bench/lib.sh"
 worlds=${1:-2,4}; rounds=${2:-3}; reps=${3:-5}; sizes=${4:-1,16,64}; segment=${5:-1048576}
 "$root/scripts/build.sh" --target shard_collectives_bench >/dev/null
 build=${CTORCH_BUILD_DIR:-$root/build}
@@ -16,14 +17,8 @@ unset TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID || true
 
 for world in ${worlds//,/ }; do
   for ((i = 1; i <= rounds; i++)); do
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    pids=()
-    for ((r = 0; r < world; r++)); do
-      RANK=$r LOCAL_RANK=$r WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-        timeout 600 "$bin" "$sizes" "$reps" "$segment" >"$tmp/rank$r.out" 2>&1 &
-      pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; done
+    bench_ranks "$world" "$tmp/rank" 600 "$bin" "$sizes" "$reps" "$segment" ||
+      { echo "shard_collectives.sh: world $world failed:" >&2; cat "$tmp"/rank*.out >&2; exit 1; }
     grep median_ms= "$tmp/rank0.out" | tee -a "$tmp/all.log"
   done
 done
