@@ -12,7 +12,8 @@
 #        step_bench.py --flops [--model resnet18]       the model's forward FLOPs per sample, counted
 #        step_bench.py --report FILE [--peak-tflops 989] the summary of the lines step_bench.sh gathered
 # Prints one line per variant and round: impl=py-<variant> ... round=r samples_per_s=... step_ms=...
-# (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; bench/gpu/step_bench.sh sets them.)
+# (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; bench/gpu/step_bench.sh runs one
+# process, WORLD_SIZE=1 without MASTER_PORT: the process group then uses an in-process HashStore.)
 import argparse
 import os
 import re
@@ -121,7 +122,12 @@ def main():
     import ctorch_models
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    backend = "nccl" if cuda else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_PORT" not in os.environ:
+        # One process (step_bench.sh): no TCPStore, so no port to choose.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if cuda \
         else torch.device("cpu")
     if cuda:

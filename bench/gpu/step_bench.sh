@@ -42,8 +42,8 @@ graphs=0
 "$bin" --help 2>&1 | grep -q -- '--cuda-graphs' && graphs=1
 echo "step_bench: $model, $precision, batches $batches, $rounds rounds of $steps steps (+$warmup warm-up) per implementation;" \
      "CUDA graphs: $([ $graphs -eq 1 ] && echo built || echo 'not built'); budget ${budget}s"
-free_port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# run_one NAME BATCH -- COMMAND...: one process, time-boxed by the budget; its impl= lines kept.
+# run_one NAME BATCH -- COMMAND...: one process, time-boxed by the budget; its impl= lines kept. A world of
+# 1 needs no store: no MASTER_ADDR/MASTER_PORT (ctorch then uses a HashStore, step_bench.py too).
 run_one() {
   local name=$1 batch=$2; shift 3
   local remaining; remaining=$(left)
@@ -52,7 +52,7 @@ run_one() {
     return
   fi
   local t0; t0=$(date +%s)
-  env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(free_port) \
+  env -u MASTER_ADDR -u MASTER_PORT -u TORCHELASTIC_USE_AGENT_STORE RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 \
       USE_LIBUV=${USE_LIBUV:-1} timeout --kill-after=5 $((remaining - 5)) "$@" 2>&1 | tee -a "$lines"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || echo "impl=$name batch=$batch status=failed reason=exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$lines"
