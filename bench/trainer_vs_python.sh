@@ -38,6 +38,7 @@ build=${CTORCH_BUILD_DIR:-$root/build}
 ctorchrun=$build/launcher/agent/ctorchrun
 train=$build/trainer/app/ctorch-train
 peer=$root/bench/trainer/python_peer.py
+. "$root/scripts/lib/ports.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 results=$root/bench/results
@@ -75,8 +76,7 @@ py() {
   local label=$1 world=$2 epochs=$3; shift 3
   local dir=$work/py-$RANDOM
   mkdir -p "$dir"
-  (cd "$dir" && /usr/bin/torchrun --standalone --nproc_per_node "$world" -r 1 -t 1 --log_dir "$dir/logs" \
-     "$peer" --epochs "$epochs" "$@" >log.txt 2>&1) || { cat "$dir/log.txt" >&2; exit 1; }
+  with_fresh_port py_run "$dir" "$world" "$epochs" "$@" || { cat "$dir/log.txt" >&2; exit 1; }
   grep -o '{"impl": "python".*}' "$dir/log.txt" | "$python" -c '
 import json, sys
 label = sys.argv[1]
@@ -84,6 +84,19 @@ for line in sys.stdin:
     r = json.loads(line)
     print(json.dumps({"label": label, "world": r["world"], "epoch": r["epoch"], "seconds": r["train_seconds"],
                       "samples_per_s": r["samples_per_s"], "accuracy": r["test_accuracy"]}))' "$label" >>"$records"
+}
+
+# py_run PORT DIR WORLD EPOCHS ARGS...: torchrun with its static rendezvous, the store its own on PORT (a
+# port below the ephemeral range) and its workers the store's clients, as ctorchrun's are. Not torchrun
+# 1.13's --standalone: that is c10d on the fixed localhost:29400, and there it gives its workers a
+# MASTER_PORT found by binding port 0 and closing. 98 when the port was taken.
+py_run() {
+  local port=$1 dir=$2 world=$3 epochs=$4; shift 4
+  rm -rf "$dir/logs"
+  (cd "$dir" && /usr/bin/torchrun --nnodes 1 --nproc_per_node "$world" --master_addr 127.0.0.1 --master_port "$port" \
+     -r 1 -t 1 --log_dir "$dir/logs" "$peer" --epochs "$epochs" "$@" >log.txt 2>&1) && return 0
+  ! port_taken "$dir/log.txt" || return 98
+  return 1
 }
 
 {
