@@ -179,10 +179,17 @@ while True:
 print("lab: tbf rate %s on every link, both ways: measured %.0f Mbit/s (50 MB over TCP)" % (sys.argv[1], n * 8 / 1e6 / (time.time() - t)))
 ' "$lab_rate" &
   local listener=$!
-  sleep 0.5
+  # The sender tries until the listener is up (no guess at how long it takes to start).
   nsenter --net="/run/netns/$lab_prefix-h1" timeout 60 python3 -c '
-import socket, sys
-s = socket.create_connection((sys.argv[1], 5001)); b = bytes(1 << 20)
+import socket, sys, time
+deadline = time.monotonic() + 30
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], 5001)); break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)
+b = bytes(1 << 20)
 for _ in range(50): s.sendall(b)
 s.close()' "$lab_subnet.2" || echo "lab: bandwidth check failed"
   wait $listener || true

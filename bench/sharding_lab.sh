@@ -13,7 +13,7 @@
 #   not timed: the first, which also builds the optimizer state).
 #
 # One run = one ctorchrun agent per host (--nnodes H --nproc-per-node 2, c10d rendezvous on host 1, a
-# port host 1's namespace reports free), every rank one intra-op thread.
+# port of its own in host 1's namespace), every rank one intra-op thread.
 #  - The MLP (6 x 4096^2, Adam, batch 8 per rank) runs as bench/zero_memory.cpp's worker (ctorch-train
 #    has no MLP model): mode ddp, fsdp, fsdp-grad-op, hybrid or hybrid-grad-op, each Linear a unit. Its
 #    step time is rank 0's median step after the first; its peak RSS is each rank's getrusage.
@@ -166,18 +166,20 @@ while True:
 print("lab: tbf %s on both ends of every link: measured %.0f Mbit/s (%d MB over TCP, host 1 -> host 2)" % (sys.argv[1], n * 8 / 1e6 / (time.time() - t), n >> 20))
 ' "$rate" &
   local listener=$!
-  sleep 0.5
+  # The sender tries until the listener is up (no guess at how long it takes to start).
   nsenter --net="/run/netns/$lab_prefix-h1" timeout 60 /usr/bin/python3 -c '
-import socket, sys
-s = socket.create_connection((sys.argv[1], 5001)); b = bytes(1 << 20)
+import socket, sys, time
+deadline = time.monotonic() + 30
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], 5001)); break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)
+b = bytes(1 << 20)
 for _ in range(100): s.sendall(b)
 s.close()' "$lab_subnet.2" || echo "lab: bandwidth check failed"
   wait $listener || true
-}
-
-free_port() {  # a port nothing listens on in host 1's namespace (the OS picks it)
-  nsenter --net="/run/netns/$lab_prefix-h1" /usr/bin/python3 -c '
-import socket; s = socket.socket(); s.bind(("0.0.0.0", 0)); print(s.getsockname()[1])'
 }
 
 counters() {  # "sent received" bytes of every host, one host per line (the bridge side of its veth)
@@ -216,7 +218,9 @@ run() {
   local timed=$mlp_steps; [ "$model" = mlp ] || timed=$resnet_steps
   local steps=$warmup; [ "$kind" = short ] || steps=$((warmup + timed))
   local d=$work/run$run_seq; run_seq=$((run_seq + 1)); mkdir -p "$d"
-  local port; port=$(free_port)
+  # Host 1's namespace holds only this bench's jobs: a port of its own per run (as parameter_server.sh),
+  # never one a finished run may still hold.
+  local port=$((20000 + run_seq))
   local -a cmd; worker_cmd "$model" "$strategy" "$steps" "$d"
   counters >"$d/before"
   local h status=0 t0; t0=$(date +%s%N)
