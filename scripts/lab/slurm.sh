@@ -2,8 +2,9 @@
 # A real Slurm cluster on this one machine, for tests: slurmctld on the host plus N slurmd
 # "nodes" n1..nN, each in its own network namespace (a netns.sh lab) with its own hostname and
 # /etc/hosts, all sharing this filesystem (so programs under test run on the nodes as they are).
-# Everything (munged, config, state, spool, logs, pid files) lives in one temp dir; ports are
-# chosen free; `down` (or the death of the owner process) removes it all.
+# Everything (munged, config, state, spool, logs, pid files) lives in one temp dir; slurmctld's port
+# is drawn below the ephemeral range and drawn again if slurmctld finds it taken; `down` (or the
+# death of the owner process) removes it all.
 #
 # Usage:
 #   slurm.sh check                            exit 0 if a cluster can be made here, else say why
@@ -25,6 +26,8 @@ export CTORCH_LAB_STATE=$STATE_ROOT
 die() { echo "slurm.sh: $*" >&2; exit 1; }
 # shellcheck source=common.sh
 . "$HERE/common.sh"
+# shellcheck source=../lib/ports.sh
+. "$HERE/../lib/ports.sh"
 
 cmd_check() {
   local why
@@ -36,20 +39,49 @@ cmd_check() {
   exit 0
 }
 
-# A TCP port nobody listens on, below Linux's ephemeral range (32768-60999, where a client's
-# outgoing connection could take it before the daemon binds) and below the range of
-# contract::slurmDerivedPort (20000-31999), not handed to another lab.
-free_port() {
+# A TCP port for a daemon: 10000-19999, below Linux's ephemeral range (where a client's outgoing
+# connection could take it before the daemon binds), below fixed_port_candidate's default range and
+# contract::slurmDerivedPort's (20000-31999), and not one another lab holds. Nobody checks that it is
+# free (that would be a race): slurmctld says so when it is not, and `up` draws another.
+lab_port() {
   local p tries
-  for tries in $(seq 1 500); do
-    p=$((10000 + RANDOM % 10000))
-    if ! ss -Htln "sport = :$p" 2>/dev/null | grep -q . &&
-       ! grep -qx "$p" "$STATE_ROOT"/*/ports 2>/dev/null; then
-      echo "$p"
-      return 0
-    fi
+  for tries in $(seq 1 100); do
+    p=$(fixed_port_candidate 10000 19999) || exit 1
+    grep -qx "$p" "$STATE_ROOT"/*/ports 2>/dev/null || { echo "$p"; return 0; }
   done
-  die "no free TCP port found"
+  die "100 ports in 10000-19999 drawn, all held by other labs"
+}
+
+# start_slurmctld DIR LAB PORT: slurmctld on this machine (reachable from the nodes at .254) under the
+# name "ctl"; returns once it listens on PORT, 98 when it found PORT taken (it is stopped then, its logs
+# kept as *.port-taken), 1 when it died or did not listen within 60 s.
+start_slurmctld() {
+  local dir=$1 p=$2 port=$3
+  SLURM_CONF="$dir/slurm.conf" setsid unshare --uts --mount -- sh -c \
+    'mount --bind "$1" /etc/hosts && hostname ctl && exec slurmctld -D -i' \
+    sh "$STATE_ROOT/$p/hosts" </dev/null >>"$dir/log/slurmctld.out" 2>&1 &
+  local pid=$! tries=0
+  echo "$pid" >"$dir/run/slurmctld.launcher.pid"
+  until ss -Htlnp "sport = :$port" 2>/dev/null | grep -q '"slurmctld"'; do
+    if port_taken "$dir/log/slurmctld.log" "$dir/log/slurmctld.out"; then
+      kill_pidfile "$dir/run/slurmctld.launcher.pid" || true
+      kill_pidfile "$dir/run/slurmctld.pid" || true
+      local f
+      for f in "$dir/log/slurmctld.log" "$dir/log/slurmctld.out"; do [ ! -e "$f" ] || mv "$f" "$f.port-taken"; done
+      return 98
+    fi
+    if ! kill -0 "$pid" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" = Z ]; then
+      echo "slurm.sh: slurmctld exited before it listened on port $port:" >&2
+      tail -n 20 "$dir/log/slurmctld.log" "$dir/log/slurmctld.out" >&2 2>/dev/null || true
+      return 1
+    fi
+    tries=$((tries + 1))
+    if [ $tries -gt 600 ]; then
+      echo "slurm.sh: slurmctld does not listen on port $port after 60 s" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
 }
 
 wait_idle() {  # DIR N: until every node is idle (bounded)
@@ -114,12 +146,6 @@ cmd_up() {
     sleep 0.05
   done
 
-  local ctl_port slurmd_port
-  ctl_port=$(free_port)
-  echo "$ctl_port" >"$STATE_ROOT/$p/ports"
-  slurmd_port=$(free_port)
-  echo "$slurmd_port" >>"$STATE_ROOT/$p/ports"
-
   local gres_node=""
   if [ "$gpus" -gt 0 ]; then
     for i in $(seq 0 $((gpus - 1))); do mknod "$dir/dev/nvidia$i" c 195 "$i"; done
@@ -129,6 +155,42 @@ cmd_up() {
     : >"$dir/gres.conf"
   fi
 
+  # slurmd listens inside each node's namespace (no other process there); slurmctld in this one, where
+  # anything may hold a port: drawn again (and the configuration rewritten) when it is taken.
+  local ctl_port slurmd_port attempt rc=98
+  for attempt in 1 2 3 4 5 6 7 8; do
+    ctl_port=$(lab_port)
+    slurmd_port=$(lab_port)
+    printf '%s\n' "$ctl_port" "$slurmd_port" >"$STATE_ROOT/$p/ports"
+    write_slurm_conf
+    rc=0
+    start_slurmctld "$dir" "$p" "$ctl_port" || rc=$?
+    [ $rc -eq 98 ] || break
+    echo "slurm.sh: slurmctld's port $ctl_port was taken (attempt $attempt of 8)" >&2
+  done
+  [ $rc -eq 0 ] || die "up: slurmctld did not start (logs in $dir/log)"
+  local daemons=("$(cat "$dir/run/slurmctld.launcher.pid")")
+  for i in $(seq 1 "$n"); do
+    SLURM_CONF="$dir/slurm.conf" setsid "$NETNS" exec "$p" "$i" slurmd -D -N "n$i" \
+      </dev/null >>"$dir/log/slurmd-n$i.out" 2>&1 &
+    daemons+=($!)
+  done
+  wait_idle "$dir" "$n" || die "up: cluster did not come up (logs in $dir/log)"
+  # Out of our process group before we exit (wait_idle took long enough; this makes it certain).
+  local pid
+  for pid in "${daemons[@]}"; do wait_own_session "$pid"; done
+  trap - ERR INT TERM HUP
+
+  echo "SLURM_CONF=$dir/slurm.conf"
+  echo "LAB_SLURM_DIR=$dir"
+  echo "LAB_SLURM_NODES=n[1-$n]"
+  echo "LAB_SLURM_GPUS=$gpus"
+  echo "$lab"
+}
+
+# write_slurm_conf: $dir/slurm.conf from cmd_up's variables (dir, p, s, n, cpus, ctl_port, slurmd_port,
+# gres_node).
+write_slurm_conf() {
   cat >"$dir/slurm.conf" <<EOF
 # Written by scripts/lab/slurm.sh for lab $p; everything lives under $dir.
 ClusterName=$p
@@ -170,29 +232,6 @@ EOF
   if [ "$n" -eq 1 ]; then
     sed -i "s/^NodeName=n\[1-1\] NodeAddr=$s.\[1-1\] NodeHostname=n\[1-1\]/NodeName=n1 NodeAddr=$s.1 NodeHostname=n1/" "$dir/slurm.conf"
   fi
-
-  # slurmctld runs on this machine (reachable from the nodes at .254) under the name "ctl".
-  SLURM_CONF="$dir/slurm.conf" setsid unshare --uts --mount -- sh -c \
-    'mount --bind "$1" /etc/hosts && hostname ctl && exec slurmctld -D -i' \
-    sh "$STATE_ROOT/$p/hosts" </dev/null >>"$dir/log/slurmctld.out" 2>&1 &
-  echo $! >"$dir/run/slurmctld.launcher.pid"
-  local daemons=($!)
-  for i in $(seq 1 "$n"); do
-    SLURM_CONF="$dir/slurm.conf" setsid "$NETNS" exec "$p" "$i" slurmd -D -N "n$i" \
-      </dev/null >>"$dir/log/slurmd-n$i.out" 2>&1 &
-    daemons+=($!)
-  done
-  wait_idle "$dir" "$n" || die "up: cluster did not come up (logs in $dir/log)"
-  # Out of our process group before we exit (wait_idle took long enough; this makes it certain).
-  local pid
-  for pid in "${daemons[@]}"; do wait_own_session "$pid"; done
-  trap - ERR INT TERM HUP
-
-  echo "SLURM_CONF=$dir/slurm.conf"
-  echo "LAB_SLURM_DIR=$dir"
-  echo "LAB_SLURM_NODES=n[1-$n]"
-  echo "LAB_SLURM_GPUS=$gpus"
-  echo "$lab"
 }
 
 kill_pidfile() {  # FILE: SIGKILL the pid in FILE and wait (bounded) until it is gone
