@@ -252,7 +252,7 @@ TEST_CASE("store client: connecting to nothing gives up at its timeout, pausing 
     FAIL("connected to a port nothing listens on");
   } catch (const StoreConnectionError& e) {
     INFO(e.what());
-    CHECK_THAT(e.what(), Catch::Contains("within 300 ms"));
+    CHECK_THAT(std::string(e.what()), Catch::Contains("within 300 ms"));
     // Pauses of 5, 10, 20, 40, 80 ms, and the next (160) would end past 300 ms: six attempts at
     // most however fast the machine (a slow one makes fewer); a client retrying without pausing
     // makes thousands. One that never gives up is stopped by CTest's timeout.
@@ -380,7 +380,7 @@ TEST_CASE("store client: a reply that never comes times out at the operation tim
     c.add("k", 1);
     FAIL("a listener that never answers replied");
   } catch (const StoreTimeout& e) {
-    CHECK_THAT(e.what(), Catch::Contains("within 200 ms (operationTimeout)"));  // not the 60 s bound
+    CHECK_THAT(std::string(e.what()), Catch::Contains("within 200 ms (operationTimeout)"));  // not the 60 s bound
   }
   CHECK_FALSE(c.usable());
   CHECK_THROWS_AS(c.add("k", 1), StoreConnectionError);
