@@ -52,6 +52,19 @@ namespace {
 
 constexpr int kSteps = 4;
 
+// The parameter server's timeout where a test waits for it to run out: also the bound of the
+// construction's broadcast, so long enough that no healthy rank of a loaded machine reaches it.
+constexpr std::chrono::milliseconds kShortTimeout{5000};
+
+// Waits for a marker file another rank writes (bounded against a hang: a minute).
+bool waitForFile(const std::filesystem::path& file) {
+  for (int i = 0; i < 6000; ++i) {
+    if (std::filesystem::exists(file)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 // Worker (or DDP rank) `w`'s batch at `step`: the global batch is the union over the workers.
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int w) {
   torch::manual_seed(1000 + 17 * step + w);
@@ -200,27 +213,28 @@ CTORCH_TEST_WORKER(ps_resume) {
   return 0;
 }
 
-// A silent worker (args: dir=<a scratch directory>): worker 1 neither steps nor finishes; the server and worker 0 must give
-// up after the parameter server's timeout (2 s) with a DistributedTimeout, not hang. Prints
-// "timeout after <ms> ms: <message>" on those ranks.
+// A silent worker (args: dir=<a scratch directory>): worker 1 neither steps nor finishes; the server
+// and worker 0 must give up after the parameter server's timeout with a DistributedTimeout, not hang.
+// Prints "timeout after <ms> ms: <message>" on those ranks. The silent worker stays until both have
+// caught theirs (each says so with a file), so no wait ends by its connection closing.
 CTORCH_TEST_WORKER(ps_silent) {
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   torch::manual_seed(11);
   Net net;
   auto params = net->parameters();
-  // Worker 0's gradients before anything is timed: its push must reach the server within the
-  // server's 2 s wait (on a loaded machine the forward and backward alone outlasted it, and the push
-  // then met a connection the server's timeout had closed).
+  // Worker 0's gradients before anything waits: its push then reaches the server at once.
   {
     auto [x, y] = batch(0, 0);
     torch::mse_loss(net(x), y).backward();
   }
-  ctorch::barrier();  // the construction's broadcast is bounded by the same 2 s: start it together
+  ctorch::barrier();  // the construction's broadcast is bounded by the same timeout: start it together
   ctorch::ParameterServer ps(
       params, [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); },
-      ctorch::ParameterServerOptions().servers(1).timeout(std::chrono::seconds(2)));
+      ctorch::ParameterServerOptions().servers(1).timeout(kShortTimeout));
+  const auto dir = std::filesystem::path(arg(args, "dir"));
+  const auto caught = [&](int rank) { return dir / ("caught-" + std::to_string(rank)); };
   if (ps.workerIndex() == 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(12));
+    for (int rank : {0, 2}) waitForFile(caught(rank));
   } else {
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -234,23 +248,18 @@ CTORCH_TEST_WORKER(ps_silent) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
       std::cout << "timeout after " << ms.count() << " ms: " << e.what() << "\n";
     }
-    // The server's wait may end first (it began first): it stays until the other worker's own
-    // wait has ended too (that worker says so with a file), or that worker would see the connection
-    // close instead of its timeout. A fixed pause was not enough on a loaded machine, where the
-    // worker's forward and backward alone can outlast it. Bounded: the silent worker wakes at 12 s.
-    const auto done = std::filesystem::path(arg(args, "dir")) / "worker-waited";
-    if (ps.isServer()) {
-      for (int i = 0; i < 300 && !std::filesystem::exists(done); ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    } else {
-      std::ofstream(done) << "done\n";
-    }
+    std::cout << std::flush;
+    const int rank = ctorch::getRank();
+    std::ofstream(caught(rank)) << "done\n";
+    // The server's wait may end first (it began first): it stays until worker 0's own wait has
+    // ended too, or worker 0 would see the connection close instead of its timeout.
+    if (ps.isServer()) waitForFile(caught(0));
   }
   std::cout << std::flush;
   std::_Exit(0);  // the group is broken: no orderly teardown to wait for
 }
 
-// Misuse, printed (2 workers + 1 server, timeout 2 s): a worker calling a server's call; worker 0
+// Misuse, printed (2 workers + 1 server, kShortTimeout): a worker calling a server's call; worker 0
 // asks for a step while worker 1 finishes (the server refuses, naming both; worker 0 then times out).
 CTORCH_TEST_WORKER(ps_misuse) {
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
@@ -259,7 +268,7 @@ CTORCH_TEST_WORKER(ps_misuse) {
   ctorch::barrier();
   ctorch::ParameterServer ps(
       net->parameters(), [](std::vector<at::Tensor> share) { return makeOptimizer("sgd", share); },
-      ctorch::ParameterServerOptions().servers(1).timeout(std::chrono::seconds(2)));
+      ctorch::ParameterServerOptions().servers(1).timeout(kShortTimeout));
   try {
     if (ps.isWorker()) ps.serveStep();
     else ps.pull();
@@ -278,15 +287,22 @@ CTORCH_TEST_WORKER(ps_misuse) {
 }
 
 // Asynchronous (or, mode=sync, synchronous) training through rounds (args: mode=<async|sync>
-// optimizer=<sgd|adam> servers=K staleness=S steps=N slow-ms=M (worker 1 sleeps that long before each
-// push) silent=<0|1> (worker 1 never pushes; timeout 2 s)). Worker 0 prints "after step k <digest>"
-// and "ahead k <n>"; every worker prints "synced <digest>" after the round; servers print
-// "refused: ..." (serveStep in asynchronous mode) and "stats updates <u> max-staleness <m> held <h>".
+// optimizer=<sgd|adam> servers=K staleness=S steps=N dir=<scratch directory> lead=L (worker 1 pushes
+// step s only once worker 0 was answered at step s + L: an order of arrival, not a race of speeds)
+// slow-ms=M (worker 1 sleeps that long before each push too, so that worker 0 is likely held back
+// meanwhile) silent=<0|1> (worker 1 never pushes; kShortTimeout; it stays until the others caught
+// their errors)). Worker 0 prints "after step k <digest>" and "ahead k <n>"; every worker prints
+// "synced <digest>" after the round; servers print "refused: ..." (serveStep in asynchronous mode)
+// and "stats updates <u> max-staleness <m> held <h>".
 CTORCH_TEST_WORKER(ps_async) {
   const bool async = arg(args, "mode", "async") == "async";
   const bool silent = arg(args, "silent", "0") == "1";
   const int steps = static_cast<int>(argInt(args, "steps", kSteps));
   const auto slow = std::chrono::milliseconds(argInt(args, "slow-ms", 0));
+  const int lead = static_cast<int>(argInt(args, "lead", -1));
+  const auto dir = std::filesystem::path(arg(args, "dir", "."));
+  const auto answered = [&](int step) { return dir / ("answered-" + std::to_string(step)); };
+  const auto caught = [&](int rank) { return dir / ("caught-" + std::to_string(rank)); };
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
   torch::manual_seed(11);
   Net net;
@@ -298,7 +314,7 @@ CTORCH_TEST_WORKER(ps_async) {
           .servers(static_cast<int>(argInt(args, "servers", 1)))
           .mode(async ? ctorch::ParameterServerMode::kAsynchronous : ctorch::ParameterServerMode::kSynchronous)
           .staleness(static_cast<int>(argInt(args, "staleness", 0)))
-          .timeout(silent ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(60000)));
+          .timeout(silent ? std::chrono::milliseconds(kShortTimeout) : std::chrono::milliseconds(60000)));
   try {
     if (ps.isServer()) {
       if (async) {
@@ -316,7 +332,7 @@ CTORCH_TEST_WORKER(ps_async) {
     } else {
       const int w = ps.workerIndex();
       if (silent && w == 1) {
-        std::this_thread::sleep_for(std::chrono::seconds(8));
+        for (int rank : {0, 2}) waitForFile(caught(rank));
         std::cout << std::flush;
         std::_Exit(0);
       }
@@ -324,11 +340,14 @@ CTORCH_TEST_WORKER(ps_async) {
         ps.zeroGrad();
         auto [x, y] = batch(step, w);
         torch::mse_loss(net(x), y).backward();
+        if (w == 1 && lead >= 0 && !waitForFile(answered(std::min(step + lead, steps - 1))))
+          std::cout << "worker 0 was never answered at step " << std::min(step + lead, steps - 1) << "\n";
         if (w == 1 && slow.count() > 0) std::this_thread::sleep_for(slow);
         ps.step();
         if (w == 0) {
           report(step, params);
           std::cout << "ahead " << step << " " << ps.aheadOfSlowest() << "\n";
+          if (lead >= 0) std::ofstream(answered(step)) << "x";
         }
       }
       ps.sync();
@@ -337,6 +356,11 @@ CTORCH_TEST_WORKER(ps_async) {
     }
   } catch (const ctorch::DistributedError& e) {
     std::cout << "failed: " << e.what() << "\n" << std::flush;
+    if (silent) {
+      const int rank = ctorch::getRank();
+      std::ofstream(caught(rank)) << "x";
+      if (rank == 2) waitForFile(caught(0));  // the server's wait ends first: it stays for worker 0's
+    }
     std::_Exit(0);  // the group is broken: no orderly teardown
   }
   std::cout << std::flush;
@@ -508,14 +532,11 @@ TEST_CASE("parameter server: a silent worker is a DistributedTimeout on the serv
   auto results = runWorkerGroup(
       {.worker = "ps_silent", .worldSize = 3, .args = {"dir=" + dir.path().string()}, .timeout = std::chrono::seconds(60)});
   requireAllOk(results);
+  // Each ended by its own timeout (a DistributedTimeout), while the silent worker was still there.
   for (int rank : {0, 2}) {
     const std::string& out = results[static_cast<std::size_t>(rank)].output;
     INFO("rank " << rank << ": " << out);
-    const auto at = out.find("timeout after ");
-    REQUIRE(at != std::string::npos);
-    const long ms = std::stol(out.substr(at + 14));
-    CHECK(ms >= 1500);
-    CHECK(ms < 11000);  // before the silent worker wakes up
+    CHECK_THAT(out, Catch::Contains("timeout after "));
   }
   CHECK_THAT(results[2].output, Catch::Contains("waiting for a command from rank 1"));
 }
@@ -580,12 +601,16 @@ TEST_CASE("parameter server, asynchronous: one worker is bit-identical to synchr
 }
 
 TEST_CASE("parameter server, asynchronous: a fast worker runs at most `staleness` steps ahead of a slow one, and the round ends with one set of weights", "[parameter_server][async]") {
-  // Worker 1 sleeps 60 ms before each push; worker 0 does not. With staleness 2 worker 0 is held
-  // back as soon as it is 3 steps ahead, so the most it is ever answered at is 2 ahead.
+  // Worker 1 waits before each push until worker 0 is 2 steps ahead of it, then 60 ms more. With
+  // staleness 2 worker 0 is held back as soon as it is 3 steps ahead, so the most it is ever
+  // answered at is 2 ahead; its pushes during those 60 ms are the held answers.
   for (int servers : {1, 2}) {
     INFO(servers << " server(s)");
+    // Worker 1 pushes step s once worker 0 was answered at step s + 1: worker 0 is then 2 ahead.
+    TempDir dir("ctorch-ps-staleness");
     auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 2 + servers,
-                                   .args = {"servers=" + std::to_string(servers), "staleness=2", "steps=12", "slow-ms=60"}});
+                                   .args = {"servers=" + std::to_string(servers), "staleness=2", "steps=12", "slow-ms=60",
+                                            "lead=1", "dir=" + dir.path().string()}});
     requireAllOk(results);
     const auto ahead = aheadValues(results[0].output);
     REQUIRE(ahead.size() == 12);
@@ -605,7 +630,10 @@ TEST_CASE("parameter server, asynchronous: a fast worker runs at most `staleness
 }
 
 TEST_CASE("parameter server, asynchronous: the control - without a binding bound the fast worker runs far ahead", "[parameter_server][async][control]") {
-  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3, .args = {"staleness=50", "steps=12", "slow-ms=60"}});
+  // Worker 1's first push waits until worker 0 was answered at step 2, 3 ahead of it.
+  TempDir dir("ctorch-ps-no-bound");
+  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3,
+                                 .args = {"staleness=50", "steps=12", "lead=2", "dir=" + dir.path().string()}});
   requireAllOk(results);
   const auto ahead = aheadValues(results[0].output);
   REQUIRE(ahead.size() == 12);
@@ -614,7 +642,10 @@ TEST_CASE("parameter server, asynchronous: the control - without a binding bound
 }
 
 TEST_CASE("parameter server, asynchronous: a silent worker is a DistributedTimeout on the server and on the held worker, not a hang", "[parameter_server][async][timeout]") {
-  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3, .args = {"silent=1", "staleness=0"}, .timeout = std::chrono::seconds(60)});
+  TempDir dir("ctorch-ps-async-silent");
+  auto results = runWorkerGroup({.worker = "ps_async", .worldSize = 3,
+                                 .args = {"silent=1", "staleness=0", "dir=" + dir.path().string()},
+                                 .timeout = std::chrono::seconds(90)});
   requireAllOk(results);
   INFO(results[0].output << "\n----\n" << results[2].output);
   CHECK_THAT(results[2].output, Catch::Contains("failed: rank 2: parameter server: waiting for a command from any of rank(s) 1 failed"));
