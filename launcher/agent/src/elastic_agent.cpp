@@ -109,7 +109,7 @@ void ElasticAgent::apply(const MonitorActions& a) {
     processes_.signalAll(*a.signalWorkers);
   }
   if (a.killWorkers) {
-    log("agent").warn("grace period over: killing the remaining workers (SIGKILL)");
+    // Said by the caller: the grace ran out (kTimerTag), or a second stop signal came (onSignals).
     processes_.killAll();
   }
   if (a.replaceWorker) {
@@ -235,7 +235,11 @@ GroupOutcome ElasticAgent::monitor() {
           break;
         case kTimerTag: {
           std::uint64_t expirations = 0;
-          if (::read(timerFd_, &expirations, sizeof expirations) > 0) apply(mon.onGraceExpired());
+          if (::read(timerFd_, &expirations, sizeof expirations) > 0) {
+            MonitorActions a = mon.onGraceExpired();
+            if (a.killWorkers) log("agent").warn("grace period over: killing the remaining workers (SIGKILL)");
+            apply(a);
+          }
           break;
         }
         case kConsoleTag:
