@@ -44,7 +44,7 @@ ProcessResult readInChild(const std::string& reader, const fs::path& path, bool 
   SpawnOptions so;
   so.argv = {selfExe().string(), "--ctorch-worker", "read_data_file", reader, path.string(),
              asNobody ? "nobody" : "self"};
-  so.timeout = std::chrono::seconds(20);
+  so.timeout = std::chrono::seconds(90);  // a bound against the hang, far above a LibTorch child's start
   auto r = run(so);
   INFO(r.output);
   CHECK(!r.timedOut);

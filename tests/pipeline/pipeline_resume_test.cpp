@@ -148,6 +148,17 @@ std::vector<std::string> stepsFrom(const std::string& output, int first) {
   return out;
 }
 
+// A pipeline_resume run whose ranks are each to refuse the snapshot (exit 3): one rank's refusal
+// must not cut short another's.
+ctorch::test::WorkerGroupOptions refusedOn(int world, std::vector<std::string> args) {
+  ctorch::test::WorkerGroupOptions o;
+  o.worker = "pipeline_resume";
+  o.worldSize = world;
+  o.args = std::move(args);
+  o.expectedExitCodes = {3};
+  return o;
+}
+
 }  // namespace pipeline_resume_test
 
 using namespace pipeline_resume_test;
@@ -248,14 +259,13 @@ TEST_CASE("pipeline resume: the shards consolidate into the whole model, which o
   }
 
   // At the epoch boundary of step 2, a run of another world size restores it: 3 stages are refused.
-  auto three = runWorkerGroup({.worker = "pipeline_resume", .worldSize = 3, .args = {"stages=3", "optimizer=adam", "epoch-steps=2", d}});
+  auto three = runWorkerGroup(refusedOn(3, {"stages=3", "optimizer=adam", "epoch-steps=2", d}));
   for (const auto& r : three) {
     INFO(r.output);
     CHECK(r.exitCode == 3);
     CHECK_THAT(r.output, Catch::Contains("refused: ") && Catch::Contains("saved by a pipeline of 2 stages, this run has 3"));
   }
-  auto repartitioned = runWorkerGroup({.worker = "pipeline_resume", .worldSize = 2,
-                                       .args = {"stages=2", "optimizer=adam", "epoch-steps=2", "partition=3,6", d}});
+  auto repartitioned = runWorkerGroup(refusedOn(2, {"stages=2", "optimizer=adam", "epoch-steps=2", "partition=3,6", d}));
   for (const auto& r : repartitioned) {
     INFO(r.output);
     CHECK(r.exitCode == 3);

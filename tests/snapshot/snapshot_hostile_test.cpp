@@ -151,7 +151,7 @@ Outcome resumeBesideSpecial(const std::function<void(const fs::path&)>& make, co
   TempDir dir("snap-special-" + tag);
   make(dir / "snapshot.pt");
   ctorch::test::writeFile(dir / "snapshot.pt.1", asString(encoded(populatedSnapshot(2))));
-  return resumeIn(dir, std::chrono::seconds(20));  // a read blocked on the FIFO would sit here forever
+  return resumeIn(dir, std::chrono::seconds(90));  // a read blocked on the FIFO would sit here forever
 }
 } // namespace
 
