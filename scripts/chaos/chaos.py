@@ -116,6 +116,7 @@ TMP_RE = re.compile(r"^(snapshot(?:-epoch)?\.pt)\.tmp-(\d+)-(\d+)$")
 TIMED_OUT_RE = re.compile(rf"timed out after {TRAIN_TIMEOUT_S} s\b|Timed out waiting {TRAIN_TIMEOUT_S * 1000} ?ms|"
                           rf"after --timeout {TRAIN_TIMEOUT_S} s\)")
 EVICTED_RE = re.compile(r"stopped answering its peers: killing it")
+SETUP_TIMED_OUT_RE = re.compile(r"connecting to the other ranks \(timeout \d+ s\) failed")
 GRACE_OVER_RE = re.compile(r"grace period over")
 
 
@@ -675,9 +676,19 @@ class Harness:
         cmd = [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs"] + \
             self.worker_command(workload, delayed=False)
         t = time.monotonic()
-        with open(os.path.join(d, "output.log"), "w") as out:
-            rc = subprocess.run(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=600).returncode
+        for attempt in (1, 2, 3):
+            with open(os.path.join(d, "output.log"), "w") as out:
+                rc = subprocess.run(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=600).returncode
+            # The ranks connect to each other within the trainer's --timeout (3 s: the faulty runs'
+            # hang guard); on a very busy machine that set-up alone can miss it. The reference tests
+            # nothing, it only has to finish: it runs again then (a faulty run would count a restart).
+            if rc == 0 or not SETUP_TIMED_OUT_RE.search(open(os.path.join(d, "output.log"), errors="replace").read()):
+                break
+            self.log(f"reference {workload} w{world}: its ranks did not connect within --timeout {TRAIN_TIMEOUT_S} s "
+                     f"(a busy machine): again ({attempt} of 3)", always=True)
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
         if rc != 0:
             raise RuntimeError(f"reference run {workload} w{world} failed with {rc}: see {d}/output.log")
         self.log(f"reference {workload} w{world}: {time.monotonic() - t:.1f} s", always=True)
@@ -1272,13 +1283,14 @@ def nodes_suite(h, victim=3, failover=False):
             if step_at < target:
                 problems.append(f"training never reached step {target} (at {step_at})")
             victim_ns = os.stat(f"/run/netns/{prefix}-h{victim}").st_ino
+            # Where each survivor's log stood before the fault: what follows is its reaction.
+            before = {i: len(text(i)) for i in survivors}
             t_fault = time.monotonic()
             subprocess.run([netns_sh, mode, prefix, str(victim)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=30)
             h.log(f"nodes-{mode}: host {victim} {mode} at global step {step_at}")
             # The survivors re-form with world size 2.
             t_reformed = None
-            before = {i: len(text(i)) for i in survivors}
 
             def survivors_after():
                 return "".join(text(i)[before[i]:] for i in survivors)
@@ -1306,14 +1318,6 @@ def nodes_suite(h, victim=3, failover=False):
                 left = [p for p, _ in marked_processes(run_id) if netns_of(p) == victim_ns]
                 if left:
                     problems.append(f"the cut-off node left processes: {[(p, proc_exe_name(p)) for p in left]}")
-            if failover:
-                # docs/store-failover.md's path, in order on each survivor: the loss noticed, the store
-                # taken over (host 2) or host 2's standby joined (host 3), the round of 2 complete; and
-                # nothing in between waited out a join timeout or a last call. (How long it took is
-                # printed, not judged: a loaded machine may take longer.)
-                for i, moved in ((survivors[0], "this node serves the rendezvous store now"),
-                                 (survivors[1], "now using the rendezvous store of node")):
-                    problems += failover_order(text(i)[before[i]:], i, moved)
             rcs = {}
             for i in survivors:
                 try:
@@ -1322,6 +1326,15 @@ def nodes_suite(h, victim=3, failover=False):
                     rcs[i] = None
                 if rcs[i] != 0:
                     problems.append(f"node {i}'s agent exited {rcs[i]}, expected 0")
+            if failover:
+                # docs/store-failover.md's path, in order in each survivor's whole log (its agent has
+                # exited): the loss noticed, the store taken over (host 2) or host 2's standby joined
+                # (host 3), the round of 2 complete; and nothing in between waited out a join timeout
+                # or a last call. (How long it took is printed, not judged: a loaded machine may take
+                # longer.)
+                for i, moved in ((survivors[0], "this node serves the rendezvous store now"),
+                                 (survivors[1], "now using the rendezvous store of node")):
+                    problems += failover_order(text(i)[before[i]:], i, moved)
             # Every agent of a survivor exited: nothing may listen there any more (stores, standbys).
             for i in survivors:
                 left_ports = listening_ports(f"{prefix}-h{i}")
