@@ -24,7 +24,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -52,12 +54,17 @@ struct Flags {
   std::string tensorboardDir;       // non-empty: rank 0 writes the losses as TensorBoard scalars
   bool fsdp = false;                // --sharding fsdp: FullyShardedDataParallel in place of DDP
   std::int64_t shardCopies = 0;     // ResilienceOptions::shardCopies (in-place recovery of the shards)
+  // Testing aids (tests/consumer/run.sh): a stop at a known step, a start-up at a known moment.
+  std::int64_t sigtermAfterStep = 0;  // > 0: rank sigtermRank raises SIGTERM on itself after this global step
+  std::int64_t sigtermRank = 0;
+  std::string waitForFile;            // non-empty: start-up waits until this file exists (before the group)
 };
 
 constexpr const char* kUsage =
     "usage: consumer [--epochs N] [--batch-size B] [--save-every-steps K] [--snapshot PATH] [--out PATH]\n"
     "                [--step-delay-ms D] [--timeout S] [--lr X] [--step-seed S] [--recover-in-place 0|1]\n"
-    "                [--tensorboard-dir DIR] [--sharding none|fsdp] [--shard-copies 0|1]";
+    "                [--tensorboard-dir DIR] [--sharding none|fsdp] [--shard-copies 0|1]\n"
+    "testing aids:   [--sigterm-after-step S [--sigterm-rank R]] [--wait-for-file PATH]";
 
 // Parses "--flag value" (or --flag=value; --batch_size spellings too). Returns an error line, or
 // nothing when every flag was understood.
@@ -98,6 +105,9 @@ std::optional<std::string> parseFlags(int argc, char** argv, Flags& f) {
     else if (name == "--shard-copies") ok = integer(value, 0, f.shardCopies) && f.shardCopies <= 1;
     else if (name == "--out") ok = !(f.out = value).empty();
     else if (name == "--tensorboard-dir") ok = !(f.tensorboardDir = value).empty();
+    else if (name == "--sigterm-after-step") ok = integer(value, 0, f.sigtermAfterStep);
+    else if (name == "--sigterm-rank") ok = integer(value, 0, f.sigtermRank);
+    else if (name == "--wait-for-file") ok = !(f.waitForFile = value).empty();
     else if (name == "--lr") {
       std::istringstream in(value);
       ok = static_cast<bool>(in >> f.lr) && in.eof() && f.lr > 0;
@@ -142,6 +152,10 @@ int train(const Flags& f) {
   ctorch::installStopHandlers();
   ctorch::tuneAllocator();     // the installed package's process tuning, as README's quickstart has it
   ctorch::configureThreads();
+  if (!f.waitForFile.empty()) {
+    std::cout << "waiting for " << f.waitForFile << std::endl;
+    while (!std::filesystem::exists(f.waitForFile)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(f.timeoutS)));
   const int rank = ctorch::getRank(), world = ctorch::getWorldSize();
   if (ctorch::isMainProcess())
@@ -222,6 +236,8 @@ int train(const Flags& f) {
                     << std::fixed << std::setprecision(4) << lossSum[0] / world << std::endl;
         if (tensorboard) tensorboard->addScalar("train/loss", lossSum[0] / world, training.globalStep());
         if (stop) return training.exitCode();  // SIGTERM/SIGUSR1: saved, exit 75, run me again
+        if (f.sigtermAfterStep > 0 && training.globalStep() == f.sigtermAfterStep && rank == f.sigtermRank)
+          std::raise(SIGTERM);  // as if sent now: agreed on by every rank within the next steps
         if (f.stepDelayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.stepDelayMs));
       }
       scheduler.step();

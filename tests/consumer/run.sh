@@ -2,9 +2,10 @@
 # Installs this build tree into a temporary prefix, builds tests/consumer (a user's resilient training
 # program) against it with only -DCMAKE_PREFIX_PATH (find_package(ctorch)), and runs it: alone (no
 # distributed variables: a world of 1) and as 2 processes with the torchrun variables (rank 0 hosts
-# the store on a free port): uninterrupted; stopped by SIGTERM mid-training (every rank exits 75)
-# then resumed by the same command, which must end with the same model.pt, byte for byte; and once
-# more after the end (nothing left to do, model.pt unchanged).
+# the store on a fixed port, run again on another when it was taken): uninterrupted; stopped by
+# SIGTERM mid-training (every rank exits 75) then resumed by the same command, which must end with
+# the same model.pt, byte for byte; and once more after the end (nothing left to do, model.pt
+# unchanged).
 # Usage: run.sh <build-dir> <expected-output-regex> [--keep-binary PATH]
 #   --keep-binary: leaves the consumer at PATH when every check passed (the chaos tests run it; it
 #   links ctorch statically, so it needs only LibTorch where it is copied to).
@@ -17,6 +18,8 @@ if [ "${3:-}" = --keep-binary ]; then
   rm -f "$keep"
 fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../../scripts/lib/ports.sh
+. "$here/../../scripts/lib/ports.sh"
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -100,9 +103,8 @@ echo "$out" | grep -Eq '^epoch 1/1 step 64/64 loss [0-9.]+$' || fail "no last st
 events=("$tmp/alone/tb"/events.out.tfevents.*)
 [ ${#events[@]} -eq 1 ] && [ -s "${events[0]}" ] || fail "alone: no TensorBoard event file in $tmp/alone/tb"
 
-# Two ranks on 127.0.0.1, a port the OS says is free. Starts rank 0 and 1 in directory $1 with
-# flags $2..., logs in $1/rank{0,1}.log.
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Two ranks on 127.0.0.1: rank 0 hosts the store on a fixed port (fixed_port_candidate), told to both.
+# start_rank DIR PORT RANK FLAGS...: one rank in DIR, its log in DIR/rank<RANK>.log.
 start_rank() {
   local dir=$1 port=$2 rank=$3
   shift 3
@@ -110,21 +112,24 @@ start_rank() {
      exec timeout 120 "$consumer" "$@" >"rank$rank.log" 2>&1) &
   pids[$rank]=$!
 }
-start_two() {
-  local dir=$1 port
-  shift
-  port=$(free_port)
+# Stops whatever is left of the ranks started (after a port was taken).
+stop_ranks() {
+  local pid
+  for pid in "${pids[@]}"; do pkill -KILL -P "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
   pids=()
-  start_rank "$dir" "$port" 0 "$@"
-  start_rank "$dir" "$port" 1 "$@"
 }
-# Waits for both ranks; fails unless each exited $1.
+# Waits for both ranks: returns 98 when rank 0 did not exit $1 and its log says its port was taken
+# (rank 1, waiting for a store that is not there, is stopped), fails unless each exited $1 otherwise.
 wait_two() {
   local want=$1 dir=$2 i rc
   for i in 0 1; do
     rc=0
     wait "${pids[$i]}" || rc=$?
     if [ "$rc" -ne "$want" ]; then
+      if [ "$i" -eq 0 ] && port_taken "$dir/rank0.log"; then
+        stop_ranks
+        return 98
+      fi
       echo "rank $i exited $rc, expected $want:"
       tail -n 20 "$dir/rank$i.log"
       fail "$(basename "$dir")"
@@ -132,40 +137,46 @@ wait_two() {
   done
   pids=()
 }
+# run_two WANT DIR FLAGS...: both ranks in DIR with FLAGS, each to exit WANT; again on a fresh port
+# while rank 0's port was taken.
+two_on_port() {
+  local port=$1 want=$2 dir=$3
+  shift 3
+  pids=()
+  start_rank "$dir" "$port" 0 "$@"
+  start_rank "$dir" "$port" 1 "$@"
+  wait_two "$want" "$dir"
+}
+run_two() {
+  with_fresh_port two_on_port "$@" || fail "$(basename "$2"): exit $? (98: rank 0's port was taken 8 times in a row)"
+}
 # Global step of rank 0's last progress line in $1.
 last_step() {
   sed -nE 's#^epoch ([0-9]+)/[0-9]+ step ([0-9]+)/([0-9]+) .*#\1 \2 \3#p' "$1" 2>/dev/null | tail -n 1 |
     awk '{ print ($1 - 1) * $3 + $2 }'
 }
-flags=(--epochs 3 --save-every-steps 4 --step-delay-ms 25)
+flags=(--epochs 3 --save-every-steps 4)
 
 # Uninterrupted.
 mkdir "$tmp/whole"
 t=$(date +%s.%N)
-start_two "$tmp/whole" "${flags[@]}"
-wait_two 0 "$tmp/whole"
+run_two 0 "$tmp/whole" "${flags[@]}"
 echo "2 ranks, uninterrupted: $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t }") s"
 grep -q "2 rank(s), torchrun environment" "$tmp/whole/rank0.log" || fail "not 2 ranks from the torchrun variables"
 grep -Eq '^epoch 3/3 step 32/32 loss' "$tmp/whole/rank0.log" || fail "uninterrupted: no last step line"
 [ -s "$tmp/whole/model.pt" ] && [ -s "$tmp/whole/snapshot.pt" ] || fail "uninterrupted: no model.pt or snapshot.pt"
 
-# Stopped mid-epoch 2 by a SIGTERM to rank 1 alone: both ranks agree, save and exit 75.
+# Stopped mid-epoch 2 by a SIGTERM to rank 1 alone (it raises one itself after global step 42: the
+# stop lands mid-run however loaded the machine): both ranks agree, save and exit 75.
 mkdir "$tmp/stopped"
-start_two "$tmp/stopped" "${flags[@]}"
-deadline=$((SECONDS + 60))
-until [ "$(last_step "$tmp/stopped/rank0.log")" -ge 42 ] 2>/dev/null; do
-  [ $SECONDS -lt $deadline ] || fail "the run never reached step 42"
-  sleep 0.05
-done
-kill -TERM "$(pgrep -P "${pids[1]}")"  # the consumer under rank 1's `timeout`
-wait_two 75 "$tmp/stopped"
+run_two 75 "$tmp/stopped" "${flags[@]}" --sigterm-after-step 42 --sigterm-rank 1
 at=$(last_step "$tmp/stopped/rank0.log")
+[ "$at" -gt 42 ] && [ "$at" -lt 64 ] || fail "stopped at global step $at, not soon after the SIGTERM at step 42"
 [ -s "$tmp/stopped/snapshot.pt" ] || fail "stopped: no snapshot.pt"
 [ ! -e "$tmp/stopped/model.pt" ] || fail "stopped: model.pt written by a run that did not finish"
 mv "$tmp/stopped/rank0.log" "$tmp/stopped/stop0.log"
 # The same command again: continues after step $at, ends with the same bytes.
-start_two "$tmp/stopped" "${flags[@]}"
-wait_two 0 "$tmp/stopped"
+run_two 0 "$tmp/stopped" "${flags[@]}"
 first=$(sed -nE 's#^epoch ([0-9]+)/[0-9]+ step ([0-9]+)/([0-9]+) .*#\1 \2 \3#p' "$tmp/stopped/rank0.log" | head -n 1 |
         awk '{ print ($1 - 1) * $3 + $2 }')
 [ "$first" -eq $((at + 1)) ] || fail "stopped at global step $at, the next run began at $first"
@@ -193,22 +204,52 @@ diff <(grep ' done: ' "$tmp/whole/rank0.log" | tail -n 1) <(grep ' done: ' "$tmp
   fail "the last epoch's summary (loss, best loss) differs"
 echo "the resumed run's model.pt is byte-identical to the uninterrupted run's"
 
-# A stop during start-up: rank 0 alone waits for rank 1 in the rendezvous and gets SIGTERM there
-# (once its handler is installed: SigCgt in /proc says so). Rank 1 comes; resume() agrees on the
-# stop: both exit 75 before the first step and nothing is written.
+# Whether process $1 listens on TCP port $2 itself (a LISTEN socket among its open files).
+listens_on() {
+  local pid=$1 hex inodes
+  hex=$(printf '%04X' "$2")
+  inodes=$(find "/proc/$pid/fd" -maxdepth 1 -lname 'socket:*' -printf '%l\n' 2>/dev/null | sed -nE 's/^socket:\[([0-9]+)\]$/\1/p')
+  [ -n "$inodes" ] || return 1
+  local tables=(/proc/net/tcp)
+  [ -e /proc/net/tcp6 ] && tables+=(/proc/net/tcp6)
+  awk -v hex="$hex" -v inodes="$inodes" '
+    BEGIN { n = split(inodes, list, "\n"); for (i = 1; i <= n; i++) mine[list[i]] = 1 }
+    FNR > 1 && $4 == "0A" && substr($2, length($2) - 3) == hex && ($10 in mine) { found = 1 }
+    END { exit !found }' "${tables[@]}"
+}
+# A stop during start-up: rank 0 alone waits for rank 1 in the rendezvous (its SIGTERM handler
+# installed, SigCgt in /proc says so, and listening on the port) and gets SIGTERM there. Rank 1,
+# started before and held at its start (--wait-for-file, its libraries loaded), is let go at once
+# and joins within the 2 s a stopped set-up waits for its peers; resume() agrees on the stop: both
+# exit 75 before the first step and nothing is written.
+early_on_port() {
+  local port=$1 child
+  rm -f "$tmp/early/go"
+  pids=()
+  start_rank "$tmp/early" "$port" 1 "${flags[@]}" --wait-for-file "$tmp/early/go"
+  deadline=$((SECONDS + 90))
+  until grep -q "^waiting for " "$tmp/early/rank1.log" 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || fail "rank 1 never reached its start-up"
+    sleep 0.05
+  done
+  start_rank "$tmp/early" "$port" 0 "${flags[@]}"
+  deadline=$((SECONDS + 90))
+  until child=$(pgrep -P "${pids[0]}") && grep -Eq '^SigCgt:.*[4-7c-f][0-9a-f]{3}$' "/proc/$child/status" 2>/dev/null &&
+        listens_on "$child" "$port"; do
+    if ! kill -0 "${pids[0]}" 2>/dev/null; then  # rank 0 ended before it listened: its port was taken?
+      touch "$tmp/early/go"
+      wait_two 75 "$tmp/early" || return $?
+      fail "rank 0 ended before it listened on port $port, yet exited 75"
+    fi
+    [ $SECONDS -lt $deadline ] || fail "rank 0 never installed its SIGTERM handler and listened on port $port"
+    sleep 0.05
+  done
+  kill -TERM "$child"
+  touch "$tmp/early/go"
+  wait_two 75 "$tmp/early"
+}
 mkdir "$tmp/early"
-port=$(free_port)
-pids=()
-start_rank "$tmp/early" "$port" 0 "${flags[@]}"
-deadline=$((SECONDS + 60))
-until child=$(pgrep -P "${pids[0]}") && grep -Eq '^SigCgt:.*[4-7c-f][0-9a-f]{3}$' "/proc/$child/status" 2>/dev/null; do
-  [ $SECONDS -lt $deadline ] || fail "rank 0 never installed its SIGTERM handler"
-  sleep 0.05
-done
-kill -TERM "$child"
-sleep 0.5
-start_rank "$tmp/early" "$port" 1 "${flags[@]}"
-wait_two 75 "$tmp/early"
+with_fresh_port early_on_port || fail "early stop: rank 0's port was taken 8 times in a row"
 grep -q "stopped on request before the first step" "$tmp/early/rank0.log" || fail "early stop: no line saying so"
 ! grep -q '^epoch [0-9/]* step' "$tmp/early/rank0.log" || fail "a run stopped during start-up trained"
 [ ! -e "$tmp/early/snapshot.pt" ] && [ ! -e "$tmp/early/model.pt" ] || fail "a run stopped during start-up wrote files"
@@ -216,8 +257,7 @@ echo "2 ranks, SIGTERM to rank 0 while it waited for rank 1: both exited 75 befo
 
 # Once more after the end: nothing to train, the same model.pt again.
 cp "$tmp/stopped/model.pt" "$tmp/model.before"
-start_two "$tmp/stopped" "${flags[@]}"
-wait_two 0 "$tmp/stopped"
+run_two 0 "$tmp/stopped" "${flags[@]}"
 ! grep -q '^epoch [0-9/]* step' "$tmp/stopped/rank0.log" || fail "a finished run trained again"
 compare "$tmp/model.before" "$tmp/stopped/model.pt" || fail "a finished run's model.pt changed"
 
