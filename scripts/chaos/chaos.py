@@ -15,6 +15,8 @@
 # (<work>/chaos.log and each run's output.log) records every decision, so a failure is replayed
 # with the same seed.
 import argparse
+import fcntl
+import hashlib
 import json
 import os
 import random
@@ -666,15 +668,47 @@ class Harness:
         return cmd + (["--step-delay-ms", str(w["delay_ms"])] if delayed else [])
 
     def reference(self, workload, world):
-        """model.pt of an uninterrupted run of this workload and world size (no step delay)."""
+        """model.pt of an uninterrupted run of this workload and world size (no step delay). With
+        --reference-cache DIR, one run per program build, workload, world size and arguments is shared
+        by every chaos process that uses DIR (CTest's chaos tests: paid once, not once per suite); a
+        process that finds another making it waits for it (a lock), and reads it only once complete."""
         key = (workload, world)
         if key in self.references:
             return self.references[key]
-        d = os.path.join(self.work, f"reference-{workload}-w{world}")
+        cache = self.args.reference_cache
+        if not cache:
+            d = os.path.join(self.work, f"reference-{workload}-w{world}")
+            self.references[key] = self.run_reference(workload, world, d)
+            return self.references[key]
+        os.makedirs(cache, exist_ok=True)
+        identity = hashlib.sha256()
+        worker = self.worker_command(workload, delayed=False)
+        for path in (self.ctorchrun, worker[0]):
+            with open(path, "rb") as f:  # the programs' bytes: a rebuild makes another reference
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    identity.update(block)
+        identity.update(repr((world, worker[1:])).encode())  # not the private copies' paths
+        d = os.path.join(cache, f"{workload}-w{world}-{identity.hexdigest()[:16]}")
+        with open(d + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another chaos process may be making it
+            done = os.path.join(d, "reference-complete")
+            if os.path.exists(done):
+                self.log(f"reference {workload} w{world}: shared, made earlier ({d})", always=True)
+                model = os.path.join(d, "model.pt")
+            else:
+                model = self.run_reference(workload, world, d)
+                open(done, "w").close()
+        self.references[key] = model
+        return model
+
+    def reference_command(self, workload, world):
+        return [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs"] + \
+            self.worker_command(workload, delayed=False)
+
+    def run_reference(self, workload, world, d):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-        cmd = [self.ctorchrun, "--standalone", "--nproc-per-node", str(world), "--log-dir", "logs"] + \
-            self.worker_command(workload, delayed=False)
+        cmd = self.reference_command(workload, world)
         t = time.monotonic()
         for attempt in (1, 2, 3):
             with open(os.path.join(d, "output.log"), "w") as out:
@@ -692,8 +726,7 @@ class Harness:
         if rc != 0:
             raise RuntimeError(f"reference run {workload} w{world} failed with {rc}: see {d}/output.log")
         self.log(f"reference {workload} w{world}: {time.monotonic() - t:.1f} s", always=True)
-        self.references[key] = os.path.join(d, "model.pt")
-        return self.references[key]
+        return os.path.join(d, "model.pt")
 
     def check(self, run, res):
         # The final parameters, tensor by tensor, against the uninterrupted run.
@@ -1753,6 +1786,9 @@ def main():
                     help="the consumer program (the consumer CTest leaves it here: "
                          "ctest --test-dir build -R 'consumer: find_package')")
     ap.add_argument("--work", default="", help="directory for runs and logs (default: a new temporary one)")
+    ap.add_argument("--reference-cache", default="",
+                    help="directory whose uninterrupted reference runs every chaos process using it shares "
+                         "(one per program build, workload, world size and arguments; CTest's chaos tests)")
     ap.add_argument("--keep", action="store_true", help="keep the directories of passed runs")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true")
