@@ -23,6 +23,8 @@ packages=(
   clang libclang-rt-14-dev
   # multi-node tests: network namespaces and a real single-host Slurm cluster
   iproute2 iptables procps psmisc util-linux slurmctld slurmd slurm-client munge
+  # scripts/modern.sh: the modern lane's Debian sid root (CI makes it while this lane runs)
+  debootstrap
 )
 
 missing=()

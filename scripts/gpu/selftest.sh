@@ -13,8 +13,30 @@
 # in pip's build), and /opt/torch/.venv/bin/python3, the only python that finds it. The gloo headers
 # stay out of it (pip's torch may lack them: run.sh then uses the pack's).
 # Results: build-gpu-selftest/results/ (run.sh's files); exit 0 when every step passed.
+#
+# When it passes it records the kit's inputs in scripts/gpu/rehearsed (commit that file with them):
+#   scripts/gpu/selftest.sh --if-changed   (CI) rehearses only when the inputs differ from the ones
+#                                          recorded there, else says whose rehearsal they had, exit 0
+# The inputs are what the kit is and what a build in pip's layout reads beyond the lanes' builds:
+# scripts/gpu/, bench/gpu/, cmake/, every CMakeLists.txt and scripts/modern.sh (the root). The
+# sources it compiles are built and tested in both lanes at every run, and the CUDA tests' CPU
+# stand-in runs in the modern lane (tests/cuda/CMakeLists.txt): what only this rehearsal can find is
+# in the inputs.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+stamp=$here/scripts/gpu/rehearsed
+# A digest of the inputs as they are in the working tree (a fresh clone: as committed).
+inputs_digest() {
+  (cd "$here" && git ls-files -z -- scripts/gpu bench/gpu cmake scripts/modern.sh ':(glob)**/CMakeLists.txt'      ':(exclude)scripts/gpu/rehearsed' | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+if [ "${1:-}" = "--if-changed" ]; then
+  digest=$(inputs_digest)
+  if [ -f "$stamp" ] && [ "$(sed -n 's/^inputs //p' "$stamp")" = "$digest" ]; then
+    echo "selftest: skipped: the kit's inputs ($digest) are those of the rehearsal recorded in scripts/gpu/rehearsed ($(sed -n 's/^rehearsed //p' "$stamp"))"
+    exit 0
+  fi
+  echo "selftest: the kit's inputs changed since the rehearsal recorded in scripts/gpu/rehearsed: rehearsing"
+fi
 [ "$(id -u)" -eq 0 ] || { echo "selftest: needs root (debootstrap, chroot)" >&2; exit 1; }
 export CTORCH_MODERN_ROOT=${CTORCH_GPU_SELFTEST_ROOT:-/var/cache/ctorch/gpu-selftest-root}
 export CTORCH_MODERN_PACKAGES="g++ cmake ninja-build git python3 python3-torch procps ca-certificates"
@@ -100,5 +122,10 @@ done
 grep -qE "^bench: batch 8 py-compile: (median|failed: .+)" "$results/summary.txt" || { echo "selftest: py-compile not recorded" >&2; status=1; }
 grep -qE "^bench: batch 4 ratio cpp-eager / py-eager" "$results/summary.txt" || { echo "selftest: no bench ratio" >&2; status=1; }
 grep -qE "^bench: batch 8 cpp-graphs: (not-built|median)" "$results/summary.txt" || { echo "selftest: CUDA graphs not recorded" >&2; status=1; }
-[ $status -eq 0 ] && echo "selftest: passed"
+if [ $status -eq 0 ]; then
+  { echo "inputs $(inputs_digest)"
+    echo "rehearsed $(date -u +%Y-%m-%d) on $(cd "$here" && git rev-parse --short HEAD)$(cd "$here" && git diff --quiet HEAD -- scripts/gpu bench/gpu cmake scripts/modern.sh ':(glob)**/CMakeLists.txt' || echo ' with uncommitted changes to the inputs')"
+  } >"$stamp"
+  echo "selftest: passed (recorded in scripts/gpu/rehearsed: commit it with the inputs)"
+fi
 exit $status
