@@ -557,6 +557,13 @@ class Run:
             ranks = trainer_workers(self.id, self.spares)
             other = (rank + 1) % self.world
             t = time.monotonic()
+            # Lost at once, however busy the machine: both are stopped before either is killed. On a
+            # loaded machine this process can lose the CPU between two kills, long enough for the
+            # launcher to replace the first and the second, still running, to heal it from its copy:
+            # two single losses, not the loss of a shard and its copy that this fault is. A stopped
+            # neighbour takes part in no recovery before its kill.
+            os.kill(pid, signal.SIGSTOP)
+            os.kill(ranks[other], signal.SIGSTOP)
             os.kill(pid, signal.SIGKILL)
             os.kill(ranks[other], signal.SIGKILL)
             return dict(rank=rank, ranks=[rank, other], pid=pid, t=t, replaced=2)
