@@ -58,7 +58,7 @@ have_torch() {
 # Compiles the snapshot library's sources the targets link (once; again when a source or header
 # changed) and sets objs.
 snapshot_objects() {
-  local t=$root/trainer
+  local t=$root/trainer failed=0
   objs=()
   mkdir -p "$out/snapshot-obj"
   for f in snapshot/format snapshot/digest snapshot/zip_check snapshot/pickle_scan snapshot/capture_restore \
@@ -68,11 +68,18 @@ snapshot_objects() {
     local o=$out/snapshot-obj/${f//\//_}.o
     if [ ! "$o" -nt "$t/src/$f.cpp" ] ||
        [ -n "$(find "$t/include" "$t/src" -name '*.hpp' -newer "$o" -print -quit)" ]; then
+      # One compile per core at once (each is a LibTorch-sized translation unit).
+      while [ "$(jobs -rp | wc -l)" -ge "$(nproc)" ]; do wait -n || true; done
+      rm -f "$o"
       "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -c $torch_defines -I"$t/include" -I"$t/src" -I"$t/shim" -I"$torch_include" \
-        -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$o"
+        -I"$torch_include/torch/csrc/api/include" "$t/src/$f.cpp" -o "$o" &
     fi
     objs+=("$o")
   done
+  wait
+  # A compile that failed left no object (removed before it started; the compiler's error is above).
+  for o in "${objs[@]}"; do [ -f "$o" ] || failed=1; done
+  [ "$failed" -eq 0 ] || { echo "fuzz: compiling the snapshot library's sources failed (above)" >&2; exit 1; }
 }
 
 # Links trainer/fuzz/$1.cpp with objs (snapshot_objects) and LibTorch into $out/$1.

@@ -11,21 +11,26 @@
 #     hosts in the network-namespace lab (skipped where the lab cannot be made): every job is kept and
 #     ends bit-identical (other seeds than the quiet pass's chaos tests).
 # Usage: scripts/load-guard.sh [build dir] [parts: multiprocess,simulation,chaos]
+# CTORCH_LOAD_BUSY_AFTER=FILE: other work keeps the cores busy until FILE exists (CI: the modern
+# lane's build and the fuzz targets); the busy loops of parts 1 and 2 only start then
+# (scripts/with-load.sh --busy-after). Part 3's loops always run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=$(cd "${1:-${CTORCH_BUILD_DIR:-$root/build}}" && pwd)
 parts=${2:-multiprocess,simulation,chaos}
 labels=${CTORCH_MULTIPROCESS_LABELS:-^(ddp|sharding|parameter_server|resilience|trainer|pipeline)$}
 load=("$root/scripts/with-load.sh")
+topped=()
+[ -z "${CTORCH_LOAD_BUSY_AFTER:-}" ] || topped=(--busy-after "$CTORCH_LOAD_BUSY_AFTER")
 cd "$build"
 
 case ",$parts," in *,multiprocess,*)
-  "${load[@]}" --busy-per-core 1 --churn -- \
+  "${load[@]}" --busy-per-core 1 --churn "${topped[@]}" -- \
     ctest --output-on-failure --parallel "${CTORCH_TEST_JOBS:-$(( 3 * $(nproc) ))}" --timeout 600 -L "$labels"
 esac
 
 case ",$parts," in *,simulation,*)
-  "${load[@]}" --busy-per-core 1 -- \
+  "${load[@]}" --busy-per-core 1 "${topped[@]}" -- \
     ctest --output-on-failure -R "rendezvous simulation" --repeat until-fail:5 --timeout 120
 esac
 

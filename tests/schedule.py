@@ -7,6 +7,8 @@ rounded, 1 to 6) and its wall seconds (COST: the long ones start first).
     tests/schedule.py measure BUILD_DIR [-R REGEX] [--out PROFILE.tsv]   # ~25 min on 2 cores, serial
     tests/schedule.py table PROFILE.tsv [PROFILE.tsv ...] > tests/schedule.tsv
     tests/schedule.py slowest PROFILE.tsv [N]                            # a markdown table
+    tests/schedule.py compare BEFORE.log AFTER.log [N]  # CTest logs (a lane's run): the N slowest
+                                                        # of each, with the other's time
 
 Measure on a quiet machine: a test's share of a core is what it takes when nothing else runs. With
 several profiles (the two lanes), a test gets the larger of its figures."""
@@ -93,6 +95,30 @@ def slowest(path, n):
         print(f"| {wall:.1f} | {cpu:.1f} | {cpu / max(wall, 0.05):.2f} | {name} |")
 
 
+CTEST_LINE = re.compile(r"^\s*\d+/\d+ Test\s+#\d+: (.*?) \.{3,}\s*(\S.*?)\s+([0-9.]+) sec\s*$")
+
+
+def ctest_log(path):
+    """Per test, its seconds in a CTest run's output (the last line for it: a repeated test's last)."""
+    times = {}
+    for line in open(path, errors="replace"):
+        m = CTEST_LINE.match(line)
+        if m:
+            times[m.group(1)] = float(m.group(3))
+    return times
+
+
+def compare(before_path, after_path, n):
+    before, after = ctest_log(before_path), ctest_log(after_path)
+    for title, ranked, other, cols in (("before", before, after, ("before s", "after s")),
+                                       ("after", after, before, ("after s", "before s"))):
+        print(f"\nThe {n} slowest {title} ({len(ranked)} tests, {sum(ranked.values()):.0f} test-seconds in all):\n")
+        print(f"| {cols[0]} | {cols[1]} | test (what it proves) |\n|---:|---:|---|")
+        for name, secs in sorted(ranked.items(), key=lambda kv: -kv[1])[:n]:
+            o = other.get(name)
+            print(f"| {secs:.1f} | {'-' if o is None else f'{o:.1f}'} | {name.replace('|', '/')} |")
+
+
 def main(argv):
     if len(argv) >= 2 and argv[0] == "measure":
         build = argv[1]
@@ -104,6 +130,8 @@ def main(argv):
         table(argv[1:])
     elif len(argv) >= 2 and argv[0] == "slowest":
         slowest(argv[1], int(argv[2]) if len(argv) > 2 else 30)
+    elif len(argv) >= 3 and argv[0] == "compare":
+        compare(argv[1], argv[2], int(argv[3]) if len(argv) > 3 else 30)
     else:
         sys.exit(__doc__)
 
