@@ -34,9 +34,11 @@ inline std::vector<char> archiveOf(const std::vector<std::pair<std::string, std:
   return out;
 }
 
-// Re-writes an archive with its data.pkl changed by `edit` (every other record kept).
+// Re-writes an archive with its data.pkl changed by `edit` (every other record kept) and `extra`
+// records added before data.pkl.
 inline std::vector<char> withPickle(const std::vector<char>& archive,
-                                    const std::function<void(std::string&)>& edit) {
+                                    const std::function<void(std::string&)>& edit,
+                                    const std::vector<std::pair<std::string, std::string>>& extra = {}) {
   std::istringstream in(asString(archive));
   caffe2::serialize::PyTorchStreamReader reader(&in);
   std::vector<std::pair<std::string, std::string>> records;
@@ -44,7 +46,10 @@ inline std::vector<char> withPickle(const std::vector<char>& archive,
     if (name == "version" || name == ".data/version") continue;  // the writer adds its own
     auto [data, size] = reader.getRecord(name);
     std::string bytes(static_cast<const char*>(data.get()), size);
-    if (name == "data.pkl") edit(bytes);
+    if (name == "data.pkl") {
+      edit(bytes);
+      records.insert(records.end(), extra.begin(), extra.end());
+    }
     records.emplace_back(name, std::move(bytes));
   }
   return archiveOf(records);

@@ -10,12 +10,14 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/version.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <sstream>
 
@@ -180,6 +182,25 @@ c10::impl::GenericDict headerOf(const c10::impl::GenericDict& top) {
   return top.at("CTORCH_SNAPSHOT").toGenericDict();
 }
 
+// `top` in the archive ctorch writes (LibTorch's Pickler without type tags, its zip writer), but
+// without the checks ctorch's own writer makes: what anyone with LibTorch writes.
+std::vector<char> rawArchive(const c10::IValue& top) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* p, std::size_t n) { pickled.insert(pickled.end(), p, p + n); },
+                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(top);
+  pickler.stop();
+  std::vector<std::pair<std::string, std::string>> records;
+  for (std::size_t i = 0; i < pickler.tensorData().size(); ++i) {
+    const auto& t = pickler.tensorData()[i];
+    records.emplace_back("data/" + std::to_string(i),
+                         std::string(static_cast<const char*>(t.storage().data()), t.storage().nbytes()));
+  }
+  records.emplace_back("data.pkl", std::string(pickled.begin(), pickled.end()));
+  return archiveOf(records);
+}
+
 // `top` written as ctorch writes a snapshot, with the digest recomputed over what it holds now:
 // what an attacker with the project's own digest code makes.
 std::vector<char> resealed(const c10::impl::GenericDict& top) {
@@ -187,8 +208,28 @@ std::vector<char> resealed(const c10::impl::GenericDict& top) {
   (void)header.erase("content_digest");
   const std::string digest = ctorch::contentDigest(top, "snapshot");
   header.insert("content_digest", digest);
-  return ctorch::detail::portableArchive(top);
+  return rawArchive(top);
 }
+
+// A genuine snapshot whose USER_STATE[key] is `written` in the pickle (its bytes then replaced by
+// `edit`) while the digest is that of the content holding `meant` there: a crafted pickle with a
+// valid digest, for a value ctorch's writer cannot write.
+std::vector<char> sealedAs(const std::string& key, const c10::IValue& meant, const c10::IValue& written,
+                           const std::function<void(std::string&)>& edit,
+                           const std::vector<std::pair<std::string, std::string>>& extraRecords = {}) {
+  auto top = genuineTop();
+  auto user = top.at("USER_STATE").toGenericDict();
+  auto header = headerOf(top);
+  (void)header.erase("content_digest");
+  user.insert_or_assign(key, meant);
+  const std::string digest = ctorch::contentDigest(top, "snapshot");
+  header.insert("content_digest", digest);
+  user.insert_or_assign(key, written);
+  return withPickle(rawArchive(top), edit, extraRecords);
+}
+
+// A BINUNICODE opcode.
+std::string unicodeOp(const std::string& text) { return "X" + le32(static_cast<std::uint32_t>(text.size())) + text; }
 
 long maxRssMb(const Outcome& o) {
   const auto at = o.process.output.find("max rss ");
@@ -230,7 +271,7 @@ TEST_CASE("a view whose size overflows is refused and the next snapshot resumes"
   auto top = genuineTop();
   const std::int64_t n = std::int64_t(1) << 31;
   top.at("USER_STATE").toGenericDict().insert_or_assign("marker", torch::full({1}, 7.0f).expand({n, n}));
-  const auto o = resumeBeside(ctorch::detail::portableArchive(top), "overflow");
+  const auto o = resumeBeside(rawArchive(top), "overflow");
   CHECK(o.has("/snapshot.pt: snapshot "));
   CHECK(o.has("(bad content)"));
 }
@@ -377,4 +418,196 @@ TEST_CASE("one storage read as two dtypes is refused: Python and LibTorch would 
   CHECK(corruptionOf(crafted, &msg) == Kind::BadContent);
   CHECK_THAT(msg, Catch::Contains("is referenced as torch.DoubleStorage of 32 bytes"));
   CHECK_THAT(msg, Catch::Contains("and as torch.IntStorage of 32 bytes"));
+}
+
+// ---- Issue 58: what reaches LibTorch's unpickler, what a file can make the loader hold, and what
+// Python cannot open --------------------------------------------------------------------------------
+namespace {
+
+// `open` nested `depth` times around `leaf`: List[List[...int...]], Dict[str, Dict[str, ...]], ...
+std::string nestedType(const std::string& open, const std::string& leaf, int depth) {
+  std::string t;
+  t.reserve(static_cast<std::size_t>(depth) * (open.size() + 1) + leaf.size());
+  for (int i = 0; i < depth; ++i) t += open;
+  return t + leaf + std::string(static_cast<std::size_t>(depth), ']');
+}
+
+// USER_STATE['tagged'] = restore_type_tag([], type), with a valid digest: an empty list has the
+// digest of [] whatever type it is tagged with.
+std::vector<char> typeTagged(const std::string& type) {
+  const std::string marker = "TYPE-TAG-MARKER";
+  return sealedAs("tagged", c10::impl::GenericList(c10::AnyType::get()), marker, [&](std::string& pkl) {
+    replaceOnce(pkl, unicodeOp(marker), "ctorch.jit._pickle\nrestore_type_tag\n]" + unicodeOp(type) + "\x86R");
+  });
+}
+
+// USER_STATE['refs']: `refs` tensors, each its own persistent id naming the one record data/refs of
+// `recordBytes` (a reference is ~120 bytes of pickle), with a valid digest (Python computes the same).
+std::vector<char> referencedOften(std::size_t refs, std::size_t recordBytes) {
+  const auto numel = static_cast<std::uint32_t>(recordBytes / 4);
+  const at::Tensor t = torch::full({static_cast<std::int64_t>(numel)}, 1.5f);
+  c10::impl::GenericList meant(c10::AnyType::get());
+  for (std::size_t i = 0; i < refs; ++i) meant.push_back(t);
+  const std::string one = "ctorch._utils\n_rebuild_tensor_v2\n((" + unicodeOp("storage") + "ctorch\nFloatStorage\n" +
+                          unicodeOp("refs") + unicodeOp("cpu") + "J" + le32(numel) + "tQ" + std::string("K\0", 2) +
+                          "J" + le32(numel) + "\x85" + "K\x01\x85\x89" + "ccollections\nOrderedDict\n)RtR";
+  const std::string marker = "REFERENCES-MARKER";
+  return sealedAs(
+      "refs", meant, marker,
+      [&](std::string& pkl) {
+        std::string list = "](";
+        list.reserve(2 + refs * one.size() + 1);
+        for (std::size_t i = 0; i < refs; ++i) list += one;
+        replaceOnce(pkl, unicodeOp(marker), list + "e");
+      },
+      {{"data/refs", std::string(static_cast<const char*>(t.data_ptr()), recordBytes)}});
+}
+
+long statusKb(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
+  return -1;
+}
+
+// What docs/snapshot.md states: loading a file of F bytes whose pickle is made of ordinary values
+// (a reference, a tensor, a number: ~10 pickle bytes or more each) makes the process hold at most
+// 8 F more than it held before; whatever the pickle, at most 256 F (every pickle byte an empty list
+// that LibTorch, and the scan before it, each make an object of about 100 bytes for).
+constexpr std::size_t kLoaderBytesPerFileByte = 8;
+constexpr std::size_t kLoaderBytesPerPickleByte = 256;
+
+} // namespace
+
+// Loads args[0] (after a warm-up load) and prints how far the process's peak resident size rose
+// above its resident size before: the kernel's high-water mark, reset to the current size first.
+CTORCH_TEST_WORKER(load_memory) {
+  (void)ctorch::decodeSnapshot(encoded(populatedSnapshot(2)), "warm-up");
+  { std::ofstream("/proc/self/clear_refs") << "5"; }
+  const long before = statusKb("VmRSS");
+  if (statusKb("VmHWM") > before + 1024) {
+    std::printf("the high-water mark was not reset (/proc/self/clear_refs)\n");
+    return 2;
+  }
+  std::string outcome = "loaded";
+  try {
+    (void)ctorch::loadSnapshot(args.at(0));
+  } catch (const ctorch::SnapshotError& e) {
+    outcome = e.what();
+  }
+  std::printf("grew %ld kB\n%s\n", statusKb("VmHWM") - before, outcome.c_str());
+  return 0;
+}
+
+TEST_CASE("a type tag nested 30000 deep is refused before LibTorch parses it", "[snapshot][hostile]") {
+  // LibTorch's type parser recursed once per bracket until the stack overflowed: SIGSEGV in the
+  // loader (verify, inspect, every rank), snapshot.pt.1 never tried.
+  const std::vector<std::string> opens = {"List[", "Dict[str, ", "Tuple[", "Optional["};
+  for (const auto& open : opens) {
+    INFO(open);
+    const auto o = resumeBeside(typeTagged(nestedType(open, "int", 30000)), "typetag");
+    CHECK(o.has("(bad content): archive/data.pkl is refused: a type tag nests types more than 100 deep"));
+  }
+  // A tag within the bound loads; one that is no type is refused by name.
+  CHECK_FALSE(corruptionOf(typeTagged(nestedType("List[", "int", 3))));
+  std::string msg;
+  CHECK(corruptionOf(typeTagged("List[int](x)"), &msg));
+  CHECK_THAT(msg, Catch::Contains("a type tag is not a type ('List[int](x)')"));
+}
+
+TEST_CASE("only the globals a snapshot holds reach LibTorch's unpickler: each given only what it takes", "[snapshot][hostile]") {
+  std::string msg;
+  auto refused = [&](const std::string& body) {
+    return corruptionOf(archiveOf({{"data.pkl", pickle(body)}}), &msg).has_value();
+  };
+  CHECK(refused("cbuiltins\neval\n)R"));
+  CHECK_THAT(msg, Catch::Contains("global builtins.eval is not one a snapshot holds"));
+  CHECK(refused("ctorch._utils\n_rebuild_qtensor\n)R"));
+  CHECK_THAT(msg, Catch::Contains("global torch._utils._rebuild_qtensor is not one a snapshot holds"));
+  CHECK(refused("ctorch\nQInt8Storage\n"));
+  CHECK_THAT(msg, Catch::Contains("global torch.QInt8Storage is not one"));
+  CHECK(refused("ccollections\nOrderedDict\nK\x01\x85R"));
+  CHECK_THAT(msg, Catch::Contains("OrderedDict is given 1 arguments (none)"));
+  CHECK(refused("ctorch._utils\n_rebuild_tensor_v2\n)R"));
+  CHECK_THAT(msg, Catch::Contains("_rebuild_tensor_v2 is given 0 arguments (6 or 7)"));
+  CHECK(refused("ctorch\nFloatStorage\n)R"));
+  CHECK_THAT(msg, Catch::Contains("torch.FloatStorage is called"));
+  CHECK(refused("K\x01)R"));
+  CHECK_THAT(msg, Catch::Contains("REDUCE calls something that is not a global"));
+}
+
+TEST_CASE("what Python's torch.load cannot open is refused and ctorch's writer does not write it", "[snapshot][hostile]") {
+  std::string msg;
+  // A string of Latin-1 bytes with a valid digest: LibTorch took it byte for byte and resumed;
+  // Python's unpickler decodes strings as UTF-8 and fails.
+  auto top = genuineTop();
+  top.at("USER_STATE").toGenericDict().insert_or_assign("note", std::string("caf\xe9"));
+  CHECK(corruptionOf(resealed(top), &msg) == Kind::BadContent);
+  CHECK_THAT(msg, Catch::Contains("a string is not UTF-8 ('caf?'): Python's torch.load cannot read it"));
+  // A record whose name is flagged UTF-8 but holds Latin-1 bytes: LibTorch never looks at it,
+  // Python's zipfile refuses the whole archive.
+  const auto named = withPickle(encoded(populatedSnapshot(3)), [](std::string&) {}, {{"caf\xe9", "x"}});
+  CHECK(corruptionOf(named, &msg) == Kind::Damaged);
+  CHECK_THAT(msg, Catch::Contains("record 'archive/caf?' has a name that is not"));
+  // A quantized tensor (valid digest): its rebuild function is not one a snapshot holds.
+  auto qtop = genuineTop();
+  qtop.at("USER_STATE").toGenericDict().insert_or_assign(
+      "quantized", at::quantize_per_tensor(torch::ones({4}), 0.5, 0, at::kQInt8));
+  const auto quantized = resealed(qtop);
+  CHECK(corruptionOf(quantized, &msg) == Kind::Foreign);
+  CHECK_THAT(msg, Catch::Contains("global torch._utils._rebuild_qtensor is not one a snapshot holds"));
+  // Through the search: named, skipped, snapshot.pt.1 resumes.
+  const auto o = resumeBeside(quantized, "quantized");
+  CHECK(o.has("_rebuild_qtensor is not one a snapshot holds"));
+  // ctorch's writer refuses the same values before writing anything.
+  auto s = populatedSnapshot(3);
+  s.userState.insert_or_assign("note", std::string("caf\xe9"));
+  CHECK_THROWS_WITH(encoded(s), Catch::Contains("a string is not UTF-8"));
+  auto q = populatedSnapshot(3);
+  q.userState.insert_or_assign("quantized", at::quantize_per_tensor(torch::ones({4}), 0.5, 0, at::kQInt8));
+  CHECK_THROWS_WITH(encoded(q), Catch::Contains("_rebuild_qtensor"));
+}
+
+TEST_CASE("a storage named by 10 or 1000 or 100000 references: what the loader holds is bounded by the file's size",
+          "[snapshot][hostile]") {
+  // Each reference its own persistent id of one record: LibTorch read the record once per
+  // reference (a 407 kB file of 8,000 references to 256 KiB verified at 2.2 GB); Python reads it once.
+  const std::vector<std::pair<std::size_t, std::size_t>> cases = {{10, 1 << 20}, {1000, 256 << 10}, {100000, 4 << 10}};
+  for (const auto& [refs, record] : cases) {
+    TempDir dir("snap-refs");
+    const auto crafted = referencedOften(refs, record);
+    ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
+    ctorch::test::SpawnOptions so;
+    so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "load_memory", (dir / "snapshot.pt").string()};
+    so.timeout = std::chrono::seconds(120);
+    const auto r = ctorch::test::run(so);
+    INFO(refs << " references to " << record << " bytes, a file of " << crafted.size() << " bytes: " << r.output);
+    REQUIRE(r.ok());
+    const auto at = r.output.find("grew ");
+    REQUIRE(at != std::string::npos);
+    const long grewKb = std::stol(r.output.substr(at + 5));
+    CHECK(static_cast<std::size_t>(std::max(grewKb, 0L)) * 1024 <= kLoaderBytesPerFileByte * crafted.size());
+    CHECK_THAT(r.output, Catch::Contains("its tensors, counted at every place they appear, hold"));
+  }
+  // Through the search: named, skipped, snapshot.pt.1 resumes.
+  const auto o = resumeBeside(referencedOften(1000, 256 << 10), "refs");
+  CHECK(o.has("counted at every place they appear"));
+  // The pickle's own objects: 4 million empty lists, one a byte (the digest then refuses the file,
+  // after every other check ran), stay within the bound for any pickle.
+  TempDir dir("snap-objects");
+  const auto crafted = withPickle(encoded(populatedSnapshot(3)), [](std::string& pkl) {
+    replaceOnce(pkl, unicodeOp("hello"), "](" + std::string(4 << 20, ']') + "e");
+  });
+  ctorch::test::writeFile(dir / "snapshot.pt", asString(crafted));
+  ctorch::test::SpawnOptions so;
+  so.argv = {ctorch::test::selfExe().string(), "--ctorch-worker", "load_memory", (dir / "snapshot.pt").string()};
+  so.timeout = std::chrono::seconds(120);
+  const auto r = ctorch::test::run(so);
+  INFO("4 million empty lists, a file of " << crafted.size() << " bytes: " << r.output);
+  REQUIRE(r.ok());
+  const auto at = r.output.find("grew ");
+  REQUIRE(at != std::string::npos);
+  CHECK(static_cast<std::size_t>(std::max(std::stol(r.output.substr(at + 5)), 0L)) * 1024 <=
+        kLoaderBytesPerPickleByte * crafted.size());
 }

@@ -9,9 +9,12 @@
 #include "snapshot/zip_check.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
 
 #include <algorithm>
 #include <exception>
@@ -191,13 +194,21 @@ std::string leadingBytes(const std::vector<char>& bytes) {
 
 std::string errorText(const std::exception& e) { return errorMessage(e); }
 
+// The bytes a value's tensors hold, counted at every place a tensor appears: what the digest reads,
+// and every walk over the content after it. A file holds each storage once, so a genuine snapshot's
+// count is at most its size; a crafted one can name one storage in thousands of places (each a
+// reference of a few bytes). kMaxTensorBytesPerFileByte bounds the count by the file's size.
+constexpr std::uint64_t kMaxTensorBytesPerFileByte = 4;
+
 // Every tensor's view (sizes, strides, offset) must lie inside its storage before anything reads
 // its data: LibTorch's unpickler takes them from the file unchecked. Returns a description of the
-// first that does not, naming it by its path in the snapshot. The pickle scan bounded the depth.
-std::optional<std::string> badTensorView(const c10::IValue& v, const std::string& where) {
+// first that does not, naming it by its path in the snapshot, and adds each tensor's bytes to
+// `bytes` (saturating). The pickle scan bounded the depth.
+std::optional<std::string> badTensorView(const c10::IValue& v, const std::string& where, std::uint64_t& bytes) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
     if (!t.defined()) return std::nullopt;
+    const std::uint64_t held = static_cast<std::uint64_t>(t.numel()) * static_cast<std::uint64_t>(t.element_size());
     const auto sizes = t.sizes();
     const auto strides = t.strides();
     const std::int64_t offset = t.storage_offset();
@@ -246,24 +257,45 @@ std::optional<std::string> badTensorView(const c10::IValue& v, const std::string
                " elements): a view larger than the data the file holds";
       reach += static_cast<std::uint64_t>(stride) * static_cast<std::uint64_t>(size - 1);
     }
+    bytes = held > UINT64_MAX - bytes ? UINT64_MAX : bytes + held;  // the view fits its storage: numel is exact
     return std::nullopt;
   }
   if (v.isList()) {
     const auto list = v.toListRef();
     for (std::size_t i = 0; i < list.size(); ++i)
-      if (auto bad = badTensorView(list[i], where + "[" + std::to_string(i) + "]")) return bad;
+      if (auto bad = badTensorView(list[i], where + "[" + std::to_string(i) + "]", bytes)) return bad;
   } else if (v.isTuple()) {
     const auto& elements = v.toTupleRef().elements();
     for (std::size_t i = 0; i < elements.size(); ++i)
-      if (auto bad = badTensorView(elements[i], where + "[" + std::to_string(i) + "]")) return bad;
+      if (auto bad = badTensorView(elements[i], where + "[" + std::to_string(i) + "]", bytes)) return bad;
   } else if (v.isGenericDict()) {
     for (const auto& e : v.toGenericDict()) {
       const std::string key = e.key().isString() ? "'" + e.key().toStringRef() + "'" : e.key().tagKind();
-      if (auto bad = badTensorView(e.key(), where + " key " + key)) return bad;
-      if (auto bad = badTensorView(e.value(), where + "[" + key + "]")) return bad;
+      if (auto bad = badTensorView(e.key(), where + " key " + key, bytes)) return bad;
+      if (auto bad = badTensorView(e.value(), where + "[" + key + "]", bytes)) return bad;
     }
   }
   return std::nullopt;
+}
+
+// What the content's tensors hold, counted at every place (badTensorView), against the file's size.
+std::optional<std::string> tensorsBeyondFile(std::uint64_t tensorBytes, std::uint64_t fileBytes) {
+  if (tensorBytes / kMaxTensorBytesPerFileByte <= fileBytes) return std::nullopt;
+  return "its tensors, counted at every place they appear, hold " + std::to_string(tensorBytes) + " bytes, more than " +
+         std::to_string(kMaxTensorBytesPerFileByte) + " times the file's " + std::to_string(fileBytes) +
+         " (a storage named in many places: every reader would read it at each)";
+}
+
+// LibTorch's pickle_load, but building each storage once however many references name its record,
+// as Python's torch.load does: otherwise every reference (a few bytes of pickle each) reads the
+// record again, and a 400 kB file holds gigabytes once read.
+c10::IValue readPickleSharingStorages(const std::vector<char>& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(
+      std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", /*type_resolver=*/{},
+                                           /*obj_loader=*/{}, /*device=*/{}, reader,
+                                           torch::jit::Unpickler::defaultTypeParser,
+                                           std::make_shared<torch::jit::DeserializationStorageContext>());
 }
 
 // Checks data.pkl with the bounded scan (see pickle_scan.hpp) and every storage it declares
@@ -289,8 +321,9 @@ void checkPickle(const std::vector<char>& bytes, const detail::ZipCheckResult& z
     std::string why = e.what();
     if (e.kind() == detail::PickleRefused::Kind::Unsupported) {
       if (why.find("Unknown opcode") != std::string::npos)
-        why += " (not an opcode LibTorch's unpickler reads)";
-      throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
+        throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why +
+                                                       " (not an opcode LibTorch's unpickler reads)");
+      throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive of what no snapshot holds: " + why);
     }
     throw SnapshotCorrupt(file, Kind::BadContent, archive + "/data.pkl is refused: " + why);
   }
@@ -344,6 +377,20 @@ detail::PreparedArchive detail::PreparedArchive::prepare(const c10::IValue& top)
     TORCH_CHECK(t.device().is_cpu(), "snapshot tensors must be on the CPU when pickled");
     out.tensors_.push_back(t);
   }
+  // What the loader would refuse is refused here, before a byte is written: a value whose pickle
+  // the scan refuses (a string that is not UTF-8, a quantized tensor, more shared references than
+  // the limit) and tensors placed in more places than the file could hold.
+  try {
+    (void)scanPickle(out.pickled_.data(), out.pickled_.size());
+  } catch (const PickleRefused& e) {
+    throw std::invalid_argument(std::string("a snapshot cannot hold this value, its loader would refuse it: ") + e.what());
+  }
+  std::uint64_t tensorBytes = 0;
+  if (auto bad = badTensorView(top, "the snapshot", tensorBytes)) throw std::invalid_argument(*bad);
+  std::uint64_t contentBytes = out.pickled_.size();
+  for (const auto& t : out.tensors_) contentBytes += t.storage().nbytes();
+  if (auto beyond = tensorsBeyondFile(tensorBytes, contentBytes))
+    throw std::invalid_argument("a snapshot cannot hold this value: " + *beyond + " (save each tensor once)");
   return out;
 }
 
@@ -573,7 +620,7 @@ c10::IValue unpickle(const std::vector<char>& bytes, const detail::ZipCheckResul
   checkPickle(bytes, zip, file);
   c10::IValue top;
   try {
-    top = torch::jit::pickle_load(bytes);
+    top = readPickleSharingStorages(bytes);
   } catch (const std::exception& e) {
     std::string why = errorText(e);
     if (why.find("Unknown opcode") != std::string::npos)
@@ -581,8 +628,11 @@ c10::IValue unpickle(const std::vector<char>& bytes, const detail::ZipCheckResul
              "a one-element list when Python re-saved the file; LibTorch 1.13 has this gap)";
     throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save archive LibTorch cannot unpickle: " + why);
   }
-  if (auto bad = badTensorView(top, "the pickle"))
+  std::uint64_t tensorBytes = 0;
+  if (auto bad = badTensorView(top, "the pickle", tensorBytes))
     throw SnapshotCorrupt(file, Kind::BadContent, *bad);
+  if (auto beyond = tensorsBeyondFile(tensorBytes, bytes.size()))
+    throw SnapshotCorrupt(file, Kind::BadContent, *beyond);
   if (!top.isGenericDict()) throw SnapshotCorrupt(file, Kind::Foreign, "a torch.save file holding " + describeType(top));
   return top;
 }

@@ -1,6 +1,9 @@
 #include "snapshot/pickle_scan.hpp"
 
+#include "snapshot/utf8.hpp"
+
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <memory>
 #include <string_view>
@@ -15,12 +18,18 @@ namespace {
 // shared. So a container never changes after it was put inside another one, the depth and size
 // recorded for it stay true, and no cycle can be built (LibTorch would recurse into it forever).
 struct Obj;
+// The globals a snapshot's pickle may name (docs/snapshot.md, "File format"): what ctorch writes,
+// what Python's torch.save of a snapshot writes, and torch::pickle_save's type tags. Anything else
+// (a class, builtins, a quantized or sparse tensor's rebuild function) never reaches LibTorch's
+// unpickler, which would resolve it.
+enum class Global : std::uint8_t { None, RebuildTensor, Storage, OrderedDict, TypeTag, TypedList };
 struct Item {
-  enum class Tag : std::uint8_t { Other, Str, Int, TorchGlobal, Container };
+  enum class Tag : std::uint8_t { Other, Str, Int, Global, Container };
   Tag tag = Tag::Other;
+  Global global = Global::None;            // Global only
   std::int64_t integer = 0;
   bool intKnown = false;                   // an Int that fits int64_t
-  std::string_view text;                   // Str / TorchGlobal: points into the pickle
+  std::string_view text;                   // Str, and a Global's name: points into the pickle
   std::shared_ptr<Obj> obj;                // Container only
 };
 struct Obj {
@@ -28,7 +37,9 @@ struct Obj {
   std::uint64_t values = 1;               // expanded size, saturating
   bool shared = false;
   bool mutableKind = false;               // list, dict, set, object: may be changed in place
-  std::vector<Item> small;                // a tuple's elements while it has at most 8 leaves
+  bool tuple = false;
+  std::size_t count = 0;                  // a tuple's elements
+  std::vector<Item> small;                // a tuple's elements (without their objects) while it has at most 8
   bool smallValid = false;
 };
 
@@ -39,18 +50,41 @@ std::uint64_t saturatingAdd(std::uint64_t a, std::uint64_t b) {
 std::size_t depthOf(const Item& i) { return i.obj ? i.obj->depth : 0; }
 std::uint64_t valuesOf(const Item& i) { return i.obj ? i.obj->values : 1; }
 
-// Element sizes of the storage types torch.save names ("torch", "<Type>Storage").
+// Element sizes of the storage types torch.save names ("torch", "<Type>Storage"). Not the quantized
+// ones (QInt8Storage, ...): a quantized tensor is rebuilt by a function of its own, which Python's
+// weights-only torch.load refuses, and a plain tensor over a quantized storage has no quantizer.
 std::uint64_t storageElementSize(std::string_view name) {
   static const std::pair<const char*, std::uint64_t> kSizes[] = {
       {"FloatStorage", 4},      {"DoubleStorage", 8},       {"HalfStorage", 2},
       {"BFloat16Storage", 2},   {"LongStorage", 8},         {"IntStorage", 4},
       {"ShortStorage", 2},      {"CharStorage", 1},         {"ByteStorage", 1},
       {"BoolStorage", 1},       {"ComplexHalfStorage", 4},  {"ComplexFloatStorage", 8},
-      {"ComplexDoubleStorage", 16}, {"QInt8Storage", 1},    {"QUInt8Storage", 1},
-      {"QInt32Storage", 4},     {"QUInt4x2Storage", 1},     {"QUInt2x4Storage", 1}};
+      {"ComplexDoubleStorage", 16}};
   for (const auto& [n, s] : kSizes)
     if (name == n) return s;
   return 0;
+}
+
+Global globalKind(std::string_view module, std::string_view name) {
+  if (module == "torch._utils" && name == "_rebuild_tensor_v2") return Global::RebuildTensor;
+  if (module == "torch" && storageElementSize(name) != 0) return Global::Storage;
+  if (module == "collections" && name == "OrderedDict") return Global::OrderedDict;
+  if (module == "torch.jit._pickle") {
+    if (name == "restore_type_tag") return Global::TypeTag;
+    if (name == "build_intlist" || name == "build_doublelist" || name == "build_boollist" ||
+        name == "build_tensorlist")
+      return Global::TypedList;
+  }
+  return Global::None;
+}
+
+// A name from the file as it may appear in a message: at most 80 bytes, control and non-ASCII
+// bytes as '?'.
+std::string printable(std::string_view s) {
+  std::string out(s.substr(0, 80));
+  for (auto& ch : out)
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7F) ch = '?';
+  return s.size() > 80 ? out + "..." : out;
 }
 
 class Scanner {
@@ -149,12 +183,15 @@ class Scanner {
                " values through shared references (limit: 64 per pickle byte + 2^20)");
   }
   // A new container holding `items`.
-  Item container(std::vector<Item> items, bool mutableKind, bool keepSmall) {
+  Item container(std::vector<Item> items, bool mutableKind, bool tuple) {
     auto o = std::make_shared<Obj>();
     o->mutableKind = mutableKind;
+    o->tuple = tuple;
+    o->count = items.size();
     for (const auto& i : items) add(*o, i);
-    if (keepSmall && items.size() <= 8 &&
-        std::all_of(items.begin(), items.end(), [](const Item& i) { return !i.obj; })) {
+    if (tuple && items.size() <= 8) {
+      // Their tags and texts only: a container inside is not kept alive by its tuple.
+      for (auto& i : items) i.obj.reset();
       o->small = std::move(items);
       o->smallValid = true;
     }
@@ -193,7 +230,7 @@ class Scanner {
     const auto* o = pid.obj.get();
     const bool shaped = o && o->smallValid && o->small.size() >= 5 &&
                         o->small[0].tag == Item::Tag::Str && o->small[0].text == "storage" &&
-                        o->small[1].tag == Item::Tag::TorchGlobal &&
+                        o->small[1].tag == Item::Tag::Global && o->small[1].global == Global::Storage &&
                         o->small[2].tag == Item::Tag::Str && o->small[3].tag == Item::Tag::Str &&
                         o->small[4].tag == Item::Tag::Int && o->small[4].intKnown;
     if (!shaped)
@@ -240,11 +277,11 @@ class Scanner {
       }
       case 'G': le(8); pushLeaf(); return;                        // BINFLOAT
       case 'F': line(); pushLeaf(); return;                       // FLOAT
-      case 'X': pushStr(payload(le(4), "BINUNICODE")); return;
-      case 0x8c: pushStr(payload(le(1), "SHORT_BINUNICODE")); return;
-      case 0x8d: pushStr(payload(le(8), "BINUNICODE8")); return;
-      case 'T': pushStr(payload(le(4), "BINSTRING")); return;
-      case 'U': pushStr(payload(le(1), "SHORT_BINSTRING")); return;
+      case 'X': pushText(payload(le(4), "BINUNICODE")); return;
+      case 0x8c: pushText(payload(le(1), "SHORT_BINUNICODE")); return;
+      case 0x8d: pushText(payload(le(8), "BINUNICODE8")); return;
+      case 'T': pushText(payload(le(4), "BINSTRING")); return;
+      case 'U': pushText(payload(le(1), "SHORT_BINSTRING")); return;
       case 'B': pushStr(payload(le(4), "BINBYTES")); return;
       case 'C': pushStr(payload(le(1), "SHORT_BINBYTES")); return;
       case 0x8e: pushStr(payload(le(8), "BINBYTES8")); return;
@@ -292,24 +329,26 @@ class Scanner {
       case 'c': {                                                 // GLOBAL "module\nname\n"
         const auto module = line();
         const auto name = line();
-        pushLeaf(module == "torch" ? Tag::TorchGlobal : Tag::Other);
-        stack_.back().text = name;
+        pushGlobal(module, name);
         return;
       }
-      case 0x93: pop(); pop(); pushLeaf(); return;                // STACK_GLOBAL
-      case 'R': case 0x81: {                                      // REDUCE NEWOBJ
+      case 0x93: {                                                // STACK_GLOBAL
+        const Item name = pop();
+        const Item module = pop();
+        if (module.tag != Tag::Str || name.tag != Tag::Str) malformed("STACK_GLOBAL without a module and a name string");
+        pushGlobal(module.text, name.text);
+        return;
+      }
+      case 'R': {                                                 // REDUCE
         Item args = pop();
         Item callable = pop();
+        checkCall(callable, args);
         reduceResult({callable, args}, args);
         return;
       }
-      case 0x92: {                                                // NEWOBJ_EX
-        Item kwargs = pop();
-        Item args = pop();
-        Item cls = pop();
-        reduceResult({cls, args, kwargs}, args);
-        return;
-      }
+      case 0x81: case 0x92:                                       // NEWOBJ NEWOBJ_EX: classes only
+        fail(PickleRefused::Kind::Unsupported,
+             std::string(code == 0x81 ? "NEWOBJ" : "NEWOBJ_EX") + " makes an instance of a class, which a snapshot never holds");
       case 'Q': persistentId(); return;                           // BINPERSID
       case 'q': memoPut(le(1)); return;                           // BINPUT
       case 'r': memoPut(le(4)); return;                           // LONG_BINPUT
@@ -351,6 +390,73 @@ class Scanner {
   void pushStr(std::string_view text) {
     pushLeaf(Item::Tag::Str);
     stack_.back().text = text;
+  }
+  // A text string: Python's unpickler decodes it as UTF-8 and refuses the file when it is not, so a
+  // string LibTorch would take byte for byte is refused here.
+  void pushText(std::string_view text) {
+    if (!isUtf8(text))
+      malformed("a string is not UTF-8 ('" + printable(text) + "'): Python's torch.load cannot read it");
+    pushStr(text);
+  }
+  void pushGlobal(std::string_view module, std::string_view name) {
+    const Global g = globalKind(module, name);
+    if (g == Global::None)
+      fail(PickleRefused::Kind::Unsupported,
+           "global " + printable(module) + "." + printable(name) +
+               " is not one a snapshot holds (torch._utils._rebuild_tensor_v2, torch.<Type>Storage, "
+               "collections.OrderedDict, torch.jit._pickle's type tags)");
+    pushLeaf(Item::Tag::Global);
+    stack_.back().global = g;
+    stack_.back().text = name;
+  }
+  // What each global may be given (LibTorch trusts it): a tensor's rebuild its 6 or 7 arguments,
+  // OrderedDict none, a typed list's tag one list, a type tag a value and a type whose nesting the
+  // container limit bounds (LibTorch's type parser recurses once per bracket). A storage type is
+  // named in persistent ids only, never called.
+  void checkCall(const Item& callable, const Item& args) const {
+    if (callable.tag != Item::Tag::Global)
+      malformed("REDUCE calls something that is not a global");
+    const Obj* a = args.obj.get();
+    if (!a || !a->tuple) malformed("REDUCE's arguments are not a tuple");
+    const std::string what = "torch." + printable(callable.text);
+    switch (callable.global) {
+      case Global::RebuildTensor:
+        if (a->count != 6 && a->count != 7)
+          malformed("_rebuild_tensor_v2 is given " + std::to_string(a->count) + " arguments (6 or 7)");
+        return;
+      case Global::OrderedDict:
+        if (a->count != 0) malformed("OrderedDict is given " + std::to_string(a->count) + " arguments (none)");
+        return;
+      case Global::TypedList:
+        if (a->count != 1) malformed(printable(callable.text) + " is given " + std::to_string(a->count) + " arguments (one list)");
+        return;
+      case Global::TypeTag: {
+        if (a->count != 2 || !a->smallValid || a->small[1].tag != Item::Tag::Str)
+          malformed("restore_type_tag is not given a value and a type string");
+        checkTypeString(a->small[1].text);
+        return;
+      }
+      case Global::Storage:
+        malformed(what + " is called; a storage type is only named in a persistent id");
+      case Global::None:
+        break;
+    }
+    malformed("REDUCE calls an unknown global");
+  }
+  void checkTypeString(std::string_view type) const {
+    std::size_t depth = 0;
+    for (const char c : type) {
+      if (c == '[') {
+        if (++depth > limits_.maxDepth)
+          fail(PickleRefused::Kind::Limit, "a type tag nests types more than " + std::to_string(limits_.maxDepth) +
+                                               " deep ('" + printable(type) + "')");
+      } else if (c == ']') {
+        if (depth-- == 0) malformed("a type tag's brackets do not match ('" + printable(type) + "')");
+      } else if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != ',' && c != ' ') {
+        malformed("a type tag is not a type ('" + printable(type) + "')");
+      }
+    }
+    if (depth != 0) malformed("a type tag's brackets do not match ('" + printable(type) + "')");
   }
   std::uint64_t textIndex() {
     const auto text = line();

@@ -1,5 +1,7 @@
 #include "snapshot/zip_check.hpp"
 
+#include "snapshot/utf8.hpp"
+
 #include <zlib.h>
 
 #include <algorithm>
@@ -36,6 +38,7 @@ constexpr std::uint16_t kMax16 = 0xFFFFu;
 // Any other (encryption, patch data, masked headers) makes miniz refuse or misread the record.
 constexpr std::uint16_t kAllowedFlags = 0x0808;
 constexpr std::uint16_t kDescriptorFlag = 0x0008;
+constexpr std::uint16_t kUtf8NameFlag = 0x0800;
 constexpr std::uint32_t kDosDirectoryAttribute = 0x10;
 // miniz copies a name into a 512-byte buffer when LibTorch lists the records.
 constexpr std::size_t kMaxNameLength = 511;
@@ -260,6 +263,12 @@ CentralEntry readCentralEntry(const Reader& r, std::uint64_t& cursor, std::uint6
     damaged(what + " is flagged as a directory (LibTorch would read it as empty)");
   if ((c.flags & ~kAllowedFlags) != 0)
     damaged(what + " has general-purpose flags " + hex8(c.flags) + " (encrypted or patch data)");
+  // Python's zipfile decodes a name flagged UTF-8 as UTF-8 (and refuses the whole archive when it is
+  // not), any other as code page 437: a name LibTorch finds byte for byte must read the same there.
+  if ((c.flags & kUtf8NameFlag) != 0 ? !isUtf8(rec.name) : !isAscii(rec.name))
+    damaged("record '" + printable(rec.name) + "' has a name that is not " +
+            ((c.flags & kUtf8NameFlag) != 0 ? "UTF-8 though flagged so" : "ASCII and not flagged UTF-8") +
+            " (Python's zipfile cannot read the archive)");
   readExtraFields(r, e + kCentralHeaderSize + nameLen, extraLen, what, true,
                   {&rec.size, &rec.compressedSize, &c.localOffset});
   cursor = e + total;
