@@ -5,14 +5,17 @@
 #     LibTorch; seeded with a small valid snapshot the target writes itself.
 #  3. the zip layer's agreement (trainer/fuzz/zip_agreement_fuzz.cpp): every archive ctorch's check
 #     accepts, LibTorch's reader lists as the same records; seeded the same way.
-# Skips (exit 0, saying why) without clang's libFuzzer; skips targets 2 and 3 (exit 0) without LibTorch.
-# Usage: scripts/fuzz.sh [seconds per target=60] [targets=store,snapshot,zip]
+#  4. the pickle layer (trainer/fuzz/pickle_layer_fuzz.cpp): pickles built from the input out of what
+#     a snapshot's pickle is made of (type tags, tensor references, memo, containers, globals), in a
+#     genuine snapshot and alone; seeded by the target itself with programs.
+# Skips (exit 0, saying why) without clang's libFuzzer; skips targets 2 to 4 (exit 0) without LibTorch.
+# Usage: scripts/fuzz.sh [seconds per target=60] [targets=store,snapshot,zip,pickle]
 #        (CTORCH_FUZZ_DIR: build/work folder, default build-fuzz/)
 # Needs: apt-get install -y clang libclang-rt-14-dev   (Debian bookworm: clang 14)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 seconds=${1:-60}
-targets=${2:-store,snapshot,zip}
+targets=${2:-store,snapshot,zip,pickle}
 out=${CTORCH_FUZZ_DIR:-$root/build-fuzz}
 cxx=${CXX_FUZZ:-$(command -v clang++ || command -v clang++-14 || true)}
 if [ -z "$cxx" ]; then
@@ -126,12 +129,21 @@ fuzz_zip() {
   run_torch_target zip_agreement_fuzz zip "$out/zip-"
 }
 
+fuzz_pickle() {
+  have_torch pickle_layer_fuzz || return 0
+  snapshot_objects
+  link_torch_target pickle_layer_fuzz
+  # The seeds (programs for the target's pickle builder) are written by the target itself.
+  run_torch_target pickle_layer_fuzz pickle "$out/pickle-"
+}
+
 IFS=, read -r -a wanted <<<"$targets"
 for target in "${wanted[@]}"; do
   case $target in
     store) fuzz_store ;;
     snapshot) fuzz_snapshot ;;
     zip) fuzz_zip ;;
-    *) echo "fuzz: unknown target '$target' (store, snapshot, zip)" >&2; exit 2 ;;
+    pickle) fuzz_pickle ;;
+    *) echo "fuzz: unknown target '$target' (store, snapshot, zip, pickle)" >&2; exit 2 ;;
   esac
 done
