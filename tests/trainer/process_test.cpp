@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <ctorch/contract/worker_contract.hpp>
 #include <ctorch/snapshot.hpp>
@@ -574,6 +575,44 @@ TEST_CASE("resume: a snapshot of another configuration is refused, naming the di
   CHECK(otherModel.output.find("model name is 'linear' in the snapshot, 'mnist-cnn' in this run") !=
         std::string::npos);
   CHECK(otherModel.output.find("bucket") == std::string::npos);
+}
+
+TEST_CASE("resume: a snapshot whose fields the loop reads back are retyped is set aside and snapshot.pt.1 resumes "
+          "(issue 58)",
+          "[trainer][process][resume]") {
+  // Each with a valid digest. Before: epoch_complete not a bool and train_seconds not a float ended
+  // every rank with a c10::Error (INTERNAL ASSERT FAILED), ddp_buckets not a list with "unusable"
+  // raised after the search: exit 1, snapshot.pt.1 never tried.
+  TempDir dir("train-retyped");
+  const auto args = with(kToy, {"--epochs", "2"});
+  const auto first = ctorch::test::run(trainUnderLauncher(dir.path(), 2, args));
+  INFO(show(first));
+  REQUIRE(first.ok());
+  REQUIRE(fs::exists(dir / "snapshot.pt.1"));
+  fs::copy_file(dir / "snapshot.pt", dir / "good.pt");
+  fs::copy_file(dir / "snapshot.pt.1", dir / "good.pt.1");
+  const std::vector<std::tuple<std::string, c10::IValue, std::string>> cases = {
+      {"epoch_complete", c10::IValue(std::int64_t(7)), "USER_STATE['epoch_complete'] is a Int, expected a bool"},
+      {"train_seconds", c10::IValue(std::string("soon")), "USER_STATE['train_seconds'] cannot be restored"},
+      {"ddp_buckets", c10::IValue(std::string("none")), "ddp_buckets is not a list"},
+      {"best_accuracy", c10::IValue(std::string("high")), "USER_STATE['best_accuracy'] is not a number"},
+  };
+  for (const auto& [key, value, says] : cases) {
+    for (const auto& name : {"snapshot.pt", "snapshot.pt.1", "snapshot.pt.unusable"}) fs::remove(dir / name);
+    ctorch::Snapshot s = ctorch::loadSnapshot(dir / "good.pt");
+    s.userState.insert_or_assign(key, value);
+    ctorch::SnapshotSlotOptions slot;
+    slot.path = dir / "snapshot.pt";
+    slot.keepPrevious = 0;
+    ctorch::saveSnapshot(s, slot);  // a new digest: the file is sound, one field is not
+    fs::copy_file(dir / "good.pt.1", dir / "snapshot.pt.1");  // after: a save with K = 0 drops .1
+    const auto r = ctorch::test::run(trainUnderLauncher(dir.path(), 2, args));
+    INFO(key << ": " << show(r));
+    CHECK(r.ok());
+    CHECK(r.output.find(says) != std::string::npos);
+    CHECK(r.output.find("snapshot.pt.1 after") != std::string::npos);  // "resuming from <slot>.1 after ..."
+    CHECK(fs::exists(dir / "snapshot.pt.unusable"));
+  }
 }
 
 TEST_CASE("hang guard: a stopped peer turns into a timeout error within --timeout", "[trainer][process][errors]") {

@@ -426,8 +426,13 @@ void Trainer::buildResilience() {
         return d;
       },
       [](const ItemDict&) {});  // recomputed from the progress
-  t.track("train_seconds", [this] { return c10::IValue(trainSeconds()); },
-          [this](const c10::IValue& v) { trainSecondsBefore_ = v.toDouble(); });
+  t.track(
+      "train_seconds", [this] { return c10::IValue(trainSeconds()); },
+      [this](const c10::IValue& v) { trainSecondsBefore_ = v.toDouble(); },
+      [](const c10::IValue& v) {
+        if (!v.isDouble() || !std::isfinite(v.toDouble()) || v.toDouble() < 0)
+          throw ConfigError("expected a number of seconds, found " + (v.isDouble() ? std::to_string(v.toDouble()) : "a " + v.tagKind()));
+      });
   t.track("best_accuracy", bestAccuracy_);
   // Captured inside stepDone(): a step that sums the losses is saved with its sum folded in.
   t.track("epoch_tally",
@@ -440,7 +445,8 @@ void Trainer::buildResilience() {
             tallyRestored_ = true;
             localLossRestored_ = false;
             intervalLocalLoss_ = 0.0;
-          });
+          },
+          [](const c10::IValue& v) { (void)EpochTally::resumedFrom(v); });
   // Each rank's losses of the steps not summed yet (a stop between two sums): a resume under the
   // same world size goes on adding to them, so its sums are those of a run never stopped.
   t.trackPerRank("interval_local_loss", [this] { return summing_ ? 0.0 : intervalLocalLoss_; },
@@ -448,7 +454,11 @@ void Trainer::buildResilience() {
                    localLossRestored_ = v.has_value();
                    intervalLocalLoss_ = v.value_or(0.0);
                  });
-  t.track("steps_per_epoch", [this] { return c10::IValue(stepsPerEpoch_); }, [](const c10::IValue&) {});
+  t.track(
+      "steps_per_epoch", [this] { return c10::IValue(stepsPerEpoch_); }, [](const c10::IValue&) {},
+      [](const c10::IValue& v) {
+        if (!v.isInt()) throw ConfigError("expected an int, found a " + v.tagKind());
+      });
   t.trackItems([this](ItemDict& d) { scaler_->saveTo(d); }, [this](const ItemDict& d) { scaler_->loadFrom(d); });
 }
 

@@ -259,8 +259,12 @@ class ResilientTraining {
                                   std::function<void(std::optional<double>)> load);
   // Anything else: `save` returns a value (numbers, strings, tensors, lists and dicts of them);
   // `load` gets it back (not called when a snapshot lacks the name: a snapshot of an older loop).
+  // `check`, when given, is called on the file's value while the snapshot is chosen, before anything
+  // is restored: what it throws sets the file aside like a damaged one, and the next one resumes
+  // (the typed track() calls above check their kind so).
   ResilientTraining& track(const std::string& name, std::function<c10::IValue()> save,
-                           std::function<void(const c10::IValue&)> load);
+                           std::function<void(const c10::IValue&)> load,
+                           std::function<void(const c10::IValue&)> check = {});
 
   // ---- the loop
   // Finds the newest valid snapshot (damaged files are named, skipped and set aside as

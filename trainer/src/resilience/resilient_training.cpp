@@ -491,14 +491,16 @@ struct ResilientTraining::Impl {
       load.expect.stepsPerEpoch = o.stepsPerEpoch();
       load.expect.stepsPerEpochWorldSize = world;
     }
-    // A sharded optimizer's snapshot is usable only with every rank's shard of its step: one whose
-    // shards are not all there (a crash between the ranks' writes) is skipped like a damaged one.
-    if (state.sharded())
-      load.accept = [this, expect = load.expect](const Snapshot& candidate) {
-        if (candidate.userState.contains(detail::kZeroShardsKey))
-          resumeShards[candidate.source] =
-              detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
-      };
+    // Every field read back is judged here, where the file is chosen: a wrong one sets the file aside
+    // like a damaged one and the next resumes. A sharded optimizer's snapshot is usable only with
+    // every rank's shard of its step: one whose shards are not all there (a crash between the ranks'
+    // writes) is skipped like a damaged one.
+    load.accept = [this, expect = load.expect](const Snapshot& candidate) {
+      state.checkFields(candidate);
+      if (state.sharded() && candidate.userState.contains(detail::kZeroShardsKey))
+        resumeShards[candidate.source] =
+            detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
+    };
     Found newest;
     if (o.resumeFrom() && !slotOnly) {
       newest.snapshot = loadSnapshot(*o.resumeFrom(), load.expect);

@@ -52,7 +52,10 @@ SnapshotPoint pointOf(const Snapshot& s) {
   p.epochsRun = s.epochsRun;
   p.stepInEpoch = s.stepInEpoch;
   p.globalStep = s.globalStep;
-  if (s.userState.contains(kEpochCompleteKey)) p.epochComplete = s.userState.at(kEpochCompleteKey).toBool();
+  if (s.userState.contains(kEpochCompleteKey)) {
+    const c10::IValue& complete = s.userState.at(kEpochCompleteKey);  // a bool (checkFields)
+    p.epochComplete = complete.isBool() && complete.toBool();
+  }
   return p;
 }
 
@@ -188,13 +191,49 @@ void TrackedState::claimName(const std::string& name) {
 }
 
 void TrackedState::addNamed(const std::string& name, std::function<c10::IValue()> save,
-                            std::function<void(const c10::IValue&)> load) {
+                            std::function<void(const c10::IValue&)> load,
+                            std::function<void(const c10::IValue&)> check) {
   if (!save || !load) throw ConfigError("ResilientTraining::track('" + name + "'): needs a save and a load function");
   claimName(name);
+  if (check) checks_.emplace_back(name, std::move(check));
   addItems([name, save](ItemDict& d) { d.insert(name, save()); },
            [name, load](const ItemDict& d) {
              if (d.contains(name)) load(d.at(name));
            });
+}
+
+void TrackedState::checkFields(const Snapshot& snap) const {
+  const ItemDict& user = snap.userState;
+  auto refuse = [&](const std::string& key, const std::string& why) {
+    throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "USER_STATE['" + key + "'] " + why);
+  };
+  auto expect = [&](const char* key, bool (c10::IValue::*is)() const, const char* kind) {
+    if (user.contains(key) && !(user.at(key).*is)()) refuse(key, "is a " + user.at(key).tagKind() + ", expected " + kind);
+  };
+  auto positive = [&](const char* key) {
+    expect(key, &c10::IValue::isInt, "an int");
+    if (user.contains(key) && user.at(key).toInt() < 1) refuse(key, "is " + std::to_string(user.at(key).toInt()) + ", below 1");
+  };
+  expect(kEpochCompleteKey, &c10::IValue::isBool, "a bool");
+  expect(kShardedModelKey, &c10::IValue::isBool, "a bool");
+  positive(kZeroShardsKey);
+  positive(kPipelineStageKey);
+  (void)bucketsOf(snap);  // SnapshotCorrupt when malformed
+  for (const auto& item : perRank_) {
+    if (!user.contains(item.name)) continue;
+    const c10::IValue& v = user.at(item.name);
+    if (!v.isList()) refuse(item.name, "is a " + v.tagKind() + ", expected a list of numbers (one per rank)");
+    for (const c10::IValue& x : v.toListRef())
+      if (!x.isDouble() && !x.isInt()) refuse(item.name, "holds a " + x.tagKind() + ", expected numbers (one per rank)");
+  }
+  for (const auto& [name, check] : checks_) {
+    if (!user.contains(name)) continue;
+    try {
+      check(user.at(name));
+    } catch (const std::exception& e) {
+      refuse(name, std::string("cannot be restored: ") + errorMessage(e));
+    }
+  }
 }
 
 void TrackedState::addPerRank(const std::string& name, std::function<double()> save,

@@ -62,9 +62,11 @@ class TrackedState {
   void setSampler(DistributedSampler& sampler);
   void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
   void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
-  // USER_STATE[name]: a name of the library's own or one registered twice is refused.
+  // USER_STATE[name]: a name of the library's own or one registered twice is refused. `check`
+  // (optional) judges the file's value while the snapshot is chosen (checkFields).
   void addNamed(const std::string& name, std::function<c10::IValue()> save,
-                std::function<void(const c10::IValue&)> load);
+                std::function<void(const c10::IValue&)> load,
+                std::function<void(const c10::IValue&)> check = {});
   // USER_STATE[name]: a number of each rank's own, saved as a list indexed by rank.
   void addPerRank(const std::string& name, std::function<double()> save, std::function<void(std::optional<double>)> load);
   bool hasPerRank() const { return !perRank_.empty(); }
@@ -94,6 +96,12 @@ class TrackedState {
   // In-place recovery: the sharded objects let go of the failed group, then follow the re-formed one.
   void releaseShardedGroups() const;
   void rejoinShardedGroups(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
+
+  // Every USER_STATE field the library and the registered loads read, judged by its kind while the
+  // snapshot is chosen (LoadNewestOptions::accept): throws SnapshotCorrupt naming the first wrong
+  // one, so the file is set aside like a damaged one and the next resumes, instead of a load failing
+  // after the choice (a c10::Error from toBool(), an exit 1 with .1 never tried).
+  void checkFields(const Snapshot& snapshot) const;
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
   // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
@@ -129,6 +137,7 @@ class TrackedState {
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;
   std::vector<std::string> names_;  // registered user-state names
+  std::vector<std::pair<std::string, std::function<void(const c10::IValue&)>>> checks_;  // addNamed's checks
   std::vector<Items> items_;
   struct PerRank {
     std::string name;

@@ -95,8 +95,9 @@ ResilientTraining& ResilientTraining::track(amp::GradScaler& scaler) {
 }
 
 ResilientTraining& ResilientTraining::track(const std::string& name, std::function<c10::IValue()> save,
-                                            std::function<void(const c10::IValue&)> load) {
-  tracked().addNamed(name, std::move(save), std::move(load));
+                                            std::function<void(const c10::IValue&)> load,
+                                            std::function<void(const c10::IValue&)> check) {
+  tracked().addNamed(name, std::move(save), std::move(load), std::move(check));
   return *this;
 }
 
@@ -108,39 +109,53 @@ ResilientTraining& ResilientTraining::trackPerRank(const std::string& name, std:
 
 ResilientTraining& ResilientTraining::track(const std::string& name, double& value) {
   double* v = &value;
-  return track(name, [v] { return c10::IValue(*v); },
-               [v, name](const c10::IValue& x) {
-                 if (!x.isDouble() && !x.isInt())
-                   throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not a number");
-                 *v = x.isDouble() ? x.toDouble() : static_cast<double>(x.toInt());
-               });
+  auto check = [name](const c10::IValue& x) {
+    if (!x.isDouble() && !x.isInt()) throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not a number");
+  };
+  return track(
+      name, [v] { return c10::IValue(*v); },
+      [v, check](const c10::IValue& x) {
+        check(x);
+        *v = x.isDouble() ? x.toDouble() : static_cast<double>(x.toInt());
+      },
+      check);
 }
 
 ResilientTraining& ResilientTraining::track(const std::string& name, std::int64_t& value) {
   std::int64_t* v = &value;
-  return track(name, [v] { return c10::IValue(*v); },
-               [v, name](const c10::IValue& x) {
-                 if (!x.isInt()) throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not an integer");
-                 *v = x.toInt();
-               });
+  auto check = [name](const c10::IValue& x) {
+    if (!x.isInt()) throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not an integer");
+  };
+  return track(
+      name, [v] { return c10::IValue(*v); },
+      [v, check](const c10::IValue& x) {
+        check(x);
+        *v = x.toInt();
+      },
+      check);
 }
 
 ResilientTraining& ResilientTraining::track(const std::string& name, at::Tensor& value) {
   at::Tensor* v = &value;
-  return track(name, [v] { return c10::IValue(v->defined() ? v->detach().to(torch::kCPU).clone() : at::Tensor()); },
-               [v, name](const c10::IValue& x) {
-                 if (!x.isTensor()) throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not a tensor");
-                 const auto t = x.toTensor();
-                 if (v->defined() && t.defined()) {
-                   if (v->sizes() != t.sizes() || v->scalar_type() != t.scalar_type())
-                     throw ConfigError("the snapshot's USER_STATE['" + name + "'] has another shape or dtype than the "
-                                       "registered tensor");
-                   torch::NoGradGuard noGrad;
-                   v->copy_(t);
-                 } else {
-                   *v = t;
-                 }
-               });
+  auto check = [v, name](const c10::IValue& x) {
+    if (!x.isTensor()) throw ConfigError("the snapshot's USER_STATE['" + name + "'] is not a tensor");
+    const auto& t = x.toTensor();
+    if (v->defined() && t.defined() && (v->sizes() != t.sizes() || v->scalar_type() != t.scalar_type()))
+      throw ConfigError("the snapshot's USER_STATE['" + name + "'] has another shape or dtype than the registered tensor");
+  };
+  return track(
+      name, [v] { return c10::IValue(v->defined() ? v->detach().to(torch::kCPU).clone() : at::Tensor()); },
+      [v, check](const c10::IValue& x) {
+        check(x);
+        const auto t = x.toTensor();
+        if (v->defined() && t.defined()) {
+          torch::NoGradGuard noGrad;
+          v->copy_(t);
+        } else {
+          *v = t;
+        }
+      },
+      check);
 }
 
 } // namespace ctorch
