@@ -134,8 +134,9 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
                       "'exp_avg_sq', 'step']\n");
   }
   // Crafted shards (a valid file whose content lies: a flat buffer of 10^15 elements, a shape whose
-  // product overflows) are refused in one line, with nothing allocated for the lie.
-  for (const std::string lie : {"numel", "shape"}) {
+  // product overflows, 400 parameters laid over the same elements) are refused in one line, with
+  // nothing allocated for the lie.
+  for (const std::string lie : {"numel", "shape", "overlap"}) {
     TempDir crafted("tool-crafted");
     fs::copy(fsdp / "snapshot.pt", crafted / "snapshot.pt");
     fs::copy(fsdp / "snapshot.pt.shards", crafted / "snapshot.pt.shards", fs::copy_options::recursive);
@@ -147,6 +148,19 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
       auto entry = flats.begin()->value().toGenericDict();
       if (lie == "numel") {
         entry.insert_or_assign("numel", std::int64_t{1000000000000000});
+      } else if (lie == "overlap") {
+        // Each of 400 pieces the whole buffer, named after the buffer's own parameters in turn
+        // (issue 58: every piece was copied out, 400 copies of the buffer).
+        const auto real = entry.at("layout").toListRef();
+        c10::impl::GenericList layout(c10::AnyType::get());
+        for (std::size_t i = 0; i < 400; ++i) {
+          auto piece = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+          piece.insert("name", real[i % real.size()].toGenericDict().at("name"));
+          piece.insert("offset", std::int64_t{0});
+          piece.insert("shape", std::vector<std::int64_t>{entry.at("numel").toInt()});
+          layout.push_back(piece);
+        }
+        entry.insert_or_assign("layout", layout);
       } else {
         auto piece = entry.at("layout").toListRef()[0].toGenericDict();
         piece.insert_or_assign("shape", std::vector<std::int64_t>{4000000000, 4000000000, 4000000000});
@@ -160,8 +174,9 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
     INFO(lie << ": " << show(r));
     CHECK(r.exitCode == 1);
     CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
-    CHECK_THAT(r.output, Catch::Contains(lie == "numel" ? "elements of 'conv1.flat', not its 1000000000000000"
-                                                        : "'conv1.flat''s layout gives a parameter a dimension outside"));
+    CHECK_THAT(r.output, Catch::Contains(lie == "numel"     ? "elements of 'conv1.flat', not its 1000000000000000"
+                                         : lie == "overlap" ? "'conv1.flat''s layout lays '"
+                                                            : "'conv1.flat''s layout gives a parameter a dimension outside"));
     CHECK_FALSE(fs::exists(crafted / "whole.pt"));
   }
   // A run without sharding resumes from each and ends where one never sharded ends.

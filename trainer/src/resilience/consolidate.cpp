@@ -284,6 +284,19 @@ std::vector<Piece> layoutOf(const Snapshot& snapshot, const c10::impl::GenericDi
       bad(snapshot, "'" + flat + "''s layout places '" + piece.name + "' outside its " + std::to_string(numel) + " elements");
     pieces.push_back(std::move(piece));
   }
+  // No element in two parameters: each piece is copied out, so pieces laid over each other (400
+  // parameters over one 1 MiB buffer) would make the output hundreds of times the shards' size.
+  std::vector<const Piece*> byOffset;
+  for (const auto& piece : pieces) byOffset.push_back(&piece);
+  std::sort(byOffset.begin(), byOffset.end(), [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
+  for (std::size_t i = 1; i < byOffset.size(); ++i) {
+    const Piece& before = *byOffset[i - 1];
+    const Piece& piece = *byOffset[i];
+    if (before.numel() > 0 && piece.numel() > 0 && piece.offset < before.offset + before.numel())
+      bad(snapshot, "'" + flat + "''s layout lays '" + piece.name + "' (from element " + std::to_string(piece.offset) +
+                        ") over '" + before.name + "' (elements " + std::to_string(before.offset) + " to " +
+                        std::to_string(before.offset + before.numel() - 1) + "): parameters share no elements");
+  }
   return pieces;
 }
 
