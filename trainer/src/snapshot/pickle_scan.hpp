@@ -1,8 +1,10 @@
 // A bounded pre-pass over a pickle (data.pkl of a torch.save archive), run before LibTorch's
-// unpickler sees it: the unpickler trusts lengths, nesting and persistent ids, so a crafted file can
-// make it allocate gigabytes, build a structure too deep to destroy or hash without overflowing the
-// stack, or give a storage more bytes than its record holds. This scan walks the opcodes with a
-// stack of its own (no recursion) and refuses all of that. Private to the library.
+// unpickler sees it: the unpickler trusts lengths, nesting, globals, type tags and persistent ids, so
+// a crafted file can make it allocate gigabytes, build a structure too deep to destroy or hash (or a
+// type too deep to parse) without overflowing the stack, resolve a global no snapshot holds, or give
+// a storage more bytes than its record holds; and it takes strings byte for byte where Python's
+// unpickler needs UTF-8. This scan walks the opcodes with a stack of its own (no recursion) and
+// refuses all of that. Private to the library.
 #pragma once
 
 #include <cstddef>
