@@ -134,14 +134,19 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
                       "'exp_avg_sq', 'step']\n");
   }
   // Crafted shards (a valid file whose content lies: a flat buffer of 10^15 elements, a shape whose
-  // product overflows, 400 parameters laid over the same elements) are refused in one line, with
-  // nothing allocated for the lie.
-  for (const std::string lie : {"numel", "shape", "overlap"}) {
+  // product overflows, 400 parameters laid over the same elements, a parameter's shape shrunk so that
+  // elements belong to none, one rank's piece in float16, rank 0's piece stretched over rank 1's
+  // elements with other values) are refused in one line by verify and consolidate, with nothing
+  // allocated for the lie and nothing written (issue 58: the last three verified "ok", and
+  // consolidation cast to the first piece's dtype or took the last piece's values).
+  for (const std::string lie : {"numel", "shape", "overlap", "gap", "dtype", "stretch"}) {
     TempDir crafted("tool-crafted");
-    fs::copy(fsdp / "snapshot.pt", crafted / "snapshot.pt");
-    fs::copy(fsdp / "snapshot.pt.shards", crafted / "snapshot.pt.shards", fs::copy_options::recursive);
-    // Every rank's shard tells the same lie (the layout is read from rank 0's).
+    fs::copy(fsdp.path(), crafted.path(), fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    fs::remove(crafted / "whole.pt");
+    // The layout lies are told by every rank's shard (the layout is read from rank 0's); the
+    // pieces' by one.
     for (const char* name : {"rank0.pt", "rank1.pt"}) {
+      const bool rankZero = std::string(name) == "rank0.pt";
       const fs::path shard = crafted / "snapshot.pt.shards" / name;
       ctorch::Snapshot s = ctorch::loadSnapshot(shard);
       auto flats = s.userState.at("fsdp_model").toGenericDict().at("flat_parameters").toGenericDict();
@@ -161,23 +166,59 @@ TEST_CASE("ctorch-snapshot: ZeRO-1 and FSDP snapshots consolidate into exactly t
           layout.push_back(piece);
         }
         entry.insert_or_assign("layout", layout);
+      } else if (lie == "gap") {
+        auto piece = entry.at("layout").toListRef()[0].toGenericDict();
+        std::vector<std::int64_t> shape;
+        for (const auto& d : piece.at("shape").toListRef()) shape.push_back(d.toInt());
+        REQUIRE(shape.at(0) > 1);
+        shape[0] -= 1;
+        piece.insert_or_assign("shape", shape);
+      } else if (lie == "dtype") {
+        if (rankZero) continue;
+        entry.insert_or_assign("data", entry.at("data").toTensor().to(torch::kHalf));
+      } else if (lie == "stretch") {
+        if (!rankZero) continue;
+        const auto data = entry.at("data").toTensor();
+        REQUIRE(entry.at("begin").toInt() == 0);
+        REQUIRE(data.numel() < entry.at("numel").toInt());
+        entry.insert_or_assign("data", torch::cat({data, torch::full({entry.at("numel").toInt() - data.numel()}, 7.0, data.options())}));
       } else {
         auto piece = entry.at("layout").toListRef()[0].toGenericDict();
         piece.insert_or_assign("shape", std::vector<std::int64_t>{4000000000, 4000000000, 4000000000});
       }
+      // Written beside and renamed over the shard: its previous ones (rank<r>.pt.1) stay.
       ctorch::SnapshotSlotOptions slot;
-      slot.path = shard;
+      slot.path = crafted / "crafted-shard.pt";
       slot.keepPrevious = 0;
       ctorch::saveSnapshot(s, slot);
+      fs::rename(slot.path, shard);
     }
+    const char* says = lie == "numel"     ? "(elements from "
+                       : lie == "overlap" ? "'conv1.flat''s layout lays '"
+                       : lie == "gap"     ? "'conv1.flat''s layout leaves elements "
+                       : lie == "dtype"   ? "the pieces of 'conv1.flat' are of two dtypes (Float and Half)"
+                       : lie == "stretch" ? "two pieces of 'conv1.flat' overlap (elements "
+                                          : "'conv1.flat''s layout gives a parameter a dimension outside";
+    const auto v = tool({"verify", (crafted / "snapshot.pt").string()});
+    INFO(lie << ": " << show(v));
+    CHECK(v.exitCode == 1);
+    CHECK_THAT(v.output, Catch::Contains(says));
     const auto r = tool({"consolidate", (crafted / "snapshot.pt").string(), "-o", (crafted / "whole.pt").string()});
     INFO(lie << ": " << show(r));
     CHECK(r.exitCode == 1);
     CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
-    CHECK_THAT(r.output, Catch::Contains(lie == "numel"     ? "elements of 'conv1.flat', not its 1000000000000000"
-                                         : lie == "overlap" ? "'conv1.flat''s layout lays '"
-                                                            : "'conv1.flat''s layout gives a parameter a dimension outside"));
+    CHECK_THAT(r.output, Catch::Contains(says));
+    if (lie == "numel") CHECK_THAT(r.output, Catch::Contains("of 1000000000000000)"));
     CHECK_FALSE(fs::exists(crafted / "whole.pt"));
+    // A run resuming with FSDP sets such a set aside where it chooses the snapshot, like a damaged
+    // file, and resumes from the one before (it read the stretched piece before).
+    if (lie == "stretch") {
+      const auto t = ctorch::test::run(trainUnderLauncher(crafted.path(), 2, smallRun("full", "2")));
+      INFO(show(t));
+      CHECK(t.ok());
+      CHECK_THAT(t.output, Catch::Contains("two pieces of 'conv1.flat' overlap"));
+      CHECK_THAT(t.output, Catch::Contains("resuming from"));
+    }
   }
   // A run without sharding resumes from each and ends where one never sharded ends.
   {
@@ -264,6 +305,27 @@ TEST_CASE("ctorch-snapshot: a missing, damaged or foreign shard is named with ex
   r = tool({"consolidate", snapshot, "-o", snapshot});
   CHECK(r.exitCode == 2);
   CHECK_THAT(r.output, Catch::Contains("is the snapshot itself"));
+  // Nor any file of its set, even with --force (issue 58: a shard file named as OUT was overwritten
+  // by the consolidation that read it): the shard folder, a previous slot, an old shard name, the
+  // epoch slot, and a shard under another name (a hard link).
+  {
+    const fs::path shard0 = run / "snapshot.pt.shards" / "rank0.pt";
+    const std::string before = ctorch::test::readFile(shard0);
+    fs::create_hard_link(shard0, run / "elsewhere.pt");
+    for (const fs::path& out : {shard0, run / "snapshot.pt.1", fs::path(snapshot + ".optim-rank1"),
+                                run / "snapshot.pt.shards" / "new.pt", run / "snapshot-epoch.pt", run / "elsewhere.pt"}) {
+      r = tool({"consolidate", snapshot, "-o", out.string(), "--force"});
+      INFO(out << ": " << show(r));
+      CHECK(r.exitCode == 2);
+      CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+      CHECK_THAT(r.output, Catch::Contains(out.filename() == "elsewhere.pt" ? "a file of the snapshot: name another file"
+                                                                            : "is inside the snapshot's own set"));
+    }
+    CHECK(ctorch::test::readFile(shard0) == before);
+    CHECK(ctorch::test::readFile(snapshot + ".optim-rank1").size() > 0);
+    CHECK_FALSE(fs::exists(run / "snapshot.pt.shards" / "new.pt"));
+    fs::remove(run / "elsewhere.pt");
+  }
   r = tool({"consolidate", snapshot, "-o", (run / "model.pt").string()});
   CHECK(r.exitCode == 2);
   CHECK_THAT(r.output, Catch::Contains("exists: name another file, or add --force"));

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -135,10 +136,47 @@ int verify(const fs::path& file) {
   return whole ? kExitOk : kExitNotWhole;
 }
 
+// Why `output` would land on a file of `file`'s own snapshot set, or nothing. The set is every name
+// derived from its slot (docs/snapshot.md's file names: the slot "snapshot.pt", its previous ones
+// ".1" ..., its epoch slot "snapshot-epoch.pt", the lock, the shard folders "<file>.shards/", old shard
+// names, temporaries) in the snapshot's folder, and any file that is one of its shards under another
+// name (a hard link): --force replaces the output, so writing there would destroy what it reads.
+std::optional<std::string> insideSnapshotSet(const fs::path& file, const fs::path& output) {
+  std::error_code ec;
+  const fs::path dir = fs::weakly_canonical(fs::absolute(file).parent_path(), ec);
+  if (ec) return std::nullopt;
+  const fs::path out = fs::weakly_canonical(fs::absolute(output), ec);
+  if (ec) return std::nullopt;
+  std::string slot = file.filename().string();
+  if (const auto dot = slot.rfind('.'); dot != std::string::npos && dot + 1 < slot.size() &&
+                                        slot.find_first_not_of("0123456789", dot + 1) == std::string::npos)
+    slot.resize(dot);  // "snapshot.pt.2": its slot is snapshot.pt
+  const fs::path slotPath = fs::path(slot);
+  const std::string epoch = slotPath.stem().string() + "-epoch" + slotPath.extension().string();
+  const fs::path relative = out.lexically_relative(dir);
+  if (!relative.empty() && *relative.begin() != ".." && relative.is_relative()) {
+    const std::string first = relative.begin()->string();
+    for (const std::string& name : {slot, epoch})
+      if (first == name || first.rfind(name + ".", 0) == 0)
+        return "-o " + output.string() + " is inside the snapshot's own set (" + (dir / first).string() +
+               "): name a file outside it";
+  }
+  std::vector<fs::path> members{file};
+  try {
+    for (const auto& shard : ctorch::snapshotShardFiles(file)) members.push_back(shard);
+  } catch (const std::exception&) {
+  }
+  for (const auto& member : members)
+    if (fs::equivalent(member, output, ec))
+      return "-o " + output.string() + " is " + member.string() + ", a file of the snapshot: name another file";
+  return std::nullopt;
+}
+
 int consolidate(const fs::path& file, const fs::path& output, bool force) {
   if (output.empty()) throw UsageError("consolidate needs -o OUT.pt");
   std::error_code ec;
   if (fs::equivalent(file, output, ec)) throw UsageError("-o " + output.string() + " is the snapshot itself: name another file");
+  if (auto problem = insideSnapshotSet(file, output)) throw UsageError(*problem);
   if (fs::exists(fs::symlink_status(output)) && !force)
     throw UsageError("-o " + output.string() + " exists: name another file, or add --force to replace it");
   if (auto problem = ctorch::snapshotPathProblem(output, "-o")) throw UsageError(*problem);

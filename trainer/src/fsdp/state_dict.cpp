@@ -2,6 +2,7 @@
 // of the parameters and of the optimizer's state, laid out by the unpadded flat buffers so that any
 // world size's shards load into any other's.
 #include "fsdp/engine.hpp"
+#include "fsdp/shard_pieces.hpp"
 
 #include "ctorch/snapshot.hpp"
 
@@ -38,7 +39,11 @@ std::pair<std::int64_t, std::int64_t> ownRange(const FlatParameter& flat, int ra
 // Fills `mine` (this rank's range [begin, end)) from the pieces the shards hold of one flat buffer;
 // throws ConfigError naming what is missing.
 void assemble(at::Tensor& mine, std::int64_t begin, std::int64_t end, const std::vector<std::pair<std::int64_t, at::Tensor>>& pieces,
-              const std::string& what, int rank) {
+              std::int64_t numel, const std::string& what, int rank) {
+  // Only shards that tile the whole buffer exactly once, in one dtype (no silent cast, no piece
+  // overriding another's elements): shard_pieces.hpp.
+  if (auto problem = shardPiecesProblem(pieces, numel, what, /*replicas=*/true))
+    throw ConfigError("loadShardStateDicts: " + *problem);
   std::int64_t covered = 0;
   for (const auto& [pieceBegin, data] : pieces) {
     const std::int64_t from = std::max(begin, pieceBegin), to = std::min(end, pieceBegin + data.numel());
@@ -236,7 +241,7 @@ void FSDPCore::loadShardStateDicts(const std::vector<ItemDict>& allShards) {
         pieces.emplace_back(entry.at("begin").toInt(), entry.at("data").toTensor());
       }
       auto mine = at::zeros({flat.shardNumel}, flat.shard.options().requires_grad(false));
-      assemble(mine, begin, end, pieces, flat.name, s.rank);
+      assemble(mine, begin, end, pieces, flat.numel, flat.name, s.rank);
       assembled.push_back(mine);
     }
   // Buffers are replicated; rank 0's are the ones the next forward broadcasts.
@@ -326,7 +331,7 @@ void FSDPCore::loadOptimizerShardStateDicts(torch::optim::Optimizer& optimizer, 
         }
         // The saved dtype, on this run's device (a snapshot written on CUDA may resume on the CPU).
         auto mine = at::zeros({flat.shardNumel}, item.value().toTensor().options().device(flat.shard.device()));
-        assemble(mine, begin, end, pieces, flat.name + " " + key, s.rank);
+        assemble(mine, begin, end, pieces, flat.numel, flat.name + " " + key, s.rank);
         own.insert(key, mine);
       }
       state.insert(index, own);

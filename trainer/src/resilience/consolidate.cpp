@@ -5,6 +5,7 @@
 #include "ctorch/sharded_snapshot.hpp"
 
 #include "core/exception_text.hpp"
+#include "fsdp/shard_pieces.hpp"
 #include "resilience/shard_files.hpp"
 #include "resilience/tracked_state.hpp"
 #include "snapshot/generic_dict.hpp"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace ctorch {
@@ -220,30 +222,14 @@ void consolidatePipeline(Snapshot& whole, const std::vector<ItemDict>& shards) {
   consolidateOptimizer(whole, offset);
 }
 
-// One flat buffer whole ([numel]) from the pieces every shard holds of it (each from "begin").
+// One flat buffer whole ([numel]) from the pieces every shard holds of it (each from "begin"): only
+// when they tile it exactly once in one dtype (shard_pieces.hpp; a hybrid run's replicas hold the same).
 at::Tensor gather(const Snapshot& snapshot, const std::vector<std::pair<std::int64_t, at::Tensor>>& pieces, std::int64_t numel,
                   const std::string& what) {
-  if (numel < 0 || pieces.empty()) bad(snapshot, "no pieces of '" + what + "'");
-  // Never more memory than the pieces hold (a crafted size cannot make this allocate without bound).
-  std::int64_t held = 0;
-  for (const auto& piece : pieces) held += piece.second.numel();
-  if (numel > held) bad(snapshot, "the shards hold " + std::to_string(held) + " elements of '" + what + "', not its " + std::to_string(numel));
+  // Checked before anything is allocated: a crafted size cannot make this allocate more than the pieces hold.
+  if (auto problem = detail::shardPiecesProblem(pieces, numel, what, /*replicas=*/true)) bad(snapshot, *problem);
   at::Tensor whole = at::zeros({numel}, pieces.front().second.options());
-  std::vector<std::pair<std::int64_t, std::int64_t>> covered;
-  for (const auto& [begin, data] : pieces) {
-    const std::int64_t n = data.numel();
-    if (begin < 0 || n > numel - begin) bad(snapshot, "a piece of '" + what + "' lies outside its " + std::to_string(numel) + " elements");
-    whole.narrow(0, begin, n).copy_(data.reshape({-1}));
-    covered.emplace_back(begin, begin + n);
-  }
-  std::sort(covered.begin(), covered.end());
-  std::int64_t upTo = 0;
-  for (const auto& [from, to] : covered) {
-    if (from > upTo) break;
-    upTo = std::max(upTo, to);
-  }
-  if (upTo < numel)
-    bad(snapshot, "the shards do not cover '" + what + "' (elements from " + std::to_string(upTo) + " of " + std::to_string(numel) + ")");
+  for (const auto& [begin, data] : pieces) whole.narrow(0, begin, data.numel()).copy_(data.reshape({-1}));
   return whole;
 }
 
@@ -284,19 +270,33 @@ std::vector<Piece> layoutOf(const Snapshot& snapshot, const c10::impl::GenericDi
       bad(snapshot, "'" + flat + "''s layout places '" + piece.name + "' outside its " + std::to_string(numel) + " elements");
     pieces.push_back(std::move(piece));
   }
-  // No element in two parameters: each piece is copied out, so pieces laid over each other (400
-  // parameters over one 1 MiB buffer) would make the output hundreds of times the shards' size.
+  // The parameters tile the buffer exactly, as FSDP lays them (one after another): no element in two
+  // parameters — each piece is copied out, so pieces laid over each other (400 parameters over one
+  // 1 MiB buffer) would make the output hundreds of times the shards' size, and a bias laid at its
+  // weight's offset would be read from the weight's elements — and none in no parameter.
   std::vector<const Piece*> byOffset;
-  for (const auto& piece : pieces) byOffset.push_back(&piece);
-  std::sort(byOffset.begin(), byOffset.end(), [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
-  for (std::size_t i = 1; i < byOffset.size(); ++i) {
-    const Piece& before = *byOffset[i - 1];
-    const Piece& piece = *byOffset[i];
-    if (before.numel() > 0 && piece.numel() > 0 && piece.offset < before.offset + before.numel())
-      bad(snapshot, "'" + flat + "''s layout lays '" + piece.name + "' (from element " + std::to_string(piece.offset) +
-                        ") over '" + before.name + "' (elements " + std::to_string(before.offset) + " to " +
-                        std::to_string(before.offset + before.numel() - 1) + "): parameters share no elements");
+  std::set<std::string> names;
+  for (const auto& piece : pieces) {
+    if (!names.insert(piece.name).second) bad(snapshot, "'" + flat + "''s layout lays '" + piece.name + "' twice");
+    if (piece.numel() > 0) byOffset.push_back(&piece);
   }
+  std::stable_sort(byOffset.begin(), byOffset.end(), [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
+  std::int64_t end = 0;
+  const Piece* before = nullptr;
+  for (const Piece* piece : byOffset) {
+    if (before && piece->offset < end)
+      bad(snapshot, "'" + flat + "''s layout lays '" + piece->name + "' (from element " + std::to_string(piece->offset) +
+                        ") over '" + before->name + "' (elements " + std::to_string(before->offset) + " to " +
+                        std::to_string(end - 1) + "): parameters share no elements");
+    if (piece->offset > end)
+      bad(snapshot, "'" + flat + "''s layout leaves elements " + std::to_string(end) + " to " + std::to_string(piece->offset - 1) +
+                        " to no parameter");
+    end = piece->offset + piece->numel();
+    before = piece;
+  }
+  if (end < numel)
+    bad(snapshot, "'" + flat + "''s layout leaves elements " + std::to_string(end) + " to " + std::to_string(numel - 1) +
+                      " to no parameter");
   return pieces;
 }
 
@@ -338,6 +338,7 @@ void consolidateFullyShardedModel(Snapshot& whole, const std::vector<ItemDict>& 
     layouts[name] = layoutOf(whole, entry, name, numel);
     for (const auto& piece : layouts[name]) {
       if (!place.count(piece.name)) bad(whole, "'" + piece.name + "' is in a layout but not among the parameters");
+      if (parameters.count(piece.name)) bad(whole, "'" + piece.name + "' is laid in two flat buffers");
       parameters[piece.name] = data.narrow(0, piece.offset, piece.numel()).view(piece.shape).clone();
     }
   }
@@ -400,6 +401,53 @@ void consolidateFullyShardedModel(Snapshot& whole, const std::vector<ItemDict>& 
 }
 
 }  // namespace
+
+namespace detail {
+
+void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDict>& shards) {
+  try {
+    std::vector<c10::impl::GenericDict> models, optimizers;
+    for (const auto& shard : shards) {
+      if (!shard.contains(kShardedModelKey) || !shard.at(kShardedModelKey).isGenericDict()) return;  // not FSDP's
+      models.push_back(shard.at(kShardedModelKey).toGenericDict());
+      if (shard.contains("fsdp_optimizer") && shard.at("fsdp_optimizer").isGenericDict())
+        optimizers.push_back(shard.at("fsdp_optimizer").toGenericDict());
+    }
+    if (models.empty()) return;
+    for (const auto& flat : dictAt(snapshot, models.front(), "flat_parameters")) {
+      const std::string name = flat.key().toStringRef();
+      const std::int64_t numel = flat.value().toGenericDict().at("numel").toInt();
+      ShardPieces pieces;
+      for (const auto& model : models) {
+        const auto theirs = dictAt(snapshot, dictAt(snapshot, model, "flat_parameters"), name);
+        pieces.emplace_back(theirs.at("begin").toInt(), theirs.at("data").toTensor());
+      }
+      if (auto problem = shardPiecesProblem(pieces, numel, name, /*replicas=*/true)) bad(snapshot, *problem);
+    }
+    if (optimizers.size() != models.size()) return;  // judged where it is read
+    for (const auto& flat : dictAt(snapshot, optimizers.front(), "flat_state")) {
+      const std::string name = flat.key().toStringRef();
+      const auto entry = flat.value().toGenericDict();
+      if (!entry.contains("pieces") || !entry.contains("numel")) continue;
+      for (const auto& key : entry.at("pieces").toGenericDict()) {
+        ShardPieces pieces;
+        for (const auto& optimizer : optimizers) {
+          const auto theirs = dictAt(snapshot, dictAt(snapshot, optimizer, "flat_state"), name);
+          const auto held = theirs.at("pieces").toGenericDict();
+          if (held.contains(key.key())) pieces.emplace_back(theirs.at("begin").toInt(), held.at(key.key()).toTensor());
+        }
+        const std::string what = name + " " + key.key().toStringRef();
+        if (auto problem = shardPiecesProblem(pieces, entry.at("numel").toInt(), what, /*replicas=*/true)) bad(snapshot, *problem);
+      }
+    }
+  } catch (const SnapshotError&) {
+    throw;
+  } catch (const std::exception& e) {  // a value of another type than written (c10::Error)
+    bad(snapshot, "unexpected content (" + messageOf(e) + ")");
+  }
+}
+
+}  // namespace detail
 
 Snapshot consolidateSnapshot(const Snapshot& snapshot) {
   const SnapshotSharding sharding = shardingOf(snapshot);

@@ -497,9 +497,11 @@ struct ResilientTraining::Impl {
     // writes) is skipped like a damaged one.
     load.accept = [this, expect = load.expect](const Snapshot& candidate) {
       state.checkFields(candidate);
-      if (state.sharded() && candidate.userState.contains(detail::kZeroShardsKey))
-        resumeShards[candidate.source] =
-            detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
+      if (state.sharded() && candidate.userState.contains(detail::kZeroShardsKey)) {
+        auto shards = detail::findShards(candidate, {saver->slot(), saver->boundarySlot(), candidate.source}, expect);
+        detail::checkFullyShardedPieces(candidate, shards);  // pieces that cannot be: set aside like damage
+        resumeShards[candidate.source] = std::move(shards);
+      }
     };
     Found newest;
     if (o.resumeFrom() && !slotOnly) {

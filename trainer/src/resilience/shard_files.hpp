@@ -82,6 +82,12 @@ std::vector<std::filesystem::path> slotsOf(const std::filesystem::path& file);
 std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std::filesystem::path>& slots,
                                  const SnapshotExpectation& expect);
 
+// FSDP's shards of `snapshot` (as findShards returns them): the ranks' pieces of every flat buffer
+// and of each optimizer state tile it exactly once, in one dtype (fsdp/shard_pieces.hpp); else
+// SnapshotCorrupt naming `snapshot`, so that a resume sets the set aside like a damaged file. Shards
+// of another kind pass. Allocates nothing but a replica's comparison.
+void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDict>& shards);
+
 // A snapshot saved without sharding holds the whole optimizer's state: as one shard (its parameters
 // are the model's in order, the global indices ZeRO uses), so that a run can switch to ZeRO.
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot);
