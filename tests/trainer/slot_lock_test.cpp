@@ -7,6 +7,7 @@
 #include <ctorch/snapshot.hpp>
 
 #include <csignal>
+#include <thread>
 
 using namespace traintest;
 using ctorch::test::TempDir;
@@ -63,4 +64,55 @@ TEST_CASE("slot lock: a second job on a slot in use fails at once naming the fir
   INFO(show(third));
   CHECK(third.ok());
   CHECK_FALSE(std::filesystem::exists(dir / "run" / "snapshot.pt.lock"));
+}
+
+TEST_CASE("slot lock: a rank 0 its group went on without (frozen, the run now in a later rendezvous round) loses the "
+          "slot: the later round takes the lock over and resumes, the old one writes nothing after it thaws",
+          "[trainer][process][slotlock]") {
+  // Issue 58: a store host that also ran rank 0 froze for 70 s; the others re-formed without it, but
+  // every new round failed at the slot's lock (the frozen rank 0 still held it) until no restart was
+  // left; frozen 20 s, it thawed and wrote a snapshot after the group had removed it. Here the two
+  // rounds' rank 0 are ctorch-train processes of one run id, given their rounds as ctorchrun gives
+  // them (CTORCH_RDZV_ROUND).
+  TempDir dir("slot-lock-fence");
+  const fs::path slot = dir / "run" / "snapshot.pt";
+  SpawnOptions first = trainAlone(dir.path(), slowToy("1", "200"), std::chrono::seconds(300));
+  first.setEnv["TORCHELASTIC_RUN_ID"] = "fenced-run";
+  first.setEnv["CTORCH_RDZV_ROUND"] = "0";
+  Process old(first);
+  // It holds the lock and has written a snapshot; then its node freezes (it keeps the lock).
+  REQUIRE(waitForOutput(old, std::regex("snapshot written|epoch 1/200"), std::chrono::seconds(120)));
+  for (int i = 0; i < 2400 && !(fs::exists(slot) && fs::exists(slot.string() + ".lock")); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE(fs::exists(slot));
+  REQUIRE(::kill(old.pid(), SIGSTOP) == 0);
+  CHECK_THAT(ctorch::test::readFile(slot.string() + ".lock"), Catch::Contains("run=fenced-run round=0 pid="));
+
+  SpawnOptions second = trainAlone(dir.path(), slowToy("1", "2"), std::chrono::seconds(300));
+  second.setEnv["TORCHELASTIC_RUN_ID"] = "fenced-run";
+  second.setEnv["CTORCH_RDZV_ROUND"] = "1";
+  const auto r = ctorch::test::run(second);
+  INFO(show(r));
+  CHECK(r.ok());
+  CHECK_THAT(r.output, Catch::Contains("an earlier round of this run that the group went on without: taking the lock "
+                                       "over for round 1"));
+  CHECK_THAT(r.output, Catch::Contains("resuming from"));
+  // It left its line: the old holder, should it wake, must find the later round there.
+  CHECK_THAT(ctorch::test::readFile(slot.string() + ".lock"), Catch::Contains("run=fenced-run round=1 pid="));
+  const std::string written = ctorch::test::readFile(slot);
+
+  // The old rank 0 thaws and goes on training: its next save is refused before it touches a file,
+  // and it stops (a failed write); the slot holds what round 1 wrote, byte for byte.
+  REQUIRE(::kill(old.pid(), SIGCONT) == 0);
+  const auto o = old.wait();
+  INFO(show(o));
+  CHECK(o.exitCode == ctorch::contract::kExitWriteFailed);
+  // Refused by the fence; or, had it frozen inside a write past the fence's last check, its temporary
+  // file was removed by round 1's first write and the rename fails: either way nothing of it lands.
+  const bool fenced = o.output.find("is held by round 1 of this run") != std::string::npos &&
+                      o.output.find("writes nothing more") != std::string::npos;
+  CHECK((fenced || o.output.find("No such file or directory") != std::string::npos));
+  CHECK(ctorch::test::readFile(slot) == written);
+  for (const auto& entry : fs::directory_iterator(dir / "run"))
+    CHECK(entry.path().filename().string().find(".tmp-") == std::string::npos);  // nothing of its left behind
 }

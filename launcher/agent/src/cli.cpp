@@ -188,6 +188,11 @@ std::string contractFooter() {
     std::string name = v.name;
     os << "  " << name << std::string(width - name.size() + 2, ' ') << v.meaning << "\n";
   }
+  os << "ctorchrun also sets:\n";
+  for (const auto& v : contract::kCtorchVariables) {
+    std::string name = v.name;
+    os << "  " << name << std::string(width > name.size() ? width - name.size() + 2 : 2, ' ') << v.meaning << "\n";
+  }
   os << "With --recovery in-place (docs/in-place-recovery.md), also:\n";
   for (const auto& v : contract::kInPlaceVariables) {
     std::string name = v.name;

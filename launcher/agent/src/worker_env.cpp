@@ -54,6 +54,7 @@ std::map<std::string, std::string> contractVariables(const LaunchConfig& c, cons
       {env::kRunId, info.runId},
       {env::kUseAgentStore, info.agentStore ? "True" : "False"},
       {env::kErrorFile, errorFile},
+      {env::kRendezvousRound, std::to_string(info.round)},
   };
   if (c.inPlaceRecovery) {
     vars[env::kRecovery] = contract::kRecoveryInPlace;

@@ -181,6 +181,11 @@ struct SnapshotSlotOptions {
   int keepPrevious = 2;  // K: how many older snapshots are kept next to the newest
   // Called after each step of a write; tests use it to simulate a crash between steps.
   std::function<void(SnapshotWriteStep)> onWriteStep;
+  // Called before the write touches the file system and again just before it rotates the kept
+  // files and puts the new one in place: throwing stops the write there (its temporary file
+  // removed, the slot as it was). A fencing check: ResilientTraining refuses the writes of a process
+  // its group went on without (a later rendezvous round holds the slot's lock).
+  std::function<void()> fence;
 
   void validate() const;  // throws std::invalid_argument naming the bad value
 };

@@ -16,12 +16,8 @@ SnapshotSaver::SnapshotSaver(Options options)
     : o_(std::move(options)), boundarySlot_(detail::boundarySlot(o_.slot)), writer_(o_.backgroundWrite) {}
 
 bool SnapshotSaver::lockSlot(std::string& holder) {
-  const char* id = std::getenv(contract::env::kRunId);
-  std::string runId = id ? std::string(id).substr(0, 200) : std::string();
-  for (char& c : runId)
-    if (c == ' ' || c < 0x20 || c > 0x7e) c = '_';
   std::string detail;
-  switch (slotLock_.acquire(o_.slot, runId, std::chrono::seconds(10), detail, o_.say)) {
+  switch (slotLock_.acquire(o_.slot, lockRunId(), lockRound(), std::chrono::seconds(10), detail, o_.say)) {
     case SlotLock::Result::kHeld: return true;
     case SlotLock::Result::kUnavailable:
       o_.say("warning: " + detail + "; running without the check that no other job uses this snapshot slot");
@@ -77,10 +73,17 @@ std::vector<SnapshotSlotOptions> SnapshotSaver::files(bool boundary, const SaveE
                                                      int slotKeep, int boundaryKeep,
                                                      const std::function<std::filesystem::path(const std::filesystem::path&)>& name) const {
   std::vector<SnapshotSlotOptions> out;
+  // Fencing (slot_lock.hpp): a process of an earlier round of this run, left behind by its group,
+  // writes nothing once a later round holds the slot's lock — checked before each file is touched.
+  auto fence = [slot = o_.slot, runId = lockRunId(), round = lockRound(), rank = o_.rank] {
+    if (auto why = SlotLock::fencedReason(slot, runId, round))
+      throw WriteFailed("rank " + std::to_string(rank) + ": " + *why);
+  };
   auto add = [&](const std::filesystem::path& path, int keep) {
     SnapshotSlotOptions slotOptions;
     slotOptions.path = name(path);
     slotOptions.keepPrevious = keep;
+    slotOptions.fence = fence;
     out.push_back(slotOptions);
   };
   if (targets == Targets::kSlotAndExtras) {

@@ -141,6 +141,7 @@ std::size_t detail::writePreparedSnapshot(const PreparedArchive& prepared, const
   auto step = [&](SnapshotWriteStep s) {
     if (options.onWriteStep) options.onWriteStep(s);
   };
+  if (options.fence) options.fence();  // before anything is touched (stale temporaries included)
   // The archive is streamed from the tensors into the file, not built in memory first (for a large
   // model that copy, and its fresh pages, slowed the training steps running beside the writer).
   // A folder made here (a sharded run's "<file>.shards") is made durable in its parent too.
@@ -155,6 +156,7 @@ std::size_t detail::writePreparedSnapshot(const PreparedArchive& prepared, const
   step(SnapshotWriteStep::TempSynced);
 
   try {
+    if (options.fence) options.fence();  // again: the write may have taken long
     const bool hadCurrent = pathExists(slot);
     if (options.keepPrevious > 0) {
       // 2. Older ones move up one place: path.(K-1) -> path.K, ..., path.1 -> path.2. Each rename

@@ -54,6 +54,12 @@ inline constexpr const char* kControlKey = "CTORCH_CONTROL_KEY";
 // coordinator knows each rank by the process that holds it now; a kill names one incarnation, so
 // nothing said about an earlier process (or launch, or a reused pid) can touch this one.
 inline constexpr const char* kIncarnation = "CTORCH_INCARNATION";
+// The rendezvous round the worker's group was formed in (0, 1, ...: every completed rendezvous of
+// the run counts one; the nodes of a round agree on it). A fencing token: a worker of a later round
+// of the same run outranks one of an earlier round, which the group has left behind (a node removed
+// while it was frozen). ctorch's snapshot writer takes the slot's lock over from an earlier round's
+// holder, and refuses to write once a later round holds it (docs/snapshot.md).
+inline constexpr const char* kRendezvousRound = "CTORCH_RDZV_ROUND";
 
 // Slurm variables read by the library when a worker is started by plain `srun` (no launcher).
 inline constexpr const char* kSlurmProcId = "SLURM_PROCID";
@@ -96,6 +102,11 @@ inline constexpr VariableDoc kWorkerVariables[] = {
     {env::kOmpNumThreads, "1 when unset and more than one worker runs on the node"},
 };
 
+// ctorchrun's own additions, on every worker.
+inline constexpr VariableDoc kCtorchVariables[] = {
+    {env::kRendezvousRound, "the rendezvous round this group formed in (0, 1, ...): a later round outranks an earlier one"},
+};
+
 // ctorchrun's own additions (only with --recovery in-place).
 inline constexpr VariableDoc kInPlaceVariables[] = {
     {env::kRecovery, "in-place with --recovery in-place (else unset)"},
@@ -112,7 +123,7 @@ inline constexpr VariableDoc kInPlaceVariables[] = {
 // stale key, so ctorchrun removes them from what its workers inherit, and says so.
 inline constexpr const char* kLauncherOwnedVariables[] = {env::kRecovery,   env::kReplacement, env::kSpare,
                                                           env::kSpareLogDir, env::kPreloaded,   env::kControlKey,
-                                                          env::kIncarnation};
+                                                          env::kIncarnation, env::kRendezvousRound};
 
 // ---- The agent store ------------------------------------------------------------------------------
 // With TORCHELASTIC_USE_AGENT_STORE=True a worker connects as a client to the TCPStore the agent
