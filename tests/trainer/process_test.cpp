@@ -597,10 +597,26 @@ TEST_CASE("resume: a snapshot whose fields the loop reads back are retyped is se
       {"ddp_buckets", c10::IValue(std::string("none")), "ddp_buckets is not a list"},
       {"best_accuracy", c10::IValue(std::string("high")), "USER_STATE['best_accuracy'] is not a number"},
   };
-  for (const auto& [key, value, says] : cases) {
+  // The optimizer's state too (before: SnapshotIncompatible naming the field, exit 2, .1 never tried):
+  // OPTIMIZER_STATE['state'] not a dict, a group's learning rate not a number.
+  const std::vector<std::tuple<std::string, c10::IValue, std::string>> optimizerCases = {
+      {"state", c10::IValue(std::string("none")), "OPTIMIZER_STATE: OPTIMIZER_STATE lacks 'state' (dict)"},
+      {"lr", c10::IValue(std::string("fast")), "OPTIMIZER_STATE: param_groups[0]['lr'] is String, expected a number"},
+  };
+  std::vector<std::tuple<std::string, c10::IValue, std::string>> all = cases;
+  all.insert(all.end(), optimizerCases.begin(), optimizerCases.end());
+  for (const auto& [key, value, says] : all) {
     for (const auto& name : {"snapshot.pt", "snapshot.pt.1", "snapshot.pt.unusable"}) fs::remove(dir / name);
     ctorch::Snapshot s = ctorch::loadSnapshot(dir / "good.pt");
-    s.userState.insert_or_assign(key, value);
+    if (key == "state") {
+      s.optimizerState.insert_or_assign("state", value);
+    } else if (key == "lr") {
+      auto group = s.optimizerState.at("param_groups").toListRef().at(0).toGenericDict();
+      REQUIRE(group.contains("lr"));
+      group.insert_or_assign("lr", value);
+    } else {
+      s.userState.insert_or_assign(key, value);
+    }
     ctorch::SnapshotSlotOptions slot;
     slot.path = dir / "snapshot.pt";
     slot.keepPrevious = 0;

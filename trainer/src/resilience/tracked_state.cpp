@@ -3,6 +3,7 @@
 #include "resilience/tracked_state.hpp"
 
 #include "resilience/shard_files.hpp"
+#include "snapshot/optimizer_check.hpp"
 
 #include "ctorch/errors.hpp"
 #include "ctorch/pipeline.hpp"
@@ -225,6 +226,14 @@ void TrackedState::checkFields(const Snapshot& snap) const {
     if (!v.isList()) refuse(item.name, "is a " + v.tagKind() + ", expected a list of numbers (one per rank)");
     for (const c10::IValue& x : v.toListRef())
       if (!x.isDouble() && !x.isInt()) refuse(item.name, "holds a " + x.tagKind() + ", expected numbers (one per rank)");
+  }
+  // The optimizer's state (a whole one: a sharded optimizer's is in the shards), dry-run against the
+  // live optimizer: an entry missing or retyped in a state that is otherwise this optimizer's is
+  // damage, set aside like a damaged file; a state for another optimizer is restore()'s to refuse.
+  if (optimizer_ && !snap.optimizerType.empty() && !user.contains(kZeroShardsKey)) {
+    const auto damage = optimizerStateDamage(*optimizer_, snap.optimizerType, snap.optimizerState);
+    if (!damage.empty())
+      throw SnapshotCorrupt(snap.source, SnapshotCorrupt::Kind::BadContent, "OPTIMIZER_STATE: " + damage.front());
   }
   for (const auto& [name, check] : checks_) {
     if (!user.contains(name)) continue;

@@ -387,16 +387,24 @@ std::unique_ptr<torch::optim::OptimizerParamState> readParamState(const std::str
 }
 
 // Checks `state` against `optimizer` and returns the change to apply, or the problems.
+// `fits` (when given) is cleared when the snapshot is for another optimizer (another type, another
+// number of groups or of parameters in a group): an incompatibility. Any other problem found is in
+// the state itself (an entry missing or of another type): damage.
 std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
                                             const std::string& typeName,
                                             const ItemDict& state,
-                                            std::vector<std::string>& errors) {
+                                            std::vector<std::string>& errors, bool* fits = nullptr) {
+  auto incompatible = [&] {
+    if (fits) *fits = false;
+  };
   const std::string mine = optimizerTypeName(optimizer);
   if (mine.empty()) {
+    incompatible();
     errors.push_back("the optimizer is not one ctorch snapshots support (SGD, Adam, AdamW, RMSprop, Adagrad)");
     return {};
   }
   if (typeName != mine) {
+    incompatible();
     errors.push_back("optimizer is " + (typeName.empty() ? std::string("absent") : typeName) +
                      " in the snapshot, " + mine + " in this run");
     return {};
@@ -412,6 +420,7 @@ std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
   const auto states = statesIt->value().toGenericDict();
   auto& live = optimizer.param_groups();
   if (groups.size() != live.size()) {
+    incompatible();
     errors.push_back("optimizer has " + std::to_string(groups.size()) +
                      " parameter groups in the snapshot, " + std::to_string(live.size()) +
                      " in this run");
@@ -429,6 +438,7 @@ std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
     const auto& params = g.need("params");
     const auto& liveParams = live[gi].params();
     if (!params.isList() || params.toListRef().size() != liveParams.size()) {
+      if (params.isList()) incompatible();
       errors.push_back(where + " has " +
                        (params.isList() ? std::to_string(params.toListRef().size()) : "no") +
                        " parameters in the snapshot, " + std::to_string(liveParams.size()) +
@@ -530,6 +540,18 @@ ItemDict captureOptimizerState(const torch::optim::Optimizer& optimizer, std::st
   out.insert("param_groups", groups);
   return out;
 }
+
+namespace detail {
+
+std::vector<std::string> optimizerStateDamage(torch::optim::Optimizer& optimizer, const std::string& typeName,
+                                              const ItemDict& state) {
+  std::vector<std::string> errors;
+  bool fits = true;
+  (void)planOptimizerRestore(optimizer, typeName, state, errors, &fits);
+  return fits ? errors : std::vector<std::string>{};
+}
+
+}  // namespace detail
 
 std::vector<std::string> restoreOptimizerState(torch::optim::Optimizer& optimizer,
                                                const std::string& typeName,
