@@ -9,6 +9,11 @@
 #include "launcher_test_util.hpp"
 
 #include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -86,4 +91,114 @@ TEST_CASE("c10d agent: waiting for peers with its state key deleted, it stops on
   const bool gone = r.output.find("rendezvous state key '" + kStateKey + "' is gone") != std::string::npos;
   const bool signalled = r.output.find("received SIGTERM") != std::string::npos;
   CHECK((gone || signalled));
+}
+
+// ---- a job whose agents host the stores (issue 58) --------------------------------------------------------
+namespace {
+
+// Agent `host` (1 or 2) of a 2-node c10d job on the loopback whose rendezvous store agent 1 serves
+// at 127.0.0.1:`port`, with ctorchrun's default heartbeats (1 s, dead after 3 missed).
+std::vector<std::string> hostedArgs(int port, int host, const std::vector<std::string>& extra,
+                                    const std::vector<std::string>& worker) {
+  std::vector<std::string> a = {"--log-level", "debug", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
+                                "--rdzv-id", "hosted",
+                                "--rdzv-conf", std::string("is_host=") + (host == 1 ? "true" : "false") +
+                                                   ",last_call_timeout=0.5,join_timeout=120,close_timeout=3",
+                                "--node-rank", std::to_string(host - 1), "--shutdown-timeout", "3"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  a.push_back(fakeWorkerBin());
+  a.insert(a.end(), worker.begin(), worker.end());
+  return a;
+}
+
+// Both agents of the job, started once agent 1 serves the port (drawn again while it was taken).
+struct HostedJob {
+  HostedJob(const std::vector<std::string>& extra, const std::vector<std::string>& worker) {
+    test::withFreshPort([&](int p) {
+      port = p;
+      host1 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(p, 1, extra, worker), {}, 120s));
+      eventually([&] { return !host1->running() || host1->outputSoFar().find("hosting the rendezvous store on port") !=
+                                                       std::string::npos; },
+                 60s);
+      return !host1->running() && test::portTaken(host1->outputSoFar());
+    });
+    REQUIRE(host1->running());
+    host2 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(port, 2, extra, worker), {}, 120s));
+  }
+  bool bothStarted() {
+    return outputHas(*host1, "started 1 worker(s)", 60s) && outputHas(*host2, "started 1 worker(s)", 60s);
+  }
+  int port = 0;
+  std::unique_ptr<test::Process> host1, host2;
+};
+
+// A TCP socket process `pid` listens on: its address and port as /proc/net/tcp{,6} give them.
+struct Listener {
+  std::string address;  // hex, as the kernel prints it
+  int port = 0;
+  bool v6 = false;
+};
+
+std::vector<Listener> listenersOf(int pid) {
+  namespace fs = std::filesystem;
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = fs::read_symlink(fd.path(), ec).string();
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<Listener> out;
+  for (const bool v6 : {false, true}) {
+    std::ifstream in(v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos || !inodes.count(inode)) continue;
+      out.push_back({local.substr(0, colon), std::stoi(local.substr(colon + 1), nullptr, 16), v6});
+    }
+  }
+  return out;
+}
+
+// 127.x.y.z is printed as the 32-bit word in host (little-endian) order: "..7F"; ::1 as four words.
+bool loopback(const Listener& l) {
+  return l.v6 ? l.address == "00000000000000000000000001000000"
+              : l.address.size() == 8 && l.address.substr(6) == "7F";
+}
+
+std::string describe(const std::vector<Listener>& ls) {
+  std::string s;
+  for (const auto& l : ls) s += (l.v6 ? "[" + l.address + "]" : l.address) + ":" + std::to_string(l.port) + " ";
+  return s;
+}
+
+} // namespace
+
+// Issue 58.4: with --rdzv-endpoint 127.0.0.1:P every agent is on this machine, yet the rendezvous
+// store, the workers' store and the standby store listened on every interface (IPv6 dual-stack "::").
+TEST_CASE("c10d agent: with a loopback endpoint the rendezvous, workers' and standby stores listen on the loopback "
+          "only (issue 58.4)") {
+  HostedJob job({"--store-failover"}, {"hang"});
+  REQUIRE(job.bothStarted());
+  // Agent 1: the rendezvous store (the endpoint's port) and the workers' store (node rank 0's);
+  // agent 2: its standby store (--store-failover).
+  const auto host1 = listenersOf(job.host1->pid()), host2 = listenersOf(job.host2->pid());
+  INFO("agent 1 listens on " << describe(host1) << "; agent 2 on " << describe(host2));
+  CHECK(host1.size() >= 2);
+  CHECK(host2.size() >= 1);
+  bool endpoint = false;
+  for (const auto& l : host1) endpoint = endpoint || l.port == job.port;
+  CHECK(endpoint);
+  for (const auto& l : host1) CHECK(loopback(l));
+  for (const auto& l : host2) CHECK(loopback(l));
+  CHECK_THAT(job.host1->outputSoFar(), Catch::Contains("listening on 127.0.0.1"));
+  job.host1->signalGroup(SIGTERM);
+  job.host2->signalGroup(SIGTERM);
+  INFO(job.host1->wait().output);
+  INFO(job.host2->wait().output);
 }

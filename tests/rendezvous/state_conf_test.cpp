@@ -299,6 +299,20 @@ TEST_CASE("store host: own address or name hosts and is_host overrides", "[rende
   CHECK_THAT(decideStoreHost("n2", std::nullopt, me, {}).reason, Catch::Contains("does not resolve"));
 }
 
+TEST_CASE("store host: a literal loopback endpoint or localhost keeps the stores on the loopback, a name does not "
+          "(issue 58.4)", "[rendezvous]") {
+  CHECK(loopbackEndpoint("127.0.0.1"));
+  CHECK(loopbackEndpoint("127.0.1.1"));
+  CHECK(loopbackEndpoint("::1"));
+  CHECK(loopbackEndpoint("0:0::1"));
+  CHECK(loopbackEndpoint("LocalHost"));
+  CHECK_FALSE(loopbackEndpoint("10.9.0.1"));
+  CHECK_FALSE(loopbackEndpoint("::"));
+  CHECK_FALSE(loopbackEndpoint("0.0.0.0"));
+  CHECK_FALSE(loopbackEndpoint("n1"));  // may resolve to 127.0.1.1 here, to a routable address elsewhere
+  CHECK_FALSE(loopbackEndpoint("localhost.example"));
+}
+
 TEST_CASE("store host: this machine's identity includes its loopback address", "[rendezvous]") {
   auto me = discoverLocalIdentity();
   CHECK_FALSE(me.hostname.empty());

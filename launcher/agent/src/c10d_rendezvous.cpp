@@ -103,6 +103,7 @@ RendezvousInfo C10dRendezvous::Impl::next(const RendezvousRequest& request) {
   workerStore_.reset();
   store::TcpStoreServerOptions wo;
   wo.port = 0;
+  wo.host = loopbackBind(announcedAddr_);
   wo.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
   if (o_.controlPlane) wo.side = o_.controlPlane();
   workerStore_ = std::make_unique<store::TcpStoreServer>(wo);
@@ -226,11 +227,13 @@ void C10dRendezvous::Impl::setUp(const RendezvousRequest& request) {
                                       rdzv::c10d::resolveHost(o_.endpointHost));
   if (decision.isHost) {
     store::TcpStoreServerOptions so = hostOptions();
+    so.host = loopbackBind(o_.endpointHost);
     so.port = static_cast<std::uint16_t>(o_.endpointPort);
     for (int attempt = 1;; ++attempt) {
       try {
         hostServer_ = std::make_unique<store::TcpStoreServer>(so);
-        l.info("hosting the rendezvous store on port {} ({})", hostServer_->port(), decision.reason);
+        l.info("hosting the rendezvous store on port {} ({}; listening on {})", hostServer_->port(), decision.reason,
+               so.host.empty() ? std::string("every interface") : so.host);
         break;
       } catch (const store::StoreBindError& e) {
         // Several agents of one machine, or a store already served there: as torch does, an agent
@@ -251,10 +254,24 @@ void C10dRendezvous::Impl::setUp(const RendezvousRequest& request) {
       }
     }
   }
+  link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
+                                      s.heartbeatExpiry(), aliveKey(nodeId_));
+  // Two ticks of refusals (at least 0.5 s): a store that is merely slow never refuses.
+  if (o_.storeFailover) link_->setRefusedLimit(std::max(milliseconds(500), o_.tick * 2));
+  link_->connectFirst(Clock::now() + s.joinTimeout, request);
+  // How the others reach this node (its workers' store, its standby): as given, else the endpoint
+  // itself when the store is here, else the address of this machine on the route to the store.
+  if (!o_.localAddr.empty())
+    announcedAddr_ = o_.localAddr;
+  else if (hostServer_)
+    announcedAddr_ = o_.endpointHost;
+  else
+    announcedAddr_ = link_->localAddress();
   if (o_.storeFailover && !hostServer_) {
     // Ready before this node joins (its port goes into its participant entry), idle until the
     // store's host is lost and this node is the next in line.
     store::TcpStoreServerOptions so = hostOptions();
+    so.host = loopbackBind(announcedAddr_);
     so.port = 0;
     // Connections that come and go before it serves (the others waiting for it) mean nothing.
     so.onEphemeralKeyLost = [this](const std::string& key) {
@@ -263,11 +280,10 @@ void C10dRendezvous::Impl::setUp(const RendezvousRequest& request) {
     standby_ = std::make_unique<store::TcpStoreServer>(so);
     l.info("store failover: standby rendezvous store on port {}", standby_->port());
   }
-  link_ = std::make_unique<StoreLink>(o_.endpointHost, o_.endpointPort, o_.operationTimeout,
-                                      s.heartbeatExpiry(), aliveKey(nodeId_));
-  // Two ticks of refusals (at least 0.5 s): a store that is merely slow never refuses.
-  if (o_.storeFailover) link_->setRefusedLimit(std::max(milliseconds(500), o_.tick * 2));
-  link_->connectFirst(Clock::now() + s.joinTimeout, request);
+}
+
+std::string C10dRendezvous::Impl::loopbackBind(const std::string& announced) const {
+  return rdzv::c10d::loopbackEndpoint(o_.endpointHost) ? announced : std::string();
 }
 
 store::TcpStoreServerOptions C10dRendezvous::Impl::hostOptions() {
@@ -284,15 +300,7 @@ void C10dRendezvous::Impl::makeExecutor(const RendezvousRequest& request) {
   self.host = o_.hostname;
   self.nproc = request.localNproc;
   self.requestedRank = o_.requestedRank;
-  // How the others reach this node (for the workers' store, if it becomes node rank 0): as
-  // given, else the endpoint itself when the store is here, else the address of this machine
-  // on the route to the store.
-  if (!o_.localAddr.empty())
-    self.addr = o_.localAddr;
-  else if (hostServer_)
-    self.addr = o_.endpointHost;
-  else
-    self.addr = link_->localAddress();
+  self.addr = announcedAddr_;  // for the workers' store, if this node becomes node rank 0
   if (standby_) self.standbyPort = standby_->port();
   self.storeHost = hostServer_ != nullptr;
   rdzv::c10d::ExecutorOptions eo;

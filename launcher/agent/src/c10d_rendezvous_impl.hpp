@@ -44,6 +44,10 @@ class C10dRendezvous::Impl {
   // The rendezvous store's options (also its standby's): agents' alive keys are ephemeral.
   store::TcpStoreServerOptions hostOptions();
   void makeExecutor(const RendezvousRequest& request);
+  // Where a store this node serves listens: where it is announced (`announced`) when the endpoint
+  // is on the loopback (every node is on this machine: nobody else needs to reach it); else every
+  // interface ("").
+  std::string loopbackBind(const std::string& announced) const;
   // The round the executor forms, with failover while it does; throws the launcher's errors.
   rdzv::c10d::RoundResult formRound(const RendezvousRequest& request);
   std::string aliveKey(const std::string& node) const;
@@ -98,6 +102,7 @@ class C10dRendezvous::Impl {
   std::unique_ptr<store::TcpStoreServer> standby_;  // --store-failover, until promoted
   std::atomic<bool> standbyServes_{false};
   std::unique_ptr<StoreLink> link_;
+  std::string announcedAddr_;  // how the other nodes reach this one (set up with link_)
   std::unique_ptr<rdzv::c10d::Executor> executor_;
   std::unique_ptr<store::TcpStoreServer> workerStore_;
   std::optional<rdzv::c10d::RoundResult> round_;

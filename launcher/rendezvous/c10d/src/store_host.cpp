@@ -114,6 +114,13 @@ StoreHostDecision decideStoreHost(std::string_view endpointHost, std::optional<b
   return d;
 }
 
+bool loopbackEndpoint(std::string_view endpointHost) {
+  const std::string host = text::toLower(endpointHost);
+  if (host == "localhost") return true;
+  const auto ip = canonicalIp(host);
+  return ip && isLoopback(*ip);
+}
+
 LocalIdentity discoverLocalIdentity() {
   LocalIdentity id;
   char name[256] = {};

@@ -28,6 +28,12 @@ StoreHostDecision decideStoreHost(std::string_view endpointHost, std::optional<b
                                   const LocalIdentity& local,
                                   const std::vector<std::string>& endpointAddresses);
 
+// Whether `endpointHost` is a literal loopback address (127.x.y.z, ::1) or "localhost": then every
+// node of the job runs on this machine, and the job's stores listen where they are announced (the
+// loopback) instead of on every interface. A name that merely resolves to loopback here (Debian maps
+// its own host name to 127.0.1.1) is not: other machines resolve it to a routable address.
+bool loopbackEndpoint(std::string_view endpointHost);
+
 // I/O helpers: this machine's names and interface addresses; a host's addresses (getaddrinfo,
 // empty when it does not resolve).
 LocalIdentity discoverLocalIdentity();
