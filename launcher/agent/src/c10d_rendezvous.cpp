@@ -31,6 +31,19 @@ constexpr int kHostAttempts = 50;
 // Store failovers one re-forming may go through (the store's host, then its successor, ...).
 constexpr int kMaxFailoversPerRound = 3;
 
+// How long a store this agent serves waits on a client that does not take its replies once they
+// have filled the server (TcpStoreServerOptions::replyTimeout): everyone's requests wait meanwhile,
+// and such a client is dropped one window after it stopped taking them (a slow one after one or two
+// windows). A quarter of the agents' request bound (operationTimeout: an agent whose request goes
+// unanswered that long drops its connection, and its peers take the closed connection for its
+// death) and at most a sixth of the heartbeat expiry (after which the agents give up on the store):
+// 250 ms at the defaults. With the server's 5 s window (5-10 s of waiting) connections that asked
+// for a large value and never read made both agents of a job give up after 3.25 s (issue 58.1).
+milliseconds replyWindow(const C10dRendezvousOptions& o) {
+  return std::clamp(std::min(o.operationTimeout / 4, o.settings.heartbeatExpiry() / 6), milliseconds(100),
+                    milliseconds(5000));
+}
+
 // Whether something on this machine accepts connections on `port` (IPv4 or IPv6 loopback).
 bool portAnswers(int port) {
   auto tryConnect = [port](int family) {
@@ -104,6 +117,7 @@ RendezvousInfo C10dRendezvous::Impl::next(const RendezvousRequest& request) {
   store::TcpStoreServerOptions wo;
   wo.port = 0;
   wo.host = loopbackBind(announcedAddr_);
+  wo.replyTimeout = replyWindow(o_);  // the workers' own timeouts are seconds too
   wo.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
   if (o_.controlPlane) wo.side = o_.controlPlane();
   workerStore_ = std::make_unique<store::TcpStoreServer>(wo);
@@ -291,6 +305,7 @@ store::TcpStoreServerOptions C10dRendezvous::Impl::hostOptions() {
   so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
   so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
   so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
+  so.replyTimeout = replyWindow(o_);
   return so;
 }
 

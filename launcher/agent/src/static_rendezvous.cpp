@@ -65,6 +65,10 @@ std::unique_ptr<store::TcpStoreServer> StaticRendezvous::makeServer(std::uint16_
   so.host = options_.bindHost;
   so.port = port;
   so.debugLog = [](const std::string& message) { log("store").debug("{}", message); };
+  // A client that leaves its replies unread once they fill the server is dropped one of these
+  // windows after it stopped taking them, the others' requests waiting meanwhile: as the c10d
+  // backend's stores at its default heartbeats, well inside any worker's store timeout (issue 58.1).
+  so.replyTimeout = std::chrono::milliseconds(250);
   if (options_.controlPlane) so.side = options_.controlPlane();
   return std::make_unique<store::TcpStoreServer>(so);
 }

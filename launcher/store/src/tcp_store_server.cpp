@@ -181,6 +181,11 @@ class TcpStoreServer::Impl {
     std::chrono::steady_clock::duration busyAtReplyStart{};
     std::size_t replyTaken = 0;
     std::size_t replyQuota = 0;
+    // When it last took reply bytes (or its output began, into an empty buffer), with the server's
+    // busy time then: one that takes none for a whole replyTimeout while reading is suspended is
+    // dropped at once, not after a window that began only when the suspension did (stalledReader).
+    std::chrono::steady_clock::time_point lastTaken{};
+    std::chrono::steady_clock::duration busyAtLastTaken{};
   };
 
   void add(int fd, std::uint64_t tag, std::uint32_t events) {
@@ -559,7 +564,10 @@ class TcpStoreServer::Impl {
       }
       const bool first = c.out.empty();
       c.out.insert(c.out.end(), o.bytes.begin(), o.bytes.end());
-      if (first) startReplyClock(c, clockNow());
+      if (first) {
+        startReplyClock(c, clockNow());
+        noteTaken(c, c.replyStart);
+      }
       notePending(c.out.size());
       account(c);
       touched_.push_back(o.conn);
@@ -743,16 +751,32 @@ class TcpStoreServer::Impl {
     return true;
   }
 
+  void noteTaken(Connection& c, Clock::time_point now) {
+    c.lastTaken = now;
+    c.busyAtLastTaken = busyTime_;
+  }
+
+  // Whether `c` holds replies and has taken none of them for replyTimeout (the server's busy time
+  // not counted), however long ago that began: its socket is full and it does not read.
+  bool stalledReader(const Connection& c, Clock::time_point now) const {
+    return !c.out.empty() && (now - c.lastTaken) - (busyTime_ - c.busyAtLastTaken) >= options_.replyTimeout;
+  }
+
   // While reading is suspended, drops the connections that take their replies slower than
-  // minReplyRate over a window of replyTimeout (one that never reads): the suspension lasts until
-  // the replies are taken, so it must not wait on them for ever. A connection that reads, however
-  // much it holds, is never dropped for it. Each is tried once more before (the server may not
-  // have written to it for a while).
+  // minReplyRate over a window of replyTimeout, or none at all for replyTimeout (one that never
+  // reads, whose socket filled before the suspension began: it goes at the first sweep, not a
+  // window or two later, issue 58.1): the suspension lasts until the replies are taken, and every
+  // client waits meanwhile. A connection that reads, however much it holds, is never dropped for
+  // it. Each is tried once more before (the server may not have written to it for a while).
   void dropSlowReaders() {
     const auto now = clockNow();
     std::vector<std::uint64_t> late;
     for (auto& [id, c] : conns_) {
       bool slow = false;
+      if (stalledReader(c, now)) {
+        late.push_back(id);
+        continue;
+      }
       if (!replyWindowOver(c, now, slow)) continue;
       if (slow) late.push_back(id);
       else startReplyClock(c, now);
@@ -760,7 +784,11 @@ class TcpStoreServer::Impl {
     for (std::uint64_t id : late) {
       flush(id);
       auto it = conns_.find(id);
-      if (it == conns_.end() || it->second.out.empty() || it->second.replyTaken >= it->second.replyQuota) continue;
+      if (it == conns_.end() || it->second.out.empty()) continue;
+      const auto then = clockNow();
+      const bool stalled = stalledReader(it->second, then);
+      bool slow = false;
+      if (!stalled && !(replyWindowOver(it->second, then, slow) && slow)) continue;
       {
         std::lock_guard<std::mutex> lock(statsMutex_);
         ++stats_.slowReaders;
@@ -768,7 +796,8 @@ class TcpStoreServer::Impl {
       drop(id, "store: dropping a client that takes its replies slower than minReplyRate (" +
                    std::to_string(options_.minReplyRate) + " bytes/s) over replyTimeout (" +
                    std::to_string(options_.replyTimeout.count()) + " ms) while reading is suspended (" +
-                   std::to_string(it->second.out.size()) + " bytes unsent; the server holds " +
+                   std::to_string(it->second.out.size()) + " bytes unsent" +
+                   (stalled ? ", none taken for replyTimeout" : "") + "; the server holds " +
                    std::to_string(buffered_) + ", more than maxBufferedBytes (" +
                    std::to_string(options_.maxBufferedBytes) + "))");
     }
@@ -789,6 +818,7 @@ class TcpStoreServer::Impl {
       if (c.out.empty()) {
         c.out = std::move(r.bytes);
         startReplyClock(c, clockNow());
+        noteTaken(c, c.replyStart);
       } else {
         c.out.insert(c.out.end(), r.bytes.begin(), r.bytes.end());
       }
@@ -833,6 +863,7 @@ class TcpStoreServer::Impl {
     c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
     if (sent > 0) {
       c.replyTaken += sent;
+      noteTaken(c, clockNow());
       if (c.out.empty()) c.replyStart = {};
       account(c);
     }

@@ -63,9 +63,11 @@ struct TcpStoreServerOptions {
   std::size_t minRequestRate = 64u << 10;  // bytes per second
   // While reading is suspended (maxBufferedBytes), a connection holding unsent replies must take
   // minReplyRate x replyTimeout bytes of them (or all it holds) in every replyTimeout (the
-  // server's own busy time not counted); a slower reader (one that never reads) is dropped, after
-  // one or two such windows (the first may pass while the socket buffers fill), so that no
-  // client holds the others' requests back for longer. Must be positive.
+  // server's own busy time not counted); a slower reader is dropped, after one or two such windows
+  // (the first may pass while the socket buffers fill), and one that has taken nothing for
+  // replyTimeout (it never reads: its socket filled, before the suspension or since) at the next
+  // sweep, so that no client holds the others' requests back for longer. Every client waits
+  // meanwhile: keep it well inside their request timeouts. Must be positive.
   std::chrono::milliseconds replyTimeout{std::chrono::seconds(5)};
   std::size_t minReplyRate = 64u << 10;  // bytes per second
   // Optional sink for diagnostics (protocol errors, dropped connections); called on the server
