@@ -12,10 +12,12 @@
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
+#include "launcher_test_util.hpp"
 #include "multiproc.hpp"
 
 #include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -187,9 +189,10 @@ class FakeRendezvous : public RendezvousHandler {
   std::unique_ptr<ctorch::store::TcpStoreServer> workerStore;
   std::shared_ptr<ctorch::control::ControlPlane> control;  // on the workers' store port
   // The workers' store with the job's control plane (keyed `controlKey`), as node rank 0 serves it.
-  void serveWorkerStore(const std::string& controlKey = "") {
+  void serveWorkerStore(const std::string& controlKey = "", std::size_t maxConnections = 0) {
     ctorch::store::TcpStoreServerOptions o;
     o.requestTimeout = std::chrono::milliseconds(0);  // no handshake is late for the machine being slow
+    o.maxConnections = maxConnections;
     if (!controlKey.empty()) {
       control = std::make_shared<ctorch::control::ControlPlane>(controlKey);
       o.side = control;
@@ -884,6 +887,78 @@ TEST_CASE("agent: --recovery in-place restarts the group when the coordinator do
   CHECK(g.run(pc2) == 0);
   CHECK(pc2.added.size() == 1);
   CHECK(pc2.launches.size() == 1);
+}
+
+namespace {
+
+// An outsider's connections to the store at `port`, each with one request served (so that the store
+// cannot take them for idle newcomers), opened until the store turns one away: its cap is held.
+std::vector<int> holdConnectionCap(int port) {
+  namespace sp = ctorch::store::protocol;
+  sp::Bytes request = sp::encodeValidate();
+  const sp::Bytes numKeys = sp::Writer().u8(7).take();  // GETNUMKEYS
+  request.insert(request.end(), numKeys.begin(), numKeys.end());
+  std::vector<int> held;
+  for (int i = 0; i < 256; ++i) {
+    const int fd = ctorch::launcher_test::connectLoopback(port);
+    if (fd < 0) break;
+    std::uint8_t reply[8];
+    const bool served = ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size()) &&
+                        ::recv(fd, reply, sizeof reply, MSG_WAITALL) == static_cast<ssize_t>(sizeof reply);
+    if (!served) {
+      ::close(fd);
+      break;
+    }
+    held.push_back(fd);
+  }
+  return held;
+}
+
+} // namespace
+
+// Issue 58.2: an outsider holds the workers' store's connection cap (connections that each sent a
+// request, taking every slot that frees). A replacement could not connect ("Connection reset by
+// peer"), failed, was replaced again: every restart went in seconds, and the job was lost without
+// the group restart that brings a fresh store. Now the agent finds the store turning connections
+// away before it replaces, and restarts the group instead.
+TEST_CASE("agent: --recovery in-place restarts the group with a fresh store when the workers' store turns new "
+          "connections away (issue 58.2)") {
+  Fixture f(inPlaceArgs(2, 2));
+  f.rendezvous.serveWorkerStore(f.config.controlKey, 8);  // the two workers' sessions, the agent's, and 5 more
+  ControlWorkers cw(f);
+  std::vector<int> outsider;
+  FakeProcessContext pc([](int attempt, int n) {
+    if (attempt == 0) return std::vector<FakeWorker>(static_cast<std::size_t>(n));
+    return allSucceed(n);  // the next round's workers, on their fresh store
+  });
+  pc.onStart = [&](int attempt, const std::vector<WorkerLaunch>& launches) {
+    if (attempt == 0)
+      cw.declareAll(launches, [&] {
+        outsider = holdConnectionCap(f.rendezvous.storePort);
+        pc.exitWorker(1, ExitStatus::exited(1));
+      });
+  };
+  // A replacement connects to the workers' store first; turned away, it fails.
+  pc.onAdd = [&](const WorkerLaunch& w) {
+    ctorch::store::TcpStoreClientOptions o;
+    o.timeout = 10s;
+    o.retryConnect = false;
+    try {
+      ctorch::store::TcpStoreClient c("127.0.0.1", static_cast<std::uint16_t>(f.rendezvous.storePort), o);
+      c.check({"k"});
+      pc.exitWorker(w.localRank, ExitStatus::exited(0));
+    } catch (const ctorch::store::StoreError&) {
+      pc.exitWorker(w.localRank, ExitStatus::exited(1));
+    }
+  };
+  const int code = f.run(pc);
+  for (int fd : outsider) ::close(fd);
+  CHECK(code == 0);
+  CHECK(cw.errors().empty());
+  CHECK(outsider.size() >= 1);
+  CHECK(pc.added.empty());         // no replacement sent to a store that turns it away
+  CHECK(pc.launches.size() == 2);  // the group restarted (its next round brings a fresh store)
+  CHECK(f.rendezvous.rounds == 2);
 }
 
 TEST_CASE("agent: --recovery in-place restarts at once after a failure before every rank said it can recover in place") {

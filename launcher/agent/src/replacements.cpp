@@ -5,6 +5,7 @@
 #include "ctorch/contract/worker_contract.hpp"
 #include "ctorch/launcher/errors.hpp"
 #include "ctorch/launcher/failure_summary.hpp"
+#include "ctorch/store/tcp_store_client.hpp"
 #include "log.hpp"
 
 #include <unistd.h>
@@ -17,6 +18,30 @@ namespace ctorch::launcher {
 namespace cc = contract::control;
 
 namespace {
+
+// How long the agent waits on the workers' store for the answer to its probe (storeTurnsAway). A store
+// at its connection cap closes a new connection the moment it accepts it; one that merely answers
+// late (busy, or holding requests back while replies are taken) is not turning anyone away.
+constexpr std::chrono::milliseconds kStoreProbeTimeout{500};
+
+// Why the workers' store at host:port turns a new connection away (accepts and closes it, or
+// refuses it) now, or nothing when it takes one, or only answers late: what a replacement's first
+// step, connecting to that store, would meet.
+std::optional<std::string> storeTurnsAway(const std::string& host, int port) {
+  store::TcpStoreClientOptions o;
+  o.timeout = kStoreProbeTimeout;
+  o.operationTimeout = kStoreProbeTimeout;
+  o.retryConnect = false;
+  try {
+    store::TcpStoreClient probe(host, static_cast<std::uint16_t>(port), o);
+    probe.check({"ctorch.probe"});
+    return std::nullopt;
+  } catch (const store::StoreTimeout&) {
+    return std::nullopt;
+  } catch (const store::StoreError& e) {
+    return std::string(e.what());
+  }
+}
 
 void setVariable(std::vector<std::string>& env, const std::string& name, const std::string& value) {
   const std::string mark = name + "=";
@@ -187,6 +212,16 @@ bool Replacements::canReplace(int rank) {
     return explain("capability", "worker rank " + std::to_string(rank) + " failed before every rank had said it can "
                                  "recover in place (ctorch::ResilientTraining::resume() says so; a program without it "
                                  "cannot): restarting the group, as --recovery restart does");
+  // A replacement's first step is a new connection to the workers' store. A store that turns new
+  // connections away (its connection cap held by others: issue 58.2) would fail every replacement
+  // within seconds, each one a restart spent; the group's next round brings a fresh store.
+  if (auto why = storeTurnsAway(info_.storeHost, info_.storePort)) {
+    log("agent").warn("worker rank {} failed while the workers' store at {}:{} turns new connections away ({}): a "
+                      "replacement could not reach it; restarting the group with a fresh store instead of replacing "
+                      "the worker in place",
+                      rank, info_.storeHost, info_.storePort, *why);
+    return false;
+  }
   return true;
 }
 
