@@ -16,6 +16,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -23,7 +24,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -774,4 +777,134 @@ TEST_CASE("store limits: 900 connections dripping bytes neither starve a heartbe
   CHECK(allDropped);
   CHECK(s.timedOutConnections == kDrippers);
   CHECK(log.count("took longer than requestTimeout (5000 ms)") == 1);  // one line per sweep, not per client
+}
+
+namespace store_limits_test {
+
+// A store server in a child process of its own (forked before this test starts a thread), so that
+// its memory is measured apart from the test's: RSS in bytes from /proc/<pid>/statm.
+class ServerProcess {
+ public:
+  explicit ServerProcess(TcpStoreServerOptions o) {
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      ::close(fds[0]);
+      int code = 0;
+      try {
+        TcpStoreServer server(o);
+        const int port = server.port();
+        if (::write(fds[1], &port, sizeof port) != sizeof port) ::_exit(2);
+        ::close(fds[1]);
+        for (;;) ::pause();  // serves on its thread until killed
+      } catch (...) {
+        code = 3;
+      }
+      ::_exit(code);
+    }
+    ::close(fds[1]);
+    pollfd p{fds[0], POLLIN, 0};
+    const bool ready = ::poll(&p, 1, 60000) == 1 && ::read(fds[0], &port_, sizeof port_) == sizeof port_;
+    ::close(fds[0]);
+    REQUIRE(ready);
+  }
+  ~ServerProcess() {
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+  int port() const { return port_; }
+  long rss() const {
+    std::ifstream in("/proc/" + std::to_string(pid_) + "/statm");
+    long size = 0, resident = 0;
+    in >> size >> resident;
+    return resident * ::sysconf(_SC_PAGESIZE);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+// Writes keys "k<round>-<i>" of `valueSize` bytes, 2,048 per MULTI_SET, until the store refuses one
+// (past maxStoredBytes: it drops the connection); returns how many it holds.
+std::size_t fillToCap(int port, int round, std::size_t valueSize) {
+  std::size_t written = 0;
+  TcpStoreClient c("127.0.0.1", static_cast<std::uint16_t>(port), patientClient());
+  for (;;) {
+    std::vector<std::string> keys;
+    std::vector<Bytes> values;
+    for (int i = 0; i < 2048; ++i) {
+      keys.push_back("k" + std::to_string(round) + "-" + std::to_string(written + static_cast<std::size_t>(i)));
+      values.emplace_back(valueSize, 'v');
+    }
+    try {
+      c.multiSet(keys, values);
+      c.numKeys();  // the MULTI_SET was served (it has no reply of its own)
+    } catch (const StoreError&) {
+      return written;  // refused whole: the cap
+    }
+    written += keys.size();
+  }
+}
+
+// Deletes those keys, pipelined on one connection; true once every reply came.
+bool deleteAll(int port, int round, std::size_t count) {
+  Socket s(port);
+  if (s.fd < 0) return false;
+  Bytes b = protocol::encodeValidate();
+  for (std::size_t i = 0; i < count; ++i) {
+    Bytes del = wire().u8(8).str("/k" + std::to_string(round) + "-" + std::to_string(i)).take();
+    b.insert(b.end(), del.begin(), del.end());
+  }
+  std::thread sender([&] { sendAll(s.fd, b); });
+  std::vector<char> replies(count * 8);
+  std::size_t got = 0;
+  while (got < replies.size()) {
+    pollfd p{s.fd, POLLIN, 0};
+    if (::poll(&p, 1, 60000) != 1) break;
+    const ssize_t n = ::recv(s.fd, replies.data() + got, replies.size() - got, 0);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  sender.join();
+  return got == replies.size();
+}
+
+} // namespace store_limits_test
+
+// Issue 58.5: ctorchrun's memory after its store was filled to the cap and emptied five times grew
+// 304 -> 322 MB, with an empty store: freed memory stayed in the process (glibc gives a heap's pages
+// back only above its last chunk in use, and the key table's buckets, grown last, sat there). A
+// server alone in a process, filled with small keys to a 32 MiB cap and emptied five times, must be
+// back within 4 MiB of its RSS before the first fill (it kept the fill's size or more).
+TEST_CASE("store limits: a store filled to its cap and emptied five times gives its memory back (issue 58.5)") {
+  TcpStoreServerOptions o;
+  o.engineLimits.maxStoredBytes = 32u << 20;
+  ServerProcess server(o);
+  {
+    // One small round trip first: the server's first connection and buffers are part of its baseline.
+    TcpStoreClient c("127.0.0.1", static_cast<std::uint16_t>(server.port()), patientClient());
+    c.set("warm", toBytes("1"));
+    REQUIRE(c.deleteKey("warm"));
+  }
+  const long before = server.rss();
+  long peak = before;
+  for (int round = 0; round < 5; ++round) {
+    const std::size_t held = fillToCap(server.port(), round, 32);
+    REQUIRE(held > 100000);  // ~110 bytes counted each: the cap, not a failure, ended the fill
+    peak = std::max(peak, server.rss());
+    REQUIRE(deleteAll(server.port(), round, held));
+    TcpStoreClient c("127.0.0.1", static_cast<std::uint16_t>(server.port()), patientClient());
+    REQUIRE(c.numKeys() == 0);
+  }
+  const long after = server.rss();
+  INFO("server RSS " << before / 1024 << " KiB before, " << peak / 1024 << " KiB at the fullest, " << after / 1024
+                     << " KiB after five fills and deletions");
+  CHECK(peak - before > (24 << 20));  // the fill did take memory
+  CHECK(after - before < (4 << 20));
 }

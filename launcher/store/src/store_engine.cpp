@@ -183,6 +183,26 @@ void StoreEngine::store(const std::string& key, Bytes value, std::vector<Reply>&
   wakeAll(key, out);
 }
 
+namespace {
+// rehash(0) sizes a table for what it holds now (libstdc++ shrinks as well as grows); only a table
+// with four times the buckets it needs is rehashed, so that a compaction costs a pass over a table
+// only when that gives much back.
+template <typename Table>
+void shrink(Table& t) {
+  if (t.bucket_count() > 4 * t.size() + 64) t.rehash(0);
+}
+} // namespace
+
+void StoreEngine::compact() {
+  shrink(data_);
+  shrink(queues_);
+  shrink(waiters_);
+  shrink(awaiting_);
+  shrink(watchers_);
+  shrink(watchCount_);
+  shrink(owners_);
+}
+
 void StoreEngine::erase(std::unordered_map<std::string, Bytes>::iterator it) {
   stored_ -= it->first.size() + it->second.size() + kEntryOverhead;
   data_.erase(it);

@@ -4,6 +4,7 @@
 #include "socket_util.hpp"
 
 #include <arpa/inet.h>
+#include <malloc.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
@@ -48,6 +49,10 @@ constexpr std::chrono::milliseconds kAttentivePass = kSweepInterval;
 // Bytes read from a connection whose request looks late before judging it: all its socket holds,
 // up to this much (a client with more than this waiting is sending fast, not late).
 constexpr std::size_t kDrainBudget = 64 * kReadChunk;
+// The store gives memory back (noteStored) once what it holds has fallen this far below the most
+// it held since it last did (one pass over what is left per this many bytes deleted), or by more
+// than half and at least an eighth of this (the store emptied: what went after the last pass too).
+constexpr std::size_t kGiveBackStep = 8u << 20;
 
 std::string describeBind(const TcpStoreServerOptions& o) {
   return (o.host.empty() ? std::string("*") : o.host) + ":" + std::to_string(o.port);
@@ -516,6 +521,7 @@ class TcpStoreServer::Impl {
       stats_.bytesParsed += c.parser.bytesExamined() - examinedBefore;
       stats_.storedBytes = engine_.storedBytes();
     }
+    noteStored();
     ephemeral_.store(engine_.ephemeralKeyCount());
     if (!failure.empty()) {
       drop(id, "store: dropping a client: " + failure);
@@ -525,6 +531,24 @@ class TcpStoreServer::Impl {
     flushTouched();
     if (bufferedIn_ > options_.maxBufferedBytes) dropLargestRequests();
     return conns_.count(id) > 0;
+  }
+
+  // Keeps the most the store held since memory was last given back; gives it back once the store
+  // holds kGiveBackStep less than that, or less than half of it (keys deleted, values overwritten
+  // by smaller ones, ephemeral keys gone with their connections). Freed memory stays in the
+  // process otherwise: glibc returns a heap's free pages only above its last chunk in use, and the
+  // tables' buckets, grown late, sit there (filled to its cap and emptied five times, ctorchrun
+  // kept 18 MB, issue 58.5).
+  void noteStored() {
+    const std::size_t now = engine_.storedBytes();
+    if (now > storedPeak_) storedPeak_ = now;
+    const std::size_t freed = storedPeak_ - now;
+    if (freed < kGiveBackStep && !(freed >= kGiveBackStep / 8 && now < freed)) return;
+    storedPeak_ = now;
+    engine_.compact();
+    ::malloc_trim(0);
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.memoryGivenBack;
   }
 
   // A side-protocol connection's bytes go to the handler as they arrive (it keeps what it needs).
@@ -864,7 +888,11 @@ class TcpStoreServer::Impl {
     if (sent > 0) {
       c.replyTaken += sent;
       noteTaken(c, clockNow());
-      if (c.out.empty()) c.replyStart = {};
+      if (c.out.empty()) {
+        c.replyStart = {};
+        // A large reply, once sent, leaves its capacity behind (as a large request does in `in`).
+        if (c.out.capacity() > kReadBudget) protocol::Bytes().swap(c.out);
+      }
       account(c);
     }
     if (c.paused && c.out.size() <= options_.maxPendingOutput / 2) {
@@ -925,6 +953,7 @@ class TcpStoreServer::Impl {
         stats_.storedBytes = engine_.storedBytes();
         stats_.bufferedBytes = buffered_;
       }
+      noteStored();
       queue(0, replies);
       for (const auto& key : lost) {
         debug("store: ephemeral key '" + key + "' removed: its connection closed");
@@ -959,6 +988,7 @@ class TcpStoreServer::Impl {
   Clock::time_point suspendedSince_{};
   Clock::duration suspendedTotal_{};  // of the suspensions that ended
   StoreEngine engine_;
+  std::size_t storedPeak_ = 0;     // the most the engine held since memory was last given back
   std::atomic<std::size_t> ephemeral_{0};
   std::size_t buffered_ = 0;     // bufferedIn_ + bufferedOut_
   std::size_t bufferedIn_ = 0;   // the sum of every connection's `heldIn`

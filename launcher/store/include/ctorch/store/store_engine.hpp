@@ -67,6 +67,10 @@ class StoreEngine {
   std::optional<protocol::Bytes> peek(const std::string& key) const;
   // Connections blocked in WAIT (or a blocking queue pop / barrier).
   std::size_t waitingConnections() const { return awaiting_.size(); }
+  // Gives back what the tables keep after their entries went: a hash table's buckets stay at the
+  // most it ever held (about 8 bytes a key, and allocated late, so that they hold the heap's top
+  // up). Costs one pass over what is left; the server calls it after large deletions.
+  void compact();
 
  private:
   bool present(const std::string& key) const;

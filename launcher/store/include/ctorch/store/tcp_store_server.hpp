@@ -113,6 +113,7 @@ struct TcpStoreServerStats {
   std::uint64_t deadlineSweeps = 0;       // checks of every connection against its request or reply deadline
   std::chrono::steady_clock::time_point lastSweep{};  // when the last one ran, on the deadlines' clock
   std::uint64_t loopPasses = 0;           // returns from epoll_wait: an idle server makes few (a spin, millions)
+  std::uint64_t memoryGivenBack = 0;      // times the store gave freed memory back to the system (large deletions)
 };
 
 class TcpStoreServer {
