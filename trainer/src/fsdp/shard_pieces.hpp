@@ -23,8 +23,10 @@ using ShardPieces = std::vector<std::pair<std::int64_t, at::Tensor>>;
 
 // Why `pieces` cannot be buffer `what` of `numel` elements, or nothing when they tile it. With
 // `replicas`, a piece whose range equals another's must hold the same bytes (and then adds nothing).
+// With `partial`, elements in no piece are allowed (a rank rejoining in place gets only its own part,
+// from its neighbour's copy): the pieces given must still be of one dtype, inside, and not overlap.
 inline std::optional<std::string> shardPiecesProblem(const ShardPieces& pieces, std::int64_t numel, const std::string& what,
-                                                     bool replicas) {
+                                                     bool replicas, bool partial = false) {
   if (numel < 0) return "'" + what + "' has a negative size (" + std::to_string(numel) + ")";
   if (pieces.empty()) return "no pieces of '" + what + "'";
   const auto dtype = pieces.front().second.scalar_type();
@@ -52,7 +54,7 @@ inline std::optional<std::string> shardPiecesProblem(const ShardPieces& pieces, 
                " with different values: each element is saved once (or as an identical replica)";
       continue;
     }
-    if (from > upTo)
+    if (from > upTo && !partial)
       return "the shards do not cover '" + what + "' (elements " + std::to_string(upTo) + " to " + std::to_string(from - 1) +
              " of " + std::to_string(numel) + " are in no piece)";
     if (from < upTo)
@@ -60,7 +62,7 @@ inline std::optional<std::string> shardPiecesProblem(const ShardPieces& pieces, 
              std::to_string(std::min(upTo, to) - 1) + "): each element is saved once";
     upTo = to;
   }
-  if (upTo < numel)
+  if (upTo < numel && !partial)
     return "the shards do not cover '" + what + "' (elements from " + std::to_string(upTo) + " of " + std::to_string(numel) + ")";
   return std::nullopt;
 }

@@ -40,9 +40,11 @@ std::pair<std::int64_t, std::int64_t> ownRange(const FlatParameter& flat, int ra
 // throws ConfigError naming what is missing.
 void assemble(at::Tensor& mine, std::int64_t begin, std::int64_t end, const std::vector<std::pair<std::int64_t, at::Tensor>>& pieces,
               std::int64_t numel, const std::string& what, int rank) {
-  // Only shards that tile the whole buffer exactly once, in one dtype (no silent cast, no piece
-  // overriding another's elements): shard_pieces.hpp.
-  if (auto problem = shardPiecesProblem(pieces, numel, what, /*replicas=*/true))
+  // Pieces of one dtype (no silent cast) that never override each other's elements (shard_pieces.hpp);
+  // they need not cover the whole buffer (a rank rejoining in place gets its own part only), only
+  // this rank's range (below). Where the whole set is read (a resume's choice, consolidate) it must
+  // tile the buffer exactly.
+  if (auto problem = shardPiecesProblem(pieces, numel, what, /*replicas=*/true, /*partial=*/true))
     throw ConfigError("loadShardStateDicts: " + *problem);
   std::int64_t covered = 0;
   for (const auto& [pieceBegin, data] : pieces) {
