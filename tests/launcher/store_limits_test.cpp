@@ -194,6 +194,39 @@ TEST_CASE("store limits: the engine counts what it holds, refuses a write past m
   CHECK(engine.storedBytes() == 0);
 }
 
+// Issue 58.3: the keys of a group re-formed in place live under kUnlistedPrefix, with a nonce that
+// travels on the authenticated control channel only. LIST_KEYS must not name them (it did: an
+// outsider read `default_pg_g1_<nonce>/...` there and overwrote them); everything else about them
+// is an ordinary key's, for whoever knows the name.
+TEST_CASE("store limits: LIST_KEYS does not name keys under the unlisted prefix (issue 58.3)") {
+  StoreEngine engine;
+  std::vector<StoreEngine::Reply> out;
+  auto run = [&](protocol::Request q) {  // SET and DELETE_KEY of a validated client: no reply to take
+    out.clear();
+    engine.execute(1, q, out);
+    return out.empty() ? Bytes{} : out[0].bytes;
+  };
+  const std::string hidden = std::string(kUnlistedPrefix) + "default_pg_g1_0123abcd/cpu/rank_0";
+  run(protocol::Request{protocol::Op::Set, hidden, {}, toBytes("address")});
+  run(protocol::Request{protocol::Op::Set, "/" + hidden + "/1", {}, toBytes("as c10d's client names it")});
+  run(protocol::Request{protocol::Op::Set, "//worker/attempt_0/" + hidden, {}, toBytes("behind a PrefixStore")});
+  run(protocol::Request{protocol::Op::Set, "default_pg/0", {}, toBytes("x")});
+  run(protocol::Request{protocol::Op::Set, "ctorch/unlisted", {}, toBytes("y")});  // not under the prefix
+  const Bytes listed = run(protocol::Request{protocol::Op::ListKeys});
+  protocol::Writer want;
+  want.i64(2).str("ctorch/unlisted").str("default_pg/0");  // in either order (a hash map)
+  protocol::Writer other;
+  other.i64(2).str("default_pg/0").str("ctorch/unlisted");
+  CHECK((listed == want.bytes() || listed == other.bytes()));
+  const std::string text(listed.begin(), listed.end());
+  CHECK(text.find("default_pg_g1") == std::string::npos);
+  // Named, it is an ordinary key: read, counted, waited for, deleted.
+  CHECK(engine.peek(hidden) == toBytes("address"));
+  CHECK(engine.numKeys() == 5);
+  run(protocol::Request{protocol::Op::DeleteKey, hidden});
+  CHECK(engine.numKeys() == 4);
+}
+
 // Item 6's first attack with the default limits: five SETs announcing 250 MiB values. Only the
 // first MiB of each is sent: a server that accepts such a value waits for the rest (and, sent
 // whole, held it: 1.9 GB); one that refuses it closes the connection at the length.

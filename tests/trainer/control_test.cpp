@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <functional>
@@ -687,4 +688,179 @@ TEST_CASE("a rank waiting for its peers in initProcessGroup answers SIGTERM with
   // (LibTorch 2.x logs the interrupted connect attempt itself; the exit is the stop's, not an error's.)
   CHECK_THAT(r.output, Catch::Contains("stopped by signal 15 while the process group was set up"));
   CHECK(r.output.find("ctorch-train: error") == std::string::npos);
+}
+
+namespace {
+
+// Every key LIST_KEYS names in the workers' store at `host`:`port`, read as an outsider does: a raw
+// connection in PyTorch 2.2+'s protocol (VALIDATE, then LIST_KEYS; LibTorch 1.13's client has no
+// list_keys). Bounded: 10 s per read, at most 100,000 keys of 1 MiB.
+std::vector<std::string> listKeys(const std::string& host, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error("socket failed");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    throw std::runtime_error("cannot connect to " + host + ":" + std::to_string(port));
+  const std::uint32_t magic = 0x3C85F7CE;
+  std::string request(1, '\0');  // VALIDATE
+  request.append(reinterpret_cast<const char*>(&magic), sizeof magic);
+  request.push_back(static_cast<char>(17));  // LIST_KEYS
+  if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size()))
+    throw std::runtime_error("send failed");
+  auto readExactly = [&](void* out, std::size_t n) {
+    auto* p = static_cast<char*>(out);
+    while (n > 0) {
+      pollfd pfd{fd, POLLIN, 0};
+      if (::poll(&pfd, 1, 10000) != 1) throw std::runtime_error("no reply to LIST_KEYS within 10 s");
+      const ssize_t r = ::recv(fd, p, n, 0);
+      if (r <= 0) throw std::runtime_error("the store closed the connection");
+      p += r;
+      n -= static_cast<std::size_t>(r);
+    }
+  };
+  std::int64_t count = 0;
+  readExactly(&count, sizeof count);
+  if (count < 0 || count > 100000) throw std::runtime_error("LIST_KEYS says " + std::to_string(count) + " keys");
+  std::vector<std::string> keys;
+  for (std::int64_t i = 0; i < count; ++i) {
+    std::uint64_t length = 0;
+    readExactly(&length, sizeof length);
+    if (length > (1u << 20)) throw std::runtime_error("a key of " + std::to_string(length) + " bytes");
+    std::string key(length, '\0');
+    readExactly(key.data(), length);
+    keys.push_back(std::move(key));
+  }
+  return keys;
+}
+
+// A group re-formed in place, as its keys were named before issue 58.3 (`default_pg_g<G>_<nonce>`)
+// or would be by any prefix a listing shows.
+bool reformedGroupKey(const std::string& key) {
+  return key.find("default_pg_g") != std::string::npos || key.find("ctorch/unlisted/") != std::string::npos;
+}
+
+// The outsider of issue 58.3: lists the workers' store's keys over and over and overwrites every key
+// of a re-formed group it can name, with a value no rank wrote.
+std::function<void(c10d::TCPStore&)> overwriteReformedKeys(const std::map<std::string, std::string>& env,
+                                                           std::atomic<int>& overwritten) {
+  const std::string host = env.at("MASTER_ADDR");
+  const int port = std::stoi(env.at("MASTER_PORT"));
+  return [host, port, &overwritten](c10d::TCPStore& store) {
+    for (const auto& key : listKeys(host, port))
+      if (reformedGroupKey(key)) {
+        // Listed as the store holds it; c10d's client puts its own "/" before the name.
+        store.set(key.rfind('/', 0) == 0 ? key.substr(1) : key, bytes("forged by an outsider"));
+        ++overwritten;
+      }
+  };
+}
+
+// The next process to hold `rank` (not `former`), or -1 after a minute.
+int nextWorkerPid(const fs::path& dir, int rank, int former) {
+  return waitForPid([&] {
+    const int pid = findWorkerPid(dir, rank);
+    return pid == former ? -1 : pid;
+  });
+}
+
+} // namespace
+
+TEST_CASE("outsider: overwriting the re-formed group's keys never switches in-place recovery off (issue 58.3)",
+          "[trainer][process][control]") {
+  // The outsider lists the workers' store and overwrites every key of a re-formed group it can
+  // name, all run long; rank 1 is killed twice. Before: it named `default_pg_g1_<nonce>/...`, the
+  // healthy survivor failed in the re-form, and ctorchrun decided "this program does not recover in
+  // place ... now and after any later failure": the second kill restarted the group.
+  TempDir dir("outsider-reformed-keys");
+  auto args = kSlowToy;
+  args.insert(args.end(), {"--timeout", "10"});
+  Process p(trainUnderLauncher(dir.path(), 2, args,
+                               {"--recovery", "in-place", "--max-restarts", "6", "--preloaded-workers", "0"},
+                               std::chrono::seconds(180)));
+  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(90)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  std::atomic<int> overwritten{0};
+  Outsider attacker(environOf(rank0), overwriteReformedKeys(environOf(rank0), overwritten));
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("epoch 4/8"), std::chrono::seconds(90)));
+  const int second = nextWorkerPid(dir.path(), 1, rank1);
+  REQUIRE(second > 0);
+  REQUIRE(::kill(second, SIGKILL) == 0);  // the next genuine fault
+  const auto r = p.wait();
+  const int rounds = attacker.rounds();
+  attacker.stop();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(rounds > 10);
+  CHECK(overwritten == 0);  // nothing of a re-formed group could be named
+  // Both faults recovered in place: two replacements, no group restart, nothing switched off.
+  CHECK(countOf(r.output, "replacing worker rank 1") == 2);
+  CHECK(r.output.find("does not recover in place") == std::string::npos);
+  CHECK(r.output.find("restarting the whole group") == std::string::npos);
+  CHECK(r.output.find("worker group failed") == std::string::npos);
+}
+
+TEST_CASE("outsider: LIST_KEYS does not show a re-formed group's keys, which the store holds (issue 58.3)",
+          "[trainer][process][control]") {
+  TempDir dir("outsider-list-keys");
+  Process p(trainUnderLauncher(dir.path(), 2, kSlowToy,
+                               {"--recovery", "in-place", "--max-restarts", "3", "--preloaded-workers", "0"},
+                               std::chrono::seconds(180)));
+  REQUIRE(waitForOutput(p, std::regex("epoch 1/8"), std::chrono::seconds(90)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  const auto env = environOf(rank0);
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("recovered in place at"), std::chrono::seconds(90)));
+  // While the re-formed group trains: what an outsider can list, and what the store holds.
+  const auto keys = listKeys(env.at("MASTER_ADDR"), std::stoi(env.at("MASTER_PORT")));
+  const auto held = outsider(env)->getNumKeys();
+  std::string named;
+  for (const auto& k : keys) named += k + "\n";
+  INFO("LIST_KEYS:\n" << named);
+  CHECK(std::none_of(keys.begin(), keys.end(), reformedGroupKey));
+  // Generation 0's keys are listed (LIST_KEYS works), generation 1's are held but not named.
+  CHECK(std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.find("default_pg/") != std::string::npos; }));
+  CHECK(held > static_cast<std::int64_t>(keys.size()));
+  const auto r = p.wait();
+  INFO(show(r));
+  REQUIRE(r.ok());
+  CHECK(countOf(r.output, "replacing worker rank 1") == 1);
+}
+
+TEST_CASE("outsider: with --max-restarts 2, two genuine faults under the re-formed-keys attack do not lose the job "
+          "(issue 58.3)", "[trainer][process][control]") {
+  // Before: one fault cost 3-4 restarts under this attack, and the second found none left.
+  TempDir dir("outsider-two-faults");
+  auto args = kSlowToy;
+  args.insert(args.end(), {"--timeout", "10"});
+  Process p(trainUnderLauncher(dir.path(), 2, args,
+                               {"--recovery", "in-place", "--max-restarts", "2", "--preloaded-workers", "0"},
+                               std::chrono::seconds(180)));
+  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(90)));
+  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
+  REQUIRE(rank0 > 0);
+  REQUIRE(rank1 > 0);
+  std::atomic<int> overwritten{0};
+  Outsider attacker(environOf(rank0), overwriteReformedKeys(environOf(rank0), overwritten));
+  REQUIRE(::kill(rank1, SIGKILL) == 0);
+  REQUIRE(waitForOutput(p, std::regex("epoch 4/8"), std::chrono::seconds(90)));
+  // This time the other rank: the same process (recovered in place) or a new one (the group restarted).
+  const int victim = findWorkerPid(dir.path(), 0);
+  REQUIRE(victim > 0);
+  REQUIRE(::kill(victim, SIGKILL) == 0);
+  const auto r = p.wait();
+  attacker.stop();
+  INFO(show(r));
+  CHECK(r.output.find("no restarts left") == std::string::npos);
+  REQUIRE(r.ok());
 }

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
+#include <string_view>
 
 namespace ctorch::store {
 
@@ -414,14 +415,23 @@ void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<R
     }
 
     case Op::ListKeys: {
-      std::size_t length = 8;
-      for (const auto& kv : data_) length += 8 + kv.first.size();
+      // c10d's clients and PrefixStores put their own prefixes before it ("/", "/worker/attempt_0/"):
+      // it counts at the start of the key or after any "/".
+      const std::string_view unlisted(kUnlistedPrefix);
+      const std::string inPath = "/" + std::string(unlisted);
+      auto listed = [&](const std::string& key) {
+        return key.compare(0, unlisted.size(), unlisted) != 0 && key.find(inPath) == std::string::npos;
+      };
+      std::size_t length = 8, count = 0;
+      for (const auto& kv : data_)
+        if (listed(kv.first)) length += 8 + kv.first.size(), ++count;
       if (length > limits_.maxReplyLength)
         throw std::invalid_argument("LIST_KEYS would make a reply of " + std::to_string(length) +
                                     " bytes, over the limit of " + std::to_string(limits_.maxReplyLength));
       Writer w;
-      w.i64(static_cast<std::int64_t>(data_.size()));
-      for (const auto& kv : data_) w.str(kv.first);
+      w.i64(static_cast<std::int64_t>(count));
+      for (const auto& kv : data_)
+        if (listed(kv.first)) w.str(kv.first);
       out.push_back({conn, w.take()});
       return;
     }

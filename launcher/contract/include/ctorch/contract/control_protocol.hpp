@@ -332,11 +332,17 @@ inline Message message(Type type) {
   return m;
 }
 
+// Where the store keeps keys that LIST_KEYS does not name (ctorch::store::kUnlistedPrefix, the
+// same string: the contract depends on nothing).
+inline constexpr std::string_view kUnlistedPrefix = "ctorch/unlisted/";
+
 // A group generation's key prefix in the store: generation 0 is Python's own "default_pg"; a group
-// re-formed in place adds the coordinator's fresh nonce, so that its keys cannot be guessed.
+// re-formed in place adds the coordinator's fresh nonce (128 random bits, sent only on this
+// channel) and lives under kUnlistedPrefix, which LIST_KEYS does not show: nobody outside the job
+// can name its keys, so nobody can overwrite or delete them.
 inline std::string groupPrefix(std::int64_t generation, std::string_view nonceHex) {
   if (generation == 0) return "default_pg";
-  return "default_pg_g" + std::to_string(generation) + "_" + std::string(nonceHex);
+  return std::string(kUnlistedPrefix) + "default_pg_g" + std::to_string(generation) + "_" + std::string(nonceHex);
 }
 
 } // namespace ctorch::contract::control

@@ -30,6 +30,14 @@ struct StoreEngineLimits {
   std::size_t maxStoredBytes = 256u << 20;
 };
 
+// Keys under this prefix (at the start of the key or after any "/": c10d's clients and PrefixStores
+// put their own prefixes before it, "/worker/attempt_0/...") are stored and served like any other,
+// but LIST_KEYS does not name them:
+// a client learns such a name only from someone who holds it. The groups re-formed in place keep
+// their keys here, under a nonce that travels on the job's authenticated control channel
+// (contract::control::groupPrefix), so nobody outside the job can name, overwrite or delete them.
+inline constexpr const char* kUnlistedPrefix = "ctorch/unlisted/";
+
 class StoreEngine {
  public:
   // Counted for every key, value and queued element besides its bytes (the hash node, the string
