@@ -126,6 +126,11 @@ Message reform(std::int64_t generation) {
   m.value = 1;
   return m;
 }
+Message groupBuilt(std::int64_t generation) {
+  Message m = cc::message(Type::kGroupBuilt);
+  m.generation = generation;
+  return m;
+}
 Message evictSilent(std::int64_t generation) {
   Message m = cc::message(Type::kEvictSilent);
   m.generation = generation;
@@ -544,6 +549,7 @@ TEST_CASE("control plane: an unfinished handshake is dropped at the request dead
   const auto formed = awaitType(*worker, Type::kFormed, 60s);
   REQUIRE(formed);
   CHECK(formed->generation == 1);
+  worker->send(groupBuilt(1));
   CHECK(awaitType(*agent, Type::kReformed, 60s));
   auto c10d = server.c10d();
   CHECK(ctorch::store::toString(c10d.get("before")) == "1");
@@ -578,6 +584,7 @@ TEST_CASE("control plane: unfinished handshakes cannot take every connection fro
   const auto formed = awaitType(*worker, Type::kFormed, 60s);
   REQUIRE(formed);
   CHECK(formed->generation == 1);
+  worker->send(groupBuilt(1));
   CHECK(awaitType(*agent, Type::kReformed, 60s));
   CHECK(ctorch::store::toString([&] {
           auto c10d = server.c10d();
@@ -619,6 +626,8 @@ TEST_CASE("control plane: an outsider's store writes of the old in-place keys ch
   REQUIRE(formed1);
   CHECK(formed0->generation == 1);
   CHECK(formed0->text == formed1->text);
+  worker0->send(groupBuilt(1));
+  worker1->send(groupBuilt(1));
   std::vector<Message> toAgent;
   REQUIRE(awaitType(*agent, Type::kReformed, 60s, &toAgent));
   for (const auto& m : toAgent) CHECK(m.type == Type::kRankState);

@@ -193,6 +193,7 @@ TEST_CASE("group monitor: in-place recovery replaces a failed worker alone while
   CHECK(*a.replaceWorker == 1);
   CHECK_FALSE(a.signalWorkers);  // the survivors are not touched
   CHECK_FALSE(m.stopping());
+  m.noteReformed();  // every rank built the re-formed group: the next failure is a fault of its own
   auto b = m.onWorkerExit(exitOf(0, ExitStatus::exited(1), 20));
   REQUIRE(b.replaceWorker);
   CHECK(*b.replaceWorker == 0);
@@ -250,10 +251,10 @@ TEST_CASE("group monitor: a survivor that ends without joining a pending re-form
   CHECK_FALSE(n.reformPending());
   CHECK(n.onWorkerExit(exitOf(0, ExitStatus::exited(1)), true, false).replaceWorker);
 
-  // The replacement itself failing while pending is its own failure, replaced while budget lasts.
+  // The replacement itself killed while pending is a loss of its own, replaced while budget lasts.
   GroupMonitor r(2, 5s, 3);
   REQUIRE(r.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL))).replaceWorker);
-  CHECK(r.onWorkerExit(exitOf(1, ExitStatus::exited(4)), true, false).replaceWorker);
+  CHECK(r.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL)), true, false).replaceWorker);
   CHECK_FALSE(r.outcome().inPlaceFellBack);
 
   // Another node's failure while this node's replacement waits: the same fault, one restart.
@@ -265,6 +266,27 @@ TEST_CASE("group monitor: a survivor that ends without joining a pending re-form
   GroupMonitor c(2, 5s, 3);
   c.onRendezvousEvent(RendezvousEvent{RendezvousEventKind::RemoteFailure, "node 1 failed", std::nullopt});
   CHECK_FALSE(c.outcome().inPlaceFellBack);
+}
+
+TEST_CASE("group monitor: a rank whose re-form fails restarts the group for this failure, not a second replacement "
+          "(issue 58.3)") {
+  // A survivor that joined the re-form and failed before every rank built the new group (its build
+  // failed: a store an outsider filled to its cap), or the replacement failing the same way:
+  // replacing it would meet the same re-form and cost a restart each time. One group restart.
+  for (const bool survivor : {true, false}) {
+    GroupMonitor m(2, 5s, /*replacements=*/3);
+    REQUIRE(m.onWorkerExit(exitOf(1, ExitStatus::killed(SIGKILL), 10)).replaceWorker);
+    auto a = m.onWorkerExit(exitOf(survivor ? 0 : 1, ExitStatus::exited(1), 20), true, /*joinedReform=*/true);
+    CHECK_FALSE(a.replaceWorker);
+    REQUIRE(a.signalWorkers);
+    m.noteStopSent(std::chrono::system_clock::time_point(25ms));
+    m.onWorkerExit(exitOf(survivor ? 1 : 0, ExitStatus::killed(SIGTERM), 30));
+    auto o = m.outcome();
+    CHECK(o.kind == GroupOutcome::Kind::Failed);
+    CHECK(o.inPlaceFellBack);
+    CHECK(o.fellBackInReform == survivor);  // a survivor's re-form failed (said in the agent's line)
+    CHECK(m.replacementsUsed() == 1);
+  }
 }
 
 TEST_CASE("group monitor: with replacements the group succeeds once every current worker exited 0") {
@@ -443,8 +465,9 @@ TEST_CASE("restart policy: in-place replacements count against --max-restarts, a
   CHECK(off.replacementsAllowed() == 0);  // --recovery restart
 }
 
-TEST_CASE("restart policy: an in-place fallback makes the replaced worker the root cause and turns in-place off") {
-  RestartPolicy p(3, true);
+TEST_CASE("restart policy: an in-place fallback makes the replaced worker the root cause, for that failure only "
+          "(issue 58.3)") {
+  RestartPolicy p(4, true);
   p.noteReplacement();
   GroupOutcome o = failedWith({exitOf(0, ExitStatus::exited(1))});
   o.inPlaceFellBack = true;
@@ -452,24 +475,42 @@ TEST_CASE("restart policy: an in-place fallback makes the replaced worker the ro
   auto f = p.fallBack(o, replaced);
   REQUIRE(f);
   CHECK(f->firstTime);
+  CHECK_FALSE(f->inReform);
   CHECK(f->replaced.localRank == 1);
   REQUIRE(f->survivor);
   CHECK(f->survivor->localRank == 0);
   REQUIRE(o.failures.size() == 2);
   CHECK(o.failures[0].localRank == 1);  // the root cause
   CHECK(p.replacementsUsed() == 0);     // its restart is the group's: one fault, one restart
-  CHECK(p.replacementsAllowed() == 0);  // every later failure restarts the group
   auto d = p.decide(o, twoNodes(0), false);
   CHECK(d.next == Next::Restart);
   CHECK(d.why == "rank 1 signal 9 (SIGKILL)");
-  // Later fallbacks say nothing new; another node's failure has no local survivor.
+  CHECK(p.restartsUsed() == 1);
+  // In-place recovery is not switched off by what a failure suggests: the next group replaces
+  // failed workers again, with what is left of --max-restarts.
+  CHECK(p.replacementsAllowed() == 3);
+  // Later fallbacks are not the first; another node's failure has no local survivor.
   GroupOutcome remote = failedWith({}, "node 1 failed");
   remote.inPlaceFellBack = true;
+  p.noteReplacement();
   auto g = p.fallBack(remote, replaced);
   REQUIRE(g);
   CHECK_FALSE(g->firstTime);
   CHECK_FALSE(g->survivor);
   CHECK(remote.failures.empty());
+  CHECK(p.replacementsUsed() == 0);
+  CHECK(p.replacementsAllowed() == 3);
+  // A re-form that failed says so.
+  GroupOutcome inReform = failedWith({exitOf(0, ExitStatus::exited(1))});
+  inReform.inPlaceFellBack = true;
+  inReform.fellBackInReform = true;
+  p.noteReplacement();
+  auto h = p.fallBack(inReform, replaced);
+  REQUIRE(h);
+  CHECK(h->inReform);
+  // Only what a rank declares turns it off.
+  p.turnInPlaceOff();
+  CHECK(p.replacementsAllowed() == 0);
   // No fallback without a replacement, or for an outcome that is not a failure.
   GroupOutcome plain = failedWith({exitOf(0, ExitStatus::exited(1))});
   CHECK_FALSE(p.fallBack(plain, replaced));

@@ -385,16 +385,33 @@ bool ElasticAgent::rootCauseRetryNever(const GroupOutcome& outcome) const {
   return recorded && recorded->retryNever;
 }
 
+// A failure during a re-form restarts the group for that failure only: what the program declared
+// decides how the next failure is recovered, never what this one suggests (issue 58.3).
 void ElasticAgent::explainFallback(const InPlaceFallback& fallback, const RendezvousInfo& info) {
-  if (!fallback.firstTime) return;
-  const std::string survivor = !fallback.survivor ? "another node's worker failed"
-                                                  : "rank " + std::to_string(info.globalRank(fallback.survivor->localRank)) +
-                                                        " " + fallback.survivor->status.describe();
-  log("agent").warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: this "
-                    "program does not recover in place (a loop must catch the failed step and call "
-                    "ctorch::ResilientTraining::recover(); README: --recovery in-place). Restarting the whole group "
-                    "instead, as --recovery restart does, now and after any later failure of this run",
-                    survivor, info.globalRank(fallback.replaced.localRank));
+  auto& l = log("agent");
+  const int replaced = info.globalRank(fallback.replaced.localRank);
+  constexpr const char* kNext = "the next failure is again recovered in place";
+  if (!fallback.survivor) {
+    l.warn("another node's worker failed while the group re-formed in place around rank {}'s replacement: "
+           "restarting the whole group for this failure; {}",
+           replaced, kNext);
+    return;
+  }
+  const std::string survivor = "rank " + std::to_string(info.globalRank(fallback.survivor->localRank)) + " " +
+                               fallback.survivor->status.describe();
+  if (fallback.inReform)
+    l.warn("{} while the group re-formed in place around rank {}'s replacement (its re-form failed): restarting "
+           "the whole group for this failure; {}",
+           survivor, replaced, kNext);
+  else if (fallback.firstTime)
+    l.warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: a loop must "
+           "catch the failed step and call ctorch::ResilientTraining::recover() to recover in place (README: "
+           "--recovery in-place). Restarting the whole group for this failure, as --recovery restart does; {}",
+           survivor, replaced, kNext);
+  else
+    l.warn("{} while the group re-formed in place around rank {}'s replacement, without joining it: restarting "
+           "the whole group for this failure",
+           survivor, replaced);
 }
 
 // A rank said it cannot recover in place (sharded state, in-place recovery turned off in its

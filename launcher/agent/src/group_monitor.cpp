@@ -47,11 +47,15 @@ MonitorActions GroupMonitor::onWorkerExit(const WorkerExit& e, bool replaceable,
   // SIGABRT from an exception nobody caught).
   const int sig = e.status.signal;
   const bool lostOutright = sig == SIGKILL || sig == SIGSEGV || sig == SIGBUS;
-  if (reformPending() && !isReplacement && !joinedReform && !lostOutright) {
-    // A survivor ended while its group re-formed around a replacement, without joining the re-form
-    // (the README's loop without try / recover(), a Python script): replacing it too would cost a
-    // second restart and start every rank afresh anyway. The whole group restarts instead.
+  if (reformPending() && !lostOutright) {
+    // A worker failed while its group re-formed around a replacement (until every rank built the
+    // new group): a survivor that ended without joining the re-form (the README's loop without
+    // try / recover()), or any rank whose re-form failed (its group could not be built: a store
+    // filled to its cap). Replacing it too would cost another restart and meet the same re-form.
+    // The whole group restarts instead, for this failure only: what the program declared decides
+    // how the next one is recovered, never what this one suggests.
     fellBack_ = true;
+    fellBackJoined_ = joinedReform && !isReplacement;
     failures_.push_back(e);
     return beginStop(Reason::Failure, SIGTERM);
   }
@@ -139,6 +143,7 @@ GroupOutcome GroupMonitor::outcome() const {
   o.signal = signal_;
   o.reason = detail_;
   o.inPlaceFellBack = fellBack_;
+  o.fellBackInReform = fellBackJoined_;
   switch (reason_) {
     case Reason::None:
       // Everything ended on its own: success, unless a worker vanished without an exit status.
@@ -180,8 +185,9 @@ std::optional<InPlaceFallback> RestartPolicy::fallBack(GroupOutcome& outcome, co
   InPlaceFallback f;
   f.replaced = replaced.back();
   --replacementsUsed_;
-  f.firstTime = !inPlaceOff_;
-  inPlaceOff_ = true;
+  f.firstTime = !fellBackBefore_;
+  fellBackBefore_ = true;
+  f.inReform = outcome.fellBackInReform;
   if (!outcome.failures.empty()) {
     f.survivor = outcome.failures.front();
     outcome.failures.insert(outcome.failures.begin(), f.replaced);  // the root cause

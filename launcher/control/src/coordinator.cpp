@@ -285,6 +285,8 @@ void Coordinator::fromWorker(PeerId peer, Peer& p, const Message& m, Clock::time
       toAgentOf(p.rank, state, out);
       return tryForm(out);
     }
+    case Type::kGroupBuilt:
+      return built(p.rank, m.generation, out);
     case Type::kEvictSilent:
       if (r.phase != Phase::kWaiting || m.generation != generation_) return;
       return evictSilent(peer, std::chrono::milliseconds(std::clamp<std::int64_t>(m.value, 0, kMaxGraceMs)), now, out);
@@ -368,12 +370,24 @@ void Coordinator::tryForm(std::vector<Outgoing>& out) {
     out.push_back({r.peer, formed, false});
     r.phase = Phase::kRunning;
     r.holdsState = false;
+    r.built = false;
   }
+  awaitingBuild_ = true;
+  logLine("the group re-formed at generation " + std::to_string(generation_) + " (" + std::to_string(survivors) + " of " +
+          std::to_string(world_) + " ranks hold the training state)");
+}
+
+// The agents hear that the group re-formed only once every rank built it: until then a rank whose
+// build fails (a store filled to its cap) fails inside the re-form, and its agent falls back to a
+// group restart for this failure instead of replacing it.
+void Coordinator::built(int rank, std::int64_t generation, std::vector<Outgoing>& out) {
+  if (!awaitingBuild_ || generation != generation_) return;
+  ranks_[static_cast<std::size_t>(rank)].built = true;
+  if (!std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.built; })) return;
+  awaitingBuild_ = false;
   Message reformed = make(Type::kReformed);
   reformed.generation = generation_;
   toAgents(reformed, out);
-  logLine("the group re-formed at generation " + std::to_string(generation_) + " (" + std::to_string(survivors) + " of " +
-          std::to_string(world_) + " ranks hold the training state)");
 }
 
 void Coordinator::closed(PeerId peer, std::vector<Outgoing>&) {

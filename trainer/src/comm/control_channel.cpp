@@ -101,6 +101,19 @@ Joined awaitFormed(contract::control::BlockingClient& control, const Distributed
   }
 }
 
+void tellGroupBuilt(contract::control::BlockingClient& control, const DistributedEnv& env, std::int64_t generation) {
+  namespace cc = contract::control;
+  cc::Message built = cc::message(cc::Type::kGroupBuilt);
+  built.generation = generation;
+  try {
+    control.send(built);
+  } catch (const std::exception& e) {
+    std::cerr << "ctorch: rank " + std::to_string(env.rank) + ": could not tell the coordinator that group generation " +
+                     std::to_string(generation) + " is built: " + e.what() + "\n"
+              << std::flush;
+  }
+}
+
 // A spare worker (ctorchrun --spare-workers): waits on the control channel until the coordinator
 // hands it a failed worker's rank (its agent chose it), then makes the assignment this process's
 // environment (the rest of the program, and initProcessGroup, read it from there) and returns the

@@ -35,6 +35,12 @@ struct Joined {
 Joined awaitFormed(contract::control::BlockingClient& control, const DistributedEnv& env, std::int64_t failed,
                    std::chrono::milliseconds timeout);
 
+// Tells the coordinator that this rank built the group of `generation` (one formed in place). Its
+// agent counts the group as re-formed only once every rank did: a rank that fails before, in the
+// re-form, makes the group restart for this failure instead of being replaced. Never throws: a
+// coordinator that is gone only leaves the agent thinking the re-form is still under way.
+void tellGroupBuilt(contract::control::BlockingClient& control, const DistributedEnv& env, std::int64_t generation);
+
 // A spare worker (ctorchrun --spare-workers): waits on the control channel until the coordinator
 // hands it a failed worker's rank (its agent chose it), then makes the assignment this process's
 // environment (the rest of the program, and initProcessGroup, read it from there) and returns the

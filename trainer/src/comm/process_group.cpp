@@ -389,6 +389,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> initProcessGroup(const ProcessGroupOption
               "); then " + phase;
     const detail::GroupRecipe recipe{useNccl, useGloo, defaultKind};
     auto pg = detail::buildGroup(root, contract::control::groupPrefix(generation, nonce), env, options, lookup, recipe, phase);
+    if (replacement) detail::tellGroupBuilt(*s.control, env, generation);
 
     s.group = pg;
     s.store = root;

@@ -100,6 +100,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> reformProcessGroup() {
     phase = "connecting to the other ranks of group generation " + std::to_string(generation) + " (timeout " +
             detail::seconds(options.timeout()) + ")";
     auto pg = detail::buildGroup(root, cc::groupPrefix(generation, joined.nonce), env, options, lookup, recipe, phase);
+    detail::tellGroupBuilt(*control, env, generation);
     std::lock_guard<std::mutex> lock(s.mutex);
     s.group = pg;
     s.prefix = cc::groupPrefix(generation, joined.nonce);

@@ -41,10 +41,11 @@ struct GroupOutcome {
   std::vector<WorkerExit> stopped;   // ended by the agent's stop (its signal, SIGKILL, exit 75)
   int signal = 0;                    // Interrupted
   std::string reason;                // RemoteFailure / membership / rendezvous text
-  // --recovery in-place: while the group was re-forming around a replacement, a worker that had
-  // not joined the re-form failed (or another node failed): the program does not recover in
-  // place, and the group restarts as under --recovery restart.
+  // --recovery in-place: while the group was re-forming around a replacement, a worker failed (a
+  // survivor that had not joined the re-form, or one whose re-form failed), or another node
+  // failed: the group restarts for this failure, as under --recovery restart.
   bool inPlaceFellBack = false;
+  bool fellBackInReform = false;  // the survivor that failed had joined the re-form (its re-form failed)
 };
 
 class GroupMonitor {
@@ -57,13 +58,15 @@ class GroupMonitor {
   // `replaceable`: whether a failed worker could be replaced in place now (the agent finds the
   // workers' store unreachable: its host was lost, the group must re-form from scratch).
   // `joinedReform`: asked only while reformPending(): whether the exiting worker had said it takes
-  // part in the re-form (ResilientTraining::recover() marks its rank alive). One that had not, a
-  // survivor that ended instead of recovering, makes the group fall back to a full restart
-  // (GroupOutcome::inPlaceFellBack) rather than being replaced too.
+  // part in the re-form (ResilientTraining::recover() says so). Any worker that fails while the
+  // re-form is pending, except one lost outright (SIGKILL, SIGSEGV, SIGBUS: a fault of its own),
+  // makes the group fall back to a full restart for this failure (GroupOutcome::inPlaceFellBack)
+  // rather than being replaced too; `joinedReform` only says why (a survivor that ended instead
+  // of recovering, or a re-form that failed).
   MonitorActions onWorkerExit(const WorkerExit& exit, bool replaceable = true, bool joinedReform = true);
   // A replacement was started and the group has not re-formed with it yet.
   bool reformPending() const { return !pendingReplacements_.empty(); }
-  // The coordinator re-formed the group with every replacement.
+  // The coordinator re-formed the group with every replacement: every rank built it.
   void noteReformed() { pendingReplacements_.clear(); }
   // A rank cannot recover in place: no failed worker is replaced alone from now on.
   void disableReplacements() { replacements_ = replaced_; }
@@ -99,6 +102,7 @@ class GroupMonitor {
   std::vector<WorkerExit> replacedExits_;
   std::vector<int> pendingReplacements_;  // local ranks replaced since the group last re-formed
   bool fellBack_ = false;
+  bool fellBackJoined_ = false;
   Reason reason_ = Reason::None;
   int signal_ = 0;
   int stopSignal_ = 0;  // what the workers were sent when the stop began
@@ -143,7 +147,8 @@ struct AttemptDecision {
 
 // --recovery in-place fell back to a group restart (GroupOutcome::inPlaceFellBack): what happened.
 struct InPlaceFallback {
-  bool firstTime = false;  // in-place recovery is off for the rest of the run from now on
+  bool firstTime = false;  // the run's first fallback (the agent explains it in full once)
+  bool inReform = false;   // the survivor had joined the re-form, which failed (else: it never joined)
   WorkerExit replaced;     // the worker whose replacement the group was re-forming around
   std::optional<WorkerExit> survivor;  // the local worker that ended instead of joining (none: another node)
 };
@@ -168,13 +173,14 @@ class RestartPolicy {
   // A rank said it cannot recover in place: every later failure of the run restarts the group.
   void turnInPlaceOff() { inPlaceOff_ = true; }
   // For the next group's GroupMonitor: how many failed workers may be replaced alone (0 without
-  // --recovery in-place, or once the program was seen not to recover in place).
+  // --recovery in-place, or once a rank declared it cannot recover in place).
   int replacementsAllowed() const;
 
   // A Failed outcome with inPlaceFellBack and a replacement this attempt (`replaced`, the
-  // monitor's): the replacement's restart becomes the group's (one fault, one restart), the
-  // replaced worker becomes the root cause, and every later failure of the run restarts the
-  // group. Nothing otherwise.
+  // monitor's): the replacement's restart becomes the group's (one fault, one restart) and the
+  // replaced worker becomes the root cause. Nothing otherwise. The next failure is recovered in
+  // place again: whether a program can is what its ranks declared (turnInPlaceOff), never what a
+  // failure during a re-form suggests (an outsider filling the store can make a re-form fail).
   std::optional<InPlaceFallback> fallBack(GroupOutcome& outcome, const std::vector<WorkerExit>& replaced);
 
   // `rootCauseRetryNever`: the root-cause worker's error file says a restart cannot help.
@@ -188,9 +194,10 @@ class RestartPolicy {
   bool inPlaceRecovery_;
   int restartCount_ = 0;
   int replacementsUsed_ = 0;
-  // The program was seen not to recover in place (a survivor ended instead of joining a re-form):
-  // every later failure of this run restarts the group, as --recovery restart.
+  // A rank declared that it cannot recover in place: every later failure of this run restarts the
+  // group, as --recovery restart.
   bool inPlaceOff_ = false;
+  bool fellBackBefore_ = false;  // a re-form fell back to a group restart earlier in this run
 };
 
 } // namespace ctorch::launcher

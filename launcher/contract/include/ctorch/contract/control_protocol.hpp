@@ -105,6 +105,7 @@ enum class Type : std::uint8_t {
   kReform = 11,       // its group of `generation` failed; value = 1 if it holds the training state
   kJoin = 12,         // a replacement joins the running group
   kEvictSilent = 13,  // waiting in the re-form of `generation` for value ms: evict the silent ranks
+  kGroupBuilt = 14,   // it built the group of `generation` (the one kFormed named)
   // Coordinator -> worker.
   kFormed = 20,    // every rank is in: build the group of `generation` (text = its key nonce, hex);
                    //   value = how many ranks hold the training state
@@ -118,7 +119,7 @@ enum class Type : std::uint8_t {
   // Coordinator -> agent.
   kKill = 40,        // kill process `incarnation` of rank `rank`: it stopped answering its peers
   kRankState = 41,   // process `incarnation` of rank `rank` takes part in the re-form
-  kReformed = 42,    // the group re-formed at `generation`
+  kReformed = 42,    // the group re-formed at `generation`: every rank built it (kGroupBuilt)
   kCapability = 43,  // value = 1: every rank can recover in place; 0: rank `rank` cannot (text = why)
   kSpareReady = 44,  // spare `text` (process `incarnation`) is connected and waits for a rank
 };

@@ -84,6 +84,7 @@ class Coordinator {
     bool holdsState = false;
     std::uint64_t killed = 0;  // the incarnation last ordered killed
     int declared = -1;         // -1: not yet, 0: cannot recover in place, 1: can
+    bool built = false;        // built the group of the generation last formed
   };
 
   void helloAgent(PeerId peer, Peer& p, const Message& hello, std::vector<Outgoing>& out);
@@ -98,6 +99,8 @@ class Coordinator {
   void declare(int rank, const Message& m, std::vector<Outgoing>& out);
   void evictSilent(PeerId requester, std::chrono::milliseconds grace, Clock::time_point now, std::vector<Outgoing>& out);
   void tryForm(std::vector<Outgoing>& out);
+  // Rank `rank` built the group of `generation`: once every rank did, its agents hear kReformed.
+  void built(int rank, std::int64_t generation, std::vector<Outgoing>& out);
   void toAgentOf(int rank, Message m, std::vector<Outgoing>& out) const;
   void toAgents(const Message& m, std::vector<Outgoing>& out) const;
   void refuse(PeerId peer, const std::string& why, std::vector<Outgoing>& out);
@@ -116,6 +119,7 @@ class Coordinator {
   std::vector<Rank> ranks_;
   int world_ = 0;
   std::int64_t generation_ = 0;
+  bool awaitingBuild_ = false;  // generation_ was formed and not every rank has built it yet
   int capability_ = -1;  // -1: not every rank said; 1: every rank can; 0: one cannot
   int incapableRank_ = -1;
   std::string incapableWhy_;
