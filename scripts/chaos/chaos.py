@@ -103,7 +103,7 @@ STEP_RE = re.compile(r"^\[default(\d+)\]:epoch (\d+)/(\d+)\s+step\s+(\d+)/(\d+)\
 STARTED_RE = re.compile(r"started (\d+) worker\(s\) of .* \(attempt (\d+), restart (\d+) of (\d+)\)$")
 REPLACED_RE = re.compile(r"replacing worker rank (\d+) \(local \d+\) in place")
 SPARE_RE = re.compile(r"(?:spare|preloaded) worker (\S+) takes over rank (\d+) ")
-FELLBACK_RE = re.compile(r"restarting the whole group for this failure")
+FELLBACK_RE = re.compile(r"[Rr]estarting the whole group for this failure")  # the first fallback says it as a sentence
 # In-place recovery of a sharded run (--shard-copies 1): a lost shard healed from the next rank's
 # copy, or every rank reloading the snapshot files (and why).
 HEALED_RE = re.compile(r"in-place recovery: healed (.*); continuing from")

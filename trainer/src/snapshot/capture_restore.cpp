@@ -141,8 +141,10 @@ std::int64_t stepCount(const c10::IValue& v, const std::string& where,
 // refusal lists all of them.
 class DictView {
  public:
-  DictView(c10::impl::GenericDict d, std::string where, std::vector<std::string>& errors)
-      : d_(std::move(d)), where_(std::move(where)), errors_(errors) {}
+  // `fits` (when given) is cleared by a tensor of another shape than its parameter's: a snapshot of
+  // another model, not a damaged one.
+  DictView(c10::impl::GenericDict d, std::string where, std::vector<std::string>& errors, bool* fits = nullptr)
+      : d_(std::move(d)), where_(std::move(where)), errors_(errors), fits_(fits) {}
   const c10::IValue* find(const std::string& key) const {
     auto it = d_.find(key);
     return it == d_.end() ? nullptr : &it->value();
@@ -150,6 +152,7 @@ class DictView {
   const c10::IValue& need(const std::string& key) const {
     static const c10::IValue kNone;
     if (const auto* v = find(key)) return *v;
+    if (fits_) *fits_ = false;  // written by another version or another program: not damage
     errors_.push_back(where_ + " has no '" + key + "'");
     return kNone;
   }
@@ -169,6 +172,7 @@ class DictView {
   at::Tensor tensor(const std::string& key, const at::Tensor& param, bool optional = false) const {
     const auto* v = find(key);
     if (!v || v->isNone()) {
+      if (!optional && fits_) *fits_ = false;
       if (!optional) errors_.push_back(where_ + " has no '" + key + "'");
       return {};
     }
@@ -178,6 +182,7 @@ class DictView {
     }
     const at::Tensor& t = v->toTensor();
     if (t.sizes() != param.sizes()) {
+      if (fits_) *fits_ = false;
       errors_.push_back(where_ + "['" + key + "'] has shape " + shapeText(t.sizes()) +
                         ", the parameter " + shapeText(param.sizes()));
       return {};
@@ -190,6 +195,7 @@ class DictView {
   c10::impl::GenericDict d_;
   std::string where_;
   std::vector<std::string>& errors_;
+  bool* fits_ = nullptr;
 };
 
 std::string optimizerTypeName(const torch::optim::Optimizer& o) {
@@ -413,6 +419,7 @@ std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
   auto statesIt = state.find("state");
   if (groupsIt == state.end() || !groupsIt->value().isList() || statesIt == state.end() ||
       !statesIt->value().isGenericDict()) {
+    if (groupsIt == state.end() || statesIt == state.end()) incompatible();  // absent, not retyped
     errors.push_back("OPTIMIZER_STATE lacks 'state' (dict) or 'param_groups' (list)");
     return {};
   }
@@ -434,7 +441,7 @@ std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
       errors.push_back(where + " is " + groups[gi].tagKind() + ", expected a dict");
       return {};
     }
-    DictView g(groups[gi].toGenericDict(), where, errors);
+    DictView g(groups[gi].toGenericDict(), where, errors, fits);
     const auto& params = g.need("params");
     const auto& liveParams = live[gi].params();
     if (!params.isList() || params.toListRef().size() != liveParams.size()) {
@@ -460,7 +467,7 @@ std::vector<GroupPlan> planOptimizerRestore(torch::optim::Optimizer& optimizer,
         errors.push_back("state[" + std::to_string(id) + "] is " + it->value().tagKind());
         continue;
       }
-      DictView s(it->value().toGenericDict(), "state[" + std::to_string(id) + "]", errors);
+      DictView s(it->value().toGenericDict(), "state[" + std::to_string(id) + "]", errors, fits);
       plan.states.emplace_back(liveParams[pi], readParamState(mine, s, liveParams[pi]));
     }
     plans.push_back(std::move(plan));

@@ -11,9 +11,10 @@
 namespace ctorch::detail {
 
 // The problems of `state` (OPTIMIZER_STATE as saved, of optimizer type `typeName`) that are damage —
-// an entry missing or of another type in a state that is otherwise for `optimizer` (the same type,
-// groups and parameters per group); empty when it restores, and when it is for another optimizer
-// (an incompatibility, which restoreSnapshot refuses with SnapshotIncompatible). Restores nothing.
+// an entry of another type than any writer gives it, in a state that is otherwise for `optimizer`;
+// empty when it restores, and when it is for another optimizer or model (another type, number of
+// groups or parameters, a tensor of another shape, an entry missing: another version or program
+// wrote it), which restoreSnapshot refuses with SnapshotIncompatible. Restores nothing.
 std::vector<std::string> optimizerStateDamage(torch::optim::Optimizer& optimizer, const std::string& typeName,
                                               const ItemDict& state);
 
