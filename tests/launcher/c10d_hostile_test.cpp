@@ -137,39 +137,9 @@ struct HostedJob {
   std::unique_ptr<test::Process> host1, host2;
 };
 
-// A TCP socket process `pid` listens on: its address and port as /proc/net/tcp{,6} give them.
-struct Listener {
-  std::string address;  // hex, as the kernel prints it
-  int port = 0;
-  bool v6 = false;
-};
+using test::Listener;
+using test::listenersOf;
 
-std::vector<Listener> listenersOf(int pid) {
-  namespace fs = std::filesystem;
-  std::set<std::string> inodes;
-  std::error_code ec;
-  for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    const std::string target = fs::read_symlink(fd.path(), ec).string();
-    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
-  std::vector<Listener> out;
-  for (const bool v6 : {false, true}) {
-    std::ifstream in(v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
-      const auto colon = local.rfind(':');
-      if (state != "0A" || colon == std::string::npos || !inodes.count(inode)) continue;
-      out.push_back({local.substr(0, colon), std::stoi(local.substr(colon + 1), nullptr, 16), v6});
-    }
-  }
-  return out;
-}
-
-// 127.x.y.z is printed as the 32-bit word in host (little-endian) order: "..7F"; ::1 as four words.
 bool loopback(const Listener& l) {
   return l.v6 ? l.address == "00000000000000000000000001000000"
               : l.address.size() == 8 && l.address.substr(6) == "7F";

@@ -22,6 +22,7 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <system_error>
@@ -414,6 +415,30 @@ std::string readFile(const fs::path& path) {
   std::ostringstream os;
   os << in.rdbuf();
   return os.str();
+}
+
+std::vector<Listener> listenersOf(int pid) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = fs::read_symlink(fd.path(), ec).string();
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<Listener> out;
+  for (const bool v6 : {false, true}) {
+    std::ifstream in(v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos || !inodes.count(inode)) continue;  // 0A: LISTEN
+      out.push_back({local.substr(0, colon), std::stoi(local.substr(colon + 1), nullptr, 16), v6});
+    }
+  }
+  return out;
 }
 
 void writeFile(const fs::path& path, const std::string& content) {

@@ -216,6 +216,15 @@ class TempDir {
 };
 
 std::string readFile(const std::filesystem::path& path);
+
+// A TCP socket process `pid` listens on (its own: the socket's inode is among its open files), with
+// its address and port as /proc/net/tcp and /proc/net/tcp6 give them.
+struct Listener {
+  std::string address;  // hex, as the kernel prints it
+  int port = 0;
+  bool v6 = false;
+};
+std::vector<Listener> listenersOf(int pid);
 void writeFile(const std::filesystem::path& path, const std::string& content);
 
 } // namespace ctorch::test

@@ -190,27 +190,8 @@ bool waitForStopHandler(int pid, const fs::path& exe, int signo, std::chrono::se
 // Whether process `pid` has a TCP socket listening on `port` (its own, not another's: the socket's
 // inode is among its open files).
 bool listensOn(int pid, int port) {
-  std::set<std::string> inodes;
-  std::error_code ec;
-  for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    const std::string target = fs::read_symlink(fd.path(), ec).string();
-    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
-      const auto colon = local.rfind(':');
-      if (state == "0A" && colon != std::string::npos && std::stoi(local.substr(colon + 1), nullptr, 16) == port &&
-          inodes.count(inode))
-        return true;
-    }
-  }
-  return false;
+  const auto listeners = ctorch::test::listenersOf(pid);
+  return std::any_of(listeners.begin(), listeners.end(), [&](const auto& l) { return l.port == port; });
 }
 
 // A store host that takes connections on 127.0.0.1 (a port it bound) and never answers: a client
@@ -771,6 +752,37 @@ int nextWorkerPid(const fs::path& dir, int rank, int former) {
 
 } // namespace
 
+namespace {
+
+// A 2-rank job with --recovery in-place under the re-formed-keys attack: the outsider starts at epoch
+// 2, rank 1 is killed (the first genuine fault), and the job is back at epoch 4.
+struct ReformedKeysAttack {
+  ReformedKeysAttack(const TempDir& dir, const std::string& maxRestarts)
+      : job(trainUnderLauncher(dir.path(), 2, slowToyWithTimeout(),
+                               {"--recovery", "in-place", "--max-restarts", maxRestarts, "--preloaded-workers", "0"},
+                               std::chrono::seconds(180))) {
+    REQUIRE(waitForOutput(job, std::regex("epoch 2/8"), std::chrono::seconds(90)));
+    const int rank0 = findWorkerPid(dir.path(), 0);
+    rank1 = findWorkerPid(dir.path(), 1);
+    REQUIRE(rank0 > 0);
+    REQUIRE(rank1 > 0);
+    attacker = std::make_unique<Outsider>(environOf(rank0), overwriteReformedKeys(environOf(rank0), overwritten));
+    REQUIRE(::kill(rank1, SIGKILL) == 0);
+    REQUIRE(waitForOutput(job, std::regex("epoch 4/8"), std::chrono::seconds(90)));
+  }
+  static std::vector<std::string> slowToyWithTimeout() {
+    auto args = kSlowToy;
+    args.insert(args.end(), {"--timeout", "10"});
+    return args;
+  }
+  Process job;
+  std::atomic<int> overwritten{0};
+  std::unique_ptr<Outsider> attacker;
+  int rank1 = 0;
+};
+
+}  // namespace
+
 TEST_CASE("outsider: overwriting the re-formed group's keys never switches in-place recovery off (issue 58.3)",
           "[trainer][process][control]") {
   // The outsider lists the workers' store and overwrites every key of a re-formed group it can
@@ -778,29 +790,17 @@ TEST_CASE("outsider: overwriting the re-formed group's keys never switches in-pl
   // healthy survivor failed in the re-form, and ctorchrun decided "this program does not recover in
   // place ... now and after any later failure": the second kill restarted the group.
   TempDir dir("outsider-reformed-keys");
-  auto args = kSlowToy;
-  args.insert(args.end(), {"--timeout", "10"});
-  Process p(trainUnderLauncher(dir.path(), 2, args,
-                               {"--recovery", "in-place", "--max-restarts", "6", "--preloaded-workers", "0"},
-                               std::chrono::seconds(180)));
-  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(90)));
-  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
-  REQUIRE(rank0 > 0);
-  REQUIRE(rank1 > 0);
-  std::atomic<int> overwritten{0};
-  Outsider attacker(environOf(rank0), overwriteReformedKeys(environOf(rank0), overwritten));
-  REQUIRE(::kill(rank1, SIGKILL) == 0);
-  REQUIRE(waitForOutput(p, std::regex("epoch 4/8"), std::chrono::seconds(90)));
-  const int second = nextWorkerPid(dir.path(), 1, rank1);
+  ReformedKeysAttack attack(dir, "6");
+  const int second = nextWorkerPid(dir.path(), 1, attack.rank1);
   REQUIRE(second > 0);
   REQUIRE(::kill(second, SIGKILL) == 0);  // the next genuine fault
-  const auto r = p.wait();
-  const int rounds = attacker.rounds();
-  attacker.stop();
+  const auto r = attack.job.wait();
+  const int rounds = attack.attacker->rounds();
+  attack.attacker->stop();
   INFO(show(r));
   REQUIRE(r.ok());
   CHECK(rounds > 10);
-  CHECK(overwritten == 0);  // nothing of a re-formed group could be named
+  CHECK(attack.overwritten == 0);  // nothing of a re-formed group could be named
   // Both faults recovered in place: two replacements, no group restart, nothing switched off.
   CHECK(countOf(r.output, "replacing worker rank 1") == 2);
   CHECK(r.output.find("does not recover in place") == std::string::npos);
@@ -841,25 +841,13 @@ TEST_CASE("outsider: with --max-restarts 2, two genuine faults under the re-form
           "(issue 58.3)", "[trainer][process][control]") {
   // Before: one fault cost 3-4 restarts under this attack, and the second found none left.
   TempDir dir("outsider-two-faults");
-  auto args = kSlowToy;
-  args.insert(args.end(), {"--timeout", "10"});
-  Process p(trainUnderLauncher(dir.path(), 2, args,
-                               {"--recovery", "in-place", "--max-restarts", "2", "--preloaded-workers", "0"},
-                               std::chrono::seconds(180)));
-  REQUIRE(waitForOutput(p, std::regex("epoch 2/8"), std::chrono::seconds(90)));
-  const int rank0 = findWorkerPid(dir.path(), 0), rank1 = findWorkerPid(dir.path(), 1);
-  REQUIRE(rank0 > 0);
-  REQUIRE(rank1 > 0);
-  std::atomic<int> overwritten{0};
-  Outsider attacker(environOf(rank0), overwriteReformedKeys(environOf(rank0), overwritten));
-  REQUIRE(::kill(rank1, SIGKILL) == 0);
-  REQUIRE(waitForOutput(p, std::regex("epoch 4/8"), std::chrono::seconds(90)));
+  ReformedKeysAttack attack(dir, "2");
   // This time the other rank: the same process (recovered in place) or a new one (the group restarted).
   const int victim = findWorkerPid(dir.path(), 0);
   REQUIRE(victim > 0);
   REQUIRE(::kill(victim, SIGKILL) == 0);
-  const auto r = p.wait();
-  attacker.stop();
+  const auto r = attack.job.wait();
+  attack.attacker->stop();
   INFO(show(r));
   CHECK(r.output.find("no restarts left") == std::string::npos);
   REQUIRE(r.ok());
