@@ -4,6 +4,8 @@
 // (each reconnect reset its "unreachable since" clock), ignoring SIGTERM and outliving its worker.
 #include "ctorch_catch.hpp"
 
+// The contract is header-only; its HMAC builds the signed record independently of the launcher.
+#include "../../launcher/contract/include/ctorch/contract/control_auth.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
 #include "launcher_test_util.hpp"
@@ -227,4 +229,87 @@ TEST_CASE("c10d agent: connections that never read their large replies from the 
   // They did stop the server (it says so), and it dropped them.
   CHECK_THAT(r1.output, Catch::Contains("store: reading suspended"));
   CHECK_THAT(r1.output, Catch::Contains("takes its replies slower than minReplyRate"));
+}
+
+// ---- a stale endpoint: the record that the job's store moved (issue 58.12) ----------------------------------
+namespace {
+
+const std::string kMovedSecret = "0123456789abcdef-moved-secret";
+
+// An agent of run "moved" (2 nodes, --store-failover) whose endpoint is the test's store at `port`.
+std::vector<std::string> movedArgs(int port, const std::vector<std::string>& worker) {
+  std::vector<std::string> a = {"--log-level", "info", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
+                                "--rdzv-id", "moved",
+                                "--rdzv-conf", "is_host=false,keep_alive_interval=0.5,keep_alive_max_attempt=3,"
+                                               "last_call_timeout=0.5,join_timeout=60,close_timeout=3",
+                                "--store-failover", "--shutdown-timeout", "3", fakeWorkerBin()};
+  a.insert(a.end(), worker.begin(), worker.end());
+  return a;
+}
+
+// The record the live store's agent writes at the old endpoint, as docs/store-failover.md gives it,
+// built here independently of the launcher's code: it says the store of run "moved" is at
+// 127.0.0.1:`port`, signed under kMovedSecret's failover key, or unsigned ("-").
+void writeMovedRecord(int staleStore, int port, bool signedRecord) {
+  namespace auth = contract::auth;
+  const std::string body = "ctorchrun-moved-store 1\nmoved\n0\nlive_1_0\n127.0.0.1\n" + std::to_string(port);
+  std::string mac = "-";
+  if (signedRecord) {
+    const auth::Digest k = auth::hmacSha256(kMovedSecret, "ctorch store-failover key for run moved");
+    mac = auth::toHex(auth::hmacSha256(std::string(reinterpret_cast<const char*>(k.data()), k.size()), body));
+  }
+  storeClient(staleStore).set("ctorchrun/failover/moved/moved", store::toBytes(body + "\n" + mac));
+}
+
+const std::map<std::string, std::string> kWithSecret = {{"CTORCH_JOB_SECRET", kMovedSecret}};
+
+} // namespace
+
+TEST_CASE("c10d agent --store-failover: a signed record at its endpoint saying the job's store moved sends it to "
+          "the live store, where it joins the job (issue 58.12)") {
+  store::TcpStoreServer stale({}), live({});
+  writeMovedRecord(stale.port(), live.port(), true);
+  const std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "hang"};
+  test::Process member(ctorchrunSpawn(movedArgs(live.port(), worker), kWithSecret, 120s));
+  auto watcher = storeClient(live.port());
+  REQUIRE(eventually([&] { return watcher.check({"ctorchrun.rendezvous.moved"}); }, 60s));
+  test::Process late(ctorchrunSpawn(movedArgs(stale.port(), worker), kWithSecret, 120s));
+  auto rm = member.wait(), rl = late.wait();
+  INFO(rm.output << "\n----\n" << rl.output);
+  CHECK(rm.ok());
+  CHECK(rl.ok());
+  CHECK_THAT(rl.output, Catch::Contains("moved to 127.0.0.1:" + std::to_string(live.port())));
+  CHECK_THAT(rl.output, Catch::Contains(": joining it there"));
+  for (auto* r : {&rm, &rl}) CHECK_THAT(r->output, Catch::Contains("ENV WORLD_SIZE=2"));
+}
+
+TEST_CASE("c10d agent --store-failover: a record naming a store that holds no state of the run: it refuses in one "
+          "line and starts nothing (issue 58.12)") {
+  store::TcpStoreServer stale({}), empty({});
+  writeMovedRecord(stale.port(), empty.port(), false);
+  auto r = runCtorchrun(movedArgs(stale.port(), {"env"}), {}, 120s);
+  INFO(r.output);
+  CHECK(r.exitCode == 3);
+  CHECK_THAT(r.output, Catch::Contains("holds no rendezvous state of this run: not forming a second group under the "
+                                       "same run id"));
+  CHECK_THAT(r.output, !Catch::Contains("started 1 worker"));
+  CHECK_THAT(r.output, !Catch::Contains("Traceback") && !Catch::Contains("terminate called"));
+}
+
+TEST_CASE("c10d agent --store-failover: with a job secret an unsigned record is ignored and the job forms at its "
+          "endpoint (issue 58.12)") {
+  store::TcpStoreServer here({}), elsewhere({});
+  writeMovedRecord(here.port(), elsewhere.port(), false);
+  const std::vector<std::string> worker = {"env", "if-world", "2", "exit", "0", "hang"};
+  test::Process a(ctorchrunSpawn(movedArgs(here.port(), worker), kWithSecret, 120s));
+  test::Process b(ctorchrunSpawn(movedArgs(here.port(), worker), kWithSecret, 120s));
+  auto ra = a.wait(), rb = b.wait();
+  INFO(ra.output << "\n----\n" << rb.output);
+  for (auto* r : {&ra, &rb}) {
+    CHECK(r->ok());
+    CHECK_THAT(r->output, Catch::Contains("is not signed with this job's CTORCH_JOB_SECRET: ignored"));
+    CHECK_THAT(r->output, !Catch::Contains("joining it there"));
+    CHECK_THAT(r->output, Catch::Contains("ENV WORLD_SIZE=2"));
+  }
 }

@@ -516,6 +516,48 @@ TEST_CASE("multinode c10d --store-failover: a partial partition (only the store 
   CHECK(countOf(r2.output, "ENV WORLD_SIZE=2") == 0);
 }
 
+// Issue 58.12: after a failover the job's store lives at the successor's standby. ctorchrun
+// restarted on the lost store host with the original command serves a fresh store at the original
+// endpoint, and a new node started with that endpoint joins it: the two used to form a second round
+// 0 under the same run id (world size 2) while the job trained on. Now the successor writes where
+// the store is into whatever answers at the old endpoint, and both join the live job: 2 -> 4.
+MULTINODE_SCENARIO(staleEndpoint, "multinode c10d --store-failover: ctorchrun restarted on the lost store host and a new node, both given the original endpoint, join the live job: no second round 0 (issue 58.12)", 4, RdzvStore::kHost1) {
+  std::vector<std::string> worker = {"env", "if-world", "4", "exit", "0", "trap-term", "0", "hang"};
+  auto original = [&] { return c10d(t, 1, "2:4", 1, failoverNode("0"), worker); };
+  auto host1 = t.startHost1(original);
+  test::Process a2(t.spawn(2, c10d(t, 2, "2:4", 1, failoverNode("1"), worker)));
+  test::Process a3(t.spawn(3, c10d(t, 3, "2:4", 1, failoverNode("2"), worker)));
+  for (auto* a : {host1.get(), &a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=3"));
+  t.kill(1, *host1);
+  INFO(host1->wait().output);
+  for (auto* a : {&a2, &a3}) REQUIRE(waitFor(*a, "ENV WORLD_SIZE=2"));
+  test::Process b1(t.spawn(1, original()));
+  test::Process b4(t.spawn(4, c10d(t, 4, "2:4", 1, {"--store-failover"}, worker)));
+  // The first round either new node runs in is the live job's (3 or 4 nodes), never one of its own.
+  for (auto* b : {&b1, &b4}) {
+    const bool started = waitFor(*b, "ENV WORLD_SIZE=");
+    INFO(b->outputSoFar() << "\n----\n" << a2.outputSoFar());
+    REQUIRE(started);
+    const std::string out = b->outputSoFar();
+    const auto at = out.find("ENV WORLD_SIZE=") + std::string("ENV WORLD_SIZE=").size();
+    REQUIRE(out.substr(at, 1) != "2");
+  }
+  auto r2 = a2.wait(), r3 = a3.wait(), r1 = b1.wait(), r4 = b4.wait();
+  INFO(r1.output << "\n----\n" << r2.output << "\n----\n" << r3.output << "\n----\n" << r4.output);
+  for (auto* r : {&r1, &r2, &r3, &r4}) {
+    CHECK(r->ok());
+    CHECK(countOf(r->output, "ENV WORLD_SIZE=4") == 1);
+  }
+  for (auto* r : {&r1, &r4}) {
+    CHECK_THAT(r->output, Catch::Contains("in a store failover; this node's endpoint"));
+    CHECK_THAT(r->output, Catch::Contains(": joining it there"));
+    CHECK(countOf(r->output, "ENV WORLD_SIZE=2") == 0);
+  }
+  CHECK_THAT(r2.output, Catch::Contains("told it where the rendezvous store is now"));
+  // The restarted store host keeps its store at the old endpoint open, pointing the way.
+  CHECK_THAT(r1.output, Catch::Contains("stays open and sends later nodes there too"));
+}
+
 MULTINODE_SCENARIO(storeHostLostNoFailover, "multinode c10d without --store-failover: losing the store host ends the survivor with what happened and what survives it (issue 28.3)", 2, RdzvStore::kHost1) {
   std::vector<std::string> worker = {"env", "trap-term", "0", "hang"};
   auto a1 = t.startHost1([&] { return c10d(t, 1, "1:2", 1, {"--node-rank", "0"}, worker); });

@@ -183,3 +183,63 @@ TEST_CASE("failover: a round formed with no more than half of the previous one i
   CHECK(*why == "round 3 formed with 2 of the previous round's 4 nodes: not a majority, so the other side may have "
                 "taken the store over (--store-failover) and trains on; this side stops");
 }
+
+// Issue 58.12: the record the live store's node writes at the job's original endpoint.
+TEST_CASE("failover: the moved-store record names the live store; only a well-formed one of this run, signed under a secret, is acted on", "[rendezvous]") {
+  MovedRecord m;
+  m.round = 4;
+  m.node = "b_100_0";
+  m.addr = "10.0.0.2";
+  m.port = 4001;
+  CHECK(movedKey("job") == "ctorchrun/failover/job/moved");
+  CHECK(movedKey("job") != movedKey("job2"));
+  const std::string key = deriveFailoverKey("0123456789abcdef-secret", "job");
+  for (const std::string& k : {std::string(), key}) {
+    const std::string v = movedValue("job", m, k);
+    CHECK(v.size() <= kMaxMovedSize);
+    auto back = parseMoved(v, "job", k);
+    REQUIRE(back);
+    CHECK(back->round == 4);
+    CHECK(back->node == "b_100_0");
+    CHECK(back->addr == "10.0.0.2");
+    CHECK(back->port == 4001);
+    CHECK_FALSE(parseMoved(v, "job2", k));  // another run's
+  }
+  // Under a secret: unsigned, signed with another key, or another record's signature.
+  const std::string signedRecord = movedValue("job", m, key);
+  CHECK_FALSE(parseMoved(movedValue("job", m, ""), "job", key));
+  CHECK_FALSE(parseMoved(movedValue("job", m, deriveFailoverKey("not-the-secret-at-all", "job")), "job", key));
+  MovedRecord elsewhere = m;
+  elsewhere.addr = "10.6.6.6";
+  const std::string other = movedValue("job", elsewhere, "");
+  const std::string forged = other.substr(0, other.rfind('\n') + 1) + signedRecord.substr(signedRecord.rfind('\n') + 1);
+  CHECK_FALSE(parseMoved(forged, "job", key));
+  // Garbage: truncated, extended, oversized, binary, bad numbers, empty fields. None parses, none throws.
+  CHECK_FALSE(parseMoved(signedRecord.substr(0, signedRecord.size() - 1), "job", key));
+  CHECK_FALSE(parseMoved(signedRecord + "\n", "job", key));
+  CHECK_FALSE(parseMoved(signedRecord + std::string(kMaxMovedSize, 'x'), "job", key));
+  CHECK_FALSE(parseMoved(std::string("\0\xff\n\n\n\n\n", 7), "job", key));
+  CHECK_FALSE(parseMoved("", "job", ""));
+  for (const auto& [round, port] : std::vector<std::pair<std::string, std::string>>{
+           {"-1", "4001"}, {"4", "0"}, {"4", "65536"}, {"4", " 4001"}, {"x", "4001"}, {"4", "99999999999999999999"},
+           {"", "4001"}, {"4", ""}}) {
+    const std::string v = "ctorchrun-moved-store 1\njob\n" + round + "\nb_100_0\n10.0.0.2\n" + port + "\n-";
+    CHECK_FALSE(parseMoved(v, "job", ""));
+  }
+  CHECK(parseMoved("ctorchrun-moved-store 1\njob\n4\nb_100_0\n10.0.0.2\n4001\n-", "job", ""));
+  CHECK_FALSE(parseMoved("ctorchrun-moved-store 1\njob\n4\n\n10.0.0.2\n4001\n-", "job", ""));
+  CHECK_FALSE(parseMoved("ctorchrun-moved-store 2\njob\n4\nb_100_0\n10.0.0.2\n4001\n-", "job", ""));
+}
+
+TEST_CASE("failover: a node waits the stale-endpoint guard before its first round: longer than the beacon takes to write the record", "[rendezvous]") {
+  Settings s;
+  s.keepAliveInterval = 1s;
+  CHECK(movedBeaconInterval(s) == 500ms);
+  CHECK(staleEndpointGuard(s) == 2500ms);
+  // The beacon: one interval until its next write, then a connect and a request of at most 1 s each.
+  CHECK(staleEndpointGuard(s) >= movedBeaconInterval(s) + 2s);
+  s.keepAliveInterval = 100ms;
+  CHECK(movedBeaconInterval(s) == 100ms);
+  s.keepAliveInterval = 10s;
+  CHECK(movedBeaconInterval(s) == 1s);
+}

@@ -3,9 +3,12 @@
 #include "c10d_rendezvous_impl.hpp"
 
 #include "ctorch/launcher/errors.hpp"
+#include "ctorch/rdzv/c10d/errors.hpp"
 #include "ctorch/rdzv/c10d/state.hpp"
 #include "ctorch/store/tcp_store_client.hpp"
 #include "log.hpp"
+
+#include <poll.h>
 
 #include <algorithm>
 #include <set>
@@ -104,6 +107,7 @@ bool C10dRendezvous::Impl::takeStoreOver(const rdzv::c10d::FailoverPlan& plan, C
   }
   executor_->setStoreHost(true);
   executor_->setStandbyPort(std::nullopt);
+  startMovedBeacon();
   l.warn("store failover: this node serves the rendezvous store now (port {}), re-created from its own "
          "copy of round {} in {}", hostServer_->port(), round_->round, measuredSeconds(since(started)));
   return true;
@@ -142,6 +146,95 @@ bool C10dRendezvous::Impl::moveToSuccessor(const rdzv::c10d::NodeSlot& next, Clo
   l.warn("store failover: now using the rendezvous store of node '{}' at {} ({} after the loss was noticed)",
          next.id, target, measuredSeconds(since(started)));
   return true;
+}
+
+void C10dRendezvous::Impl::startMovedBeacon() {
+  if (!round_ || !hostServer_) return;
+  rdzv::c10d::MovedRecord r;
+  r.round = round_->round;
+  r.node = nodeId_;
+  r.addr = announcedAddr_;
+  r.port = hostServer_->port();
+  MovedBeacon::Options bo;
+  bo.host = o_.endpointHost;
+  bo.port = o_.endpointPort;
+  bo.key = rdzv::c10d::movedKey(o_.settings.runId);
+  bo.value = rdzv::c10d::movedValue(o_.settings.runId, r, o_.failoverKey);
+  bo.interval = rdzv::c10d::movedBeaconInterval(o_.settings);
+  beacon_.reset();
+  beacon_ = std::make_unique<MovedBeacon>(bo);
+}
+
+void C10dRendezvous::Impl::checkStaleEndpoint(const RendezvousRequest& request) {
+  auto& l = log("rendezvous");
+  const std::string key = rdzv::c10d::movedKey(o_.settings.runId);
+  const auto deadline = Clock::now() + rdzv::c10d::staleEndpointGuard(o_.settings);
+  bool ignored = false;
+  for (;;) {
+    try {
+      if (link_->check(key)) {
+        const std::string v = link_->get(key);
+        if (auto record = rdzv::c10d::parseMoved(v, o_.settings.runId, o_.failoverKey)) {
+          followMoved(*record);
+          return;
+        }
+        if (!ignored)
+          l.warn("the store at {} holds a record saying the rendezvous store of run '{}' moved, which {}: ignored",
+                 link_->where(), o_.settings.runId,
+                 o_.failoverKey.empty() ? "is malformed" : "is not signed with this job's CTORCH_JOB_SECRET");
+        ignored = true;
+      }
+    } catch (const store::StoreError& e) {
+      l.debug("reading the moved-store record at {}: {}", link_->where(), e.what());
+    } catch (const rdzv::c10d::RendezvousStateError& e) {
+      l.debug("reading the moved-store record at {}: {}", link_->where(), e.what());  // deleted meanwhile
+    }
+    if (Clock::now() >= deadline) return;
+    if (request.stopNow()) throw RendezvousInterrupted("interrupted while waiting to join the rendezvous");
+    if (request.cancelFd >= 0) {
+      pollfd p{request.cancelFd, POLLIN, 0};
+      if (::poll(&p, 1, 100) > 0 && request.stopNow())
+        throw RendezvousInterrupted("interrupted while waiting to join the rendezvous");
+    } else {
+      std::this_thread::sleep_for(milliseconds(100));
+    }
+  }
+}
+
+void C10dRendezvous::Impl::followMoved(const rdzv::c10d::MovedRecord& record) {
+  const std::string target = record.addr + ":" + std::to_string(record.port);
+  const std::string what = "the rendezvous store of run '" + o_.settings.runId + "' moved to " + target +
+                           " (node '" + record.node + "' took it over from round " + std::to_string(record.round) +
+                           " in a store failover; this node's endpoint " + link_->where() + " is the old one)";
+  // Act only on what can be verified: the store named must answer and hold this run's state.
+  std::string problem;
+  try {
+    store::TcpStoreClientOptions co;
+    co.timeout = std::min(o_.operationTimeout, milliseconds(1000));
+    co.operationTimeout = co.timeout;
+    co.retryConnect = false;
+    store::TcpStoreClient probe(record.addr, static_cast<std::uint16_t>(record.port), co);
+    if (!probe.check({rdzv::c10d::stateKey(o_.settings.runId)})) problem = "it holds no rendezvous state of this run";
+  } catch (const std::exception& e) {
+    problem = std::string("it does not answer (") + e.what() + ")";
+  }
+  if (!problem.empty())
+    throw RendezvousError(what + ", but " + problem + ": not forming a second group under the same run id; start "
+                          "this node with the live store's address as --rdzv-endpoint");
+  // Nodes that came and went at the old endpoint are nothing to the live job.
+  redirecting_ = true;
+  {
+    std::lock_guard<std::mutex> lock(dropMutex_);
+    dropped_.clear();
+  }
+  const bool signpost = hostServer_ != nullptr;
+  if (signpost) redirect_ = std::move(hostServer_);
+  link_->retarget(record.addr, record.port);
+  if (o_.localAddr.empty() && !signpost) announcedAddr_ = link_->localAddress();  // the route to the live store
+  log("rendezvous").warn("{}: joining it there{}", what,
+                         signpost ? "; the store this node serves at the old endpoint stays open and sends later "
+                                    "nodes there too"
+                                  : "");
 }
 
 std::optional<RendezvousEvent> C10dRendezvous::Impl::minority(const rdzv::c10d::RoundAssessment& a) {

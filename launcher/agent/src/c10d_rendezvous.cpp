@@ -88,8 +88,10 @@ C10dRendezvous::Impl::Impl(C10dRendezvousOptions options) : o_(std::move(options
 }
 
 C10dRendezvous::Impl::~Impl() {
-  // The server calls back into this object from its thread: stop it first.
+  // The servers call back into this object from their threads: stop them first.
+  beacon_.reset();
   hostServer_.reset();
+  redirect_.reset();
   standby_.reset();
   workerStore_.reset();
   ::close(epollFd_);
@@ -281,6 +283,9 @@ void C10dRendezvous::Impl::setUp(const RendezvousRequest& request) {
     announcedAddr_ = o_.endpointHost;
   else
     announcedAddr_ = link_->localAddress();
+  // A store at a stale endpoint (the job's store moved in a failover) sends this node to the live
+  // one, or it refuses: it never forms a second round under the job's run id there.
+  if (o_.storeFailover) checkStaleEndpoint(request);
   if (o_.storeFailover && !hostServer_) {
     // Ready before this node joins (its port goes into its participant entry), idle until the
     // store's host is lost and this node is the next in line.
@@ -303,7 +308,9 @@ std::string C10dRendezvous::Impl::loopbackBind(const std::string& announced) con
 store::TcpStoreServerOptions C10dRendezvous::Impl::hostOptions() {
   store::TcpStoreServerOptions so;
   so.ephemeralKeyPrefix = std::string("/") + kAliveKeyPrefix;
-  so.onEphemeralKeyLost = [this](const std::string& key) { onAliveKeyLost(key); };
+  so.onEphemeralKeyLost = [this](const std::string& key) {
+    if (!redirecting_.load()) onAliveKeyLost(key);
+  };
   so.debugLog = [](const std::string& m) { log("store").debug("{}", m); };
   so.replyTimeout = replyWindow(o_);
   return so;

@@ -8,6 +8,7 @@
 #include "ctorch/rdzv/c10d/executor.hpp"
 #include "ctorch/rdzv/c10d/failover.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
+#include "moved_beacon.hpp"
 #include "store_link.hpp"
 
 #include <atomic>
@@ -77,6 +78,16 @@ class C10dRendezvous::Impl {
   void markLoss(const rdzv::c10d::FailoverPlan& plan);
   // Whether node `n`'s standby holds a mark that confirms it lost the store too (rdzv::c10d::confirmsLoss).
   bool lossConfirmed(const rdzv::c10d::NodeSlot& n, const rdzv::c10d::FailoverPlan& plan) const;
+  // Issue 58.12, before this node joins its first round (--store-failover): reads, for the stale
+  // endpoint guard (rdzv::c10d::staleEndpointGuard), whether the store at its endpoint says the
+  // run's store moved (rdzv::c10d::parseMoved); if so, joins the live store there (followMoved).
+  void checkStaleEndpoint(const RendezvousRequest& request);
+  // Joins the store a moved record names when it holds this run's rendezvous state; else refuses
+  // in one line (RendezvousError): never a second round under the same run id. A store this node
+  // serves at the old endpoint stays open, as a signpost for later nodes (redirect_).
+  void followMoved(const rdzv::c10d::MovedRecord& record);
+  // The successor, once it serves the store: writes the moved record at the original endpoint.
+  void startMovedBeacon();
   // --store-failover: a node whose round lost a majority of its nodes stops (the majority side
   // may have failed over to another store and trains on without it).
   std::optional<RendezvousEvent> minority(const rdzv::c10d::RoundAssessment& a);
@@ -100,6 +111,11 @@ class C10dRendezvous::Impl {
   AgentClock clock_;
   std::unique_ptr<store::TcpStoreServer> hostServer_;
   std::unique_ptr<store::TcpStoreServer> standby_;  // --store-failover, until promoted
+  // The store this node served at a stale endpoint before it followed a moved record: it only
+  // shows later nodes the way (its agents' dropped connections mean nothing to this job).
+  std::unique_ptr<store::TcpStoreServer> redirect_;
+  std::atomic<bool> redirecting_{false};
+  std::unique_ptr<MovedBeacon> beacon_;  // this node took the store over: tell the old endpoint
   std::atomic<bool> standbyServes_{false};
   std::unique_ptr<StoreLink> link_;
   std::string announcedAddr_;  // how the other nodes reach this one (set up with link_)

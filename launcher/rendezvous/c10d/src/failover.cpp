@@ -4,7 +4,10 @@
 
 #include "ctorch/contract/control_auth.hpp"
 
+#include <algorithm>
+#include <limits>
 #include <string>
+#include <vector>
 
 namespace ctorch::rdzv::c10d {
 
@@ -84,6 +87,75 @@ bool confirmsLoss(std::string_view value, std::string_view runId, const RoundRes
   const std::string_view mac = value.substr(body.size() + 1);
   if (key.empty()) return mac == "-" || (mac.size() == 64 && contract::auth::fromHex(mac));
   return sameInConstantTime(mac, markMac(key, body));
+}
+
+std::string movedKey(std::string_view runId) {
+  return "ctorchrun/failover/" + std::string(runId) + "/moved";
+}
+
+namespace {
+
+constexpr std::string_view kMovedMagic = "ctorchrun-moved-store 1";
+
+std::string movedBody(std::string_view runId, const MovedRecord& r) {
+  return std::string(kMovedMagic) + "\n" + std::string(runId) + "\n" + std::to_string(r.round) + "\n" + r.node +
+         "\n" + r.addr + "\n" + std::to_string(r.port);
+}
+
+// A decimal in [lo, hi], nothing else (no sign, no spaces, at most 18 digits).
+std::optional<std::int64_t> strictNumber(std::string_view s, std::int64_t lo, std::int64_t hi) {
+  if (s.empty() || s.size() > 18) return std::nullopt;
+  std::int64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  if (v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+} // namespace
+
+std::string movedValue(std::string_view runId, const MovedRecord& record, std::string_view key) {
+  const std::string body = movedBody(runId, record);
+  return body + "\n" + markMac(key, body);
+}
+
+std::optional<MovedRecord> parseMoved(std::string_view value, std::string_view runId, std::string_view key) {
+  if (value.size() > kMaxMovedSize) return std::nullopt;
+  std::vector<std::string_view> f;
+  for (std::size_t from = 0;;) {
+    const auto nl = value.find('\n', from);
+    f.push_back(value.substr(from, nl == std::string_view::npos ? std::string_view::npos : nl - from));
+    if (nl == std::string_view::npos) break;
+    from = nl + 1;
+  }
+  if (f.size() != 7 || f[0] != kMovedMagic || f[1] != runId) return std::nullopt;
+  for (const auto& x : f)
+    if (x.empty()) return std::nullopt;
+  const auto round = strictNumber(f[2], 0, std::numeric_limits<std::int64_t>::max() / 16);
+  const auto port = strictNumber(f[5], 1, 65535);
+  if (!round || !port) return std::nullopt;
+  MovedRecord r;
+  r.round = *round;
+  r.node = std::string(f[3]);
+  r.addr = std::string(f[4]);
+  r.port = static_cast<int>(*port);
+  const std::string_view mac = f[6];
+  if (key.empty()) {
+    if (mac != "-" && !(mac.size() == 64 && contract::auth::fromHex(mac))) return std::nullopt;
+  } else if (!sameInConstantTime(mac, markMac(key, movedBody(runId, r)))) {
+    return std::nullopt;
+  }
+  return r;
+}
+
+std::chrono::milliseconds movedBeaconInterval(const Settings& settings) {
+  return std::clamp(settings.keepAliveInterval / 2, std::chrono::milliseconds(100), std::chrono::milliseconds(1000));
+}
+
+std::chrono::milliseconds staleEndpointGuard(const Settings& settings) {
+  return movedBeaconInterval(settings) + std::chrono::milliseconds(2000);
 }
 
 std::optional<std::string> refuseTakeOver(const RoundResult& round, const std::set<std::string>& confirmed) {

@@ -53,6 +53,36 @@ std::string lossMarkValue(std::string_view runId, const RoundResult& round, std:
 bool confirmsLoss(std::string_view value, std::string_view runId, const RoundResult& round,
                   const NodeSlot& probed, const FailoverPlan& plan, std::string_view key);
 
+// Issue 58.12: a stale endpoint. After a failover the store lives at the successor's standby, and
+// the job's original --rdzv-endpoint holds nothing, or - ctorchrun restarted on the old store host
+// with the original command - a fresh store, where nodes started with that endpoint would form a
+// second round 0 under the same run id. So the node that serves the live store writes this record
+// into whatever answers at the original endpoint (every movedBeaconInterval), and a node reads it
+// there before it joins its first round: it joins the live store, or refuses in one line. The key
+// is per run id; the value names the live store and the round it was taken over in, with an
+// HMAC-SHA256 under the failover key ("-" without a job secret), one field per line.
+struct MovedRecord {
+  std::int64_t round = 0;  // the round the store was taken over from
+  std::string node;        // the node that serves it
+  std::string addr;        // where it serves it
+  int port = 0;
+};
+std::string movedKey(std::string_view runId);
+inline constexpr std::size_t kMaxMovedSize = 512;
+std::string movedValue(std::string_view runId, const MovedRecord& record, std::string_view key);
+// The record `value` holds for `runId`: parsed strictly (size, field count, magic, run id, a
+// round, a port in 1..65535, no empty field); with a key, the HMAC must verify. Nullopt: not a
+// record to act on (garbage, another run's, unsigned or forged under a secret).
+std::optional<MovedRecord> parseMoved(std::string_view value, std::string_view runId, std::string_view key);
+// How often the live store's node writes the record at the original endpoint: half a heartbeat.
+std::chrono::milliseconds movedBeaconInterval(const Settings& settings);
+// How long a node waits, from its first contact with the store at its endpoint, before it joins
+// its first round, reading the record meanwhile: one beacon interval, plus the beacon's connect
+// bound (1 s: a node that served the endpoint before may be down) and 1 s for the request. Every
+// node of a round waits it before joining, so the store at a stale endpoint is at least this old
+// when anyone joins there: the beacon has written the record by then (if it reaches the endpoint).
+std::chrono::milliseconds staleEndpointGuard(const Settings& settings);
+
 // Whether the nodes in `confirmed` (the successor included: it lost the store itself) are a
 // majority of `round`: only then may the successor take the store over (a node that is merely
 // cut off must not, nor may one whose peers still reach the store). Ids not in the round do not
