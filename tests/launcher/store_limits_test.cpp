@@ -941,3 +941,91 @@ TEST_CASE("store limits: a store filled to its cap and emptied five times gives 
   CHECK(peak - before > (24 << 20));  // the fill did take memory
   CHECK(after - before < (4 << 20));
 }
+
+// Issue 58.2: an outsider who holds every connection the store serves (each one having sent a
+// request, so none is idle) used to keep every new connection out: a replacement worker got
+// "Connection reset by peer". At the cap the peer holding the most yields its newest connection to
+// one whose peer holds far fewer; on this machine a peer is the Unix user owning the socket (the
+// kernel says which), so a second user cannot pass for the job's whatever address it uses.
+TEST_CASE("store limits: at the connection cap, a second Unix user holding every connection yields one to the "
+          "job's user, and cannot push the job's out (issue 58.2)") {
+  if (::geteuid() != 0) {
+    WARN("CTORCH_SKIPPED: needs root to act as a second Unix user");
+    return;
+  }
+  constexpr int kCap = 32;
+  TcpStoreServerOptions o;
+  o.maxConnections = kCap;
+  TcpStoreServer server(o);
+  // Everything the outsider sends is made before it forks (the child only makes system calls).
+  protocol::Bytes hello = protocol::encodeValidate();
+  protocol::Request check;
+  check.op = protocol::Op::Check;
+  check.keys = {"/nothing"};
+  const protocol::Bytes req = protocol::encodeRequest(protocol::Generation::Validated, check);
+  hello.insert(hello.end(), req.begin(), req.end());
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(server.port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int toParent[2], toChild[2];
+  REQUIRE(::pipe(toParent) == 0);
+  REQUIRE(::pipe(toChild) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // The outsider: nobody. A connection counts when its request was answered (the server read it).
+    if (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0) ::_exit(3);
+    auto open = [&]() -> bool {
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return false;
+      if (::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) return false;
+      char b;
+      return ::recv(fd, &b, 1, 0) == 1;  // kept open: held
+    };
+    char held = 0;
+    for (int i = 0; i < kCap; ++i) held = static_cast<char>(held + (open() ? 1 : 0));
+    (void)!::write(toParent[1], &held, 1);
+    char go;
+    if (::read(toChild[0], &go, 1) != 1) ::_exit(4);
+    char more = 0;
+    for (int i = 0; i < 8; ++i) more = static_cast<char>(more + (open() ? 1 : 0));
+    (void)!::write(toParent[1], &more, 1);
+    ::pause();
+    ::_exit(0);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  char held = 0;
+  REQUIRE(::read(toParent[0], &held, 1) == 1);
+  REQUIRE(held == kCap);  // the outsider holds the cap
+  // The job's user gets in: the outsider's newest connection makes room.
+  bool joined = false;
+  std::string why;
+  std::unique_ptr<TcpStoreClient> job;
+  try {
+    TcpStoreClientOptions co;
+    co.timeout = 10s;
+    job = std::make_unique<TcpStoreClient>("127.0.0.1", server.port(), co);
+    job->set("k", toBytes("v"));
+    joined = toString(job->get("k")) == "v";
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  INFO(why);
+  REQUIRE(joined);
+  CHECK(server.stats().fairnessEvictions == 1);
+  // The outsider's further connections are turned away (it holds the most), the job's stays.
+  REQUIRE(::write(toChild[1], "g", 1) == 1);
+  char more = -1;
+  REQUIRE(::read(toParent[0], &more, 1) == 1);
+  CHECK(more == 0);
+  CHECK(toString(job->get("k")) == "v");
+  CHECK(server.stats().fairnessEvictions == 1);
+  for (int fd : {toParent[0], toParent[1], toChild[0], toChild[1]}) ::close(fd);
+}

@@ -3,6 +3,9 @@
 #include "ctorch/store/store.hpp"
 
 #include <arpa/inet.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -11,6 +14,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -149,6 +154,118 @@ std::string localAddressOf(int fd) {
   }
   ::inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof buf);
   return buf;
+}
+
+namespace {
+
+// An address as sock_diag takes it: the family (IPv4-mapped IPv6 given as IPv4), the address in
+// network byte order (IPv4 in the first word), the port in host order.
+struct Endpoint {
+  int family = 0;
+  std::array<std::uint32_t, 4> addr{};
+  std::uint16_t port = 0;
+};
+
+std::optional<Endpoint> endpointOf(const sockaddr_storage& ss) {
+  Endpoint e;
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    e.family = AF_INET;
+    std::memcpy(e.addr.data(), &a->sin_addr, 4);
+    e.port = ntohs(a->sin_port);
+    return e;
+  }
+  if (ss.ss_family != AF_INET6) return std::nullopt;
+  const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+  e.port = ntohs(a->sin6_port);
+  if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
+    e.family = AF_INET;
+    std::memcpy(e.addr.data(), a->sin6_addr.s6_addr + 12, 4);
+  } else {
+    e.family = AF_INET6;
+    std::memcpy(e.addr.data(), a->sin6_addr.s6_addr, 16);
+  }
+  return e;
+}
+
+std::string textOf(const Endpoint& e) {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  ::inet_ntop(e.family, e.addr.data(), buf, sizeof buf);
+  return buf;
+}
+
+bool loopback(const Endpoint& e) {
+  const auto* b = reinterpret_cast<const std::uint8_t*>(e.addr.data());
+  if (e.family == AF_INET) return b[0] == 127;
+  for (int i = 0; i < 15; ++i)
+    if (b[i] != 0) return false;
+  return b[15] == 1;
+}
+
+// Asks sock_diag for the one socket whose source is `peer` and destination `local`: the peer's
+// end of the connection, on this machine.
+std::optional<std::uint32_t> ownerOf(int diagFd, const Endpoint& peer, const Endpoint& local) {
+  static std::atomic<std::uint32_t> seq{0};
+  struct {
+    nlmsghdr nlh;
+    inet_diag_req_v2 r;
+  } req{};
+  req.nlh.nlmsg_len = sizeof req;
+  req.nlh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  req.nlh.nlmsg_flags = NLM_F_REQUEST;
+  req.nlh.nlmsg_seq = ++seq;
+  req.r.sdiag_family = static_cast<std::uint8_t>(peer.family);
+  req.r.sdiag_protocol = IPPROTO_TCP;
+  req.r.idiag_states = ~0u;
+  req.r.id.idiag_sport = htons(peer.port);
+  req.r.id.idiag_dport = htons(local.port);
+  std::memcpy(req.r.id.idiag_src, peer.addr.data(), 16);
+  std::memcpy(req.r.id.idiag_dst, local.addr.data(), 16);
+  req.r.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+  req.r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  sockaddr_nl kernel{};
+  kernel.nl_family = AF_NETLINK;
+  if (::sendto(diagFd, &req, sizeof req, 0, reinterpret_cast<sockaddr*>(&kernel), sizeof kernel) < 0)
+    return std::nullopt;
+  alignas(nlmsghdr) char buf[8192];
+  for (int reads = 0; reads < 4; ++reads) {
+    const ssize_t got = ::recv(diagFd, buf, sizeof buf, 0);  // SO_RCVTIMEO bounds it
+    if (got <= 0) return std::nullopt;
+    int left = static_cast<int>(got);
+    for (auto* h = reinterpret_cast<nlmsghdr*>(buf); NLMSG_OK(h, left); h = NLMSG_NEXT(h, left)) {
+      if (h->nlmsg_seq != req.nlh.nlmsg_seq) continue;  // a late answer to an earlier question
+      if (h->nlmsg_type != SOCK_DIAG_BY_FAMILY || h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg)))
+        return std::nullopt;  // NLMSG_ERROR (no such socket), NLMSG_DONE, or short
+      return static_cast<const inet_diag_msg*>(NLMSG_DATA(h))->idiag_uid;
+    }
+  }
+  return std::nullopt;
+}
+
+} // namespace
+
+PeerOf peerOf(int fd, int diagFd) {
+  PeerOf out;
+  sockaddr_storage peer{}, local{};
+  socklen_t pl = sizeof peer, ll = sizeof local;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0)
+    return out;
+  const auto p = endpointOf(peer), l = endpointOf(local);
+  if (!p || !l) return out;
+  out.address = textOf(*p);
+  // A peer on this machine: a loopback address, or this machine's own address it was reached at.
+  out.local = loopback(*p) || (p->family == l->family && p->addr == l->addr);
+  if (out.local && diagFd >= 0) out.owner = ownerOf(diagFd, *p, *l);
+  return out;
+}
+
+Fd openSockDiag() {
+  const int fd = ::socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+  if (fd < 0) return Fd();
+  timeval tv{0, 100000};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return Fd(fd);
 }
 
 void sendAll(int fd, const void* data, std::size_t size) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <system_error>
 
@@ -45,6 +46,21 @@ Fd connectTo(const std::string& host, std::uint16_t port, std::chrono::milliseco
 // Numeric local address of a connected socket ("10.0.0.2", "::1"); IPv4-mapped IPv6 addresses
 // are given as IPv4.
 std::string localAddressOf(int fd);
+
+// Who is at the other end of an accepted TCP connection, for fairness at a server's connection
+// cap (issue 58.2): the peer's numeric address (IPv4-mapped given as IPv4), whether it is on this
+// machine (a loopback address), and then the Unix user that owns the peer's socket, asked of the
+// kernel through sock_diag (`diagFd`, from openSockDiag(); -1: not asked). Nullopt owner: not on
+// this machine, or the kernel could not say (no sock_diag, the peer already gone).
+struct PeerOf {
+  std::string address;
+  bool local = false;
+  std::optional<std::uint32_t> owner;
+};
+PeerOf peerOf(int fd, int diagFd);
+// A NETLINK_SOCK_DIAG socket whose answers are waited for at most 100 ms; invalid where the
+// kernel offers none.
+Fd openSockDiag();
 
 // Blocking full send/receive with a deadline (steady clock). Throw StoreConnectionError on EOF or
 // error, StoreTimeout at the deadline.

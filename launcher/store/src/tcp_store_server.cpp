@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -142,6 +143,7 @@ class TcpStoreServer::Impl {
     // Kept to be closed when accept4 fails for want of descriptors: the pending connection can
     // then be accepted and closed (else it stays pending and epoll reports it again at once).
     reserve_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    diag_ = detail::openSockDiag();
     add(listen_.get(), kListenTag, EPOLLIN);
     add(wake_.get(), kWakeTag, EPOLLIN);
     thread_ = std::thread([this] { run(); });
@@ -173,6 +175,7 @@ class TcpStoreServer::Impl {
     bool side = false;          // served by options_.side (its first bytes were the side magic)
     bool handshaking = false;   // side magic begun or handshake not done: counted in handshakes_
     bool waiting = false;       // not read while reading is suspended (in `waiting_`)
+    std::string peer{};         // who holds it, for fairness at the cap (peerGroup)
     std::size_t heldIn = 0;     // request bytes not served yet (in `bufferedIn_`)
     std::size_t heldOut = 0;    // reply bytes not sent (in `bufferedOut_`)
     // When the request in progress began (its first byte, or the end of the one before it in
@@ -333,6 +336,57 @@ class TcpStoreServer::Impl {
     return true;
   }
 
+  // Who holds a connection, for fairness at the cap (issue 58.2: an outsider who held the cap
+  // kept every replacement worker out): a peer on another machine is its address; one on this
+  // machine is the Unix user that owns its socket (the kernel says, through sock_diag), whatever
+  // loopback address it uses - a second user cannot pass for the job's.
+  std::string peerGroup(int fd) {
+    const detail::PeerOf p = detail::peerOf(fd, diag_.get());
+    if (!p.local) return p.address;
+    return p.owner ? "uid " + std::to_string(*p.owner) + " on this machine" : "an unknown user on this machine";
+  }
+
+  void joinGroup(std::uint64_t id, const std::string& group) {
+    auto& ids = groups_[group];
+    if (!ids.empty()) bySize_.erase({ids.size(), group});
+    ids.insert(id);
+    bySize_.insert({ids.size(), group});
+  }
+
+  void leaveGroup(std::uint64_t id, const std::string& group) {
+    auto it = groups_.find(group);
+    if (it == groups_.end() || !it->second.count(id)) return;
+    bySize_.erase({it->second.size(), group});
+    it->second.erase(id);
+    if (it->second.empty())
+      groups_.erase(it);
+    else
+      bySize_.insert({it->second.size(), group});
+  }
+
+  // At the cap with no idle connection to close: the peer holding the most connections yields
+  // its newest one to a connection of `incoming`, when it holds more than twice what `incoming`
+  // would then hold. A job's few connections per host (or per user on one machine) get in past an
+  // outsider who holds the rest; peers holding about as much as each other are left alone (the
+  // new connection is closed, as before).
+  bool evictForFairness(const std::string& incoming) {
+    const auto mineIt = groups_.find(incoming);
+    const std::size_t mine = mineIt == groups_.end() ? 0 : mineIt->second.size();
+    for (auto it = bySize_.rbegin(); it != bySize_.rend(); ++it) {
+      if (it->second == incoming) continue;
+      if (it->first <= 2 * (mine + 1)) return false;
+      const std::uint64_t victim = *groups_.at(it->second).rbegin();
+      debug("store: at the connection cap: " + it->second + " holds " + std::to_string(it->first) +
+            " connections, " + incoming + " " + std::to_string(mine) + ": closing the newest of the former's");
+      close(victim);
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      ++stats_.evictedConnections;
+      ++stats_.fairnessEvictions;
+      return true;
+    }
+    return false;
+  }
+
   void reject(int fd, const std::string& why) {
     ::close(fd);
     if (!rejecting_) debug("store: rejecting new connections: " + why + " (logged once per burst)");
@@ -373,8 +427,9 @@ class TcpStoreServer::Impl {
         armListen(false);
         return;
       }
+      std::string group = peerGroup(fd);
       if (!roomFor(fd)) {
-        if (!evictIdle()) {
+        if (!evictIdle() && !evictForFairness(group)) {
           reject(fd, "too many connections (" + std::to_string(conns_.size()) + " open, descriptor limit " +
                          std::to_string(connectionCap()) + ")");
           continue;
@@ -396,7 +451,9 @@ class TcpStoreServer::Impl {
       detail::setDeadPeerDetection(fd);
       std::uint64_t id = nextId_++;
       Connection c{Fd(fd), protocol::RequestParser(options_.limits), {}, {}, EPOLLIN | EPOLLRDHUP, false, false, false};
+      c.peer = group;
       conns_.emplace(id, std::move(c));
+      joinGroup(id, group);
       add(fd, id, EPOLLIN | EPOLLRDHUP);
       std::lock_guard<std::mutex> lock(statsMutex_);
       ++stats_.connections;
@@ -938,6 +995,7 @@ class TcpStoreServer::Impl {
     bufferedOut_ -= it->second.heldOut;
     buffered_ = bufferedIn_ + bufferedOut_;
     setHandshaking(it->second, false);
+    leaveGroup(id, it->second.peer);
     const bool side = it->second.side;
     conns_.erase(it);
     if (side) {
@@ -977,6 +1035,10 @@ class TcpStoreServer::Impl {
   Fd epoll_;
   Fd wake_;
   Fd reserve_;
+  Fd diag_;  // sock_diag: who owns a local peer's socket (invalid: nobody to ask)
+  // Connections by who holds them (Connection::peer), and those groups by size.
+  std::unordered_map<std::string, std::set<std::uint64_t>> groups_;
+  std::set<std::pair<std::size_t, std::string>> bySize_;
   bool rejecting_ = false;       // in a burst of refused connections (logged once)
   bool listenDisarmed_ = false;  // accept4 failed with nothing to make room: retry at rearmAt_
   Clock::time_point rearmAt_{};

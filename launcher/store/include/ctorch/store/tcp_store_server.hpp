@@ -44,7 +44,9 @@ struct TcpStoreServerOptions {
   // reserve (1/8 of RLIMIT_NOFILE, at least 32) to the rest of the process (a restart's new
   // store, the workers' pipes). At the cap the oldest connection that has not sent a complete
   // request yet (or not finished the side protocol's handshake) makes room for the new one;
-  // without such a connection the new one is closed.
+  // without such a connection, the newest connection of the peer holding the most does, when it
+  // holds more than twice what the new one's peer would (a peer: a remote address, or for a
+  // connection from this machine the Unix user owning its socket); else the new one is closed.
   std::size_t maxConnections = 0;
   // Bytes of requests received but not served yet (incomplete ones, mostly) and of replies not
   // sent yet, over all connections. Past it the server stops reading requests (backpressure)
@@ -100,7 +102,9 @@ struct TcpStoreServerStats {
   std::uint64_t peakPendingOutput = 0;    // the most unsent output one connection has had
   std::uint64_t droppedConnections = 0;   // closed by the server (limits, protocol errors)
   std::uint64_t rejectedConnections = 0;  // accepted and closed at once: no room (cap, no fds)
-  std::uint64_t evictedConnections = 0;   // idle (no request yet) connections closed for a new one
+  std::uint64_t evictedConnections = 0;   // connections closed for a new one at the cap (idle or fairness)
+  // Of those, closed because their peer held far more than the new one's (TcpStoreServerOptions::maxConnections).
+  std::uint64_t fairnessEvictions = 0;
   std::uint64_t sideConnections = 0;      // handed to the side protocol (its magic came first)
   std::uint64_t storedBytes = 0;          // now: keys, values and queues held (StoreEngine::storedBytes)
   std::uint64_t bufferedBytes = 0;        // now: requests not served yet + replies not sent yet
