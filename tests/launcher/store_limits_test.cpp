@@ -1004,6 +1004,10 @@ TEST_CASE("store limits: at the connection cap, a second Unix user holding every
   char held = 0;
   REQUIRE(::read(toParent[0], &held, 1) == 1);
   REQUIRE(held == kCap);  // the outsider holds the cap
+  if (server.stats().unnamedLocalPeers > 0) {
+    WARN("CTORCH_SKIPPED: this kernel does not name a local socket's user (no sock_diag for TCP)");
+    return;
+  }
   // The job's user gets in: the outsider's newest connection makes room.
   bool joined = false;
   std::string why;

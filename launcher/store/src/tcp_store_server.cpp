@@ -343,6 +343,10 @@ class TcpStoreServer::Impl {
   std::string peerGroup(int fd) {
     const detail::PeerOf p = detail::peerOf(fd, diag_.get());
     if (!p.local) return p.address;
+    if (!p.owner) {
+      std::lock_guard<std::mutex> lock(statsMutex_);
+      ++stats_.unnamedLocalPeers;
+    }
     return p.owner ? "uid " + std::to_string(*p.owner) + " on this machine" : "an unknown user on this machine";
   }
 

@@ -105,6 +105,9 @@ struct TcpStoreServerStats {
   std::uint64_t evictedConnections = 0;   // connections closed for a new one at the cap (idle or fairness)
   // Of those, closed because their peer held far more than the new one's (TcpStoreServerOptions::maxConnections).
   std::uint64_t fairnessEvictions = 0;
+  // Connections from this machine whose Unix user the kernel could not name (no sock_diag): they
+  // count as one peer at the cap, whichever user holds them.
+  std::uint64_t unnamedLocalPeers = 0;
   std::uint64_t sideConnections = 0;      // handed to the side protocol (its magic came first)
   std::uint64_t storedBytes = 0;          // now: keys, values and queues held (StoreEngine::storedBytes)
   std::uint64_t bufferedBytes = 0;        // now: requests not served yet + replies not sent yet
