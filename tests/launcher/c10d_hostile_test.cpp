@@ -120,17 +120,18 @@ std::vector<std::string> hostedArgs(int port, int host, const std::vector<std::s
 
 // Both agents of the job, started once agent 1 serves the port (drawn again while it was taken).
 struct HostedJob {
-  HostedJob(const std::vector<std::string>& extra, const std::vector<std::string>& worker) {
+  HostedJob(const std::vector<std::string>& extra, const std::vector<std::string>& worker,
+            const std::map<std::string, std::string>& env = {}) {
     test::withFreshPort([&](int p) {
       port = p;
-      host1 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(p, 1, extra, worker), {}, 120s));
+      host1 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(p, 1, extra, worker), env, 120s));
       eventually([&] { return !host1->running() || host1->outputSoFar().find("hosting the rendezvous store on port") !=
                                                        std::string::npos; },
                  60s);
       return !host1->running() && test::portTaken(host1->outputSoFar());
     });
     REQUIRE(host1->running());
-    host2 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(port, 2, extra, worker), {}, 120s));
+    host2 = std::make_unique<test::Process>(ctorchrunSpawn(hostedArgs(port, 2, extra, worker), env, 120s));
   }
   bool bothStarted() {
     return outputHas(*host1, "started 1 worker(s)", 60s) && outputHas(*host2, "started 1 worker(s)", 60s);
@@ -138,6 +139,38 @@ struct HostedJob {
   int port = 0;
   std::unique_ptr<test::Process> host1, host2;
 };
+
+// Four connections to the store at `port` that each ask for "/large" 16 times and never read the
+// replies (256 MiB each, far more than the server holds for one that does not read). The caller
+// closes them.
+std::vector<int> neverReadingGets(int port) {
+  {
+    auto writer = storeClient(port);
+    writer.set("large", store::Bytes(16u << 20, 'v'));  // the largest value a request may carry
+    REQUIRE(writer.get("large").size() == 16u << 20);
+  }
+  // Validated GETs of "/large" (the key as the client library sends it).
+  store::Bytes gets = store::protocol::encodeValidate();
+  for (int i = 0; i < 16; ++i) {
+    store::Bytes get = store::protocol::Writer().u8(3).str("/large").take();
+    gets.insert(gets.end(), get.begin(), get.end());
+  }
+  std::vector<int> hogs;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    int size = 64 << 10;  // no autotuned 32 MiB receive buffer taking the replies for it
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::send(fd, gets.data(), gets.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(gets.size()));
+    hogs.push_back(fd);
+  }
+  return hogs;
+}
 
 using test::Listener;
 using test::listenersOf;
@@ -190,32 +223,7 @@ TEST_CASE("c10d agent: connections that never read their large replies from the 
           "both agents finish (issue 58.1)") {
   HostedJob job({}, {"sleep", "8000"});
   REQUIRE(job.bothStarted());
-  {
-    auto writer = storeClient(job.port);
-    writer.set("large", store::Bytes(16u << 20, 'v'));  // the largest value a request may carry
-    REQUIRE(writer.get("large").size() == 16u << 20);
-  }
-  // Validated GETs of "/large" (the key as the client library sends it), 16 of them: 256 MiB of
-  // replies per connection, far more than the server holds for one that does not read.
-  store::Bytes gets = store::protocol::encodeValidate();
-  for (int i = 0; i < 16; ++i) {
-    store::Bytes get = store::protocol::Writer().u8(3).str("/large").take();
-    gets.insert(gets.end(), get.begin(), get.end());
-  }
-  std::vector<int> hogs;
-  for (int i = 0; i < 4; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd >= 0);
-    int size = 64 << 10;  // no autotuned 32 MiB receive buffer taking the replies for it
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(job.port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(::send(fd, gets.data(), gets.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(gets.size()));
-    hogs.push_back(fd);
-  }
+  const std::vector<int> hogs = neverReadingGets(job.port);
   // They never read; the job runs its 8 s meanwhile.
   auto r1 = job.host1->wait();
   auto r2 = job.host2->wait();
@@ -228,6 +236,35 @@ TEST_CASE("c10d agent: connections that never read their large replies from the 
   CHECK(r2.output.find("no answer from the rendezvous store") == std::string::npos);
   // They did stop the server (it says so), and it dropped them.
   CHECK_THAT(r1.output, Catch::Contains("store: reading suspended"));
+  CHECK_THAT(r1.output, Catch::Contains("takes its replies slower than minReplyRate"));
+}
+
+// Issue 58.1 on the workers' store: the same connections against node rank 0's workers' store
+// while the workers use it. With the server's 5 s reply window their requests waited 5-10 s, past
+// a training program's own store timeout (the issue's: 4 s): every restart spent. The workers here
+// do a store barrier, each request bounded by 4 s; with ctorchrun's 250 ms window they pass it.
+TEST_CASE("c10d agent: connections that never read their large replies from the workers' store slow the workers' "
+          "store requests, never past their own 4 s bound (issue 58.1)") {
+  test::TempDir dir("workers-store-hogs");
+  const std::string go = (dir / "go").string();
+  HostedJob job({"--max-restarts", "3"}, {"env", "wait-file", go, "barrier", "2", "exit", "0"},
+                {{"FAKE_WORKER_STORE_TIMEOUT_MS", "4000"}});
+  REQUIRE(outputHas(*job.host1, "ENV MASTER_PORT=", 60s));
+  REQUIRE(outputHas(*job.host2, "ENV MASTER_PORT=", 60s));
+  const std::string out = job.host1->outputSoFar();
+  const auto at = out.find("ENV MASTER_PORT=") + std::string("ENV MASTER_PORT=").size();
+  const int workersStore = std::stoi(out.substr(at, out.find('\n', at) - at));
+  REQUIRE(workersStore != job.port);
+  const std::vector<int> hogs = neverReadingGets(workersStore);
+  std::ofstream(go).put('1');
+  auto r1 = job.host1->wait();
+  auto r2 = job.host2->wait();
+  for (int fd : hogs) ::close(fd);
+  INFO(r1.output);
+  INFO(r2.output);
+  CHECK(r1.exitCode == 0);
+  CHECK(r2.exitCode == 0);
+  for (auto* r : {&r1, &r2}) CHECK_THAT(r->output, Catch::Contains("(attempt 1,") && !Catch::Contains("(attempt 2,"));
   CHECK_THAT(r1.output, Catch::Contains("takes its replies slower than minReplyRate"));
 }
 

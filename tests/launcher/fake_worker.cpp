@@ -369,8 +369,12 @@ int main(int argc, char** argv) {
         std::fflush(nullptr);  // what came before is out, even if the worker is stopped while it waits
         const char* addr = std::getenv("MASTER_ADDR");
         const char* port = std::getenv("MASTER_PORT");
+        // FAKE_WORKER_STORE_TIMEOUT_MS: the bound a training program's own store timeout puts on
+        // each request (c10d's 300 s default otherwise).
+        ctorch::store::TcpStoreClientOptions co;
+        if (const char* t = std::getenv("FAKE_WORKER_STORE_TIMEOUT_MS")) co.timeout = std::chrono::milliseconds(std::atoi(t));
         ctorch::store::TcpStoreClient client(addr ? addr : "127.0.0.1",
-                                             static_cast<std::uint16_t>(std::atoi(port ? port : "0")));
+                                             static_cast<std::uint16_t>(std::atoi(port ? port : "0")), co);
         const std::string key = "fake_worker.barrier." + envOr("TORCHELASTIC_RESTART_COUNT", "0");
         if (client.add(key, 1) == n) client.set(key + ".done", ctorch::store::toBytes("1"));
         client.wait({key + ".done"});  // the client's timeout (300 s) bounds it
