@@ -185,7 +185,7 @@ TEST_CASE("failover: a round formed with no more than half of the previous one i
 }
 
 // Issue 58.12: the record the live store's node writes at the job's original endpoint.
-TEST_CASE("failover: the moved-store record names the live store; only a well-formed one of this run, signed under a secret, is acted on", "[rendezvous]") {
+TEST_CASE("failover: the moved-store record names the live store - only a well-formed one of this run, signed under a secret, is acted on", "[rendezvous]") {
   MovedRecord m;
   m.round = 4;
   m.node = "b_100_0";
