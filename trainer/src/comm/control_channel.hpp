@@ -2,7 +2,7 @@
 // in-place recovery happens: a spare or preloaded worker waits for a failed rank's assignment, a
 // replacement joins the running group, survivors ask for the group to be re-formed and for silent
 // ranks to be evicted. comm/process_group.cpp uses it while a group is set up,
-// resilience/group_reform.cpp when one is re-formed.
+// comm/group_reform.cpp when one is re-formed.
 #pragma once
 
 #include "ctorch/distributed_env.hpp"

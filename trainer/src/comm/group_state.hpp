@@ -1,5 +1,5 @@
 // Private: the default process group's state, kept by comm/process_group.cpp (initProcessGroup, the
-// getters, destroyProcessGroup) and changed by resilience/group_reform.cpp (re-forming the group in
+// getters, destroyProcessGroup) and changed by comm/group_reform.cpp (re-forming the group in
 // place after a failure), and the pieces both use to build a group.
 #pragma once
 

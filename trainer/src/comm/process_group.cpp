@@ -1,7 +1,7 @@
 // The default process group (Python's init_process_group / destroy_process_group and the getters):
 // the rendezvous store as torch.distributed makes it, the backends (Gloo, NCCL), the init barrier,
 // and what a set-up that waits for peers does on a stop signal. In-place recovery's parts are
-// comm/control_channel.cpp (the worker's end of the control channel) and resilience/group_reform.cpp.
+// comm/control_channel.cpp (the worker's end of the control channel) and comm/group_reform.cpp.
 #include "ctorch/distributed.hpp"
 
 #include "comm/control_channel.hpp"

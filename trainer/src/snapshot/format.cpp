@@ -435,11 +435,6 @@ std::vector<char> detail::portableArchive(const c10::IValue& top) {
   return archive;
 }
 
-ItemDict newItemDict() {
-  return c10::impl::toTypedDict<std::string, c10::IValue>(
-      c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
-}
-
 // ---- Errors ----------------------------------------------------------------------------------------
 SnapshotError::SnapshotError(std::filesystem::path file, const std::string& message)
     : Error(message), file_(std::move(file)) {}
