@@ -8,17 +8,7 @@
 //   ctorchrun --standalone --nproc-per-node 2 consumer --epochs 3 --save-every-steps 4
 //   consumer                      # a world of 1, no launcher and no variables
 //   consumer --tensorboard-dir tb # also the losses as TensorBoard scalars (rank 0)
-#include <ctorch/ddp.hpp>
-#include <ctorch/distributed.hpp>
-#include <ctorch/error_file.hpp>
-#include <ctorch/fully_sharded_data_parallel.hpp>
-#include <ctorch/process_tuning.hpp>
-#include <ctorch/resilience.hpp>
-#include <ctorch/sampler.hpp>
-#include <ctorch/snapshot.hpp>
-#include <ctorch/stop_signal.hpp>
-#include <ctorch/tensorboard.hpp>
-#include <ctorch/version.hpp>
+#include <ctorch/ctorch.hpp>  // the whole public API (issue 59.6)
 
 #include <torch/torch.h>
 

@@ -30,6 +30,8 @@ PUBLIC = {
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
     "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
     "tensorboard": "tensorboard", "optim": "optim", "pipeline": "pipeline", "memory_format": "core", "cuda_graph": "cuda_graph",
+    # The umbrella (issue 59.6) includes every public header: it stands on the top floor.
+    "ctorch": "resilience",
 }
 # Names too common to say where a function lives (operators, entry points, overloads everywhere).
 COMMON_NAMES = {"main", "operator", "to_string", "swap", "hash"}

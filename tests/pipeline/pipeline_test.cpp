@@ -10,6 +10,7 @@
 
 #include "ctorch/distributed.hpp"
 #include "ctorch/pipeline.hpp"
+#include "pipeline/partition.hpp"
 
 #include <torch/torch.h>
 

@@ -35,7 +35,6 @@ namespace ctorch {
 // The number of children of each of `stages` contiguous stages (each at least one) whose largest
 // parameter count is as small as it can be; ties go to the earlier cut. Throws ConfigError when
 // there are fewer children than stages or stages < 1.
-std::vector<std::size_t> balancedPartitionOfCounts(const std::vector<std::int64_t>& childParameterCounts, int stages);
 std::vector<std::size_t> balancedPartition(const torch::nn::Sequential& model, int stages);
 
 // Stage `stage` of `model` cut by `stageSizes` (children per stage): a Sequential holding the
@@ -62,8 +61,6 @@ struct PipelineAction {
 // What `stage` of `numStages` does in one step, in order. Backwards run in micro-batch order under
 // both schedules, so gradients accumulate in the order gradient accumulation would add them.
 std::vector<PipelineAction> pipelineActions(PipelineScheduleKind kind, int stage, int numStages, int microBatches);
-// "F0 F1 B0 B1": for logs and tests.
-std::string describeActions(const std::vector<PipelineAction>& actions);
 
 // The seed a stage's forward of one micro-batch runs under when PipelineStageOptions::seed is set
 // (dropout draws the same masks in a single process that seeds each stage's part the same way).

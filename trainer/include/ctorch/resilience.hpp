@@ -179,9 +179,6 @@ enum class TrainingStatus {
 // ("<file>.shards/rank<r>.pt"; "<file>.optim-rank<r>" beside it from ctorch before issue 42), every
 // rank's that exists, by rank. docs/snapshot.md.
 std::vector<std::filesystem::path> snapshotShardFiles(const std::filesystem::path& snapshotFile);
-// The former name of snapshotShardFiles.
-[[deprecated("use snapshotShardFiles")]] std::vector<std::filesystem::path> optimizerShardFiles(
-    const std::filesystem::path& snapshotFile);
 // Removes a snapshot file with its shards (and their folder once empty): for a loop that removes its
 // own extra copies. What is not there is not an error.
 void removeSnapshotFiles(const std::filesystem::path& snapshotFile);

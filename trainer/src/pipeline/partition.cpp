@@ -1,6 +1,6 @@
 // The pure half of pipeline parallelism: cutting a Sequential into stages and the schedules'
 // action lists, with no process group.
-#include "ctorch/pipeline.hpp"
+#include "pipeline/partition.hpp"
 
 #include "ctorch/mix_bits.hpp"
 

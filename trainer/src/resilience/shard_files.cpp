@@ -227,10 +227,6 @@ std::vector<std::filesystem::path> snapshotShardFiles(const std::filesystem::pat
   return files;
 }
 
-std::vector<std::filesystem::path> optimizerShardFiles(const std::filesystem::path& snapshotFile) {
-  return snapshotShardFiles(snapshotFile);
-}
-
 void removeSnapshotFiles(const std::filesystem::path& snapshotFile) {
   std::error_code ec;
   std::filesystem::remove(snapshotFile, ec);
