@@ -10,6 +10,8 @@
 #include "ctorch/store/tcp_store_client.hpp"
 #include "ctorch/store/tcp_store_server.hpp"
 #include "multiproc.hpp"
+// The store server's admission policy is internal and pure (header-only).
+#include "../../launcher/store/src/admission.hpp"
 
 #include <arpa/inet.h>
 #include <malloc.h>
@@ -1032,4 +1034,44 @@ TEST_CASE("store limits: at the connection cap, a second Unix user holding every
   CHECK(toString(job->get("k")) == "v");
   CHECK(server.stats().fairnessEvictions == 1);
   for (int fd : {toParent[0], toParent[1], toChild[0], toChild[1]}) ::close(fd);
+}
+
+// The admission policy alone (launcher/store/src/admission.hpp, pure): names and numbers in, a
+// decision out.
+TEST_CASE("store limits: at the cap an idle connection makes room first, then the newest of the peer holding more "
+          "than twice the newcomer's, else nobody (issue 58.2)") {
+  ctorch::store::detail::Admission a;
+  for (std::uint64_t id = 1; id <= 10; ++id) a.opened(id, "outsider");
+  a.opened(11, "job");
+  CHECK(a.held("outsider") == 10);
+  CHECK(a.held("job") == 1);
+  // An idle connection, whoever's, goes first.
+  auto room = a.makeRoom("job", 7);
+  REQUIRE(room);
+  CHECK(room->victim == 7);
+  CHECK_FALSE(room->fairness);
+  // None idle: the newest of the largest holder, for a peer holding far less.
+  room = a.makeRoom("job", std::nullopt);
+  REQUIRE(room);
+  CHECK(room->victim == 10);
+  CHECK(room->fairness);
+  CHECK_THAT(room->why, Catch::Contains("outsider holds 10 connections, job 1"));
+  room = a.makeRoom("newcomer", std::nullopt);
+  REQUIRE(room);
+  CHECK(room->victim == 10);
+  // The largest holder itself, or a peer holding about as much: nobody makes room.
+  CHECK_FALSE(a.makeRoom("outsider", std::nullopt));
+  for (std::uint64_t id = 12; id <= 15; ++id) a.opened(id, "job");  // job 5, outsider 10
+  CHECK_FALSE(a.makeRoom("job", std::nullopt));                  // 10 <= 2 * (5 + 1)
+  // Closing keeps the counts: the outsider's newest gone, the next newest is named.
+  a.closed(10);
+  a.closed(10);  // twice: nothing
+  CHECK(a.held("outsider") == 9);
+  a.opened(16, "third");
+  room = a.makeRoom("third", std::nullopt);
+  REQUIRE(room);
+  CHECK(room->victim == 9);
+  for (std::uint64_t id = 1; id <= 16; ++id) a.closed(id);
+  CHECK(a.held("outsider") == 0);
+  CHECK_FALSE(a.makeRoom("job", std::nullopt));
 }

@@ -1,6 +1,7 @@
 #include "ctorch/store/tcp_store_server.hpp"
 
 #include "ctorch/store/store_engine.hpp"
+#include "admission.hpp"
 #include "socket_util.hpp"
 
 #include <arpa/inet.h>
@@ -175,7 +176,6 @@ class TcpStoreServer::Impl {
     bool side = false;          // served by options_.side (its first bytes were the side magic)
     bool handshaking = false;   // side magic begun or handshake not done: counted in handshakes_
     bool waiting = false;       // not read while reading is suspended (in `waiting_`)
-    std::string peer{};         // who holds it, for fairness at the cap (peerGroup)
     std::size_t heldIn = 0;     // request bytes not served yet (in `bufferedIn_`)
     std::size_t heldOut = 0;    // reply bytes not sent (in `bufferedOut_`)
     // When the request in progress began (its first byte, or the end of the one before it in
@@ -323,17 +323,14 @@ class TcpStoreServer::Impl {
     return static_cast<std::size_t>(fd) + reserve < limit;
   }
 
-  // Closes the oldest connection that has sent no complete request yet, or not finished its
-  // side-protocol handshake; false if none.
-  bool evictIdle() {
+  // The oldest connection that has sent no complete request yet, or not finished its side-protocol
+  // handshake.
+  std::optional<std::uint64_t> oldestIdle() const {
     std::uint64_t oldest = 0;
     for (const auto& [id, c] : conns_)
       if ((!c.identified || c.handshaking) && (oldest == 0 || id < oldest)) oldest = id;
-    if (oldest == 0) return false;
-    close(oldest);
-    std::lock_guard<std::mutex> lock(statsMutex_);
-    ++stats_.evictedConnections;
-    return true;
+    if (oldest == 0) return std::nullopt;
+    return oldest;
   }
 
   // Who holds a connection, for fairness at the cap (issue 58.2: an outsider who held the cap
@@ -350,45 +347,16 @@ class TcpStoreServer::Impl {
     return p.owner ? "uid " + std::to_string(*p.owner) + " on this machine" : "an unknown user on this machine";
   }
 
-  void joinGroup(std::uint64_t id, const std::string& group) {
-    auto& ids = groups_[group];
-    if (!ids.empty()) bySize_.erase({ids.size(), group});
-    ids.insert(id);
-    bySize_.insert({ids.size(), group});
-  }
-
-  void leaveGroup(std::uint64_t id, const std::string& group) {
-    auto it = groups_.find(group);
-    if (it == groups_.end() || !it->second.count(id)) return;
-    bySize_.erase({it->second.size(), group});
-    it->second.erase(id);
-    if (it->second.empty())
-      groups_.erase(it);
-    else
-      bySize_.insert({it->second.size(), group});
-  }
-
-  // At the cap with no idle connection to close: the peer holding the most connections yields
-  // its newest one to a connection of `incoming`, when it holds more than twice what `incoming`
-  // would then hold. A job's few connections per host (or per user on one machine) get in past an
-  // outsider who holds the rest; peers holding about as much as each other are left alone (the
-  // new connection is closed, as before).
-  bool evictForFairness(const std::string& incoming) {
-    const auto mineIt = groups_.find(incoming);
-    const std::size_t mine = mineIt == groups_.end() ? 0 : mineIt->second.size();
-    for (auto it = bySize_.rbegin(); it != bySize_.rend(); ++it) {
-      if (it->second == incoming) continue;
-      if (it->first <= 2 * (mine + 1)) return false;
-      const std::uint64_t victim = *groups_.at(it->second).rbegin();
-      debug("store: at the connection cap: " + it->second + " holds " + std::to_string(it->first) +
-            " connections, " + incoming + " " + std::to_string(mine) + ": closing the newest of the former's");
-      close(victim);
-      std::lock_guard<std::mutex> lock(statsMutex_);
-      ++stats_.evictedConnections;
-      ++stats_.fairnessEvictions;
-      return true;
-    }
-    return false;
+  // No room for a new connection of `peer`: closes the one the admission policy names; false if none.
+  bool makeRoom(const std::string& peer) {
+    const auto room = admission_.makeRoom(peer, oldestIdle());
+    if (!room) return false;
+    if (room->fairness) debug("store: at the connection cap: " + room->why);
+    close(room->victim);
+    std::lock_guard<std::mutex> lock(statsMutex_);
+    ++stats_.evictedConnections;
+    if (room->fairness) ++stats_.fairnessEvictions;
+    return true;
   }
 
   void reject(int fd, const std::string& why) {
@@ -433,7 +401,7 @@ class TcpStoreServer::Impl {
       }
       std::string group = peerGroup(fd);
       if (!roomFor(fd)) {
-        if (!evictIdle() && !evictForFairness(group)) {
+        if (!makeRoom(group)) {
           reject(fd, "too many connections (" + std::to_string(conns_.size()) + " open, descriptor limit " +
                          std::to_string(connectionCap()) + ")");
           continue;
@@ -455,9 +423,8 @@ class TcpStoreServer::Impl {
       detail::setDeadPeerDetection(fd);
       std::uint64_t id = nextId_++;
       Connection c{Fd(fd), protocol::RequestParser(options_.limits), {}, {}, EPOLLIN | EPOLLRDHUP, false, false, false};
-      c.peer = group;
       conns_.emplace(id, std::move(c));
-      joinGroup(id, group);
+      admission_.opened(id, group);
       add(fd, id, EPOLLIN | EPOLLRDHUP);
       std::lock_guard<std::mutex> lock(statsMutex_);
       ++stats_.connections;
@@ -999,7 +966,7 @@ class TcpStoreServer::Impl {
     bufferedOut_ -= it->second.heldOut;
     buffered_ = bufferedIn_ + bufferedOut_;
     setHandshaking(it->second, false);
-    leaveGroup(id, it->second.peer);
+    admission_.closed(id);
     const bool side = it->second.side;
     conns_.erase(it);
     if (side) {
@@ -1040,9 +1007,7 @@ class TcpStoreServer::Impl {
   Fd wake_;
   Fd reserve_;
   Fd diag_;  // sock_diag: who owns a local peer's socket (invalid: nobody to ask)
-  // Connections by who holds them (Connection::peer), and those groups by size.
-  std::unordered_map<std::string, std::set<std::uint64_t>> groups_;
-  std::set<std::pair<std::size_t, std::string>> bySize_;
+  detail::Admission admission_;  // who holds the connections; who makes room at the cap
   bool rejecting_ = false;       // in a burst of refused connections (logged once)
   bool listenDisarmed_ = false;  // accept4 failed with nothing to make room: retry at rearmAt_
   Clock::time_point rearmAt_{};
