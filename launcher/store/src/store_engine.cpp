@@ -209,256 +209,284 @@ void StoreEngine::erase(std::unordered_map<std::string, Bytes>::iterator it) {
   data_.erase(it);
 }
 
+// One handler per operation (below); this is only the dispatch.
 void StoreEngine::execute(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
   switch (q.op) {
     case Op::Validate:
-      return;  // the handshake carries no reply
-
+      return onValidate(conn, q, out);
     case Op::Ping:
-      out.push_back({conn, Writer().u32(q.nonce).take()});
-      return;
-
+      return onPing(conn, q, out);
     case Op::Set:
-      admit(q, growth(q.key, q.value.size()));
-      store(q.key, q.value, out);
-      noteOwner(conn, q.key);
-      return;
-
-    case Op::MultiSet: {
-      // Counted as if every key were new: an upper bound, so that no part is written if the
-      // whole would not fit.
-      std::size_t total = 0;
-      for (std::size_t i = 0; i < q.keys.size(); ++i) total += q.keys[i].size() + q.values[i].size() + kEntryOverhead;
-      admit(q, total);
-      for (std::size_t i = 0; i < q.keys.size(); ++i) {
-        store(q.keys[i], q.values[i], out);
-        noteOwner(conn, q.keys[i]);
-      }
-      return;
-    }
-
-    case Op::CompareSet: {
-      // c10d: a missing key matches an empty `expected`; otherwise the reply is `expected` itself
-      // ("lying" to the caller, as upstream notes). Waiters wake only if the key now exists.
-      auto it = data_.find(q.key);
-      if (it == data_.end()) {
-        if (q.value.empty()) {
-          admit(q, growth(q.key, q.desired.size()));
-          store(q.key, q.desired, out);
-          noteOwner(conn, q.key);
-          out.push_back({conn, Writer().bytes(q.desired).take()});
-        } else {
-          out.push_back({conn, Writer().bytes(q.value).take()});
-        }
-      } else {
-        if (it->second == q.value) {
-          admit(q, growth(q.key, q.desired.size()));
-          store(q.key, q.desired, out);
-          noteOwner(conn, q.key);
-        }
-        out.push_back({conn, Writer().bytes(data_.at(q.key)).take()});
-      }
-      return;
-    }
-
-    case Op::Get: {
-      auto it = data_.find(q.key);
-      out.push_back({conn, Writer().bytes(it == data_.end() ? Bytes{} : it->second).take()});
-      return;
-    }
-
-    case Op::MultiGet: {
-      std::size_t length = 0;
-      for (const auto& k : q.keys) {
-        auto it = data_.find(k);
-        length += 8 + (it == data_.end() ? 0 : it->second.size());
-      }
-      if (length > limits_.maxReplyLength)
-        throw std::invalid_argument("MULTI_GET of " + std::to_string(q.keys.size()) + " keys would make a reply of " +
-                                    std::to_string(length) + " bytes, over the limit of " +
-                                    std::to_string(limits_.maxReplyLength));
-      Writer w;
-      for (const auto& k : q.keys) {
-        auto it = data_.find(k);
-        w.bytes(it == data_.end() ? Bytes{} : it->second);
-      }
-      out.push_back({conn, w.take()});
-      return;
-    }
-
-    case Op::Add: {
-      std::int64_t v = q.number;
-      auto it = data_.find(q.key);
-      if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
-      Bytes value = counterBytes(v);
-      admit(q, growth(q.key, value.size()));
-      // The reply goes out before any wake-ups it causes, as in c10d.
-      out.push_back({conn, Writer().i64(v).take()});
-      store(q.key, std::move(value), out);
-      return;
-    }
-
-    case Op::Check: {
-      bool ready = std::all_of(q.keys.begin(), q.keys.end(),
-                               [this](const std::string& k) { return present(k); });
-      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(ready ? CheckResponse::Ready
-                                                                     : CheckResponse::NotReady))});
-      return;
-    }
-
-    case Op::Wait: {
-      clearWait(conn);  // one outstanding wait per connection
-      std::size_t missing = 0;
-      for (const auto& k : q.keys) {
-        if (!present(k)) {
-          waiters_[k].push_back(conn);
-          ++missing;
-        }
-      }
-      if (missing == 0) {
-        out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
-      } else {
-        awaiting_[conn] = missing;
-      }
-      return;
-    }
-
+      return onSet(conn, q, out);
+    case Op::MultiSet:
+      return onMultiSet(conn, q, out);
+    case Op::CompareSet:
+      return onCompareSet(conn, q, out);
+    case Op::Get:
+      return onGet(conn, q, out);
+    case Op::MultiGet:
+      return onMultiGet(conn, q, out);
+    case Op::Add:
+      return onAdd(conn, q, out);
+    case Op::Check:
+      return onCheck(conn, q, out);
+    case Op::Wait:
+      return onWait(conn, q, out);
     case Op::CancelWait:
-      clearWait(conn);
-      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::WaitCanceled))});
-      return;
-
+      return onCancelWait(conn, q, out);
     case Op::GetNumKeys:
-      out.push_back({conn, Writer().i64(static_cast<std::int64_t>(data_.size())).take()});
-      return;
+      return onGetNumKeys(conn, q, out);
+    case Op::DeleteKey:
+      return onDeleteKey(conn, q, out);
+    case Op::WatchKey:
+      return onWatchKey(conn, q, out);
+    case Op::Append:
+      return onAppend(conn, q, out);
+    case Op::QueuePush:
+      return onQueuePush(conn, q, out);
+    case Op::QueuePop:
+      return onQueuePop(conn, q, out);
+    case Op::QueueLen:
+      return onQueueLen(conn, q, out);
+    case Op::ListKeys:
+      return onListKeys(conn, q, out);
+    case Op::Barrier:
+      return onBarrier(conn, q, out);
+  }
+}
 
-    case Op::DeleteKey: {
-      auto it = data_.find(q.key);
-      std::int64_t n = 0;
-      if (it != data_.end()) {
-        if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
-        erase(it);
-        owners_.erase(q.key);
-        n = 1;
-      }
-      out.push_back({conn, Writer().i64(n).take()});
-      return;
-    }
+void StoreEngine::onValidate(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  return;  // the handshake carries no reply
+}
 
-    case Op::WatchKey: {
-      auto& watching = watchers_[q.key];
-      if (std::find(watching.begin(), watching.end(), conn) == watching.end()) {
-        std::size_t& n = watchCount_[conn];
-        if (n >= limits_.maxWatchesPerConnection) {
-          if (watching.empty()) watchers_.erase(q.key);
-          throw std::invalid_argument("WATCH_KEY: more than " + std::to_string(limits_.maxWatchesPerConnection) +
-                                      " watched keys on one connection");
-        }
-        ++n;
-        watching.push_back(conn);
-      }
-      out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WatchResponse::CallbackRegistered))});
-      return;
-    }
+void StoreEngine::onPing(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  out.push_back({conn, Writer().u32(q.nonce).take()});
+}
 
-    case Op::Append: {
-      auto it = data_.find(q.key);
-      bool created = it == data_.end();
-      admit(q, growth(q.key, (created ? 0 : it->second.size()) + q.value.size()));
-      if (created) {
-        stored_ += q.key.size() + kEntryOverhead;
-        data_.emplace(q.key, q.value);
-      } else {
-        it->second.insert(it->second.end(), q.value.begin(), q.value.end());
-      }
-      stored_ += q.value.size();
-      if (watchers_.count(q.key))
-        notifyWatchers(q.key, created ? WatchResponse::KeyCreated : WatchResponse::KeyAppended, {},
-                       q.value, out);
-      wakeAll(q.key, out);
-      return;
-    }
+void StoreEngine::onSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  admit(q, growth(q.key, q.value.size()));
+  store(q.key, q.value, out);
+  noteOwner(conn, q.key);
+}
 
-    case Op::QueuePush: {
-      admit(q, q.value.size() + kEntryOverhead + (queues_.count(q.key) ? 0 : q.key.size() + kEntryOverhead));
-      auto [it, created] = queues_.try_emplace(q.key);
-      if (created) stored_ += q.key.size() + kEntryOverhead;
-      it->second.push_back(q.value);
-      stored_ += q.value.size() + kEntryOverhead;
-      wakeOne(q.key, out);
-      return;
-    }
+void StoreEngine::onMultiSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  // Counted as if every key were new: an upper bound, so that no part is written if the
+  // whole would not fit.
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < q.keys.size(); ++i) total += q.keys[i].size() + q.values[i].size() + kEntryOverhead;
+  admit(q, total);
+  for (std::size_t i = 0; i < q.keys.size(); ++i) {
+    store(q.keys[i], q.values[i], out);
+    noteOwner(conn, q.keys[i]);
+  }
+}
 
-    case Op::QueuePop: {
-      auto it = queues_.find(q.key);
-      Writer w;
-      w.i64(it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size()));
-      if (it != queues_.end()) {
-        auto& queue = it->second;
-        w.bytes(queue.front());
-        stored_ -= queue.front().size() + kEntryOverhead;
-        queue.pop_front();
-        if (queue.empty()) {
-          stored_ -= q.key.size() + kEntryOverhead;
-          queues_.erase(it);
-        }
-      }
-      out.push_back({conn, w.take()});
-      return;
+void StoreEngine::onCompareSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  // c10d: a missing key matches an empty `expected`; otherwise the reply is `expected` itself
+  // ("lying" to the caller, as upstream notes). Waiters wake only if the key now exists.
+  auto it = data_.find(q.key);
+  if (it == data_.end()) {
+    if (q.value.empty()) {
+      admit(q, growth(q.key, q.desired.size()));
+      store(q.key, q.desired, out);
+      noteOwner(conn, q.key);
+      out.push_back({conn, Writer().bytes(q.desired).take()});
+    } else {
+      out.push_back({conn, Writer().bytes(q.value).take()});
     }
+  } else {
+    if (it->second == q.value) {
+      admit(q, growth(q.key, q.desired.size()));
+      store(q.key, q.desired, out);
+      noteOwner(conn, q.key);
+    }
+    out.push_back({conn, Writer().bytes(data_.at(q.key)).take()});
+  }
+}
 
-    case Op::QueueLen: {
-      auto it = queues_.find(q.key);
-      std::int64_t n = it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
-      out.push_back({conn, Writer().i64(n).take()});
-      return;
-    }
+void StoreEngine::onGet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto it = data_.find(q.key);
+  out.push_back({conn, Writer().bytes(it == data_.end() ? Bytes{} : it->second).take()});
+}
 
-    case Op::ListKeys: {
-      // c10d's clients and PrefixStores put their own prefixes before it ("/", "/worker/attempt_0/"):
-      // it counts at the start of the key or after any "/".
-      const std::string_view unlisted(kUnlistedPrefix);
-      const std::string inPath = "/" + std::string(unlisted);
-      auto listed = [&](const std::string& key) {
-        return key.compare(0, unlisted.size(), unlisted) != 0 && key.find(inPath) == std::string::npos;
-      };
-      std::size_t length = 8, count = 0;
-      for (const auto& kv : data_)
-        if (listed(kv.first)) length += 8 + kv.first.size(), ++count;
-      if (length > limits_.maxReplyLength)
-        throw std::invalid_argument("LIST_KEYS would make a reply of " + std::to_string(length) +
-                                    " bytes, over the limit of " + std::to_string(limits_.maxReplyLength));
-      Writer w;
-      w.i64(static_cast<std::int64_t>(count));
-      for (const auto& kv : data_)
-        if (listed(kv.first)) w.str(kv.first);
-      out.push_back({conn, w.take()});
-      return;
-    }
+void StoreEngine::onMultiGet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  std::size_t length = 0;
+  for (const auto& k : q.keys) {
+    auto it = data_.find(k);
+    length += 8 + (it == data_.end() ? 0 : it->second.size());
+  }
+  if (length > limits_.maxReplyLength)
+    throw std::invalid_argument("MULTI_GET of " + std::to_string(q.keys.size()) + " keys would make a reply of " +
+                                std::to_string(length) + " bytes, over the limit of " +
+                                std::to_string(limits_.maxReplyLength));
+  Writer w;
+  for (const auto& k : q.keys) {
+    auto it = data_.find(k);
+    w.bytes(it == data_.end() ? Bytes{} : it->second);
+  }
+  out.push_back({conn, w.take()});
+}
 
-    case Op::Barrier: {
-      std::int64_t count = 1;
-      auto it = data_.find(q.key);
-      if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
-      Bytes value = counterBytes(count);
-      admit(q, growth(q.key, value.size()));
-      if (it == data_.end()) {
-        stored_ += q.key.size() + value.size() + kEntryOverhead;
-        data_.emplace(q.key, std::move(value));
-      } else {
-        stored_ = stored_ - it->second.size() + value.size();
-        it->second = std::move(value);
-      }
-      if (count >= q.number) {
-        wakeAll(q.key, out);
-        out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
-      } else {
-        clearWait(conn);
-        waiters_[q.key].push_back(conn);
-        awaiting_[conn] = 1;
-      }
-      return;
+void StoreEngine::onAdd(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  std::int64_t v = q.number;
+  auto it = data_.find(q.key);
+  if (it != data_.end()) v = checkedAdd(q.key, parseCounter(q.key, it->second), q.number);
+  Bytes value = counterBytes(v);
+  admit(q, growth(q.key, value.size()));
+  // The reply goes out before any wake-ups it causes, as in c10d.
+  out.push_back({conn, Writer().i64(v).take()});
+  store(q.key, std::move(value), out);
+}
+
+void StoreEngine::onCheck(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  bool ready = std::all_of(q.keys.begin(), q.keys.end(),
+                           [this](const std::string& k) { return present(k); });
+  out.push_back({conn, u8Reply(static_cast<std::uint8_t>(ready ? CheckResponse::Ready
+                                                                 : CheckResponse::NotReady))});
+}
+
+void StoreEngine::onWait(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  clearWait(conn);  // one outstanding wait per connection
+  std::size_t missing = 0;
+  for (const auto& k : q.keys) {
+    if (!present(k)) {
+      waiters_[k].push_back(conn);
+      ++missing;
     }
+  }
+  if (missing == 0) {
+    out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+  } else {
+    awaiting_[conn] = missing;
+  }
+}
+
+void StoreEngine::onCancelWait(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  clearWait(conn);
+  out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::WaitCanceled))});
+}
+
+void StoreEngine::onGetNumKeys(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  out.push_back({conn, Writer().i64(static_cast<std::int64_t>(data_.size())).take()});
+}
+
+void StoreEngine::onDeleteKey(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto it = data_.find(q.key);
+  std::int64_t n = 0;
+  if (it != data_.end()) {
+    if (watchers_.count(q.key)) notifyWatchers(q.key, WatchResponse::KeyDeleted, it->second, {}, out);
+    erase(it);
+    owners_.erase(q.key);
+    n = 1;
+  }
+  out.push_back({conn, Writer().i64(n).take()});
+}
+
+void StoreEngine::onWatchKey(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto& watching = watchers_[q.key];
+  if (std::find(watching.begin(), watching.end(), conn) == watching.end()) {
+    std::size_t& n = watchCount_[conn];
+    if (n >= limits_.maxWatchesPerConnection) {
+      if (watching.empty()) watchers_.erase(q.key);
+      throw std::invalid_argument("WATCH_KEY: more than " + std::to_string(limits_.maxWatchesPerConnection) +
+                                  " watched keys on one connection");
+    }
+    ++n;
+    watching.push_back(conn);
+  }
+  out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WatchResponse::CallbackRegistered))});
+}
+
+void StoreEngine::onAppend(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto it = data_.find(q.key);
+  bool created = it == data_.end();
+  admit(q, growth(q.key, (created ? 0 : it->second.size()) + q.value.size()));
+  if (created) {
+    stored_ += q.key.size() + kEntryOverhead;
+    data_.emplace(q.key, q.value);
+  } else {
+    it->second.insert(it->second.end(), q.value.begin(), q.value.end());
+  }
+  stored_ += q.value.size();
+  if (watchers_.count(q.key))
+    notifyWatchers(q.key, created ? WatchResponse::KeyCreated : WatchResponse::KeyAppended, {},
+                   q.value, out);
+  wakeAll(q.key, out);
+}
+
+void StoreEngine::onQueuePush(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  admit(q, q.value.size() + kEntryOverhead + (queues_.count(q.key) ? 0 : q.key.size() + kEntryOverhead));
+  auto [it, created] = queues_.try_emplace(q.key);
+  if (created) stored_ += q.key.size() + kEntryOverhead;
+  it->second.push_back(q.value);
+  stored_ += q.value.size() + kEntryOverhead;
+  wakeOne(q.key, out);
+}
+
+void StoreEngine::onQueuePop(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto it = queues_.find(q.key);
+  Writer w;
+  w.i64(it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size()));
+  if (it != queues_.end()) {
+    auto& queue = it->second;
+    w.bytes(queue.front());
+    stored_ -= queue.front().size() + kEntryOverhead;
+    queue.pop_front();
+    if (queue.empty()) {
+      stored_ -= q.key.size() + kEntryOverhead;
+      queues_.erase(it);
+    }
+  }
+  out.push_back({conn, w.take()});
+}
+
+void StoreEngine::onQueueLen(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  auto it = queues_.find(q.key);
+  std::int64_t n = it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
+  out.push_back({conn, Writer().i64(n).take()});
+}
+
+void StoreEngine::onListKeys(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  // c10d's clients and PrefixStores put their own prefixes before it ("/", "/worker/attempt_0/"):
+  // it counts at the start of the key or after any "/".
+  const std::string_view unlisted(kUnlistedPrefix);
+  const std::string inPath = "/" + std::string(unlisted);
+  auto listed = [&](const std::string& key) {
+    return key.compare(0, unlisted.size(), unlisted) != 0 && key.find(inPath) == std::string::npos;
+  };
+  std::size_t length = 8, count = 0;
+  for (const auto& kv : data_)
+    if (listed(kv.first)) length += 8 + kv.first.size(), ++count;
+  if (length > limits_.maxReplyLength)
+    throw std::invalid_argument("LIST_KEYS would make a reply of " + std::to_string(length) +
+                                " bytes, over the limit of " + std::to_string(limits_.maxReplyLength));
+  Writer w;
+  w.i64(static_cast<std::int64_t>(count));
+  for (const auto& kv : data_)
+    if (listed(kv.first)) w.str(kv.first);
+  out.push_back({conn, w.take()});
+}
+
+void StoreEngine::onBarrier(ConnId conn, const protocol::Request& q, std::vector<Reply>& out) {
+  std::int64_t count = 1;
+  auto it = data_.find(q.key);
+  if (it != data_.end()) count = checkedAdd(q.key, parseCounter(q.key, it->second), 1);
+  Bytes value = counterBytes(count);
+  admit(q, growth(q.key, value.size()));
+  if (it == data_.end()) {
+    stored_ += q.key.size() + value.size() + kEntryOverhead;
+    data_.emplace(q.key, std::move(value));
+  } else {
+    stored_ = stored_ - it->second.size() + value.size();
+    it->second = std::move(value);
+  }
+  if (count >= q.number) {
+    wakeAll(q.key, out);
+    out.push_back({conn, u8Reply(static_cast<std::uint8_t>(WaitResponse::StopWaiting))});
+  } else {
+    clearWait(conn);
+    waiters_[q.key].push_back(conn);
+    awaiting_[conn] = 1;
   }
 }
 

@@ -85,6 +85,28 @@ class StoreEngine {
   std::size_t growth(const std::string& key, std::size_t newSize) const;
   void admit(const protocol::Request& q, std::size_t more) const;
   void store(const std::string& key, protocol::Bytes value, std::vector<Reply>& out);
+  // The handlers of execute(), one per operation: each appends its replies (and any wake-ups or
+  // watch notifications it causes) to `out`.
+  void onValidate(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onPing(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onMultiSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onCompareSet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onGet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onMultiGet(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onAdd(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onCheck(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onWait(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onCancelWait(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onGetNumKeys(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onDeleteKey(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onWatchKey(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onAppend(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onQueuePush(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onQueuePop(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onQueueLen(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onListKeys(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
+  void onBarrier(ConnId conn, const protocol::Request& q, std::vector<Reply>& out);
   void erase(std::unordered_map<std::string, protocol::Bytes>::iterator it);
   void wakeAll(const std::string& key, std::vector<Reply>& out);
   void wakeOne(const std::string& key, std::vector<Reply>& out);
