@@ -154,6 +154,7 @@ class PipelineSchedule {
 
  private:
   struct Impl;
+  class StepRun;  // one run of the schedule, one function per action (schedule.cpp)
   std::vector<at::Tensor> run(const at::Tensor& input, const at::Tensor& target, bool training);
 
   PipelineStage& stage_;

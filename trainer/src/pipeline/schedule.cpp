@@ -199,219 +199,265 @@ at::Tensor PipelineSchedule::evaluate(const at::Tensor& input) {
   return torch::cat(outputs, 0);
 }
 
-std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at::Tensor& target, bool training) {
-  Impl& im = *impl_;
-  const int s = stage_.stageIndex(), S = stage_.numStages(), M = microBatches_;
-  const bool first = stage_.isFirst(), last = stage_.isLast();
-  const auto& group = stage_.group();
-  const std::string me = stageName(s);
-  stats_ = {};
-  const auto stepStart = Clock::now();
-
-  auto split = [&](const at::Tensor& t, const char* what) {
-    if (!t.defined()) throw ConfigError(me + ": step() needs the " + std::string(what) + " on this stage");
-    if (t.dim() == 0 || t.size(0) < M)
-      throw ConfigError(me + ": the " + what + " has " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) +
-                        " rows, fewer than the " + std::to_string(M) + " micro-batches");
-    return t.tensor_split(M, 0);
-  };
-  std::vector<at::Tensor> inputs, targets;
-  if (first) inputs = split(input, "input");
-  if (last && training) targets = split(target, "target");
-
-  auto timedWait = [&](const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
-    const auto start = Clock::now();
-    communicate(me + ": " + what, [&] { return work->wait(); });
-    stats_.waiting += Clock::now() - start;
-  };
-  auto sendTo = [&](int peer, int tag, const at::Tensor& tensor, const std::string& what) {
-    std::vector<at::Tensor> tensors{tensor};
-    return communicate(me + ": " + what, [&] { return group->send(tensors, peer, tag); });
-  };
-  auto recvInto = [&](int peer, int tag, at::Tensor& tensor, const std::string& what) {
-    std::vector<at::Tensor> tensors{tensor};
-    auto work = communicate(me + ": " + what, [&] { return group->recv(tensors, peer, tag); });
-    timedWait(work, what);
-  };
-  auto keepSending = [&](c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor) {
-    im.sends.emplace_back(std::move(work), std::move(tensor));
-  };
-
-  // The header: made by the first stage, passed down.
-  at::Tensor header = torch::zeros({kHeaderSize}, torch::kInt64);
-  bool exchange = false;
-  if (first) {
-    std::vector<Shape> shapes;
-    for (const auto& x : inputs) shapes.push_back(shapeOf(x));
-    exchange = shapes != im.lastInputShapes;
-    im.lastInputShapes = std::move(shapes);
-    auto* h = header.data_ptr<std::int64_t>();
-    h[kHMagic] = kMagic;
-    h[kHMicroBatches] = M;
-    h[kHStep] = steps_;
-    h[kHShapes] = exchange;
-    h[kHTraining] = training;
-  } else {
-    recvInto(s - 1, kForwardTag, header, "receiving the step's header from stage " + std::to_string(s - 1));
-    const auto* h = header.data_ptr<std::int64_t>();
-    if (h[kHMagic] != kMagic)
-      throw DistributedError(me + ": the message from stage " + std::to_string(s - 1) +
-                             " is not a pipeline step's header (is the stage before running a schedule?)");
-    if (h[kHMicroBatches] != M || h[kHTraining] != training || h[kHStep] != steps_)
-      throw ConfigError(me + ": stage " + std::to_string(s - 1) + " runs " + (h[kHTraining] ? "step" : "evaluate") +
-                        " " + std::to_string(h[kHStep]) + " with " + std::to_string(h[kHMicroBatches]) +
-                        " micro-batches, this stage " + (training ? "step" : "evaluate") + " " +
-                        std::to_string(steps_) + " with " + std::to_string(M) +
-                        ": every stage makes the same calls with the same micro-batches and step count");
-    exchange = h[kHShapes] != 0;
+// One run of the schedule - a training step or an evaluation - on this stage: the step's header, then
+// one function per action of pipelineActions() (forward(), backward()), then the sends finished and,
+// with a data-parallel group, the stage's gradients averaged over it.
+class PipelineSchedule::StepRun {
+ public:
+  StepRun(PipelineSchedule& schedule, const at::Tensor& input, const at::Tensor& target, bool training)
+      : ps_(schedule),
+        im_(*schedule.impl_),
+        s_(schedule.stage_.stageIndex()),
+        M_(schedule.microBatches_),
+        first_(schedule.stage_.isFirst()),
+        last_(schedule.stage_.isLast()),
+        training_(training),
+        group_(schedule.stage_.group()),
+        me_(stageName(s_)) {
+    ps_.stats_ = {};
+    if (first_) inputs_ = split(input, "input");
+    if (last_ && training_) targets_ = split(target, "target");
   }
-  if (!last) keepSending(sendTo(s + 1, kForwardTag, header, "sending the step's header"), header);
-  stats_.shapesExchanged = exchange;
-  if (exchange) {
-    im.received.assign(static_cast<std::size_t>(M), Shape{});
-    im.sent.assign(static_cast<std::size_t>(M), Shape{});
-  }
-  im.flights.assign(static_cast<std::size_t>(M), Impl::Flight{});
 
-  std::vector<at::Tensor> results;
-  int inFlight = 0;
-  const std::vector<PipelineAction> forwardOnly = [&] {
-    std::vector<PipelineAction> f;
-    for (int m = 0; m < M; ++m) f.push_back({PipelineAction::Kind::kForward, m});
-    return f;
-  }();
-
-  for (const PipelineAction& action : training ? im.actions : forwardOnly) {
-    const int m = action.microBatch;
-    const auto mu = static_cast<std::size_t>(m);
-    auto& flight = im.flights[mu];
-    const std::string micro = "micro-batch " + std::to_string(m);
-    if (action.kind == PipelineAction::Kind::kForward) {
-      at::Tensor x;
-      if (first) {
-        x = inputs[mu];
-      } else {
-        if (exchange) {
-          at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
-          recvInto(s - 1, kForwardTag, meta, "receiving " + micro + "'s activation shape from stage " + std::to_string(s - 1));
-          const auto* d = meta.data_ptr<std::int64_t>();
-          if (d[1] < 0 || d[1] > kMaxDims || d[0] < 0 || d[0] >= static_cast<std::int64_t>(c10::ScalarType::NumOptions))
-            throw DistributedError(me + ": stage " + std::to_string(s - 1) + " sent no activation shape for " + micro);
-          Shape shape{std::vector<std::int64_t>(d + 2, d + 2 + d[1]), static_cast<c10::ScalarType>(d[0])};
-          for (auto size : shape.sizes)
-            if (size < 0) throw DistributedError(me + ": stage " + std::to_string(s - 1) + " sent a negative size");
-          im.received[mu] = shape;
-        }
-        flight.buffer = im.takeBuffer(im.received[mu]);
-        recvInto(s - 1, kForwardTag, flight.buffer, "receiving " + micro + "'s activation from stage " + std::to_string(s - 1));
-        x = flight.buffer.detach();
-        if (training && x.is_floating_point()) x.requires_grad_(true);
-        flight.input = x;
-      }
-      const auto computeStart = Clock::now();
-      at::Tensor y;
-      {
-        std::optional<std::uint64_t> seed;
-        if (stage_.options().seed()) seed = pipelineMicroBatchSeed(*stage_.options().seed(), steps_, m, s);
-        SeedGuard guard(seed, im.device);
-        y = stage_.module()->forward(x);
-      }
-      if (last) {
-        if (training) {
-          at::Tensor loss = loss_(y, targets[mu]);
-          if (!loss.defined() || loss.numel() != 1)
-            throw ConfigError(me + ": the loss function must return one value, got " +
-                              (loss.defined() ? std::to_string(loss.numel()) : std::string("none")));
-          results.push_back(loss.detach().reshape({}));
-          flight.output = options_.scaleLoss() ? loss / static_cast<double>(M) : loss;
-        } else {
-          results.push_back(y.detach());
-        }
-      }
-      stats_.compute += Clock::now() - computeStart;
-      if (!last) {
-        const at::Tensor out = y.detach().contiguous();
-        const Shape shape = shapeOf(out);
-        if (exchange) {
-          if (static_cast<std::int64_t>(shape.sizes.size()) > kMaxDims)
-            throw ConfigError(me + ": an activation of " + std::to_string(shape.sizes.size()) + " dimensions (at most " +
-                              std::to_string(kMaxDims) + ")");
-          at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
-          auto* d = meta.data_ptr<std::int64_t>();
-          d[0] = static_cast<std::int64_t>(shape.dtype);
-          d[1] = static_cast<std::int64_t>(shape.sizes.size());
-          std::copy(shape.sizes.begin(), shape.sizes.end(), d + 2);
-          keepSending(sendTo(s + 1, kForwardTag, meta, "sending " + micro + "'s activation shape"), meta);
-          im.sent[mu] = shape;
-        } else if (shape != im.sent[mu]) {
-          throw ConfigError(me + ": " + micro + "'s output is " + shape.text() + " where the step before sent " +
-                            im.sent[mu].text() + " for the same input shapes: a stage's output shape must follow from its input's");
-        }
-        // Waited once (a Gloo send's second wait never returns): at its backward, or at the step's end.
-        flight.activationSend = sendTo(s + 1, kForwardTag, out, "sending " + micro + "'s activation");
-        flight.activation = out;
-        if (training) flight.output = y;
-      }
-      if (training) {
-        flight.live = true;
-        stats_.maxInFlight = std::max(stats_.maxInFlight, ++inFlight);
-      }
-      continue;
+  std::vector<at::Tensor> run() {
+    const auto stepStart = Clock::now();
+    passHeader();
+    if (training_) {
+      for (const PipelineAction& action : im_.actions)
+        if (action.kind == PipelineAction::Kind::kForward) forward(action.microBatch);
+        else backward(action.microBatch);
+    } else {
+      for (int m = 0; m < M_; ++m) forward(m);
     }
+    finishSends();
+    if (training_) averageGradients();
+    ++ps_.steps_;
+    ps_.stats_.total = Clock::now() - stepStart;
+    return std::move(results_);
+  }
 
-    // Backward of micro-batch m.
+ private:
+  std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const {
+    if (!t.defined()) throw ConfigError(me_ + ": step() needs the " + std::string(what) + " on this stage");
+    if (t.dim() == 0 || t.size(0) < M_)
+      throw ConfigError(me_ + ": the " + what + " has " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) +
+                        " rows, fewer than the " + std::to_string(M_) + " micro-batches");
+    return t.tensor_split(M_, 0);
+  }
+
+  // ---- the wire
+  void timedWait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    const auto start = Clock::now();
+    communicate(me_ + ": " + what, [&] { return work->wait(); });
+    ps_.stats_.waiting += Clock::now() - start;
+  }
+  c10::intrusive_ptr<c10d::Work> sendTo(int peer, int tag, const at::Tensor& tensor, const std::string& what) {
+    std::vector<at::Tensor> tensors{tensor};
+    return communicate(me_ + ": " + what, [&] { return group_->send(tensors, peer, tag); });
+  }
+  void recvInto(int peer, int tag, at::Tensor& tensor, const std::string& what) {
+    std::vector<at::Tensor> tensors{tensor};
+    auto work = communicate(me_ + ": " + what, [&] { return group_->recv(tensors, peer, tag); });
+    timedWait(work, what);
+  }
+  void keepSending(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor) {
+    im_.sends.emplace_back(std::move(work), std::move(tensor));
+  }
+
+  // The header: made by the first stage, passed down; it says whether shapes follow.
+  void passHeader() {
+    const int s = s_;
+    at::Tensor header = torch::zeros({kHeaderSize}, torch::kInt64);
+    if (first_) {
+      std::vector<Shape> shapes;
+      for (const auto& x : inputs_) shapes.push_back(shapeOf(x));
+      exchange_ = shapes != im_.lastInputShapes;
+      im_.lastInputShapes = std::move(shapes);
+      auto* h = header.data_ptr<std::int64_t>();
+      h[kHMagic] = kMagic;
+      h[kHMicroBatches] = M_;
+      h[kHStep] = ps_.steps_;
+      h[kHShapes] = exchange_;
+      h[kHTraining] = training_;
+    } else {
+      recvInto(s - 1, kForwardTag, header, "receiving the step's header from stage " + std::to_string(s - 1));
+      const auto* h = header.data_ptr<std::int64_t>();
+      if (h[kHMagic] != kMagic)
+        throw DistributedError(me_ + ": the message from stage " + std::to_string(s - 1) +
+                               " is not a pipeline step's header (is the stage before running a schedule?)");
+      if (h[kHMicroBatches] != M_ || h[kHTraining] != training_ || h[kHStep] != ps_.steps_)
+        throw ConfigError(me_ + ": stage " + std::to_string(s - 1) + " runs " + (h[kHTraining] ? "step" : "evaluate") +
+                          " " + std::to_string(h[kHStep]) + " with " + std::to_string(h[kHMicroBatches]) +
+                          " micro-batches, this stage " + (training_ ? "step" : "evaluate") + " " +
+                          std::to_string(ps_.steps_) + " with " + std::to_string(M_) +
+                          ": every stage makes the same calls with the same micro-batches and step count");
+      exchange_ = h[kHShapes] != 0;
+    }
+    if (!last_) keepSending(sendTo(s + 1, kForwardTag, header, "sending the step's header"), header);
+    ps_.stats_.shapesExchanged = exchange_;
+    if (exchange_) {
+      im_.received.assign(static_cast<std::size_t>(M_), Shape{});
+      im_.sent.assign(static_cast<std::size_t>(M_), Shape{});
+    }
+    im_.flights.assign(static_cast<std::size_t>(M_), Impl::Flight{});
+  }
+
+  // ---- the actions
+  void forward(int m) {
+    const auto mu = static_cast<std::size_t>(m);
+    auto& flight = im_.flights[mu];
+    const std::string micro = "micro-batch " + std::to_string(m);
+    const at::Tensor x = first_ ? inputs_[mu] : receiveActivation(m, micro);
+    const auto computeStart = Clock::now();
+    at::Tensor y;
+    {
+      std::optional<std::uint64_t> seed;
+      if (ps_.stage_.options().seed()) seed = pipelineMicroBatchSeed(*ps_.stage_.options().seed(), ps_.steps_, m, s_);
+      SeedGuard guard(seed, im_.device);
+      y = ps_.stage_.module()->forward(x);
+    }
+    if (last_) {
+      if (training_) {
+        at::Tensor loss = ps_.loss_(y, targets_[mu]);
+        if (!loss.defined() || loss.numel() != 1)
+          throw ConfigError(me_ + ": the loss function must return one value, got " +
+                            (loss.defined() ? std::to_string(loss.numel()) : std::string("none")));
+        results_.push_back(loss.detach().reshape({}));
+        flight.output = ps_.options_.scaleLoss() ? loss / static_cast<double>(M_) : loss;
+      } else {
+        results_.push_back(y.detach());
+      }
+    }
+    ps_.stats_.compute += Clock::now() - computeStart;
+    if (!last_) sendActivation(m, y, micro);
+    if (training_) {
+      flight.live = true;
+      ps_.stats_.maxInFlight = std::max(ps_.stats_.maxInFlight, ++inFlight_);
+    }
+  }
+
+  // Micro-batch m's activation from the stage before (its shape first, when shapes are exchanged),
+  // into a receive buffer of that shape: the forward's input.
+  at::Tensor receiveActivation(int m, const std::string& micro) {
+    const int s = s_;
+    const auto mu = static_cast<std::size_t>(m);
+    auto& flight = im_.flights[mu];
+    if (exchange_) {
+      at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
+      recvInto(s - 1, kForwardTag, meta, "receiving " + micro + "'s activation shape from stage " + std::to_string(s - 1));
+      const auto* d = meta.data_ptr<std::int64_t>();
+      if (d[1] < 0 || d[1] > kMaxDims || d[0] < 0 || d[0] >= static_cast<std::int64_t>(c10::ScalarType::NumOptions))
+        throw DistributedError(me_ + ": stage " + std::to_string(s - 1) + " sent no activation shape for " + micro);
+      Shape shape{std::vector<std::int64_t>(d + 2, d + 2 + d[1]), static_cast<c10::ScalarType>(d[0])};
+      for (auto size : shape.sizes)
+        if (size < 0) throw DistributedError(me_ + ": stage " + std::to_string(s - 1) + " sent a negative size");
+      im_.received[mu] = shape;
+    }
+    flight.buffer = im_.takeBuffer(im_.received[mu]);
+    recvInto(s - 1, kForwardTag, flight.buffer, "receiving " + micro + "'s activation from stage " + std::to_string(s - 1));
+    at::Tensor x = flight.buffer.detach();
+    if (training_ && x.is_floating_point()) x.requires_grad_(true);
+    flight.input = x;
+    return x;
+  }
+
+  // Micro-batch m's output `y` to the stage after (its shape first, when shapes are exchanged).
+  void sendActivation(int m, const at::Tensor& y, const std::string& micro) {
+    const auto mu = static_cast<std::size_t>(m);
+    auto& flight = im_.flights[mu];
+    const at::Tensor out = y.detach().contiguous();
+    const Shape shape = shapeOf(out);
+    if (exchange_) {
+      if (static_cast<std::int64_t>(shape.sizes.size()) > kMaxDims)
+        throw ConfigError(me_ + ": an activation of " + std::to_string(shape.sizes.size()) + " dimensions (at most " +
+                          std::to_string(kMaxDims) + ")");
+      at::Tensor meta = torch::zeros({2 + kMaxDims}, torch::kInt64);
+      auto* d = meta.data_ptr<std::int64_t>();
+      d[0] = static_cast<std::int64_t>(shape.dtype);
+      d[1] = static_cast<std::int64_t>(shape.sizes.size());
+      std::copy(shape.sizes.begin(), shape.sizes.end(), d + 2);
+      keepSending(sendTo(s_ + 1, kForwardTag, meta, "sending " + micro + "'s activation shape"), meta);
+      im_.sent[mu] = shape;
+    } else if (shape != im_.sent[mu]) {
+      throw ConfigError(me_ + ": " + micro + "'s output is " + shape.text() + " where the step before sent " +
+                        im_.sent[mu].text() + " for the same input shapes: a stage's output shape must follow from its input's");
+    }
+    // Waited once (a Gloo send's second wait never returns): at its backward, or at the step's end.
+    flight.activationSend = sendTo(s_ + 1, kForwardTag, out, "sending " + micro + "'s activation");
+    flight.activation = out;
+    if (training_) flight.output = y;
+  }
+
+  void backward(int m) {
+    const auto mu = static_cast<std::size_t>(m);
+    auto& flight = im_.flights[mu];
+    const std::string micro = "micro-batch " + std::to_string(m);
     if (!flight.live) throw std::logic_error("pipeline: backward of a micro-batch never forwarded");
     at::Tensor gradOut;
-    if (!last) {
-      gradOut = torch::empty(im.sent[mu].sizes, torch::TensorOptions().dtype(im.sent[mu].dtype).device(im.device));
-      recvInto(s + 1, kBackwardTag, gradOut, "receiving " + micro + "'s gradient from stage " + std::to_string(s + 1));
+    if (!last_) {
+      gradOut = torch::empty(im_.sent[mu].sizes, torch::TensorOptions().dtype(im_.sent[mu].dtype).device(im_.device));
+      recvInto(s_ + 1, kBackwardTag, gradOut, "receiving " + micro + "'s gradient from stage " + std::to_string(s_ + 1));
     }
     const auto computeStart = Clock::now();
     if (flight.output.requires_grad()) {
-      if (last) torch::autograd::backward({flight.output});
+      if (last_) torch::autograd::backward({flight.output});
       else torch::autograd::backward({flight.output}, {gradOut});
     }
-    stats_.compute += Clock::now() - computeStart;
-    if (!first) {
+    ps_.stats_.compute += Clock::now() - computeStart;
+    if (!first_) {
       at::Tensor grad = flight.input.defined() && flight.input.requires_grad() ? flight.input.grad() : at::Tensor();
       if (!grad.defined()) grad = torch::zeros_like(flight.buffer);
       grad = grad.contiguous();
-      keepSending(sendTo(s - 1, kBackwardTag, grad, "sending " + micro + "'s input gradient"), grad);
+      keepSending(sendTo(s_ - 1, kBackwardTag, grad, "sending " + micro + "'s input gradient"), grad);
     }
     // The activation came back as a gradient, so its send is done; the buffer may serve again.
     if (flight.activationSend) timedWait(flight.activationSend, "sending " + micro + "'s activation");
-    im.giveBack(std::move(flight.buffer));
+    im_.giveBack(std::move(flight.buffer));
     flight = Impl::Flight{};
-    --inFlight;
+    --inFlight_;
   }
 
-  for (auto& [work, tensor] : im.sends) timedWait(work, "finishing the step's sends");
-  im.sends.clear();
-  for (auto& flight : im.flights) {  // evaluation: nothing came back to say the activations were taken
-    if (flight.activationSend) timedWait(flight.activationSend, "sending an activation");
-    im.giveBack(std::move(flight.buffer));
+  void finishSends() {
+    for (auto& [work, tensor] : im_.sends) timedWait(work, "finishing the step's sends");
+    im_.sends.clear();
+    for (auto& flight : im_.flights) {  // evaluation: nothing came back to say the activations were taken
+      if (flight.activationSend) timedWait(flight.activationSend, "sending an activation");
+      im_.giveBack(std::move(flight.buffer));
+    }
+    im_.flights.clear();
   }
-  im.flights.clear();
 
-  if (training && options_.dataParallelGroup() && options_.dataParallelGroup()->getSize() > 1) {
-    const auto& dp = options_.dataParallelGroup();
+  void averageGradients() {
+    const auto& dp = ps_.options_.dataParallelGroup();
+    if (!dp || dp->getSize() <= 1) return;
     std::vector<at::Tensor> grads;
-    for (auto& p : stage_.module()->parameters()) {
+    for (auto& p : ps_.stage_.module()->parameters()) {
       if (!p.requires_grad()) continue;
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
       grads.push_back(p.grad());
     }
     throughFlatBuffers(grads, [&](at::Tensor& flat) {
       std::vector<at::Tensor> tensors{flat};
-      auto work = communicate(me + ": averaging the stage's gradients over its data-parallel group",
+      auto work = communicate(me_ + ": averaging the stage's gradients over its data-parallel group",
                               [&] { return dp->allreduce(tensors); });
       timedWait(work, "averaging the stage's gradients over its data-parallel group");
       flat.div_(dp->getSize());
     });
   }
-  ++steps_;
-  stats_.total = Clock::now() - stepStart;
-  return results;
+
+  PipelineSchedule& ps_;
+  Impl& im_;
+  const int s_, M_;
+  const bool first_, last_, training_;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group_;
+  const std::string me_;
+  std::vector<at::Tensor> inputs_, targets_, results_;
+  bool exchange_ = false;  // shapes precede the activations this step
+  int inFlight_ = 0;
+};
+
+std::vector<at::Tensor> PipelineSchedule::run(const at::Tensor& input, const at::Tensor& target, bool training) {
+  return StepRun(*this, input, target, training).run();
 }
 
 void pipelineGatherModel(const torch::nn::Sequential& model, const std::vector<std::size_t>& stageSizes,
