@@ -898,7 +898,7 @@ TEST_CASE("rendezvous simulation: store failover: the next node re-creates the s
 }
 
 // Store failover driven by its pure decisions (failover.hpp) as the agent's handler runs them
-// (launcher/agent/src/c10d_failover.cpp), over a simulated network: every host keeps a store (the
+// (launcher/rendezvous/src/c10d_failover.cpp), over a simulated network: every host keeps a store (the
 // first host's is the rendezvous store, the others' are standbys); a host reaches another's store
 // unless the pair is cut, or that host is dead or frozen. An agent that gets no answer from its
 // store for the heartbeat expiry fails over: it marks the loss in its own standby, then either

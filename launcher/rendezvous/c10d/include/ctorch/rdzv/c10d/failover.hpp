@@ -1,7 +1,7 @@
 // Store failover (--store-failover, docs/store-failover.md) as pure decisions: who takes a lost
 // rendezvous store over, whether it may (a majority), and when a node is on the minority side and
 // must stop. No store, no probe, no clock: the agent's handler does the I/O
-// (launcher/agent/src/c10d_failover.cpp); the simulation test drives these on a virtual clock.
+// (launcher/rendezvous/src/c10d_failover.cpp); the simulation test drives these on a virtual clock.
 #pragma once
 
 #include "ctorch/rdzv/c10d/decisions.hpp"
