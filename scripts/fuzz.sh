@@ -64,7 +64,8 @@ snapshot_objects() {
   local t=$root/trainer failed=0
   objs=()
   mkdir -p "$out/snapshot-obj"
-  for f in snapshot/format snapshot/digest snapshot/zip_check snapshot/pickle_scan snapshot/capture_restore \
+  for f in snapshot/format snapshot/decode snapshot/digest snapshot/zip_check snapshot/pickle_scan snapshot/capture_restore \
+           snapshot/optimizer_state core/state_dict \
            sampler/distributed_sampler core/version core/errors; do
     # Rebuilt when its source or any of the library's headers changed since (a changed declaration
     # would otherwise link against a stale object).
