@@ -25,6 +25,7 @@
 
 #include "cuda_test_util.hpp"
 #include "multiproc.hpp"
+#include "test_models.hpp"
 #include "trainer_test_util.hpp"
 
 #include <ctorch/amp.hpp>
@@ -53,16 +54,7 @@ using namespace cudatest;
 namespace {
 
 // ---- models ---------------------------------------------------------------------------------------
-struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(10, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
-    fc3 = register_module("fc3", torch::nn::Linear(32, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-};
-TORCH_MODULE(Mlp);
+using ctorch::test::Mlp;  // tests/support/test_models.hpp
 
 struct ConvBnImpl : torch::nn::Module {
   ConvBnImpl() {

@@ -25,6 +25,7 @@
 
 #include "ddp_test_util.hpp"
 #include "multiproc.hpp"
+#include "test_models.hpp"
 
 #include "core/compat.hpp"
 #include "ctorch/ddp.hpp"
@@ -51,18 +52,7 @@ constexpr int kPerRankBatch = 4;
 constexpr double kLr = 0.1;
 
 // ---- models ---------------------------------------------------------------------------------------
-struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(10, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
-    fc3 = register_module("fc3", torch::nn::Linear(32, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return fc3(torch::relu(fc2(torch::relu(fc1(x)))));
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-};
-TORCH_MODULE(Mlp);
+using ctorch::test::Mlp;  // tests/support/test_models.hpp
 
 // Held by std::shared_ptr (not a module holder): DDP must take both.
 struct ConvNet : torch::nn::Module {

@@ -28,11 +28,6 @@ constexpr double kLayoutBound = 1e-5;
 // last stage's maps are 1x1: 8 values per channel), which magnify the rounding; measured 2.3e-5.
 constexpr double kResNetBound = 1e-4;
 
-std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
-  base.insert(base.end(), more.begin(), more.end());
-  return base;
-}
-
 // The largest difference of two state dicts (same names and shapes), each tensor's relative to its
 // own scale where that is above 1: max |a - b| / max(max |a|, 1) (batch norm's running variances
 // are in the hundreds, weights in the tenths, biases near 0). Prints the tensor it comes from.

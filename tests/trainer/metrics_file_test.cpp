@@ -20,15 +20,6 @@ using ctorch::test::TempDir;
 // Named (the tests are built as one unity source): the other files have a kToy and a with() too.
 namespace hostile_metrics {
 
-const std::vector<std::string> kToy = {"--model", "linear", "--dataset", "synthetic-regression",
-                                       "--synthetic-size", "512", "--batch-size", "16", "--test-limit", "64",
-                                       "--log-interval", "4", "--lr", "0.05"};
-
-std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
-  base.insert(base.end(), more.begin(), more.end());
-  return base;
-}
-
 // Four train records, steps 1 to 4, written the way a run writes them.
 void writeFourSteps(const fs::path& path) {
   ctorch::train::MetricsLog log(path, 0);
@@ -149,7 +140,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
           "[trainer][process][metrics][hostile]") {
   TempDir dir("metrics-dev-zero");
   const fs::path metrics = dir / "metrics.jsonl";
-  const auto first = ctorch::test::run(trainUnderLauncher(dir.path(), 2, hm::with(hm::kToy, {"--epochs", "1"})));
+  const auto first = ctorch::test::run(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "1"})));
   INFO(show(first));
   REQUIRE(first.ok());
   fs::rename(metrics, dir / "metrics.saved");
@@ -158,7 +149,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
 
   // Before: rank 0 read /dev/zero without end (memory growing) and rank 1 timed out in its first
   // step, after --timeout (30 min by default); the summary blamed rank 1.
-  const auto r = ctorch::test::run(trainUnderLauncher(dir.path(), 2, hm::with(hm::kToy, {"--epochs", "2"}),
+  const auto r = ctorch::test::run(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "2"}),
                                                       {"--max-restarts", "2"}, std::chrono::seconds(90)));
   INFO(show(r));
   // At once: rank 0's own refusal is the root cause, no rank waited for a timeout, nothing restarted.
@@ -175,7 +166,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
   fs::remove(metrics);
   REQUIRE(::mkfifo(metrics.c_str(), 0600) == 0);
   const auto fifo =
-      ctorch::test::run(trainAlone(dir.path(), hm::with(hm::kToy, {"--epochs", "2"}), std::chrono::seconds(60)));
+      ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "2"}), std::chrono::seconds(60)));
   INFO(show(fifo));
   CHECK(fifo.exitCode == ctorch::contract::kExitUsage);
   CHECK_THAT(fifo.output, Catch::Contains("--metrics-file '" + shown + "' is not a regular file"));
@@ -183,7 +174,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
   fs::remove(metrics);
   fs::create_directories(metrics);
   const auto directory =
-      ctorch::test::run(trainAlone(dir.path(), hm::with(hm::kToy, {"--epochs", "2"}), std::chrono::seconds(60)));
+      ctorch::test::run(trainAlone(dir.path(), with(kToy, {"--epochs", "2"}), std::chrono::seconds(60)));
   INFO(show(directory));
   CHECK(directory.exitCode == ctorch::contract::kExitUsage);
   CHECK_THAT(directory.output, Catch::Contains("--metrics-file '" + shown + "' is a directory"));
@@ -197,7 +188,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
     REQUIRE(::ftruncate(fd, (off_t{1} << 30) + 1) == 0);  // sparse
     ::close(fd);
   }
-  const auto large = ctorch::test::run(trainUnderLauncher(dir.path(), 2, hm::with(hm::kToy, {"--epochs", "2"}),
+  const auto large = ctorch::test::run(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "2"}),
                                                           {"--max-restarts", "2"}, std::chrono::seconds(90)));
   INFO(show(large));
   CHECK(large.exitCode == ctorch::contract::kExitUsage);
@@ -214,7 +205,7 @@ TEST_CASE("resume: metrics.jsonl linked to /dev/zero fails rank 0 at once, not r
   // Control: the file itself back, the same resume runs and keeps the first epoch's records.
   fs::rename(dir / "metrics.saved", metrics);
   const std::string before = ctorch::test::readFile(metrics);
-  const auto resumed = ctorch::test::run(trainUnderLauncher(dir.path(), 2, hm::with(hm::kToy, {"--epochs", "2"})));
+  const auto resumed = ctorch::test::run(trainUnderLauncher(dir.path(), 2, with(kToy, {"--epochs", "2"})));
   INFO(show(resumed));
   REQUIRE(resumed.ok());
   CHECK(resumed.output.find("resuming from") != std::string::npos);

@@ -21,15 +21,6 @@ using ctorch::test::TempDir;
 
 namespace {
 
-const std::vector<std::string> kToy = {"--model", "linear", "--dataset", "synthetic-regression",
-                                       "--synthetic-size", "512", "--batch-size", "16", "--test-limit", "64",
-                                       "--log-interval", "4", "--lr", "0.05"};
-
-std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
-  base.insert(base.end(), more.begin(), more.end());
-  return base;
-}
-
 // Sends `signo` to the worker of `rank` running in `dir`, waiting for it to exist.
 void signalWorker(const fs::path& dir, int rank, int signo) {
   int pid = -1;

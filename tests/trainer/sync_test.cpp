@@ -17,15 +17,10 @@ namespace synctest {
 ctorch::train::ParsedCommandLine parse(std::vector<std::string> args) { return ctorch::train::parseCommandLine(args); }
 
 // A toy run: 2 epochs of 16 steps at 2 data ranks, a snapshot every 4 steps.
-const std::vector<std::string> kToy = {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size",
+const std::vector<std::string> kSyncToy = {"--model", "linear", "--dataset", "synthetic-regression", "--synthetic-size",
                                        "256", "--batch-size", "8", "--epochs", "2", "--test-limit", "64",
                                        "--log-interval", "8", "--lr", "0.05", "--threads", "1",
                                        "--save-every-steps", "4", "--progress", "lines"};
-
-std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
-  base.insert(base.end(), more.begin(), more.end());
-  return base;
-}
 
 ProcessResult launch(const fs::path& dir, int nproc, const std::vector<std::string>& args) {
   const auto r = ctorch::test::run(trainUnderLauncher(dir, nproc, args));
@@ -104,13 +99,13 @@ TEST_CASE("sync: ctorch-train --sync parameter-server under ctorchrun ends bit-i
           "and 2 servers), also stopped by --max-steps and resumed",
           "[trainer][process][sync]") {
   for (const std::string optimizer : {"sgd", "adam"}) {
-    const auto args = synctest::with(synctest::kToy, {"--optimizer", optimizer});
+    const auto args = with(synctest::kSyncToy, {"--optimizer", optimizer});
     TempDir reference("sync-allreduce");
     synctest::launch(reference.path(), 2, args);
     for (int servers : {1, 2}) {
       INFO(optimizer << ", " << servers << " server(s)");
       TempDir dir("sync-ps");
-      const auto psArgs = synctest::with(args, {"--sync", "parameter-server", "--ps-servers", std::to_string(servers)});
+      const auto psArgs = with(args, {"--sync", "parameter-server", "--ps-servers", std::to_string(servers)});
       const auto r = synctest::launch(dir.path(), 2 + servers, psArgs);
       CHECK(r.output.find("8 per worker x 2 workers") != std::string::npos);
       CHECK(r.output.find(servers == 1 ? "1 parameter server (rank 2)" : "2 parameter servers (ranks 2-3)") != std::string::npos);
@@ -120,7 +115,7 @@ TEST_CASE("sync: ctorch-train --sync parameter-server under ctorchrun ends bit-i
       if (servers != 2) continue;
       // Stopped mid-epoch 1 (16 steps per epoch) with its snapshot, then resumed by the same command.
       TempDir stopped("sync-ps-stopped");
-      synctest::launch(stopped.path(), 4, synctest::with(psArgs, {"--max-steps", "10"}));
+      synctest::launch(stopped.path(), 4, with(psArgs, {"--max-steps", "10"}));
       const auto resumed = synctest::launch(stopped.path(), 4, psArgs);
       CHECK(resumed.output.find("exactly where it stopped") != std::string::npos);
       CHECK(bitDifference(reference / "model.pt", stopped / "model.pt") == "");
@@ -131,13 +126,13 @@ TEST_CASE("sync: ctorch-train --sync parameter-server under ctorchrun ends bit-i
 TEST_CASE("sync: a run with 1 server resumes with 2 (another world size: from the epoch boundary, the servers' "
           "optimizer shards resharded) and ends bit-identical to allreduce",
           "[trainer][process][sync]") {
-  const auto args = synctest::with(synctest::kToy, {"--optimizer", "adam"});
+  const auto args = with(synctest::kSyncToy, {"--optimizer", "adam"});
   TempDir reference("sync-allreduce"), dir("sync-ps-reshard");
   synctest::launch(reference.path(), 2, args);
-  const auto ps = synctest::with(args, {"--sync", "parameter-server"});
-  synctest::launch(dir.path(), 3, synctest::with(ps, {"--epochs", "1", "--ps-servers", "1"}));
+  const auto ps = with(args, {"--sync", "parameter-server"});
+  synctest::launch(dir.path(), 3, with(ps, {"--epochs", "1", "--ps-servers", "1"}));
   // ps_servers is bound to the snapshot (the same world size would split the data another way).
-  const auto r = synctest::launch(dir.path(), 4, synctest::with(ps, {"--ps-servers", "2", "--allow-config-change"}));
+  const auto r = synctest::launch(dir.path(), 4, with(ps, {"--ps-servers", "2", "--allow-config-change"}));
   CHECK(r.output.find("written by 3 ranks at an epoch boundary, continued by 4 ranks") != std::string::npos);
   CHECK(bitDifference(reference / "model.pt", dir / "model.pt") == "");
 }
@@ -145,14 +140,14 @@ TEST_CASE("sync: a run with 1 server resumes with 2 (another world size: from th
 TEST_CASE("sync: a server or a worker killed mid-run: ctorchrun restarts the group, which resumes from the snapshot "
           "(the servers' optimizer shards included) and ends bit-identical to allreduce",
           "[trainer][process][sync][faults]") {
-  const auto args = synctest::with(synctest::kToy, {"--optimizer", "adam"});
+  const auto args = with(synctest::kSyncToy, {"--optimizer", "adam"});
   TempDir reference("sync-allreduce");
   synctest::launch(reference.path(), 2, args);
   for (int victim : {2, 1}) {  // the server, then a worker
     INFO("rank " << victim << " killed");
     TempDir dir("sync-ps-killed");
     // --hold-after-step holds the run at step 8 for the kill; it changes no result.
-    const auto r = synctest::killAndResume(dir.path(), 3, synctest::with(args, {"--sync", "parameter-server"}), victim, 8);
+    const auto r = synctest::killAndResume(dir.path(), 3, with(args, {"--sync", "parameter-server"}), victim, 8);
     INFO(show(r));
     CHECK(r.ok());
     CHECK(r.output.find("exactly where it stopped") != std::string::npos);  // the restarted group resumed
@@ -163,10 +158,10 @@ TEST_CASE("sync: a server or a worker killed mid-run: ctorchrun restarts the gro
 TEST_CASE("sync: the control - another learning rate differs, and a world with no worker is refused in one line",
           "[trainer][process][sync][control]") {
   TempDir reference("sync-allreduce"), other("sync-ps-other"), none("sync-ps-none");
-  synctest::launch(reference.path(), 2, synctest::kToy);
-  synctest::launch(other.path(), 3, synctest::with(synctest::kToy, {"--sync", "parameter-server", "--lr", "0.04"}));
+  synctest::launch(reference.path(), 2, synctest::kSyncToy);
+  synctest::launch(other.path(), 3, with(synctest::kSyncToy, {"--sync", "parameter-server", "--lr", "0.04"}));
   CHECK(bitDifference(reference / "model.pt", other / "model.pt") != "");
-  const auto r = ctorch::test::run(trainUnderLauncher(none.path(), 2, synctest::with(synctest::kToy, {"--sync", "parameter-server", "--ps-servers", "2"})));
+  const auto r = ctorch::test::run(trainUnderLauncher(none.path(), 2, with(synctest::kSyncToy, {"--sync", "parameter-server", "--ps-servers", "2"})));
   INFO(show(r));
   CHECK_FALSE(r.ok());
   CHECK(r.output.find("2 server(s) in a world of 2 leave no worker") != std::string::npos);

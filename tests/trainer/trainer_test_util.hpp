@@ -175,4 +175,15 @@ inline bool haveFashionMnist() {
   return fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
 }
 
+// The trainer tests' argument set: a linear model on 512 synthetic samples, 16 a batch (seconds a
+// run). `with(kToy, {...})` adds to one.
+const std::vector<std::string> kToy = {"--model", "linear", "--dataset", "synthetic-regression",
+                                       "--synthetic-size", "512", "--batch-size", "16", "--test-limit", "64",
+                                       "--log-interval", "4", "--lr", "0.05"};
+
+inline std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
 }  // namespace traintest
