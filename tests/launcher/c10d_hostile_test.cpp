@@ -136,6 +136,13 @@ struct HostedJob {
   bool bothStarted() {
     return outputHas(*host1, "started 1 worker(s)", 60s) && outputHas(*host2, "started 1 worker(s)", 60s);
   }
+  // Both agents' ends, then the attacker's connections closed.
+  std::pair<test::ProcessResult, test::ProcessResult> finish(const std::vector<int>& attackers) {
+    auto r1 = host1->wait();
+    auto r2 = host2->wait();
+    for (int fd : attackers) ::close(fd);
+    return {std::move(r1), std::move(r2)};
+  }
   int port = 0;
   std::unique_ptr<test::Process> host1, host2;
 };
@@ -225,9 +232,7 @@ TEST_CASE("c10d agent: connections that never read their large replies from the 
   REQUIRE(job.bothStarted());
   const std::vector<int> hogs = neverReadingGets(job.port);
   // They never read; the job runs its 8 s meanwhile.
-  auto r1 = job.host1->wait();
-  auto r2 = job.host2->wait();
-  for (int fd : hogs) ::close(fd);
+  auto [r1, r2] = job.finish(hogs);
   INFO(r1.output);
   INFO(r2.output);
   CHECK(r1.exitCode == 0);
@@ -257,9 +262,7 @@ TEST_CASE("c10d agent: connections that never read their large replies from the 
   REQUIRE(workersStore != job.port);
   const std::vector<int> hogs = neverReadingGets(workersStore);
   std::ofstream(go).put('1');
-  auto r1 = job.host1->wait();
-  auto r2 = job.host2->wait();
-  for (int fd : hogs) ::close(fd);
+  auto [r1, r2] = job.finish(hogs);
   INFO(r1.output);
   INFO(r2.output);
   CHECK(r1.exitCode == 0);
