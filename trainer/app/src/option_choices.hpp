@@ -38,6 +38,10 @@ inline std::string number(double v) {
   throw UsageError(flag + " '" + value + "' " + why);
 }
 
+// Said before anything else about --cuda-graphs (also before a strategy's refusal of it).
+inline constexpr const char* kCudaGraphsNeedCuda =
+    "--cuda-graphs with --device cpu: CUDA graphs need CUDA (use --device cuda or auto)";
+
 // --fsdp-param-dtype / --fsdp-reduce-dtype: the short names and torch's, each to its canonical name.
 inline const std::vector<std::pair<std::string, std::string>> kFsdpDtypes = {
     {"bf16", "bfloat16"}, {"bfloat16", "bfloat16"}, {"fp16", "float16"},

@@ -4,6 +4,8 @@
 
 #include "option_choices.hpp"
 
+#include "ctorch/train/strategy_table.hpp"
+
 #include <ctorch/amp.hpp>
 #include <ctorch/snapshot.hpp>
 #include <ctorch/contract/worker_contract.hpp>
@@ -80,59 +82,25 @@ std::string ResumeChoice::describe() const {
 
 namespace {
 
-// --sync parameter-server: what cannot work with it, each refused in one line.
-void validateParameterServer(const TrainOptions& o) {
-  if (o.psServers < 1 || o.psServers > 1024) bad("--ps-servers", std::to_string(o.psServers), "must be in [1, 1024]");
-  if (o.sharding != ShardingChoice::kNone)
-    throw UsageError(std::string("--sync parameter-server with --sharding ") + toString(o.sharding) +
-                     ": the servers already hold the optimizer state, sharded over them (use --sharding none)");
-  // A worker holds its own gradients only: no rank sees the averaged gradient whose norm clipping needs.
-  if (o.clipGradNorm > 0)
-    throw UsageError("--sync parameter-server with --clip-grad-norm: no rank holds the averaged gradients whose "
-                     "norm it needs (use --sync allreduce)");
-  if (o.amp && o.ampDtype == "float16")
-    throw UsageError("--sync parameter-server with --amp float16 (loss scaling) is not supported: use --amp-dtype "
-                     "bfloat16 or --sync allreduce");
-}
-
-// --cuda-graphs: the step must be one static graph with no host synchronisation inside.
+// --cuda-graphs: the step must be one static graph with no host synchronisation inside (which
+// strategies' steps can be captured: the strategy table's).
 void validateCudaGraphs(const TrainOptions& o) {
   auto refuse = [](const std::string& with, const std::string& why) {
     throw UsageError("--cuda-graphs with " + with + ": " + why);
   };
-  if (o.device == DeviceChoice::kCpu) refuse("--device cpu", "CUDA graphs need CUDA (use --device cuda or auto)");
-  if (o.sync == SyncChoice::kParameterServer) refuse("--sync parameter-server", "its push and pull run on the host");
-  if (o.sharding != ShardingChoice::kNone)
-    refuse(std::string("--sharding ") + toString(o.sharding), "only DDP's step is captured (use --sharding none)");
+  if (o.device == DeviceChoice::kCpu) throw UsageError(kCudaGraphsNeedCuda);
   if (o.clipGradNorm > 0) refuse("--clip-grad-norm", "the norm is read back to the host every step");
   if (o.optimizer != OptimizerKind::kSgd)
     refuse(std::string("--optimizer ") + toString(o.optimizer), "its step counts live on the host and a replay would repeat them (use sgd)");
   if (o.gradAccumSteps > 1) refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "one micro-step per step only");
 }
 
-// --pipeline-stages: what a pipeline's step does not do, each refused in one line.
-void validatePipeline(const TrainOptions& o) {
+// --pipeline-stages and --micro-batches in range for every run; what a pipeline refuses is the
+// strategy table's.
+void validatePipelineRanges(const TrainOptions& o) {
   if (o.pipelineStages < 1 || o.pipelineStages > 1024)
     bad("--pipeline-stages", std::to_string(o.pipelineStages), "must be in [1, 1024]");
   if (o.microBatches < 1 || o.microBatches > 1 << 20) bad("--micro-batches", std::to_string(o.microBatches), "must be in [1, 1048576]");
-  if (o.pipelineStages == 1) return;
-  auto refuse = [&](const std::string& with, const std::string& why) {
-    throw UsageError("--pipeline-stages " + std::to_string(o.pipelineStages) + " with " + with + ": " + why);
-  };
-  if (o.microBatches > o.batchSize)
-    refuse("--micro-batches " + std::to_string(o.microBatches) + " and --batch-size " + std::to_string(o.batchSize),
-           "every micro-batch needs a row of the batch (use --micro-batches <= --batch-size)");
-  if (o.model == "linear") refuse("--model linear", "the model is one layer, nothing to cut into stages (use mnist-cnn, simple-cnn or resnet18)");
-  if (o.sharding != ShardingChoice::kNone)
-    refuse(std::string("--sharding ") + toString(o.sharding), "each stage holds its own parameters and optimizer already (use --sharding none)");
-  if (o.sync == SyncChoice::kParameterServer) refuse("--sync parameter-server", "the stages' replicas average by allreduce (use --sync allreduce)");
-  if (o.gradAccumSteps > 1)
-    refuse("--grad-accum-steps " + std::to_string(o.gradAccumSteps), "a pipeline's step accumulates over its micro-batches already (use --micro-batches)");
-  if (o.clipGradNorm > 0) refuse("--clip-grad-norm", "the global norm over the stages is not computed yet");
-  if (o.amp) refuse("--amp", "mixed precision is not carried through the stages yet");
-  if (o.cudaGraphs) refuse("--cuda-graphs", "a pipeline's step sends and receives between processes");
-  if (o.memoryFormat == MemoryFormatChoice::kChannelsLast)
-    refuse("--memory-format channels-last", "activations travel between the stages contiguous (use --memory-format auto or contiguous)");
 }
 
 }  // namespace
@@ -192,32 +160,12 @@ void TrainOptions::validate() const {
     bad("--amp-dtype", ampDtype, "must be auto, float16 or bfloat16");
   if (device == DeviceChoice::kCpu && amp && ampDtype == "float16" && !amp::autocastSupported(torch::kCPU, torch::kHalf))
     throw UsageError("--amp with float16 needs CUDA, but --device is 'cpu' (use --amp-dtype bfloat16 on the CPU, or --device cuda)");
-  // GradScaler checks the gradients of the optimizer it steps: a rank's share only, so the ranks could
-  // disagree on skipping a step.
-  if (sharding != ShardingChoice::kNone && amp && ampDtype == "float16")
-    throw UsageError(std::string("--sharding ") + toString(sharding) +
-                     " with --amp float16 (loss scaling) is not supported: use --amp-dtype bfloat16 or --sharding none");
-  if (sync == SyncChoice::kParameterServer) validateParameterServer(*this);
   if (shardCopies < 0 || shardCopies > 1) bad("--shard-copies", std::to_string(shardCopies), "must be 0 or 1");
-  if (shardCopies > 0 && (sharding == ShardingChoice::kNone || sync == SyncChoice::kParameterServer))
-    throw UsageError("--shard-copies " + std::to_string(shardCopies) +
-                     " needs sharded state: --sharding optimizer, grad-op or full (a run without it recovers in place already)");
-  if (shardCopies > 0 && isHybrid(sharding))
-    throw UsageError("--shard-copies " + std::to_string(shardCopies) + " with --sharding " + toString(sharding) +
-                     " is not supported: hybrid sharding's node and replica groups are not re-formed in place (use "
-                     "--sharding full or grad-op, or --shard-copies 0)");
-  for (const auto& [flag, value] : {std::pair{"--fsdp-param-dtype", fsdpParamDtype}, std::pair{"--fsdp-reduce-dtype", fsdpReduceDtype}})
-    if (!value.empty() && !shardsModel(sharding))
-      throw UsageError(std::string(flag) + " " + value + " is FSDP's mixed precision, and --sharding " + toString(sharding) +
-                       " does not shard the model (use --sharding grad-op, full, hybrid or hybrid-grad-op)");
-  // FSDP keeps each unit's parameters as views of one flat contiguous buffer (ctorch/memory_format.hpp).
-  if (memoryFormat == MemoryFormatChoice::kChannelsLast &&
-      shardsModel(sharding))
-    throw UsageError(std::string("--memory-format channels-last with --sharding ") + toString(sharding) +
-                     " is not supported: FSDP keeps each unit's parameters in one flat contiguous buffer (use "
-                     "--memory-format auto or contiguous, or --sharding none or optimizer)");
+  validatePipelineRanges(*this);
+  // What the strategies the flags ask for do not do (strategy_table.cpp), then what a captured step
+  // cannot hold.
+  checkStrategy(*this);
   if (cudaGraphs) validateCudaGraphs(*this);
-  validatePipeline(*this);
   if (timeout.count() < 1 || timeout.count() > 7 * 24 * 3600)
     bad("--timeout", std::to_string(timeout.count()), "must be in [1, 604800] seconds");
   if (threads < 0 || threads > 1024) bad("--threads", std::to_string(threads), "must be in [0, 1024]");

@@ -3,6 +3,7 @@
 #include "ctorch/train/setup.hpp"
 
 #include "ctorch/train/memory_check.hpp"
+#include "ctorch/train/strategy_table.hpp"
 
 #include <ctorch/amp.hpp>
 #include <ctorch/data/error.hpp>
@@ -70,8 +71,8 @@ c10d::ProcessGroup& ProcessGroupScope::group() { return *getDefaultGroup(); }
 
 MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool convolutional) {
   MemoryFormatDecision d;
-  const bool flat = shardsModel(o.sharding);
-  const bool pipeline = o.pipelineStages > 1;
+  // FSDP's flat parameters, a pipeline's activations between stages.
+  const char* contiguousBecause = chosenStrategy(o).contiguousBecause;
   switch (o.memoryFormat) {
     case MemoryFormatChoice::kContiguous:
       d.reason = "--memory-format";
@@ -82,12 +83,11 @@ MemoryFormatDecision chooseMemoryFormat(const TrainOptions& o, bool cuda, bool c
       d.reason = convolutional ? "--memory-format" : "--memory-format channels-last ignored: the model has no 4-D weights";
       break;
     case MemoryFormatChoice::kAuto:
-      if (cuda && convolutional && !flat && !pipeline) d.format = at::MemoryFormat::ChannelsLast;
-      d.reason = !convolutional ? "auto: the model has no 4-D weights"
-                 : !cuda        ? "auto: contiguous on the CPU"
-                 : flat         ? "auto: FSDP's flat parameters are contiguous"
-                 : pipeline     ? "auto: a pipeline's activations travel contiguous"
-                                : "auto: a convolutional model on CUDA";
+      if (cuda && convolutional && !contiguousBecause) d.format = at::MemoryFormat::ChannelsLast;
+      d.reason = !convolutional     ? "auto: the model has no 4-D weights"
+                 : !cuda            ? "auto: contiguous on the CPU"
+                 : contiguousBecause ? contiguousBecause
+                                    : "auto: a convolutional model on CUDA";
       break;
   }
   return d;

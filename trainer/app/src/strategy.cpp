@@ -2,6 +2,9 @@
 // and the parameter server, each with its step, what it tracks and how it describes itself.
 #include "ctorch/train/strategy.hpp"
 
+#include "ctorch/train/strategy_table.hpp"
+#include "strategies.hpp"
+
 #include <ctorch/cuda_graph.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
@@ -320,9 +323,6 @@ class DataParallel final : public Strategy {
   std::string averaging(int worldSize) const override {
     return worldSize > 1 ? "; gradients averaged by " + gradientPath(*ddp_) : std::string();
   }
-  std::string inPlaceRecoveryOffWith() const override {
-    return zero_ && o_.shardCopies == 0 ? "--sharding " + std::string(toString(o_.sharding)) + " --shard-copies 0" : std::string();
-  }
   std::optional<GradientReductionStats> reductionStats() const override { return ddp_->sharedMemoryStats(); }
 
  private:
@@ -339,7 +339,7 @@ class DataParallel final : public Strategy {
 // sharded (over each node's ranks with hybrid).
 class FullySharded final : public Strategy {
  public:
-  FullySharded(const TrainOptions& o, const std::shared_ptr<Model>& model) : o_(o) {
+  FullySharded(const TrainOptions& o, const std::shared_ptr<Model>& model) {
     fsdp_ = std::make_unique<FSDP>(model, fsdpOptionsFor(o));
     optimizer_ = makeOptimizer(o, fsdp_->parameters());
   }
@@ -355,16 +355,12 @@ class FullySharded final : public Strategy {
   std::string averaging(int worldSize) const override {
     return worldSize > 1 ? "; gradients averaged by " + shardingPath(*fsdp_) : std::string();
   }
-  std::string inPlaceRecoveryOffWith() const override {
-    return o_.shardCopies == 0 ? "--sharding " + std::string(toString(o_.sharding)) + " --shard-copies 0" : std::string();
-  }
   EvalForward prepareEvaluation() override {
     return [this](const torch::Tensor& x) { return (*fsdp_)(x); };
   }
   void withFullWeights(const std::function<void()>& write) override { fsdp_->summonFullParameters(write); }
 
  private:
-  const TrainOptions& o_;
   std::unique_ptr<FSDP> fsdp_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
@@ -388,7 +384,6 @@ class ParameterServing final : public Strategy {
   // Rank 0 is a worker: its model holds the current weights.
   void trackModel(ResilientTraining& t) override { t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_); }
   void trackOptimizer(ResilientTraining&) override {}  // the servers' shares, tracked with the model
-  const char* dataRankNoun() const override { return "worker"; }
   std::string averaging(int worldSize) const override {
     const int workers = ps_->numWorkers();
     return "; gradients averaged by " + std::to_string(ps_->numServers()) + " parameter server" +
@@ -396,7 +391,6 @@ class ParameterServing final : public Strategy {
                                    : "s (ranks " + std::to_string(workers) + "-" + std::to_string(worldSize - 1) + ")") +
            ", which run the optimizer";
   }
-  std::string inPlaceRecoveryOffWith() const override { return "--sync parameter-server"; }
   EvalForward prepareEvaluation() override {
     ps_->syncReplicas();  // a server's replica is current in its own share only
     return EvalForward();
@@ -431,7 +425,6 @@ class Pipelined final : public Strategy {
     optimizer_ = makeOptimizer(o, stage_->module()->parameters());
   }
   int dataRanks() const override { return groups_.replicas; }
-  const char* dataRankNoun() const override { return "pipeline"; }
   int samplerRank() const override { return groups_.replica; }
   StepOutcome step(const StepInputs& in) override {
     StepOutcome out;
@@ -469,7 +462,6 @@ class Pipelined final : public Strategy {
     (void)worldSize;
     return text;
   }
-  std::string inPlaceRecoveryOffWith() const override { return "--pipeline-stages " + std::to_string(o_.pipelineStages); }
   EvalForward prepareEvaluation() override {
     pipelineGatherModel(whole_, sizes_, *stage_);  // every rank evaluates its share with the whole model
     return EvalForward();
@@ -492,11 +484,21 @@ class Pipelined final : public Strategy {
 
 } // namespace
 
-std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
-  if (o.pipelineStages > 1) return std::make_unique<Pipelined>(o, model);
-  if (o.sync == SyncChoice::kParameterServer) return std::make_unique<ParameterServing>(o, model);
-  if (shardsModel(o.sharding)) return std::make_unique<FullySharded>(o, model);
+std::unique_ptr<Strategy> makeDataParallel(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
   return std::make_unique<DataParallel>(o, model);
+}
+std::unique_ptr<Strategy> makeFullySharded(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  return std::make_unique<FullySharded>(o, model);
+}
+std::unique_ptr<Strategy> makeParameterServing(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  return std::make_unique<ParameterServing>(o, model);
+}
+std::unique_ptr<Strategy> makePipelined(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  return std::make_unique<Pipelined>(o, model);
+}
+
+std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model) {
+  return chosenStrategy(o).make(o, model);
 }
 
 } // namespace ctorch::train

@@ -16,6 +16,7 @@
 #include "ctorch/train/schedule.hpp"
 #include "ctorch/train/setup.hpp"
 #include "ctorch/train/strategy.hpp"
+#include "ctorch/train/strategy_table.hpp"
 
 #include "core/compat.hpp"
 #include <ctorch/contract/worker_contract.hpp>
@@ -379,7 +380,7 @@ void Trainer::buildTraining() {
   if (const std::string problem = checkBatchSize(batch); !problem.empty()) throw UsageError(problem);
   stepsPerEpoch_ = ceilDiv(ceilDiv(sampler_->size(), o_.batchSize), o_.gradAccumSteps);
   schedule_ = std::make_unique<LrSchedule>(LrSchedule::fromOptions(o_));
-  const std::string noun = strategy_->dataRankNoun();
+  const std::string noun = chosenStrategy(o_).dataRankNoun;
   console_.line("model: " + o_.model + ", " + withThousands(models::parameterCount(*model_)) +
                 " parameters, " + memoryFormatName(memoryFormat_.format) + " (" + memoryFormat_.reason +
                 "); global batch " + std::to_string(o_.batchSize * o_.gradAccumSteps * dataRanks_) + " (" +
@@ -413,7 +414,7 @@ void Trainer::buildResilience() {
   strategy_->trackModel(t);
   t.track(*sampler_);
   strategy_->trackOptimizer(t);
-  if (const std::string off = strategy_->inPlaceRecoveryOffWith(); !off.empty() && inPlaceRecoveryEnabled())
+  if (const std::string off = inPlaceRecoveryOffWith(o_); !off.empty() && inPlaceRecoveryEnabled())
     console_.line("in-place recovery is off with " + off +
                   ": a lost rank's shards come back from the snapshot files with a group restart");
   t.trackScheduler(

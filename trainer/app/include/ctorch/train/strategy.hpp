@@ -1,7 +1,8 @@
 // How ctorch-train's ranks share the work of a step: data parallel (DDP, with the whole optimizer on
-// every rank or ZeRO-1's shares of it), fully sharded (FSDP, --sharding grad-op|full|hybrid|hybrid-grad-op), or a parameter
-// server (--sync parameter-server). One Strategy is chosen once from the options (makeStrategy); the
-// loop (trainer.cpp) only calls it, so a new way of training is one class here, not edits in the loop.
+// every rank or ZeRO-1's shares of it), fully sharded (FSDP, --sharding grad-op|full|hybrid|hybrid-grad-op), a parameter
+// server (--sync parameter-server) or a pipeline (--pipeline-stages). One Strategy is chosen once from
+// the options (makeStrategy, from the table in strategy_table.hpp); the loop (trainer.cpp) only calls
+// it, so a new way of training is one class here and one table entry, not edits in the loop.
 #pragma once
 
 #include "ctorch/train/evaluate.hpp"
@@ -73,13 +74,10 @@ class Strategy {
   // Registers the model, and the optimizer's state, with the run's snapshots.
   virtual void trackModel(ResilientTraining& training) = 0;
   virtual void trackOptimizer(ResilientTraining& training) = 0;
-  // What a data rank is called in the model line ("rank", "worker"), and that line's tail: how the
-  // gradients are averaged ("; gradients averaged by ...", empty for one rank).
-  virtual const char* dataRankNoun() const { return "rank"; }
+  // The model line's tail: how the gradients are averaged ("; gradients averaged by ...", empty for
+  // one rank). What the line calls a data rank, and what turns in-place recovery off, are the
+  // strategy table's (strategy_table.hpp).
   virtual std::string averaging(int worldSize) const = 0;
-  // The flag that turns in-place recovery off (its shards come back from the snapshot files with a
-  // group restart); empty when this strategy recovers in place.
-  virtual std::string inPlaceRecoveryOffWith() const { return ""; }
   // DDP's shared-memory reduction's counters (null: none).
   virtual std::optional<GradientReductionStats> reductionStats() const { return std::nullopt; }
   // The forward an evaluation runs (empty: the model's own), after the replicas are brought up to date.
@@ -88,8 +86,8 @@ class Strategy {
   virtual void withFullWeights(const std::function<void()>& write) { write(); }
 };
 
-// The strategy the options ask for, over `model` (on its device already); collective: every rank
-// calls it at the same point.
+// The strategy the options ask for (the strategy table's chosen entry), over `model` (on its device
+// already); collective: every rank calls it at the same point.
 std::unique_ptr<Strategy> makeStrategy(const TrainOptions& o, const std::shared_ptr<models::Model>& model);
 
 // ceil(a / b) for positive counts: steps of an epoch, micro-batches left.
