@@ -59,28 +59,46 @@ using Model = models::Model;
 using DDP = DistributedDataParallel<std::shared_ptr<Model>>;
 using FSDP = FullyShardedDataParallel<std::shared_ptr<Model>>;
 
-// The model as a step drives it: whole replicas behind DDP, or shards behind FSDP (--sharding
-// grad-op|full).
-struct Replica {
-  DDP* ddp = nullptr;
-  FSDP* fsdp = nullptr;
-  void zeroGrad() {
-    if (fsdp) fsdp->zeroGrad();
-    else ddp->zeroGrad();
-  }
-  torch::Tensor operator()(const torch::Tensor& x) { return fsdp ? (*fsdp)(x) : (*ddp)(x); }
+// The model as a step drives it: a whole replica behind DDP, or shards behind FSDP (--sharding
+// grad-op|full|hybrid|hybrid-grad-op).
+class Replica {
+ public:
+  virtual ~Replica() = default;
+  virtual void zeroGrad() = 0;
+  virtual torch::Tensor operator()(const torch::Tensor& x) = 0;
   // Gradient accumulation: the micro-steps before the last keep their gradients local (DDP's
-  // no_sync, FSDP's set_requires_gradient_sync(false)).
-  void synchronise(bool on, std::optional<NoSyncGuard>& noSync) {
-    if (fsdp) fsdp->setRequiresGradientSync(on);
-    else if (!on) noSync.emplace(ddp->noSync());
+  // no_sync, held in `noSync`; FSDP's set_requires_gradient_sync(false)).
+  virtual void synchronise(bool on, std::optional<NoSyncGuard>& noSync) = 0;
+  // The gradient's global norm clipped.
+  virtual void clipGradNorm(double maxNorm) = 0;
+};
+
+class DdpReplica final : public Replica {
+ public:
+  explicit DdpReplica(DDP& ddp) : ddp_(ddp) {}
+  void zeroGrad() override { ddp_.zeroGrad(); }
+  torch::Tensor operator()(const torch::Tensor& x) override { return ddp_(x); }
+  void synchronise(bool on, std::optional<NoSyncGuard>& noSync) override {
+    if (!on) noSync.emplace(ddp_.noSync());
   }
-  // The gradient's global norm clipped: DDP's gradients are the same on every rank, so every rank
-  // clips alike; FSDP's norm is summed over every rank's shards.
-  void clipGradNorm(double maxNorm) {
-    if (fsdp) fsdp->clipGradNorm(maxNorm);
-    else torch::nn::utils::clip_grad_norm_(ddp->parameters(), maxNorm);
-  }
+  // DDP's gradients are the same on every rank, so every rank clips alike.
+  void clipGradNorm(double maxNorm) override { torch::nn::utils::clip_grad_norm_(ddp_.parameters(), maxNorm); }
+
+ private:
+  DDP& ddp_;
+};
+
+class FsdpReplica final : public Replica {
+ public:
+  explicit FsdpReplica(FSDP& fsdp) : fsdp_(fsdp) {}
+  void zeroGrad() override { fsdp_.zeroGrad(); }
+  torch::Tensor operator()(const torch::Tensor& x) override { return fsdp_(x); }
+  void synchronise(bool on, std::optional<NoSyncGuard>&) override { fsdp_.setRequiresGradientSync(on); }
+  // The norm summed over every rank's shards.
+  void clipGradNorm(double maxNorm) override { fsdp_.clipGradNorm(maxNorm); }
+
+ private:
+  FSDP& fsdp_;
 };
 
 // The units of FullyShardedDataParallel in ctorch-train's models: each ResNet block, and each layer
@@ -152,38 +170,38 @@ struct Lap {
 
 // The next micro-batch on `device`, its images in `format` (the model's), counted in the sampler and
 // in `out` (its wait as data time).
-std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(data::BatchLoader& loader, DistributedSampler& sampler,
-                                                       StepOutcome& out, Lap& lap, const torch::Device& device,
-                                                       at::MemoryFormat format) {
-  auto batch = loader.next();
+std::pair<torch::Tensor, torch::Tensor> nextMicroBatch(const StepInputs& in, StepOutcome& out, Lap& lap) {
+  auto batch = in.loader.next();
   out.phases.data += lap();
   if (!batch) throw std::logic_error("the batch loader ended before the sampler's epoch did");
-  sampler.advance(batch->size());
+  in.sampler.advance(batch->size());
   out.samples += batch->size();
-  return {toMemoryFormat(batch->inputs.to(device, /*non_blocking=*/true), format),
-          batch->targets.to(device, /*non_blocking=*/true)};
+  return {toMemoryFormat(batch->inputs.to(in.device, /*non_blocking=*/true), in.memoryFormat),
+          batch->targets.to(in.device, /*non_blocking=*/true)};
 }
 
 // `optimizer`: the one this rank steps (with ZeRO its share's, null when it owns no parameter);
 // `zero`: then broadcasts every share after the step.
-StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimizer, ZeroRedundancyOptimizer* zero,
-                      amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                      const TrainOptions& o, const torch::Device& device, at::MemoryFormat format) {
+StepOutcome trainStep(const StepInputs& in, Replica& ddp, torch::optim::Optimizer* optimizer,
+                      ZeroRedundancyOptimizer* zero) {
+  const TrainOptions& o = in.options;
+  const torch::Device& device = in.device;
+  amp::GradScaler& scaler = in.scaler;
   ddp.zeroGrad();
   // The last step of an epoch may have fewer micro-batches left; every rank has as many as the others.
-  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
+  const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(in.sampler.remaining(), o.batchSize));
   StepOutcome out;
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
   Lap lap;
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
+    const auto [inputs, targets] = nextMicroBatch(in, out, lap);
     // Gradients are all-reduced on the last micro-step only (DDP's no_sync on the others).
     std::optional<NoSyncGuard> noSync;
     ddp.synchronise(m + 1 == micro, noSync);
     torch::Tensor loss;
     {
       amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
-      loss = lossFor(model.output(), ddp(inputs), targets);
+      loss = lossFor(in.model.output(), ddp(inputs), targets);
     }
     scaler.scale(micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
     lossSum += loss.detach();
@@ -208,19 +226,19 @@ StepOutcome trainStep(Replica ddp, Model& model, torch::optim::Optimizer* optimi
 // the static inputs and returns the loss without reading it (an .item() would end the capture); the
 // loss is read after the step, from the graph's output once captured. An eager step (warm-up, another
 // shape, a blocker) says why once per reason.
-StepOutcome graphedTrainStep(CudaGraphStep& graphed, Replica ddp, Model& model, torch::optim::Optimizer& optimizer,
-                             amp::GradScaler& scaler, data::BatchLoader& loader, DistributedSampler& sampler,
-                             const TrainOptions& o, const torch::Device& device, at::MemoryFormat format,
-                             std::string& lastReason) {
+StepOutcome graphedTrainStep(const StepInputs& in, CudaGraphStep& graphed, Replica& ddp,
+                             torch::optim::Optimizer& optimizer, std::string& lastReason) {
+  const TrainOptions& o = in.options;
+  amp::GradScaler& scaler = in.scaler;
   StepOutcome out;
   Lap lap;
-  const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
-  const auto outputs = graphed.run({inputs, targets}, [&](const std::vector<at::Tensor>& in) {
+  const auto [inputs, targets] = nextMicroBatch(in, out, lap);
+  const auto outputs = graphed.run({inputs, targets}, [&](const std::vector<at::Tensor>& statics) {
     ddp.zeroGrad();
     torch::Tensor loss;
     {
-      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
-      loss = lossFor(model.output(), ddp(in[0]), in[1]);
+      amp::Autocast autocast(in.device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(in.model.output(), ddp(statics[0]), statics[1]);
     }
     scaler.scale(loss).backward();
     scaler.step(optimizer);
@@ -244,9 +262,9 @@ StepOutcome graphedTrainStep(CudaGraphStep& graphed, Replica ddp, Model& model, 
 // weights. A server reads no data: it consumes its copy of the sampler as a worker does (so that
 // every rank agrees on the step count and the epoch's end) and serves the step (the optimizer runs
 // there).
-StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLoader& loader,
-                                DistributedSampler& sampler, const TrainOptions& o, const torch::Device& device,
-                                at::MemoryFormat format) {
+StepOutcome parameterServerStep(const StepInputs& in, ParameterServer& ps) {
+  const TrainOptions& o = in.options;
+  DistributedSampler& sampler = in.sampler;
   const std::int64_t micro = std::min(o.gradAccumSteps, ceilDiv(sampler.remaining(), o.batchSize));
   StepOutcome out;
   Lap lap;
@@ -257,13 +275,13 @@ StepOutcome parameterServerStep(ParameterServer& ps, Model& model, data::BatchLo
     return out;
   }
   ps.zeroGrad();
-  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(device));
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().device(in.device));
   for (std::int64_t m = 0; m < micro; ++m) {
-    const auto [inputs, targets] = nextMicroBatch(loader, sampler, out, lap, device, format);
+    const auto [inputs, targets] = nextMicroBatch(in, out, lap);
     torch::Tensor loss;
     {
-      amp::Autocast autocast(device.type(), amp::parseDtype(o.ampDtype), o.amp);
-      loss = lossFor(model.output(), model.forward(inputs), targets);
+      amp::Autocast autocast(in.device.type(), amp::parseDtype(o.ampDtype), o.amp);
+      loss = lossFor(in.model.output(), in.model.forward(inputs), targets);
     }
     (micro > 1 ? loss / static_cast<double>(micro) : loss).backward();
     lossSum += loss.detach();
@@ -295,6 +313,7 @@ class DataParallel final : public Strategy {
                                             .gradientReduction(o.gradientReduction)
                                             .findUnusedParameters(o.findUnusedParameters)
                                             .gradientAsBucketView(o.gradientAsBucketView));
+    replica_ = std::make_unique<DdpReplica>(*ddp_);
     if (o.sharding == ShardingChoice::kOptimizer)
       zero_ = std::make_unique<ZeroRedundancyOptimizer>(
           ddp_->parameters(), [this](std::vector<at::Tensor> share) { return makeOptimizer(o_, share); });
@@ -308,11 +327,9 @@ class DataParallel final : public Strategy {
   StepOutcome step(const StepInputs& in) override {
     if (graphed_) {
       if (!scalerAdded_) graphed_->add(graphParticipant(in.scaler)), scalerAdded_ = true;
-      return graphedTrainStep(*graphed_, Replica{ddp_.get(), nullptr}, in.model, *optimizer_, in.scaler, in.loader,
-                              in.sampler, in.options, in.device, in.memoryFormat, lastGraphReason_);
+      return graphedTrainStep(in, *graphed_, *replica_, *optimizer_, lastGraphReason_);
     }
-    return trainStep(Replica{ddp_.get(), nullptr}, in.model, stepping(), zero_.get(), in.scaler, in.loader, in.sampler,
-                     in.options, in.device, in.memoryFormat);
+    return trainStep(in, *replica_, stepping(), zero_.get());
   }
   torch::optim::Optimizer* stepping() override { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*ddp_); }
@@ -328,6 +345,7 @@ class DataParallel final : public Strategy {
  private:
   const TrainOptions& o_;
   std::unique_ptr<DDP> ddp_;
+  std::unique_ptr<DdpReplica> replica_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // the whole optimizer (--sharding none)
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;       // --sharding optimizer (ZeRO-1)
   std::unique_ptr<CudaGraphStep> graphed_;              // --cuda-graphs
@@ -341,13 +359,13 @@ class FullySharded final : public Strategy {
  public:
   FullySharded(const TrainOptions& o, const std::shared_ptr<Model>& model) {
     fsdp_ = std::make_unique<FSDP>(model, fsdpOptionsFor(o));
+    replica_ = std::make_unique<FsdpReplica>(*fsdp_);
     optimizer_ = makeOptimizer(o, fsdp_->parameters());
   }
   int dataRanks() const override { return getWorldSize(); }
   int samplerRank() const override { return getRank(); }
   StepOutcome step(const StepInputs& in) override {
-    return trainStep(Replica{nullptr, fsdp_.get()}, in.model, optimizer_.get(), nullptr, in.scaler, in.loader,
-                     in.sampler, in.options, in.device, in.memoryFormat);
+    return trainStep(in, *replica_, optimizer_.get(), nullptr);
   }
   torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
   void trackModel(ResilientTraining& t) override { t.track(*fsdp_); }
@@ -362,6 +380,7 @@ class FullySharded final : public Strategy {
 
  private:
   std::unique_ptr<FSDP> fsdp_;
+  std::unique_ptr<FsdpReplica> replica_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
@@ -378,7 +397,7 @@ class ParameterServing final : public Strategy {
   // A server keeps worker 0's count of the data.
   int samplerRank() const override { return ps_->isServer() ? 0 : getRank(); }
   StepOutcome step(const StepInputs& in) override {
-    return parameterServerStep(*ps_, in.model, in.loader, in.sampler, in.options, in.device, in.memoryFormat);
+    return parameterServerStep(in, *ps_);
   }
   torch::optim::Optimizer* stepping() override { return ps_->localOptimizer(); }
   // Rank 0 is a worker: its model holds the current weights.
@@ -429,7 +448,7 @@ class Pipelined final : public Strategy {
   StepOutcome step(const StepInputs& in) override {
     StepOutcome out;
     Lap lap;
-    const auto [inputs, targets] = nextMicroBatch(in.loader, in.sampler, out, lap, in.device, in.memoryFormat);
+    const auto [inputs, targets] = nextMicroBatch(in, out, lap);
     if (inputs.size(0) < o_.microBatches) {
       // An epoch's last batch with fewer rows than micro-batches (the same on every rank: the
       // sampler pads the replicas' shares alike): not trained on, said once.
