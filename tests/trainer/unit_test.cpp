@@ -11,6 +11,7 @@
 #include <ctorch/train/memory_check.hpp>
 #include <ctorch/train/options.hpp>
 #include <ctorch/train/report.hpp>
+#include <ctorch/train/strategy_table.hpp>
 #include "resilience/resume_plan.hpp"
 #include "snapshot/slot_layout.hpp"
 #include <ctorch/train/schedule.hpp>
@@ -401,6 +402,66 @@ TEST_CASE("batch size: larger than the rank's share, or than the memory left, is
 
   CHECK(parseMemAvailable("MemTotal:  16 kB\nMemFree: 1 kB\nMemAvailable:    2048 kB\n") == 2048 * 1024);
   CHECK_FALSE(parseMemAvailable("MemTotal: 16 kB\n"));
+}
+
+TEST_CASE("strategy table: the flags choose one entry, which names how recovery and the model line speak of it, "
+          "and every refusal is one filled-in line (issue 59.2)", "[trainer][options][strategy]") {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> chosen = {
+      {{}, "DDP"},
+      {{"--sharding", "optimizer"}, "ZeRO-1"},
+      {{"--sharding", "full"}, "FSDP"},
+      {{"--sharding", "grad-op"}, "FSDP"},
+      {{"--sharding", "hybrid-grad-op"}, "hybrid FSDP"},
+      {{"--sync", "parameter-server"}, "parameter server"},
+      {{"--pipeline-stages", "2"}, "pipeline"}};
+  for (const auto& [args, name] : chosen) {
+    const auto p = parse(args);
+    INFO(p.message);
+    REQUIRE(p.options);
+    CHECK(std::string(chosenStrategy(*p.options).name) == name);
+  }
+  CHECK(inPlaceRecoveryOffWith(*parse({}).options).empty());
+  CHECK(inPlaceRecoveryOffWith(*parse({"--sharding", "full"}).options) == "--sharding full --shard-copies 0");
+  CHECK(inPlaceRecoveryOffWith(*parse({"--sharding", "optimizer", "--shard-copies", "1"}).options).empty());
+  CHECK(inPlaceRecoveryOffWith(*parse({"--sync", "parameter-server"}).options) == "--sync parameter-server");
+  CHECK(inPlaceRecoveryOffWith(*parse({"--pipeline-stages", "3"}).options) == "--pipeline-stages 3");
+  CHECK(std::string(chosenStrategy(*parse({"--sync", "parameter-server"}).options).dataRankNoun) == "worker");
+
+  // Every entry's flags with each feature, and two entries at once: refused or not, never a
+  // placeholder left in the line.
+  const std::vector<std::vector<std::string>> strategies = {
+      {}, {"--sharding", "optimizer"}, {"--sharding", "full"}, {"--sharding", "hybrid"},
+      {"--sync", "parameter-server"}, {"--pipeline-stages", "2"}, {"--pipeline-stages", "2", "--sharding", "full"},
+      {"--sync", "parameter-server", "--sharding", "optimizer"}, {"--pipeline-stages", "2", "--sync", "parameter-server"}};
+  const std::vector<std::vector<std::string>> features = {
+      {}, {"--cuda-graphs"}, {"--amp"}, {"--amp", "--amp-dtype", "bfloat16"}, {"--clip-grad-norm", "1"},
+      {"--grad-accum-steps", "2"}, {"--memory-format", "channels-last"}, {"--shard-copies", "1"},
+      {"--fsdp-param-dtype", "bf16"}, {"--fsdp-reduce-dtype", "fp16"}};
+  int refused = 0;
+  for (const auto& strategy : strategies)
+    for (const auto& feature : features) {
+      std::vector<std::string> args{"--device", "cuda"};
+      args.insert(args.end(), strategy.begin(), strategy.end());
+      args.insert(args.end(), feature.begin(), feature.end());
+      const auto p = parse(args);
+      INFO(p.message);
+      if (p.options) continue;
+      ++refused;
+      CHECK(p.exitCode == ctorch::contract::kExitUsage);
+      CHECK(p.message.rfind("ctorch-train: error: --", 0) == 0);
+      CHECK(p.message.find('{') == std::string::npos);
+      CHECK(std::count(p.message.begin(), p.message.end(), '\n') == 1);
+    }
+  CHECK(refused > 30);
+  CHECK_THAT(parse({"--device", "cuda", "--sharding", "hybrid", "--shard-copies", "1"}).message,
+             Catch::Contains("--shard-copies 1 with --sharding hybrid is not supported: hybrid sharding's node and replica "
+                             "groups are not re-formed in place"));
+  CHECK_THAT(parse({"--device", "cuda", "--sync", "parameter-server", "--cuda-graphs"}).message,
+             Catch::Contains("--cuda-graphs with --sync parameter-server: its push and pull run on the host"));
+  CHECK_THAT(parse({"--device", "cpu", "--sync", "parameter-server", "--cuda-graphs"}).message,
+             Catch::Contains("--cuda-graphs with --device cpu: CUDA graphs need CUDA"));
+  CHECK_THAT(parse({"--pipeline-stages", "2", "--sync", "parameter-server"}).message,
+             Catch::Contains("--pipeline-stages 2 with --sync parameter-server: the stages' replicas average by allreduce"));
 }
 
 TEST_CASE("trainer options: the binding configuration holds what shapes training, not logging", "[trainer][options]") {
