@@ -15,9 +15,12 @@ import sys
 FLOORS = {
     "core": 1,
     "comm": 2, "sampler": 2, "tensorboard": 2, "optim": 2,
-    "snapshot": 3, "ddp": 3, "amp": 3, "zero": 3,
-    "fsdp": 4, "parameter_server": 4, "cuda_graph": 4, "pipeline": 4,
-    "resilience": 5,
+    "snapshot": 3, "amp": 3,
+    # Resilience stands below the ways of sharing a step (issue 59.1): it knows them only as
+    # ctorch::Stateful (ctorch/stateful.hpp), which each implements in its own room.
+    "resilience": 4,
+    "ddp": 5, "zero": 5,
+    "fsdp": 6, "parameter_server": 6, "cuda_graph": 6, "pipeline": 6,
 }
 # Each public header (trainer/include/ctorch/<name>.hpp) belongs to the room that implements it.
 PUBLIC = {
@@ -28,10 +31,10 @@ PUBLIC = {
     "sampler": "sampler", "ddp": "ddp", "comm_hook": "ddp", "amp": "amp",
     "fsdp_unit": "fsdp", "unit_sequential": "fsdp", "fully_sharded_data_parallel": "fsdp",
     "zero_redundancy_optimizer": "zero", "parameter_server": "parameter_server",
-    "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience",
+    "snapshot": "snapshot", "resilience": "resilience", "sharded_snapshot": "resilience", "stateful": "resilience",
     "tensorboard": "tensorboard", "optim": "optim", "pipeline": "pipeline", "memory_format": "core", "cuda_graph": "cuda_graph",
     # The umbrella (issue 59.6) includes every public header: it stands on the top floor.
-    "ctorch": "resilience",
+    "ctorch": "pipeline",
 }
 # Names too common to say where a function lives (operators, entry points, overloads everywhere).
 COMMON_NAMES = {"main", "operator", "to_string", "swap", "hash"}

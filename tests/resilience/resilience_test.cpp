@@ -6,6 +6,7 @@
 #include "ctorch_catch.hpp"
 #include "multiproc.hpp"
 
+#include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/resilience.hpp>
 #include <ctorch/snapshot.hpp>

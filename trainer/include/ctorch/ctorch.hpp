@@ -41,6 +41,7 @@
 #include "ctorch/durable_io.hpp"
 #include "ctorch/snapshot.hpp"
 #include "ctorch/sharded_snapshot.hpp"
+#include "ctorch/stateful.hpp"
 #include "ctorch/resilience.hpp"
 
 // metrics

@@ -8,6 +8,7 @@
 #include "ctorch/distributed.hpp"
 #include "ctorch/errors.hpp"
 #include "ctorch/module_traversal.hpp"
+#include "ctorch/stateful.hpp"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -76,8 +77,11 @@ class NoSyncGuard;
 
 namespace detail {
 
-// The non-template engine behind DistributedDataParallel<M> (Reducer, Logger, buffer sync).
-class DDPCore {
+// The non-template engine behind DistributedDataParallel<M> (Reducer, Logger, buffer sync), and
+// what a checkpoint needs of it (ctorch/stateful.hpp; ddp/ddp_state.cpp): the whole model in the
+// snapshot, the bucket layout beside it (a resumed run reduces in the same order: bit-identical
+// with more than two ranks), and the group re-formed in place.
+class DDPCore : public Stateful {
  public:
   DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
   ~DDPCore();
@@ -118,6 +122,18 @@ class DDPCore {
   std::optional<GradientReductionStats> sharedMemoryStats() const;
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const;
   torch::nn::Module& module();
+
+  // ---- Stateful
+  std::string stateName() const override;
+  torch::nn::Module* trackedModule() override;
+  void saveEntries(ItemDict& userState) const override;
+  std::vector<std::string> entryNames() const override;
+  void checkEntries(const Snapshot& snapshot) const override;
+  void prepareLoad(const ItemDict* userState) override;
+  void stepEnded() override;
+  std::string whyNotInPlace() const override;
+  void leaveGroup() override;
+  void joinGroup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const ItemDict* userState) override;
 
  private:
   struct Impl;
@@ -230,7 +246,10 @@ class DistributedDataParallel {
   // step uses.
   bool rebuildBuckets() { return core_->rebuildBuckets(); }
 
-  // The engine (ctorch::ResilientTraining restores the bucket layout through it).
+  // What a checkpoint needs of it (ctorch/stateful.hpp): `training.track(ddp)` saves the model
+  // with DDP's bucket layout and lets DDP follow a group re-formed in place.
+  operator Stateful&() { return *core_; }
+  // The engine (CUDA graphs reach the Reducer through it).
   detail::DDPCore& core() { return *core_; }
 
  private:

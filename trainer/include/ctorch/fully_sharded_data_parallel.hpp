@@ -25,6 +25,7 @@
 #include "ctorch/fsdp_unit.hpp"
 #include "ctorch/module_traversal.hpp"
 #include "ctorch/state_dict.hpp"
+#include "ctorch/stateful.hpp"
 #include "ctorch/unit_sequential.hpp"
 
 #include <ATen/core/Tensor.h>
@@ -123,7 +124,10 @@ namespace detail {
 
 // The non-template engine behind FullyShardedDataParallel (units, flat shards, the communication
 // thread, the autograd hooks).
-class FSDPCore {
+// The engine behind FullyShardedDataParallel<M>, and what a checkpoint needs of it
+// (ctorch/stateful.hpp; fsdp/fsdp_state.cpp): every rank writes its parameter shard and its
+// optimizer's state shard, resharded on resume when the world size changed.
+class FSDPCore : public Stateful {
  public:
   FSDPCore(std::shared_ptr<torch::nn::Module> root, FSDPOptions options);
   ~FSDPCore();
@@ -161,6 +165,21 @@ class FSDPCore {
   void releaseGroup();
   void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group);
   bool followsDefaultGroup() const;
+
+  // ---- Stateful
+  std::string stateName() const override;
+  torch::nn::Module* trackedModule() override;
+  void saveEntries(ItemDict& userState) const override;
+  std::vector<std::string> entryNames() const override;
+  bool sharded() const override { return true; }
+  bool modelInShards() const override { return true; }
+  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
+  Snapshot shardFile(const ShardContext& context) const override;
+  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
+  std::vector<at::Tensor> steppedParameters() const override { return parameters(); }
+  std::string whyNotInPlace() const override;
+  void leaveGroup() override { releaseGroup(); }
+  void joinGroup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const ItemDict* userState) override;
 
   struct Impl;
 
@@ -237,6 +256,9 @@ class FullyShardedDataParallel {
   // takes all of them).
   ItemDict shardStateDict() const { return core_->shardStateDict(); }
   void loadShardStateDicts(const std::vector<ItemDict>& shards) { core_->loadShardStateDicts(shards); }
+  // What a checkpoint needs of it (ctorch/stateful.hpp): `training.track(fsdp)` writes every rank's
+  // shards of the parameters and of the tracked optimizer's state (built over fsdp.parameters()).
+  operator Stateful&() { return *core_; }
   // The state of an optimizer built over parameters() (momentum, Adam's moments, ...), cut the same
   // way: this rank's part, which loadOptimizerShardStateDicts reassembles at any world size.
   // ConfigError when the optimizer does not hold these parameters or the shards do not fit.

@@ -86,7 +86,10 @@ enum class ParameterServerRole { kWorker, kServer };
 // when the group leaves no worker (servers >= worldSize) or servers < 1.
 ParameterServerRole parameterServerRole(int rank, int worldSize, int servers);
 
-class ParameterServer {
+// A checkpoint sees it as a Stateful (parameter_server/parameter_server_state.cpp): the run's
+// optimizer, the servers' shards of its state in their shard files (a worker's holds nothing),
+// resharded over another number of servers on resume. It cannot follow a re-formed group.
+class ParameterServer : public Stateful {
  public:
   // Builds a server's optimizer over its share of the parameters.
   using OptimizerFactory = ZeroRedundancyOptimizer::OptimizerFactory;
@@ -167,6 +170,15 @@ class ParameterServer {
   // Restores this server's share from shards saved with any number of servers (ConfigError naming
   // what does not fit). Does nothing on a worker.
   void loadShardStateDicts(const std::vector<ItemDict>& shards);
+
+  // ---- Stateful
+  std::string stateName() const override { return "ParameterServer"; }
+  bool tracksOptimizer() const override { return true; }
+  bool sharded() const override { return true; }
+  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
+  Snapshot shardFile(const ShardContext& context) const override;
+  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
+  std::string whyNotInPlace() const override;
 
  private:
   enum Command : std::int64_t { kPull = 1, kStep = 2, kFinish = 3, kSync = 4 };

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "ctorch/errors.hpp"
+#include "ctorch/stateful.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -120,7 +121,10 @@ struct PipelineStepStats {
   bool shapesExchanged = false;              // this step agreed activation shapes anew
 };
 
-class PipelineSchedule {
+// A checkpoint sees a pipeline stage through its schedule, a Stateful (pipeline/pipeline_state.cpp):
+// every rank writes its stage's parameters, buffers and the tracked optimizer's state (built over the
+// stage's parameters), the stage's layout and the step count in its shard file.
+class PipelineSchedule : public Stateful {
  public:
   // Throws ConfigError for microBatches < 1, or a last stage without a loss function.
   PipelineSchedule(PipelineStage& stage, int microBatches, PipelineScheduleKind kind, PipelineLossFn loss = {},
@@ -151,6 +155,18 @@ class PipelineSchedule {
   int microBatches() const { return microBatches_; }
   PipelineScheduleKind kind() const { return kind_; }
   PipelineStage& stage() const { return stage_; }
+
+  // ---- Stateful
+  std::string stateName() const override { return "PipelineSchedule"; }
+  torch::nn::Module* trackedModule() override;
+  void saveEntries(ItemDict& userState) const override;
+  std::vector<std::string> entryNames() const override;
+  bool sharded() const override { return true; }
+  bool modelInShards() const override { return true; }
+  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
+  Snapshot shardFile(const ShardContext& context) const override;
+  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
+  std::string whyNotInPlace() const override;
 
  private:
   struct Impl;

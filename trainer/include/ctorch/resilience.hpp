@@ -28,16 +28,15 @@
 // library (gathered generator states, or stepSeed).
 #pragma once
 
-#include "ctorch/ddp.hpp"
 #include "ctorch/errors.hpp"
-#include "ctorch/fully_sharded_data_parallel.hpp"
-#include "ctorch/parameter_server.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
+#include "ctorch/stateful.hpp"
 #include "ctorch/stop_signal.hpp"
-#include "ctorch/zero_redundancy_optimizer.hpp"
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <chrono>
 #include <cstdint>
@@ -55,7 +54,6 @@ class LRScheduler;
 
 namespace ctorch {
 
-class PipelineSchedule;
 namespace detail {
 class TrackedState;
 }
@@ -192,47 +190,33 @@ class ResilientTraining {
   ResilientTraining& operator=(const ResilientTraining&) = delete;
 
   // ---- what a snapshot holds; register before resume()
-  // The model behind DDP, and DDP's bucket layout (restored so that a resumed run reduces in the
-  // same order: bit-identical with more than two ranks).
-  template <typename M>
-  ResilientTraining& track(DistributedDataParallel<M>& ddp) {
-    return trackModule(*detail::modulePointer(ddp.module()), &ddp.core());
-  }
-  // A fully sharded model: every rank writes its shards of the parameters and of the tracked
-  // optimizer's state (built over fsdp.parameters()) in each snapshot's shard folder ("<file>.shards/rank<r>.pt";
-  // the snapshot itself holds neither); a resume reshards them when the world size changed. As with
-  // ZeRO, recover() is off: a lost rank's shards come back from the files with a group restart.
-  template <typename M>
-  ResilientTraining& track(FullyShardedDataParallel<M>& fsdp) {
-    return trackSharded(fsdp.core());
-  }
-  // A pipeline stage, through its schedule (pipeline.hpp): every rank writes its stage's parameters,
-  // buffers and the tracked optimizer's state (built over the stage's parameters), the stage's
-  // layout and the schedule's step count (the dropout seeds' step) in each snapshot's shard folder
-  // ("<file>.shards/rank<r>.pt"; the snapshot itself holds neither). A resume takes each rank's
-  // stage from its own shard, or another replica's of the same stage when the number of pipelines
-  // changed; a snapshot of another number of stages or another partition is refused, naming both.
-  // recover() is off for it: a lost rank's stage comes back from the files with a group restart.
-  ResilientTraining& track(PipelineSchedule& pipeline);
+  // A training object with state of its own (ctorch/stateful.hpp), each described in its header:
+  //  - DistributedDataParallel: the model behind it, and DDP's bucket layout (restored so that a
+  //    resumed run reduces in the same order: bit-identical with more than two ranks);
+  //  - FullyShardedDataParallel (hybrid too): every rank writes its shards of the parameters and of
+  //    the tracked optimizer's state (built over fsdp.parameters()) in each snapshot's shard folder
+  //    ("<file>.shards/rank<r>.pt"; the snapshot itself holds neither); a resume reshards them when
+  //    the world size changed;
+  //  - ZeroRedundancyOptimizer, ParameterServer: the optimizer, its state in the ranks' shard files,
+  //    resharded on resume (track the model too, on every rank: a parameter server's workers hold
+  //    the current weights; docs/parameter-server.md);
+  //  - a PipelineSchedule: its stage's parameters, buffers and the tracked optimizer's state (built
+  //    over the stage's parameters), layout and step count in every rank's shard file; a resume
+  //    takes each rank's stage from its own shard or another replica's; another number of stages
+  //    or another partition is refused, naming both;
+  //  - or a user's own Stateful.
+  // In-place recovery follows a re-formed group only where every object can (whyNotInPlace());
+  // a sharded run also needs ResilienceOptions::shardCopies, else a lost rank's shard comes back
+  // from the files with a group restart.
+  ResilientTraining& track(Stateful& object);
   // A model trained without DDP: a module holder (TORCH_MODULE) or a torch::nn::Module.
   template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>>>
   ResilientTraining& track(M& holder) {
-    return trackModule(*holder.ptr(), nullptr);
+    return track(*holder.ptr());
   }
-  ResilientTraining& track(torch::nn::Module& module) { return trackModule(module, nullptr); }
+  ResilientTraining& track(torch::nn::Module& module);
   // SGD, Adam, AdamW, RMSprop, Adagrad: state and hyper-parameters (the learning rate included).
   ResilientTraining& track(torch::optim::Optimizer& optimizer);
-  // A sharded optimizer (ZeRO-1): every rank writes its own shard beside each snapshot file
-  // ("<file>.shards/rank<r>.pt"); a resume finds the shards of the chosen snapshot (one whose shards are
-  // not all there is skipped) and reshards them when the world size changed. recover() is off for
-  // it: a lost rank's shard comes back from the files with a group restart. docs/sharding.md.
-  ResilientTraining& track(ZeroRedundancyOptimizer& optimizer);
-  // Parameter-server training: the servers' optimizer shards are written as a
-  // ZeroRedundancyOptimizer's are (every rank its own file; a worker's holds nothing) and resharded
-  // over another number of servers on resume; recover() is off for it. Track the model too, on
-  // every rank (rank 0 is a worker, whose replica holds the current weights after step(); the
-  // servers take theirs back from it on resume). docs/parameter-server.md.
-  ResilientTraining& track(ParameterServer& parameterServer);
   ResilientTraining& track(DistributedSampler& sampler);
   // LibTorch's schedulers (StepLR, ...): their step count, in LR_SCHEDULER_STATE.
   ResilientTraining& track(torch::optim::LRScheduler& scheduler);
@@ -323,8 +307,6 @@ class ResilientTraining {
   const ResilienceOptions& options() const;
 
  private:
-  ResilientTraining& trackModule(torch::nn::Module& module, detail::DDPCore* ddp);
-  ResilientTraining& trackSharded(detail::FSDPCore& fsdp);
   // kOverlapped: the step's stop agreement is started and read at the next call (sums is null);
   // kNow: agreed (with `sums` summed) before it returns.
   enum class StopAgreement { kOverlapped, kNow };

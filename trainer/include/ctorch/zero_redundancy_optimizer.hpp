@@ -15,6 +15,7 @@
 
 #include "ctorch/errors.hpp"
 #include "ctorch/state_dict.hpp"
+#include "ctorch/stateful.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -44,7 +45,9 @@ struct ZeroOptions {
 // never split. `numels` in the parameters' order; returns the owner of each.
 std::vector<int> partitionParameters(const std::vector<std::int64_t>& numels, int worldSize);
 
-class ZeroRedundancyOptimizer {
+// A checkpoint sees it as a Stateful (zero/zero_state.cpp): the run's optimizer, its state in
+// every rank's shard file, resharded on resume when the world size changed.
+class ZeroRedundancyOptimizer : public Stateful {
  public:
   // Builds this rank's optimizer over its share (an empty share builds none).
   using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> share)>;
@@ -89,6 +92,17 @@ class ZeroRedundancyOptimizer {
   void releaseGroup();
   void rejoin(c10::intrusive_ptr<c10d::ProcessGroup> group);
   bool followsDefaultGroup() const { return followsDefaultGroup_; }
+
+  // ---- Stateful
+  std::string stateName() const override { return "ZeroRedundancyOptimizer"; }
+  bool tracksOptimizer() const override { return true; }
+  bool sharded() const override { return true; }
+  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
+  Snapshot shardFile(const ShardContext& context) const override;
+  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
+  std::string whyNotInPlace() const override;
+  void leaveGroup() override;
+  void joinGroup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const ItemDict* userState) override;
 
  private:
   std::vector<at::Tensor> parameters_;

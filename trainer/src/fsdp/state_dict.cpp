@@ -2,7 +2,7 @@
 // of the parameters and of the optimizer's state, laid out by the unpadded flat buffers so that any
 // world size's shards load into any other's.
 #include "fsdp/engine.hpp"
-#include "fsdp/shard_pieces.hpp"
+#include "snapshot/shard_pieces.hpp"
 
 #include "ctorch/snapshot.hpp"
 

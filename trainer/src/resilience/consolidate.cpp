@@ -5,7 +5,7 @@
 #include "ctorch/sharded_snapshot.hpp"
 
 #include "core/exception_text.hpp"
-#include "fsdp/shard_pieces.hpp"
+#include "snapshot/shard_pieces.hpp"
 #include "resilience/shard_files.hpp"
 #include "resilience/tracked_state.hpp"
 #include "snapshot/generic_dict.hpp"

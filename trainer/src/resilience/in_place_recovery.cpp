@@ -9,10 +9,7 @@ namespace ctorch::detail {
 std::int64_t InPlaceRecovery::parameterVersions(const TrackedState& state) {
   std::int64_t sum = 0;
   // A sharded model's optimizer steps its shards (the module's parameters are gathered views).
-  if (state.fsdp())
-    for (const auto& p : state.fsdp()->parameters()) sum += static_cast<std::int64_t>(p._version());
-  else if (state.model())
-    for (const auto& p : state.model()->parameters()) sum += static_cast<std::int64_t>(p._version());
+  for (const auto& p : state.steppedParameters()) sum += static_cast<std::int64_t>(p._version());
   return sum;
 }
 

@@ -41,7 +41,7 @@ ItemDict ResilientTraining::Impl::decodeShard(const at::Tensor& bytes, const std
   }
 }
 
-std::optional<ResumePoint> ResilientTraining::Impl::rejoinSharded(std::int64_t held, std::optional<detail::BucketLayout> buckets) {
+std::optional<ResumePoint> ResilientTraining::Impl::rejoinSharded(std::int64_t held, const ItemDict* entries) {
   const int w = world;
   const int prev = (rank + w - 1) % w;
   std::vector<double> v(2 * static_cast<std::size_t>(w), -3.0);
@@ -85,7 +85,7 @@ std::optional<ResumePoint> ResilientTraining::Impl::rejoinSharded(std::int64_t h
 
   // Heal: the replicated state from the lowest survivor, each lost shard from its neighbour's copy.
   const auto exchange = recovery->exchangeState(*ranks, held >= 0 ? held : -1, stepInEpoch == 0 && epoch > 0, [&] {
-    Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, buckets, nullptr);
+    Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, entries, nullptr);
     mine.header.saveId = saveId();
     return encodeSnapshot(mine);
   });
@@ -108,7 +108,7 @@ std::optional<ResumePoint> ResilientTraining::Impl::rejoinSharded(std::int64_t h
       throw DistributedError("in-place recovery: rank " + std::to_string(rank) + " received no state to join with");
     const std::string& id = exchange->received->header.saveId;
     if (runId.empty() && id.find('-') != std::string::npos) runId = id.substr(0, id.find('-'));
-    buckets = detail::bucketsOf(*exchange->received);
+    entries = &exchange->received->userState;
     resumeShards.clear();
     resumeShards[exchange->received->source] = {*myShard};
     restore(*exchange->received, /*rng=*/false);
@@ -119,8 +119,7 @@ std::optional<ResumePoint> ResilientTraining::Impl::rejoinSharded(std::int64_t h
     // inside an agreement left it as the step moved it, not restored).
     state.sampler()->loadState(state.sampler()->state());
   }
-  if (state.ddp()) state.ddp()->rejoin(ranks->group(), buckets);
-  state.rejoinShardedGroups(ranks->group());
+  state.joinGroups(ranks->group(), entries);
   copiedAt = -1;
   say("in-place recovery: healed " + healed + "; continuing from " +
       describeProgress(epoch, stepInEpoch, globalStep) + " with rank " + std::to_string(exchange ? exchange->donor : 0) +
@@ -150,8 +149,7 @@ ResumePoint ResilientTraining::Impl::reloadFromFiles(const std::string& why, boo
                            "): every rank must see the same snapshot files");
   if (!snap)
     throw DistributedError("in-place recovery: " + why + ", and no snapshot of this run holds an earlier step to reload");
-  if (state.ddp()) state.ddp()->rejoin(ranks->group(), detail::bucketsOf(*snap));
-  state.rejoinShardedGroups(ranks->group());
+  state.joinGroups(ranks->group(), &snap->userState);
   restore(*snap);
   resumeShards.clear();
   heldCopyStep = -1;
@@ -166,28 +164,28 @@ ResumePoint ResilientTraining::Impl::reloadFromFiles(const std::string& why, boo
   return point;
 }
 
-bool ResilientTraining::Impl::joinWithState(std::int64_t heldStep, std::optional<detail::BucketLayout> buckets) {
+bool ResilientTraining::Impl::joinWithState(std::int64_t heldStep, const ItemDict* entries) {
   const auto exchange = recovery->exchangeState(*ranks, heldStep, stepInEpoch == 0 && epoch > 0, [&] {
-    Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, buckets, nullptr);
+    Snapshot mine = state.capture(identity(), progress(), currentKind() == Kind::kEpochComplete, entries, nullptr);
     mine.header.saveId = saveId();
     return encodeSnapshot(mine);
   });
   if (!exchange) {
-    if (state.ddp()) state.ddp()->rejoin(ranks->group(), std::nullopt);
+    state.joinGroups(ranks->group(), nullptr);
     return false;
   }
   if (exchange->received) {
     // A replacement takes the run's id from the state it receives (its own draw was never agreed).
     const std::string& id = exchange->received->header.saveId;
     if (runId.empty() && id.find('-') != std::string::npos) runId = id.substr(0, id.find('-'));
-    buckets = detail::bucketsOf(*exchange->received);
+    entries = &exchange->received->userState;
     restore(*exchange->received, /*rng=*/false);
     saver->forgetSaved();  // nothing on disk holds this point
   } else if (state.sampler()) {
     // As on the ranks that restored it: the loop's setEpoch(epoch) keeps this position.
     state.sampler()->loadState(state.sampler()->state());
   }
-  if (state.ddp()) state.ddp()->rejoin(ranks->group(), buckets);
+  state.joinGroups(ranks->group(), entries);
   say("in-place recovery: continuing from " + describeProgress(epoch, stepInEpoch, globalStep) + " with rank " +
       std::to_string(exchange->donor) + "'s state (group generation " + std::to_string(groupGeneration()) + ")");
   agreed();

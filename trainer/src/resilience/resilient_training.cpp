@@ -69,14 +69,14 @@ ResumePoint ResilientTraining::resume() {
     if (s.state.sharded()) {
       // Shard copies (else this rank would not have been started in place): its shard from its
       // neighbour's copy, or every rank back to the files.
-      const std::optional<ResumePoint> joined = s.rejoinSharded(-1, std::nullopt);
+      const std::optional<ResumePoint> joined = s.rejoinSharded(-1, nullptr);
       detail::joinedInPlace();
       if (joined) {
         s.declareInPlace();
         return *joined;
       }
     } else {
-      const bool joined = s.joinWithState(-1, std::nullopt);
+      const bool joined = s.joinWithState(-1, nullptr);
       detail::joinedInPlace();
       if (joined) {
         s.declareInPlace();
@@ -92,9 +92,9 @@ ResumePoint ResilientTraining::resume() {
     s.saver->refuseBusySlot(holder);
   std::vector<SkippedSnapshot> unusable;
   const std::optional<Snapshot> snap = s.chooseResumeSource(point, unusable);
-  // DDP first: the bucket layout the snapshot's run reduced with (and gradients defined, for
-  // gradientAsBucketView) before any forward of this process.
-  if (s.state.ddp()) s.state.ddp()->resetReducer(snap ? detail::bucketsOf(*snap) : std::nullopt);
+  // The tracked objects first (a DDP's bucket layout, the one the snapshot's run reduced with),
+  // before any forward of this process.
+  s.state.prepareLoad(snap ? &snap->userState : nullptr);
   if (snap) {
     try {
       s.restore(*snap);
@@ -154,9 +154,9 @@ bool ResilientTraining::finishStep(StopAgreement agreement, std::vector<double>*
   if (!s.resumed) throw ConfigError("ResilientTraining: call resume() before the first step");
   s.checkFinished("stepDone");
   if (s.stop) return true;  // stopped at start-up (or the loop went on after a stop): nothing new is saved
-  // A bucket regrouping due after this process's first step happens now rather than in the next
-  // forward, so that a snapshot of this step records the layout the next step uses.
-  if (s.state.ddp()) s.state.ddp()->rebuildBuckets();
+  // The tracked objects' end of a step (a DDP regroups its buckets now rather than in the next
+  // forward, so that a snapshot of this step records the layout the next step uses).
+  s.state.stepEnded();
   ++s.stepInEpoch;
   ++s.globalStep;
   s.recovery->enter(detail::InPlaceRecovery::Phase::kStepAgreement);
@@ -254,17 +254,16 @@ ResumePoint ResilientTraining::recover() {
   s.ranks->dropPending();  // an agreement left running on the failed group ends with it (a stop signal is asked again)
   // Every reference to the failed group goes, so that its connections close now (peers still waiting
   // on this rank fail at once and come to re-form too).
-  const std::optional<detail::BucketLayout> buckets = s.ddpBuckets();
-  if (s.state.ddp()) s.state.ddp()->releaseGroup();
-  if (s.state.sharded()) s.state.releaseShardedGroups();
+  const ItemDict entries = s.state.entries();  // a DDP's bucket layout, ... as they are before it leaves
+  s.state.leaveGroups();
   s.ranks->replaceGroup({});
   s.ranks->replaceGroup(reformProcessGroup());
   if (s.state.sharded()) {
-    const std::optional<ResumePoint> point = s.rejoinSharded(atCountedStep ? s.globalStep : Impl::kMovedOn, buckets);
+    const std::optional<ResumePoint> point = s.rejoinSharded(atCountedStep ? s.globalStep : Impl::kMovedOn, &entries);
     if (point) return *point;
     throw DistributedError("in-place recovery: no rank holds any state");  // unreachable: this rank does
   }
-  s.joinWithState(s.globalStep, buckets);
+  s.joinWithState(s.globalStep, &entries);
   return s.pointFromMemory("recovered in place at ");
 }
 

@@ -135,10 +135,6 @@ struct ResilientTraining::Impl {
     return state.sampler() && state.sampler()->exhausted() ? Kind::kEpochComplete : Kind::kMidEpoch;
   }
 
-  std::optional<detail::BucketLayout> ddpBuckets() const {
-    if (!state.ddp()) return std::nullopt;
-    return state.ddp()->bucketAssignment();
-  }
 
   // "1 epoch + 7 steps, global step 23": in the numbers epoch() and stepInEpoch() return.
   std::string label(Kind) const {
@@ -202,7 +198,7 @@ struct ResilientTraining::Impl {
   // agreed point, kMovedOn when an update ran since, -1 for a replacement. nullopt: no rank holds
   // any state (every rank is new): the caller resumes from the files as after a restart.
   static constexpr std::int64_t kMovedOn = -2;
-  std::optional<ResumePoint> rejoinSharded(std::int64_t held, std::optional<detail::BucketLayout> buckets);
+  std::optional<ResumePoint> rejoinSharded(std::int64_t held, const ItemDict* entries);
 
   // Every rank (survivors and replacements) back to the newest snapshot the files hold, in place.
   ResumePoint reloadFromFiles(const std::string& why, bool replacement);
@@ -211,7 +207,7 @@ struct ResilientTraining::Impl {
   // After the group re-formed: the newest state any rank holds reaches every rank, DDP joins the
   // new group with its bucket layout. False when no rank holds any state (every rank is new): the
   // caller resumes from the snapshot files instead.
-  bool joinWithState(std::int64_t heldStep, std::optional<detail::BucketLayout> buckets);
+  bool joinWithState(std::int64_t heldStep, const ItemDict* entries);
 
   // Where an in-place recovery left this rank (the state came from memory, step for step).
   ResumePoint pointFromMemory(const std::string& what) const;

@@ -23,7 +23,7 @@ void ResilientTraining::Impl::save(Kind kind, const SaveExtras& extras, Targets 
   if (rank == 0) {
     if (!state.model())
       throw ConfigError("ResilientTraining: no model registered (track(ddp) or track(model) before resume())");
-    Snapshot s = state.capture(identity(), progress(), kind == Kind::kEpochComplete, ddpBuckets(),
+    Snapshot s = state.capture(identity(), progress(), kind == Kind::kEpochComplete, nullptr,
                                saver->pool(o.reuseCaptureBuffers()));
     s.rankRng = std::move(rankRng);
     s.header.saveId = saveId();

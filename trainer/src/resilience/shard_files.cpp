@@ -37,16 +37,6 @@ Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
   return s;
 }
 
-Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
-                      const TrainingProgress& progress) {
-  Snapshot s = captureSnapshot(TrainingObjects{&noModel(), nullptr, nullptr}, identity, progress);
-  const ItemDict model = fsdp.shardStateDict();
-  s.userState.insert(kShardedModelKey, model);
-  if (optimizer) s.userState.insert("fsdp_optimizer", fsdp.optimizerShardStateDict(*optimizer));
-  s.userState.insert("zero_rank", model.at("rank"));
-  return s;
-}
-
 Snapshot captureShard(torch::nn::Module& stageModule, torch::optim::Optimizer* optimizer, const ItemDict& layout,
                       int rank, const SnapshotIdentity& identity, const TrainingProgress& progress) {
   Snapshot s = captureSnapshot(TrainingObjects{&stageModule, optimizer, nullptr}, identity, progress);
@@ -188,6 +178,14 @@ std::vector<std::filesystem::path> slotsOf(const std::filesystem::path& file) {
 }
 
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot); }
+
+std::vector<ItemDict> optimizerShardsOf(const Snapshot& snapshot, const std::vector<ItemDict>& shards,
+                                        const std::string& name) {
+  if (snapshot.userState.contains(kZeroShardsKey)) return shards;
+  if (snapshot.optimizerType.empty())
+    throw SnapshotIncompatible(snapshot.source, {"it holds no optimizer state for the " + name});
+  return {asShard(snapshot)};
+}
 
 } // namespace ctorch::detail
 

@@ -1,11 +1,10 @@
-// A sharded run's part of a snapshot: every rank writes its shard (ZeRO's optimizer share, or FSDP's
-// parameters and optimizer state) to its own file in the slot's shard folder ("<slot>.shards/rank<r>.pt", rotated like
+// A sharded run's part of a snapshot: every rank writes its shard (ZeRO's optimizer share, FSDP's
+// parameters and optimizer state, a pipeline stage's; each Stateful's shardFile()) to its own file in the slot's shard folder ("<slot>.shards/rank<r>.pt", rotated like
 // the slot), and a chosen snapshot finds the shards it was saved with.
 #pragma once
 
 #include "ctorch/snapshot.hpp"
-#include "ctorch/fully_sharded_data_parallel.hpp"
-#include "ctorch/zero_redundancy_optimizer.hpp"
+#include "ctorch/state_dict.hpp"
 
 #include <filesystem>
 #include <optional>
@@ -28,6 +27,14 @@ inline constexpr const char* kPipelineStageKey = "pipeline_stage";
 // The stage's parameters and buffers in a shard as restore() takes it (a shard file's MODEL_STATE).
 inline constexpr const char* kPipelineModelKey = "pipeline_model";
 
+// USER_STATE of a snapshot saved with DistributedDataParallel: its gradient buckets, the parameter
+// indices of each in reduction order (ddp/ddp_state.cpp).
+inline constexpr const char* kDdpBucketsKey = "ddp_buckets";
+// USER_STATE of FSDP's shard file: its optimizer's state shard (its parameter shard is kShardedModelKey's).
+inline constexpr const char* kShardedOptimizerKey = "fsdp_optimizer";
+// USER_STATE of every shard file: the rank that wrote it.
+inline constexpr const char* kShardRankKey = "zero_rank";
+
 // The empty module a snapshot without parameters is captured from.
 torch::nn::Module& noModel();
 
@@ -38,10 +45,6 @@ std::filesystem::path shardSlotFor(const std::filesystem::path& slot, int rank);
 // the parameters' global indices), and the run's point, so that a shard checks itself (magic, digest,
 // run, configuration) and says which step it belongs to.
 Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
-                      const TrainingProgress& progress);
-
-// FSDP's: this rank's parameter shard and, with `optimizer`, its optimizer's state shard.
-Snapshot captureShard(FSDPCore& fsdp, const torch::optim::Optimizer* optimizer, const SnapshotIdentity& identity,
                       const TrainingProgress& progress);
 
 // A pipeline stage's: its module's parameters and buffers, `optimizer`'s state (indexed by the stage's
@@ -83,7 +86,7 @@ std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std
                                  const SnapshotExpectation& expect);
 
 // FSDP's shards of `snapshot` (as findShards returns them): the ranks' pieces of every flat buffer
-// and of each optimizer state tile it exactly once, in one dtype (fsdp/shard_pieces.hpp); else
+// and of each optimizer state tile it exactly once, in one dtype (snapshot/shard_pieces.hpp); else
 // SnapshotCorrupt naming `snapshot`, so that a resume sets the set aside like a damaged file. Shards
 // of another kind pass. Allocates nothing but a replica's comparison.
 void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDict>& shards);
@@ -91,5 +94,11 @@ void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDic
 // A snapshot saved without sharding holds the whole optimizer's state: as one shard (its parameters
 // are the model's in order, the global indices ZeRO uses), so that a run can switch to ZeRO.
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot);
+
+// What a sharded optimizer (`name`: ZeroRedundancyOptimizer, ParameterServer) restores its share
+// from: the snapshot's shards when it was saved sharded, else its whole optimizer's state as one
+// shard; SnapshotIncompatible when it holds neither.
+std::vector<ItemDict> optimizerShardsOf(const Snapshot& snapshot, const std::vector<ItemDict>& shards,
+                                        const std::string& name);
 
 } // namespace ctorch::detail

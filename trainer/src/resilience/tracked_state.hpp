@@ -4,12 +4,10 @@
 
 #include "snapshot/capture_pool.hpp"
 
-#include "ctorch/ddp.hpp"
-#include "ctorch/fully_sharded_data_parallel.hpp"
 #include "resilience/resume_plan.hpp"
 #include "ctorch/sampler.hpp"
 #include "ctorch/snapshot.hpp"
-#include "ctorch/zero_redundancy_optimizer.hpp"
+#include "ctorch/stateful.hpp"
 
 #include <cstddef>
 #include <functional>
@@ -17,48 +15,23 @@
 #include <string>
 #include <vector>
 
-namespace ctorch {
-class PipelineSchedule;
-}
-
 namespace ctorch::detail {
 
-// User-state keys of the library's own (names a loop cannot register; zero_shards.hpp has one more).
+// User-state keys of the library's own (names a loop cannot register; shard_files.hpp has the rest).
 inline constexpr const char* kEpochCompleteKey = "epoch_complete";
-inline constexpr const char* kDdpBucketsKey = "ddp_buckets";
-
-// DDP's gradient buckets: the parameter indices of each, in reduction order.
-using BucketLayout = std::vector<std::vector<std::size_t>>;
 
 // Where a snapshot stands: its counters, and whether the epoch's data had run out.
 SnapshotPoint pointOf(const Snapshot& snapshot);
-// The bucket layout the snapshot's run reduced with (none for a run without DDP); SnapshotCorrupt
-// when the entry is malformed.
-std::optional<BucketLayout> bucketsOf(const Snapshot& snapshot);
-
-// A sharded optimizer's state (ZeroRedundancyOptimizer, ParameterServer): this rank's shard in the
-// global-index layout, and the restore of this rank's share from every rank's shard.
-struct ShardedOptimizer {
-  std::function<ItemDict()> shard;
-  std::function<void(const std::vector<ItemDict>&)> load;
-  // In-place recovery (null: it cannot follow a re-formed group).
-  std::function<void()> releaseGroup;
-  std::function<void(c10::intrusive_ptr<c10d::ProcessGroup>)> rejoin;
-};
 
 class TrackedState {
  public:
   // Registration: each throws ConfigError naming what is registered twice or missing.
-  void setModel(torch::nn::Module& module, DDPCore* ddp);
-  // A fully sharded model: its parameters (and the optimizer's state) are written per rank.
-  void setModel(FSDPCore& fsdp);
-  // A pipeline stage (its schedule's): its parameters, buffers and optimizer state, its layout and
-  // the schedule's step count are written per rank.
-  void setModel(PipelineSchedule& pipeline);
+  // A plain model, trained without a Stateful around it.
+  void setModel(torch::nn::Module& module);
   void setOptimizer(torch::optim::Optimizer& optimizer);
-  // A sharded optimizer: its state is written per rank (zero_shards.hpp), not in the snapshot.
-  void setOptimizer(ZeroRedundancyOptimizer& optimizer);
-  void setOptimizer(ShardedOptimizer sharded);
+  // A Stateful (ctorch/stateful.hpp): the run's model when it has a trackedModule(), its optimizer
+  // when it tracksOptimizer(), else state beside them.
+  void add(Stateful& object);
   void setSampler(DistributedSampler& sampler);
   void setScheduler(std::function<ItemDict()> save, std::function<void(const ItemDict&)> load);
   void addItems(std::function<void(ItemDict&)> save, std::function<void(const ItemDict&)> load);
@@ -78,13 +51,10 @@ class TrackedState {
   void restorePerRank(const Snapshot& snapshot, int rank, int world) const;
 
   torch::nn::Module* model() const { return model_; }
-  DDPCore* ddp() const { return ddp_; }
   DistributedSampler* sampler() const { return sampler_; }
-  const ShardedOptimizer* zero() const { return zero_ ? &*zero_ : nullptr; }
-  FSDPCore* fsdp() const { return fsdp_; }
   // Every rank writes a shard file of its own beside each snapshot (a sharded optimizer's, FSDP's
   // model, a pipeline stage's).
-  bool sharded() const { return zero_.has_value() || fsdp_ != nullptr || pipeline_ != nullptr; }
+  bool sharded() const { return shardSource() != nullptr; }
   // This rank's shard file's content (shard_files.hpp), for a sharded() run.
   Snapshot captureRankShard(const SnapshotIdentity& identity, const TrainingProgress& progress, int rank) const;
   // This rank's shard as restore() takes it among `shards` (a shard file's content, in memory): what
@@ -93,9 +63,18 @@ class TrackedState {
   // Why a lost rank's shard cannot come back from a neighbour's copy in place (empty: it can; a run
   // that is not sharded() needs no copy).
   std::string whyNoShardCopies() const;
-  // In-place recovery: the sharded objects let go of the failed group, then follow the re-formed one.
-  void releaseShardedGroups() const;
-  void rejoinShardedGroups(const c10::intrusive_ptr<c10d::ProcessGroup>& group) const;
+  // The tracked objects' entries of USER_STATE as they are now (a DDP's bucket layout, ...).
+  ItemDict entries() const;
+  // At resume, before anything is restored: the USER_STATE of the snapshot chosen (null: none).
+  void prepareLoad(const ItemDict* userState) const;
+  // After every optimizer step.
+  void stepEnded() const;
+  // The tensors the optimizer steps (a sharded model's shards, else the model's parameters).
+  std::vector<at::Tensor> steppedParameters() const;
+  // In-place recovery: every tracked object lets go of the failed group, then follows the re-formed
+  // one with `userState`'s entries (null: as freshly made).
+  void leaveGroups() const;
+  void joinGroups(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const ItemDict* userState) const;
 
   // Every USER_STATE field the library and the registered loads read, judged by its kind while the
   // snapshot is chosen (LoadNewestOptions::accept): throws SnapshotCorrupt naming the first wrong
@@ -104,23 +83,22 @@ class TrackedState {
   void checkFields(const Snapshot& snapshot) const;
 
   // A snapshot of this moment: the objects' copies, the scheduler, the user items, whether the
-  // epoch's data ran out, and `buckets` (DDP's layout) when given. `pool`: reused capture buffers.
+  // epoch's data ran out, and the tracked objects' `entries` (as they were before a group was left;
+  // null: as they are now, entries()). `pool`: reused capture buffers.
   Snapshot capture(const SnapshotIdentity& identity, const TrainingProgress& progress, bool epochComplete,
-                   const std::optional<BucketLayout>& buckets, CapturePool* pool) const;
-  // Every registered object as `snapshot` holds it (a ZeroRedundancyOptimizer's share from `shards`,
-  // zero_shards.hpp's findShards); returns where it stands.
+                   const ItemDict* entries, CapturePool* pool) const;
+  // Every registered object as `snapshot` holds it (a sharded object's share from `shards`,
+  // shard_files.hpp's findShards); returns where it stands.
   SnapshotPoint restore(const Snapshot& snapshot, const RestoreOptions& options,
                         const std::vector<ItemDict>& shards = {}) const;
 
  private:
   // Refuses an empty name, one of the library's own, or one registered twice; records it.
   void claimName(const std::string& name);
-  // The pipeline stage's layout (kPipelineStageKey's dict).
-  ItemDict pipelineLayout() const;
-  // restore() of a pipeline stage: its shard among `shards` (rank options.rank's when it holds this
-  // stage, else another replica's of the same stage), the layout checked first.
-  SnapshotPoint restorePipeline(const Snapshot& snapshot, const RestoreOptions& options,
-                                const std::vector<ItemDict>& shards) const;
+  // The object whose shard this rank writes: a sharded optimizer's, else a sharded model's.
+  Stateful* shardSource() const;
+  // A snapshot whose USER_STATE carries an entry of a kind no tracked object claims is refused.
+  void refuseUnclaimed(const Snapshot& snapshot, const RestoreOptions& options) const;
 
   struct Items {
     std::function<void(ItemDict&)> save;
@@ -128,11 +106,10 @@ class TrackedState {
   };
 
   torch::nn::Module* model_ = nullptr;
-  DDPCore* ddp_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
-  std::optional<ShardedOptimizer> zero_;
-  FSDPCore* fsdp_ = nullptr;
-  PipelineSchedule* pipeline_ = nullptr;
+  Stateful* modelObject_ = nullptr;      // the Stateful that brought the model
+  Stateful* optimizerObject_ = nullptr;  // the Stateful that is the optimizer
+  std::vector<Stateful*> objects_;       // every Stateful, in registration order
   DistributedSampler* sampler_ = nullptr;
   std::function<ItemDict()> schedulerSave_;
   std::function<void(const ItemDict&)> schedulerLoad_;

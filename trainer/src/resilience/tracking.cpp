@@ -1,10 +1,10 @@
 // ResilientTraining's track() calls: what a loop registers to be saved in every snapshot and put back
 // on resume (Python's Snapshot dataclass, filled by hand there), each kept by TrackedState
-// (tracked_state.hpp) with its one capture and restore.
+// (tracked_state.hpp) with its one capture and restore. A way of sharing the step is a Stateful
+// (ctorch/stateful.hpp), implemented in its own room; none is named here.
 #include "ctorch/resilience.hpp"
 
 #include "ctorch/amp.hpp"
-#include "ctorch/pipeline.hpp"
 #include "resilience/tracked_state.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -22,35 +22,18 @@ struct SchedulerAccess : torch::optim::LRScheduler {
 
 } // namespace
 
-ResilientTraining& ResilientTraining::trackModule(torch::nn::Module& module, detail::DDPCore* ddp) {
-  tracked().setModel(module, ddp);
+ResilientTraining& ResilientTraining::track(torch::nn::Module& module) {
+  tracked().setModel(module);
   return *this;
 }
 
-ResilientTraining& ResilientTraining::trackSharded(detail::FSDPCore& fsdp) {
-  tracked().setModel(fsdp);
-  return *this;
-}
-
-ResilientTraining& ResilientTraining::track(PipelineSchedule& pipeline) {
-  tracked().setModel(pipeline);
+ResilientTraining& ResilientTraining::track(Stateful& object) {
+  tracked().add(object);
   return *this;
 }
 
 ResilientTraining& ResilientTraining::track(torch::optim::Optimizer& optimizer) {
   tracked().setOptimizer(optimizer);
-  return *this;
-}
-
-ResilientTraining& ResilientTraining::track(ZeroRedundancyOptimizer& optimizer) {
-  tracked().setOptimizer(optimizer);
-  return *this;
-}
-
-ResilientTraining& ResilientTraining::track(ParameterServer& parameterServer) {
-  tracked().setOptimizer(detail::ShardedOptimizer{
-      [&parameterServer] { return parameterServer.shardStateDict(); },
-      [&parameterServer](const std::vector<ItemDict>& shards) { parameterServer.loadShardStateDicts(shards); }});
   return *this;
 }
 
