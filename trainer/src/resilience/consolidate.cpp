@@ -18,23 +18,6 @@
 
 namespace ctorch {
 
-const char* toString(SnapshotSharding sharding) {
-  switch (sharding) {
-    case SnapshotSharding::kNone: return "none";
-    case SnapshotSharding::kOptimizer: return "optimizer (ZeRO-1 or parameter server)";
-    case SnapshotSharding::kFullyShardedModel: return "model and optimizer (FSDP)";
-    case SnapshotSharding::kPipelineStages: return "model and optimizer by pipeline stage";
-  }
-  return "?";
-}
-
-SnapshotSharding shardingOf(const Snapshot& snapshot) {
-  if (!snapshot.userState.contains(detail::kZeroShardsKey)) return SnapshotSharding::kNone;
-  if (snapshot.userState.contains(detail::kPipelineStageKey)) return SnapshotSharding::kPipelineStages;
-  return snapshot.userState.contains(detail::kShardedModelKey) ? SnapshotSharding::kFullyShardedModel
-                                                               : SnapshotSharding::kOptimizer;
-}
-
 std::vector<SnapshotShard> findSnapshotShards(const Snapshot& snapshot) {
   std::vector<SnapshotShard> out;
   if (shardingOf(snapshot) == SnapshotSharding::kNone) return out;
@@ -400,7 +383,43 @@ void consolidateFullyShardedModel(Snapshot& whole, const std::vector<ItemDict>& 
   whole.optimizerState.insert("param_groups", mergeGroups(whole, groups));
 }
 
+// The layouts a sharded snapshot's shards come in, each named by the USER_STATE entry its writer
+// (a Stateful's saveEntries()) leaves in the snapshot, and how its shards become one whole state.
+// The first whose entry the snapshot holds is its layout; the last (no entry) is any other sharded
+// snapshot's: an optimizer's state sharded over the ranks.
+struct ShardLayout {
+  SnapshotSharding kind;
+  const char* entry;
+  const char* description;
+  void (*consolidate)(Snapshot& whole, const std::vector<ItemDict>& shards);
+};
+
+constexpr ShardLayout kShardLayouts[] = {
+    {SnapshotSharding::kPipelineStages, detail::kPipelineStageKey, "model and optimizer by pipeline stage", consolidatePipeline},
+    {SnapshotSharding::kFullyShardedModel, kShardedModelKey, "model and optimizer (FSDP)", consolidateFullyShardedModel},
+    {SnapshotSharding::kOptimizer, nullptr, "optimizer (ZeRO-1 or parameter server)", consolidateOptimizer},
+};
+
+const ShardLayout* layoutOf(const Snapshot& snapshot) {
+  if (!snapshot.userState.contains(kZeroShardsKey)) return nullptr;
+  for (const ShardLayout& layout : kShardLayouts)
+    if (!layout.entry || snapshot.userState.contains(layout.entry)) return &layout;
+  return nullptr;
+}
+
 }  // namespace
+
+const char* toString(SnapshotSharding sharding) {
+  if (sharding == SnapshotSharding::kNone) return "none";
+  for (const ShardLayout& layout : kShardLayouts)
+    if (layout.kind == sharding) return layout.description;
+  return "?";
+}
+
+SnapshotSharding shardingOf(const Snapshot& snapshot) {
+  const ShardLayout* layout = layoutOf(snapshot);
+  return layout ? layout->kind : SnapshotSharding::kNone;
+}
 
 namespace detail {
 
@@ -450,23 +469,22 @@ void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDic
 }  // namespace detail
 
 Snapshot consolidateSnapshot(const Snapshot& snapshot) {
-  const SnapshotSharding sharding = shardingOf(snapshot);
-  if (sharding == SnapshotSharding::kNone) return snapshot;
+  const ShardLayout* layout = layoutOf(snapshot);
+  if (!layout) return snapshot;
   const std::vector<ItemDict> shards = detail::findShards(snapshot, detail::slotsOf(snapshot.source), {});
   Snapshot whole = snapshot;
   whole.userState = snapshot.userState.copy();
   try {
-    if (sharding == SnapshotSharding::kOptimizer) consolidateOptimizer(whole, shards);
-    else if (sharding == SnapshotSharding::kPipelineStages) consolidatePipeline(whole, shards);
-    else consolidateFullyShardedModel(whole, shards);
+    layout->consolidate(whole, shards);
   } catch (const SnapshotError&) {
     throw;
   } catch (const std::exception& e) {  // a value of another type than written (c10::Error)
     bad(snapshot, "unexpected content (" + detail::messageOf(e) + ")");
   }
+  // A whole snapshot: no entry says its state is in shards any more.
   (void)whole.userState.erase(kZeroShardsKey);
-  (void)whole.userState.erase(kShardedModelKey);
-  (void)whole.userState.erase(detail::kPipelineStageKey);
+  for (const ShardLayout& l : kShardLayouts)
+    if (l.entry) (void)whole.userState.erase(l.entry);
   return whole;
 }
 
