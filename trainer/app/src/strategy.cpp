@@ -332,8 +332,8 @@ class DataParallel final : public Strategy {
     return trainStep(in, *replica_, stepping(), zero_.get());
   }
   torch::optim::Optimizer* stepping() override { return zero_ ? zero_->localOptimizer() : optimizer_.get(); }
-  void trackModel(ResilientTraining& t) override { t.track(*ddp_); }
-  void trackOptimizer(ResilientTraining& t) override {
+  void track(ResilientTraining& t) override {
+    t.track(*ddp_);
     if (zero_) t.track(*zero_);
     else t.track(*optimizer_);
   }
@@ -368,8 +368,7 @@ class FullySharded final : public Strategy {
     return trainStep(in, *replica_, optimizer_.get(), nullptr);
   }
   torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
-  void trackModel(ResilientTraining& t) override { t.track(*fsdp_); }
-  void trackOptimizer(ResilientTraining& t) override { t.track(*optimizer_); }
+  void track(ResilientTraining& t) override { t.track(*fsdp_).track(*optimizer_); }
   std::string averaging(int worldSize) const override {
     return worldSize > 1 ? "; gradients averaged by " + shardingPath(*fsdp_) : std::string();
   }
@@ -401,8 +400,7 @@ class ParameterServing final : public Strategy {
   }
   torch::optim::Optimizer* stepping() override { return ps_->localOptimizer(); }
   // Rank 0 is a worker: its model holds the current weights.
-  void trackModel(ResilientTraining& t) override { t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_); }
-  void trackOptimizer(ResilientTraining&) override {}  // the servers' shares, tracked with the model
+  void track(ResilientTraining& t) override { t.track(static_cast<torch::nn::Module&>(*model_)).track(*ps_); }
   std::string averaging(int worldSize) const override {
     const int workers = ps_->numWorkers();
     return "; gradients averaged by " + std::to_string(ps_->numServers()) + " parameter server" +
@@ -469,8 +467,7 @@ class Pipelined final : public Strategy {
     return out;
   }
   torch::optim::Optimizer* stepping() override { return optimizer_.get(); }
-  void trackModel(ResilientTraining& t) override { t.track(*schedule_); }
-  void trackOptimizer(ResilientTraining& t) override { t.track(*optimizer_); }
+  void track(ResilientTraining& t) override { t.track(*schedule_).track(*optimizer_); }
   std::string averaging(int worldSize) const override {
     std::string text = "; a pipeline of " + std::to_string(groups_.stages) + " stages (this rank: stage " +
                        std::to_string(groups_.stage) + ", " + std::to_string(sizes_[static_cast<std::size_t>(groups_.stage)]) +

@@ -411,9 +411,8 @@ void Trainer::buildResilience() {
   if (o_.resume.kind == ResumeChoice::Kind::kPath) r.resumeFrom(o_.resume.path);
   training_ = std::make_unique<ResilientTraining>(r);
   ResilientTraining& t = *training_;
-  strategy_->trackModel(t);
+  strategy_->track(t);
   t.track(*sampler_);
-  strategy_->trackOptimizer(t);
   if (const std::string off = inPlaceRecoveryOffWith(o_); !off.empty() && inPlaceRecoveryEnabled())
     console_.line("in-place recovery is off with " + off +
                   ": a lost rank's shards come back from the snapshot files with a group restart");

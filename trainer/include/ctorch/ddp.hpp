@@ -74,6 +74,7 @@ struct DDPOptions {
 };
 
 class NoSyncGuard;
+class GraphParticipant;  // ctorch/cuda_graph.hpp
 
 namespace detail {
 
@@ -249,7 +250,11 @@ class DistributedDataParallel {
   // What a checkpoint needs of it (ctorch/stateful.hpp): `training.track(ddp)` saves the model
   // with DDP's bucket layout and lets DDP follow a group re-formed in place.
   operator Stateful&() { return *core_; }
-  // The engine (CUDA graphs reach the Reducer through it).
+
+ private:
+  // CUDA graphs reach the Reducer through the engine (ctorch/cuda_graph.hpp); nothing else does.
+  template <typename M>
+  friend std::unique_ptr<GraphParticipant> graphParticipant(DistributedDataParallel<M>& ddp);
   detail::DDPCore& core() { return *core_; }
 
  private:

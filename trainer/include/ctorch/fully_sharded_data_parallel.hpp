@@ -279,7 +279,6 @@ class FullyShardedDataParallel {
   c10::intrusive_ptr<c10d::ProcessGroup> processGroup() const { return core_->processGroup(); }
   void train(bool on = true) { core_->module().train(on); }
   void eval() { train(false); }
-  detail::FSDPCore& core() { return *core_; }
 
  private:
   template <class A>

@@ -71,9 +71,9 @@ class Strategy {
   virtual StepOutcome step(const StepInputs& in) = 0;
   // The optimizer this rank steps, for the learning rate (null: none here).
   virtual torch::optim::Optimizer* stepping() = 0;
-  // Registers the model, and the optimizer's state, with the run's snapshots.
-  virtual void trackModel(ResilientTraining& training) = 0;
-  virtual void trackOptimizer(ResilientTraining& training) = 0;
+  // Registers the model and the optimizer's state (or the Stateful objects holding them:
+  // ctorch/stateful.hpp) with the run's snapshots.
+  virtual void track(ResilientTraining& training) = 0;
   // The model line's tail: how the gradients are averaged ("; gradients averaged by ...", empty for
   // one rank). What the line calls a data rank, and what turns in-place recovery off, are the
   // strategy table's (strategy_table.hpp).
