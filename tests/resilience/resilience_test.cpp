@@ -9,7 +9,9 @@
 #include <ctorch/ddp.hpp>
 #include <ctorch/distributed.hpp>
 #include <ctorch/resilience.hpp>
+#include <ctorch/sharded_snapshot.hpp>
 #include <ctorch/snapshot.hpp>
+#include <ctorch/stateful.hpp>
 #include <ctorch/fully_sharded_data_parallel.hpp>
 #include <ctorch/zero_redundancy_optimizer.hpp>
 
@@ -660,4 +662,128 @@ TEST_CASE("resilience: ZeRO-1 shards saved on 2 ranks reshard onto 3 at the epoc
     CHECK(resumed[0].output.find("start: epoch 1 step 0 global 6 resumed") != std::string::npos);
   }
   CHECK(difference(finalState(runs.dir / "z0"), finalState(runs.dir / "z1")) == "");
+}
+
+// ---- a user's own Stateful (ctorch/stateful.hpp, issue 59.1) ----------------------------------------
+// A strategy of the user's: every rank keeps a counter of its own (a sharded state: each rank writes
+// its shard, and takes its own back), and an entry of its own in rank 0's snapshot. It records what
+// the library asked of it, in order.
+namespace {
+
+class RankCounter final : public ctorch::Stateful {
+ public:
+  explicit RankCounter(int rank) : rank_(rank) {}
+  at::Tensor count = torch::zeros({1}, torch::kFloat64);
+  std::vector<std::string> calls;
+
+  std::string stateName() const override { return "RankCounter"; }
+  void saveEntries(ctorch::ItemDict& userState) const override { userState.insert("rank_counter_layout", std::int64_t{7}); }
+  std::vector<std::string> entryNames() const override { return {"rank_counter_layout"}; }
+  void checkEntries(const ctorch::Snapshot& snapshot) const override {
+    if (snapshot.userState.contains("rank_counter_layout") && !snapshot.userState.at("rank_counter_layout").isInt())
+      throw ctorch::SnapshotCorrupt(snapshot.source, ctorch::SnapshotCorrupt::Kind::BadContent, "rank_counter_layout is not an int");
+  }
+  bool sharded() const override { return true; }
+  ctorch::ItemDict shardState(torch::optim::Optimizer*) const override {
+    ctorch::ItemDict shard = ctorch::newItemDict();
+    shard.insert("rank_counter", count.clone());
+    shard.insert("rank_counter_rank", static_cast<std::int64_t>(rank_));
+    return shard;
+  }
+  void prepareLoad(const ctorch::ItemDict* userState) override {
+    calls.push_back(std::string("prepareLoad ") +
+                    (userState && userState->contains("rank_counter_layout")
+                         ? std::to_string(userState->at("rank_counter_layout").toInt())
+                         : "none"));
+  }
+  void loadState(const ctorch::Snapshot&, const std::vector<ctorch::ItemDict>& shards, ctorch::StateLoad&) override {
+    const auto& mine = shards.at(static_cast<std::size_t>(rank_));
+    if (mine.at("rank_counter_rank").toInt() != rank_) throw std::runtime_error("another rank's shard");
+    count = mine.at("rank_counter").toTensor().clone();
+    calls.push_back("loadState of " + std::to_string(shards.size()) + " shards");
+  }
+  void stepEnded() override { ++steps_; }
+  std::int64_t steps() const { return steps_; }
+
+ private:
+  int rank_;
+  std::int64_t steps_ = 0;
+};
+
+} // namespace
+
+// --dir D --steps N: trains N steps (a Linear with DDP and SGD), each adding (rank + 1) to the counter
+// of its rank, saving every step; prints what the counter was asked and holds.
+CTORCH_TEST_WORKER(own_stateful) {
+  const fs::path dir = arg(args, "dir", ".");
+  const std::int64_t steps = intArg(args, "steps", 2);
+  torch::set_num_threads(1);
+  ctorch::initProcessGroup(ctorch::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+  const int rank = ctorch::getRank();
+  torch::manual_seed(5);
+  ctorch::DistributedDataParallel<torch::nn::Linear> ddp(torch::nn::Linear(8, 2));
+  torch::optim::SGD optimizer(ddp.module()->parameters(), torch::optim::SGDOptions(0.1));
+  RankCounter counter(rank);
+  ctorch::ResilientTraining training(
+      ctorch::ResilienceOptions().snapshotPath(dir / "snapshot.pt").saveEverySteps(1).runName("own").log([](const std::string&) {}));
+  training.track(ddp).track(optimizer).track(counter);
+  const ctorch::ResumePoint start = training.resume();
+  for (const auto& call : counter.calls) std::cout << "call " << call << "\n";
+  std::cout << "resumed-at " << start.globalStep << " counter " << counter.count.item<double>() << "\n";
+  for (std::int64_t step = start.globalStep; step < steps; ++step) {
+    optimizer.zero_grad();
+    ddp(torch::ones({4, 8})).sum().backward();
+    optimizer.step();
+    counter.count += rank + 1;
+    if (training.stepDone()) return training.exitCode();
+  }
+  std::cout << "steps-ended " << counter.steps() << "\n";
+  return training.finish();
+}
+
+TEST_CASE("resilience: a user's own sharded Stateful is saved by every rank beside the snapshot, its entry in rank 0's, "
+          "and each rank gets its own shard back on resume (issue 59.1)",
+          "[resilience]") {
+  TempDir dir("ctorch-own-stateful");
+  ctorch::test::WorkerGroupOptions o;
+  o.worker = "own_stateful";
+  o.worldSize = 2;
+  o.args = {"--dir", dir.path().string(), "--steps", "3"};
+  auto first = ctorch::test::runWorkerGroup(o);
+  requireExit(first, 0);
+  for (int r = 0; r < 2; ++r) {
+    INFO(first[static_cast<std::size_t>(r)].output);
+    CHECK(first[static_cast<std::size_t>(r)].output.find("call prepareLoad none") != std::string::npos);
+    CHECK(first[static_cast<std::size_t>(r)].output.find("steps-ended 3") != std::string::npos);
+  }
+  // Rank 0's snapshot carries the object's entry and says it is sharded over 2 ranks; each rank's
+  // shard file holds its own counter.
+  const ctorch::Snapshot snap = ctorch::loadSnapshot(dir / "snapshot.pt");
+  CHECK(snap.globalStep == 3);
+  REQUIRE(snap.userState.contains("rank_counter_layout"));
+  CHECK(snap.userState.at("rank_counter_layout").toInt() == 7);
+  CHECK(snap.userState.at("zero_shards").toInt() == 2);
+  const auto shards = ctorch::findSnapshotShards(snap);
+  REQUIRE(shards.size() == 2);
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(shards[static_cast<std::size_t>(r)].usable);
+    const ctorch::Snapshot shard = ctorch::loadSnapshot(shards[static_cast<std::size_t>(r)].file);
+    CHECK(shard.userState.at("rank_counter").toTensor().item<double>() == 3.0 * (r + 1));
+  }
+  // The next run resumes every rank's own counter, after the object saw the snapshot's entry.
+  o.args = {"--dir", dir.path().string(), "--steps", "5"};
+  auto second = ctorch::test::runWorkerGroup(o);
+  requireExit(second, 0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string& out = second[static_cast<std::size_t>(r)].output;
+    INFO(out);
+    const auto prepared = out.find("call prepareLoad 7"), loaded = out.find("call loadState of 2 shards");
+    CHECK(prepared != std::string::npos);
+    CHECK(loaded != std::string::npos);
+    CHECK(prepared < loaded);
+    std::ostringstream expect;
+    expect << "resumed-at 3 counter " << 3.0 * (r + 1) << "\n";
+    CHECK(out.find(expect.str()) != std::string::npos);
+    CHECK(out.find("steps-ended 2") != std::string::npos);
+  }
 }

@@ -82,7 +82,8 @@ class Stateful {
   // shards rather than in the snapshot's MODEL_STATE and OPTIMIZER_STATE.
   virtual bool modelInShards() const { return false; }
   // This rank's shard as loadState() takes it among the ranks' shards (what shard copies keep on the
-  // next rank), and the same as the content of this rank's shard file.
+  // next rank; required of a sharded object), and the same as the content of this rank's shard file
+  // (by default: shardState()'s entries in the file's USER_STATE, which come back as they were).
   virtual ItemDict shardState(torch::optim::Optimizer* optimizer) const;
   virtual Snapshot shardFile(const ShardContext& context) const;
 

@@ -53,8 +53,7 @@ void PipelineSchedule::saveEntries(ItemDict& userState) const {
 std::vector<std::string> PipelineSchedule::entryNames() const { return {detail::kPipelineStageKey}; }
 
 ItemDict PipelineSchedule::shardState(torch::optim::Optimizer* optimizer) const {
-  return detail::wholeOptimizerAsShard(
-      detail::captureShard(*stage().module().ptr(), optimizer, stageLayout(*this), -1, {}, {}));
+  return detail::shardOf(detail::captureShard(*stage().module().ptr(), optimizer, stageLayout(*this), -1, {}, {}));
 }
 
 Snapshot PipelineSchedule::shardFile(const ShardContext& context) const {

@@ -33,7 +33,7 @@ Snapshot captureShard(const ItemDict& shard, const SnapshotIdentity& identity,
   s.optimizerState = newItemDict();
   s.optimizerState.insert("state", shard.at("state"));
   s.optimizerState.insert("param_groups", shard.at("param_groups"));
-  s.userState.insert("zero_rank", shard.at("rank"));
+  s.userState.insert(kShardRankKey, shard.at("rank"));
   return s;
 }
 
@@ -41,13 +41,15 @@ Snapshot captureShard(torch::nn::Module& stageModule, torch::optim::Optimizer* o
                       int rank, const SnapshotIdentity& identity, const TrainingProgress& progress) {
   Snapshot s = captureSnapshot(TrainingObjects{&stageModule, optimizer, nullptr}, identity, progress);
   s.userState.insert(kPipelineStageKey, layout);
-  s.userState.insert("zero_rank", static_cast<std::int64_t>(rank));
+  s.userState.insert(kShardRankKey, static_cast<std::int64_t>(rank));
   return s;
 }
 
 namespace {
 
-ItemDict asShard(const Snapshot& file) {
+// A shard file's content as a shard (`entries`: with its writer's USER_STATE entries; a whole
+// snapshot's optimizer state taken as one shard has none).
+ItemDict asShard(const Snapshot& file, bool entries = true) {
   ItemDict shard = newItemDict();
   shard.insert("state", file.optimizerState.contains("state") ? file.optimizerState.at("state")
                                                               : c10::IValue(c10::impl::GenericDict(c10::IntType::get(), c10::AnyType::get())));
@@ -55,12 +57,13 @@ ItemDict asShard(const Snapshot& file) {
                                    ? file.optimizerState.at("param_groups")
                                    : c10::IValue(c10::impl::GenericList(c10::AnyType::get())));
   shard.insert("optimizer_type", file.optimizerType);
-  for (const char* key : {kShardedModelKey, "fsdp_optimizer"})
-    if (file.userState.contains(key)) shard.insert(key, file.userState.at(key));
-  if (file.userState.contains(kPipelineStageKey)) {  // a pipeline stage's: its parameters too
-    shard.insert(kPipelineStageKey, file.userState.at(kPipelineStageKey));
+  // Every entry its writer (a Stateful's shardFile()) left in the file's USER_STATE: FSDP's shards of
+  // the parameters and the optimizer's state, a pipeline stage's layout, a user's own.
+  if (!entries) return shard;
+  for (const auto& entry : file.userState)
+    if (entry.key() != kShardRankKey) shard.insert(entry.key(), entry.value());
+  if (file.userState.contains(kPipelineStageKey))  // a pipeline stage's: its parameters too
     shard.insert(kPipelineModelKey, file.modelState);
-  }
   return shard;
 }
 
@@ -177,14 +180,16 @@ std::vector<std::filesystem::path> slotsOf(const std::filesystem::path& file) {
   return slots;
 }
 
-ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot); }
+ItemDict shardOf(const Snapshot& shardFile) { return asShard(shardFile); }
+
+ItemDict wholeOptimizerAsShard(const Snapshot& snapshot) { return asShard(snapshot, /*entries=*/false); }
 
 std::vector<ItemDict> optimizerShardsOf(const Snapshot& snapshot, const std::vector<ItemDict>& shards,
                                         const std::string& name) {
   if (snapshot.userState.contains(kZeroShardsKey)) return shards;
   if (snapshot.optimizerType.empty())
     throw SnapshotIncompatible(snapshot.source, {"it holds no optimizer state for the " + name});
-  return {asShard(snapshot)};
+  return {asShard(snapshot, /*entries=*/false)};
 }
 
 } // namespace ctorch::detail

@@ -91,6 +91,10 @@ std::vector<ItemDict> findShards(const Snapshot& snapshot, const std::vector<std
 // of another kind pass. Allocates nothing but a replica's comparison.
 void checkFullyShardedPieces(const Snapshot& snapshot, const std::vector<ItemDict>& shards);
 
+// A shard file's content as findShards returns it: the optimizer's "state", "param_groups" and
+// "optimizer_type", every entry its writer left in USER_STATE, and a pipeline stage's parameters.
+ItemDict shardOf(const Snapshot& shardFile);
+
 // A snapshot saved without sharding holds the whole optimizer's state: as one shard (its parameters
 // are the model's in order, the global indices ZeRO uses), so that a run can switch to ZeRO.
 ItemDict wholeOptimizerAsShard(const Snapshot& snapshot);

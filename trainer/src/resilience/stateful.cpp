@@ -3,6 +3,7 @@
 #include "ctorch/stateful.hpp"
 
 #include "ctorch/errors.hpp"
+#include "resilience/shard_files.hpp"
 
 namespace ctorch {
 
@@ -11,9 +12,14 @@ ItemDict Stateful::shardState(torch::optim::Optimizer* optimizer) const {
   throw ConfigError("ResilientTraining: " + stateName() + " is not sharded: it has no shard of its own");
 }
 
+// A shard file of its own: no parameters, its shardState()'s entries in USER_STATE (a shard's
+// entries come back as they were, beside the optimizer's "state", "param_groups" and
+// "optimizer_type"), and the rank that wrote it.
 Snapshot Stateful::shardFile(const ShardContext& context) const {
-  (void)context;
-  throw ConfigError("ResilientTraining: " + stateName() + " is not sharded: it writes no shard file");
+  Snapshot s = captureSnapshot(TrainingObjects{&detail::noModel(), nullptr, nullptr}, context.identity, context.progress);
+  for (const auto& entry : shardState(context.optimizer)) s.userState.insert(entry.key(), entry.value());
+  s.userState.insert(detail::kShardRankKey, static_cast<std::int64_t>(context.rank));
+  return s;
 }
 
 std::string Stateful::whyNotInPlace() const {
