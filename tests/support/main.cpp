@@ -1,9 +1,11 @@
 // Test main shared by every test binary: runs a registered worker when started as
-// `<binary> --ctorch-worker NAME ...` (multi-process tests), else the Catch2 session.
+// `<binary> --ctorch-worker NAME ...` (multi-process tests), else forks the fork server that starts
+// such workers without exec (zygote.hpp) and runs the Catch2 session.
 #define CATCH_CONFIG_RUNNER  // v2: this file supplies main()
 #include "ctorch_catch.hpp"
 
 #include "multiproc.hpp"
+#include "zygote.hpp"
 
 #include <execinfo.h>
 #include <signal.h>
@@ -34,5 +36,8 @@ void installCrashStack() {
 int main(int argc, char** argv) {
   installCrashStack();
   if (auto rc = ctorch::test::maybeRunWorker(argc, argv)) return *rc;
+  // Before Catch2 or a test starts a thread or runs a LibTorch operation: the zygote is a copy of
+  // this process as it is now.
+  if (auto rc = ctorch::test::zygote::start(argc, argv, installCrashStack)) return *rc;
   return Catch::Session().run(argc, argv);
 }

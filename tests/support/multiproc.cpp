@@ -1,18 +1,26 @@
 #include "multiproc.hpp"
 
 #include "ctorch_catch.hpp"
+#include "zygote.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
+#include <iterator>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -21,10 +29,12 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 #include <system_error>
 #include <thread>
 
@@ -112,6 +122,19 @@ Process::Process(const SpawnOptions& options) {
   }
   for (const auto& k : options.unsetEnv) envMap.erase(k);
   for (const auto& [k, v] : options.setEnv) envMap[k] = v;
+  std::string cwd = options.cwd ? options.cwd->string() : std::string();
+
+  start_ = std::chrono::steady_clock::now();
+  deadline_ = start_ + options.timeout;
+  // A worker of this binary is forked by the fork server where it would not differ from an exec'd
+  // one (zygote.hpp): no exec, no LibTorch start-up.
+  if (auto pid = zygote::spawn({options.argv, envMap, cwd, outFd})) {
+    pid_ = *pid;
+    viaZygote_ = true;
+    ::close(outFd);
+    return;
+  }
+
   std::vector<std::string> envStrings;
   for (const auto& [k, v] : envMap) envStrings.push_back(k + "=" + v);
   std::vector<char*> envp, argvp;
@@ -120,11 +143,8 @@ Process::Process(const SpawnOptions& options) {
   std::vector<std::string> argvCopy = options.argv;
   for (auto& s : argvCopy) argvp.push_back(s.data());
   argvp.push_back(nullptr);
-  std::string cwd = options.cwd ? options.cwd->string() : std::string();
   pid_t parent = ::getpid();
 
-  start_ = std::chrono::steady_clock::now();
-  deadline_ = start_ + options.timeout;
   pid_ = ::fork();
   if (pid_ < 0) {
     ::close(outFd);
@@ -138,6 +158,7 @@ Process::Process(const SpawnOptions& options) {
     ::dup2(outFd, STDERR_FILENO);
     int devnull = ::open("/dev/null", O_RDONLY);
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    if (devnull > STDERR_FILENO) ::close(devnull);
     if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(127);
     // Restore default signal dispositions that a test framework may have changed.
     sigset_t none;
@@ -156,29 +177,43 @@ Process::~Process() {
   if (!reaped_ && pid_ > 0) {
     ::kill(-pid_, SIGKILL);
     ::kill(pid_, SIGKILL);
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
+    reapKilled();
   }
   std::error_code ec;
   fs::remove(outputPath_, ec);
 }
 
+// After SIGKILL: our child is reaped here, the fork server's reports its end (bounded) and reaps it.
+void Process::reapKilled() {
+  if (viaZygote_) {
+    zygote::awaitExit(pid_, std::chrono::seconds(30));
+    zygote::release(pid_);
+    return;
+  }
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+}
+
 bool Process::running() {
   if (reaped_) return false;
   int status = 0;
-  pid_t r = ::waitpid(pid_, &status, WNOHANG);
-  if (r == pid_) {
-    reaped_ = true;
-    result_.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::chrono::steady_clock::now() - start_);
-    if (WIFEXITED(status)) result_.exitCode = WEXITSTATUS(status);
-    if (WIFSIGNALED(status)) result_.termSignal = WTERMSIG(status);
-    // Make sure nothing the child started in its group outlives it.
-    ::kill(-pid_, SIGKILL);
-    return false;
+  if (viaZygote_) {
+    const auto reported = zygote::exitStatus(pid_);
+    if (!reported) return true;
+    status = *reported;
+  } else if (::waitpid(pid_, &status, WNOHANG) != pid_) {
+    return true;
   }
-  return true;
+  reaped_ = true;
+  result_.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - start_);
+  if (WIFEXITED(status)) result_.exitCode = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) result_.termSignal = WTERMSIG(status);
+  // Make sure nothing the child started in its group outlives it.
+  ::kill(-pid_, SIGKILL);
+  if (viaZygote_) zygote::release(pid_);  // its pid stayed taken until now
+  return false;
 }
 
 void Process::signalGroup(int signo) {
@@ -191,9 +226,7 @@ ProcessResult Process::wait() {
       result_.timedOut = true;
       ::kill(-pid_, SIGKILL);
       ::kill(pid_, SIGKILL);
-      int status = 0;
-      while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-      }
+      reapKilled();
       reaped_ = true;
       result_.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
           std::chrono::steady_clock::now() - start_);
@@ -448,3 +481,744 @@ void writeFile(const fs::path& path, const std::string& content) {
 }
 
 } // namespace ctorch::test
+
+// ==== The fork server (zygote.hpp) ==================================================================
+// The zygote is forked at the start of main(), when the test process has run nothing but static
+// initializers. A worker forked from it is what an exec'd worker is at that point, given what
+// chooseRoute checks: the same load-time environment, the same inherited process attributes. The
+// test process and the zygote talk over a SOCK_SEQPACKET socketpair, one request or report per
+// message: spawn (with the output file's descriptor), spawned, exited, release, adopt, ready.
+namespace ctorch::test::zygote {
+
+namespace {
+
+constexpr char kZygoteFlag[] = "--ctorch-zygote";
+constexpr std::size_t kMaxMessage = 192 * 1024;  // under the socket's default send buffer
+
+enum : std::uint32_t { kSpawn = 1, kSpawned, kExited, kRelease, kAdopt, kReady };
+
+struct Header {
+  std::uint32_t type = 0;
+  std::int32_t pid = 0;       // kSpawned: the worker (or -errno); kExited, kRelease: whose
+  std::int32_t a = 0;         // kSpawn: argc; kExited: wait status; kReady: threads at start (or -errno)
+  std::int32_t b = 0;         // kSpawn, kAdopt: variables; kReady: threads after a fork
+  std::uint64_t ignored = 0;  // kSpawn: the signals the requester ignores (bit n-1: signal n)
+};
+
+struct Message {
+  Header header;
+  std::vector<std::string> strings;  // the payload: NUL-terminated strings
+  int fd = -1;                       // passed with it (SCM_RIGHTS); the receiver closes it
+};
+
+std::string encode(const Header& header, const std::vector<std::string>& strings) {
+  std::string out(reinterpret_cast<const char*>(&header), sizeof header);
+  for (const auto& s : strings) {
+    out += s;
+    out.push_back('\0');
+  }
+  return out;
+}
+
+// One message, with `fd` when >= 0; false when the peer is gone or the message does not fit.
+bool sendMessage(int sock, const std::string& bytes, int fd = -1) {
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  for (;;) {
+    const ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (n >= 0) return static_cast<std::size_t>(n) == bytes.size();
+    if (errno != EINTR) return false;
+  }
+}
+
+bool sendHeader(int sock, const Header& header) { return sendMessage(sock, encode(header, {})); }
+
+enum class Received { kMessage, kNone, kClosed };
+
+// One message; kNone when `block` is false and none is there; kClosed at EOF or on a broken message.
+Received receiveMessage(int sock, Message& out, bool block) {
+  static std::vector<char> buffer(kMaxMessage + 1);
+  iovec iov{buffer.data(), buffer.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  while ((n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | (block ? 0 : MSG_DONTWAIT))) < 0 && errno == EINTR) {
+  }
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Received::kNone;
+  out = Message{};
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+      std::memcpy(&out.fd, CMSG_DATA(c), sizeof(int));
+  if (n < static_cast<ssize_t>(sizeof(Header)) || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (out.fd >= 0) ::close(out.fd);
+    out.fd = -1;
+    return Received::kClosed;
+  }
+  std::memcpy(&out.header, buffer.data(), sizeof(Header));
+  for (std::size_t at = sizeof(Header); at < static_cast<std::size_t>(n);) {
+    const char* s = buffer.data() + at;
+    const std::size_t len = ::strnlen(s, static_cast<std::size_t>(n) - at);
+    out.strings.emplace_back(s, len);
+    at += len + 1;
+  }
+  return Received::kMessage;
+}
+
+int countThreads() {
+  int n = 0;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator("/proc/self/task", ec); !ec && it != fs::directory_iterator(); it.increment(ec))
+    ++n;
+  return n;
+}
+
+// The threads left after a fork of this process: pools that shut down in a fork handler (OpenBLAS's)
+// do not count, as they do not exist in the child.
+int threadsAfterAFork() {
+  const pid_t probe = ::fork();
+  if (probe == 0) ::_exit(0);
+  if (probe > 0)
+    while (::waitpid(probe, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  return countThreads();
+}
+
+Environment currentEnvironment() {
+  Environment env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view kv(*e);
+    const auto eq = kv.find('=');
+    if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  return env;
+}
+
+std::vector<std::string> environmentStrings(const Environment& env) {
+  std::vector<std::string> out;
+  out.reserve(env.size());
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+std::uint64_t ignoredSignals() {
+  std::uint64_t mask = 0;
+  for (int sig = 1; sig < NSIG && sig <= 64; ++sig) {
+    struct sigaction a {};
+    if (::sigaction(sig, nullptr, &a) == 0 && a.sa_handler == SIG_IGN) mask |= std::uint64_t{1} << (sig - 1);
+  }
+  return mask;
+}
+
+// What a child inherits from the thread that forks it, besides the environment, the working
+// directory and the signal dispositions (which a spawn request carries).
+struct Inherited {
+  std::string umask;
+  std::vector<std::pair<rlim_t, rlim_t>> limits;
+  int nice = 0;
+  cpu_set_t affinity{};
+  uid_t euid = 0;
+  gid_t egid = 0;
+  std::set<std::array<unsigned long long, 3>> descriptors;  // (fd, device, inode) without FD_CLOEXEC, above 2
+};
+
+Inherited inheritedNow() {
+  Inherited in;
+  {
+    std::ifstream status("/proc/self/status");  // closed before the descriptors are listed
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("Umask:", 0) == 0) in.umask = line;
+  }
+  for (int r = 0; r < RLIM_NLIMITS; ++r) {
+    rlimit rl{};
+    ::getrlimit(static_cast<__rlimit_resource_t>(r), &rl);
+    in.limits.emplace_back(rl.rlim_cur, rl.rlim_max);
+  }
+  errno = 0;
+  in.nice = ::getpriority(PRIO_PROCESS, 0);  // the calling thread's, which its children get
+  CPU_ZERO(&in.affinity);
+  ::sched_getaffinity(0, sizeof in.affinity, &in.affinity);
+  in.euid = ::geteuid();
+  in.egid = ::getegid();
+  std::error_code ec;
+  for (auto it = fs::directory_iterator("/proc/self/fd", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const int fd = std::atoi(it->path().filename().c_str());
+    const int flags = ::fcntl(fd, F_GETFD);
+    struct stat st {};
+    if (fd <= 2 || flags < 0 || (flags & FD_CLOEXEC) || ::fstat(fd, &st) != 0) continue;
+    in.descriptors.insert({static_cast<unsigned long long>(fd), static_cast<unsigned long long>(st.st_dev),
+                           static_cast<unsigned long long>(st.st_ino)});
+  }
+  return in;
+}
+
+// What differs, in a few words ("" when nothing does).
+std::string inheritedDifference(const Inherited& then, const Inherited& now) {
+  if (then.umask != now.umask) return "umask changed";
+  for (std::size_t r = 0; r < then.limits.size() && r < now.limits.size(); ++r)
+    if (then.limits[r] != now.limits[r]) return "resource limit " + std::to_string(r) + " changed";
+  if (then.nice != now.nice) return "nice value changed";
+  if (!CPU_EQUAL(&then.affinity, &now.affinity)) return "CPU affinity changed";
+  if (then.euid != now.euid || then.egid != now.egid) return "credentials changed";
+  if (then.descriptors != now.descriptors) {
+    std::vector<std::array<unsigned long long, 3>> changed;
+    std::set_symmetric_difference(then.descriptors.begin(), then.descriptors.end(), now.descriptors.begin(),
+                                  now.descriptors.end(), std::back_inserter(changed));
+    const std::string fd = std::to_string(changed.front()[0]);
+    std::error_code ec;
+    return "inheritable descriptor " + fd + " (" + fs::read_symlink("/proc/self/fd/" + fd, ec).string() +
+           ") opened or closed since main() began";
+  }
+  return "";
+}
+
+// ---- The server ----------------------------------------------------------------------------------
+
+struct Server {
+  int sock = -1;
+  int sigchld = -1;  // signalfd
+  pid_t self = 0;
+  pid_t client = 0;
+  void (*onWorkerStart)() = nullptr;
+  std::set<pid_t> running;     // forked, end not reported
+  std::set<pid_t> unreleased;  // end reported: a zombie until the client releases it
+  std::set<pid_t> reapOnExit;  // released while running
+};
+
+// In the forked child: what exec and the test main give a worker, then the worker.
+[[noreturn]] void becomeWorker(Server& s, const Message& m) {
+  ::close(s.sock);
+  ::close(s.sigchld);
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != s.self) ::_exit(127);
+  const int argc = m.header.a, envc = m.header.b;
+  const std::string& requesterCwd = m.strings[0];
+  const std::string& cwd = m.strings[1];
+  ::dup2(m.fd, STDOUT_FILENO);
+  ::dup2(m.fd, STDERR_FILENO);
+  if (m.fd > STDERR_FILENO) ::close(m.fd);
+  const int devnull = ::open("/dev/null", O_RDONLY);
+  if (devnull >= 0 && devnull != STDIN_FILENO) {
+    ::dup2(devnull, STDIN_FILENO);
+    ::close(devnull);
+  }
+  if (::chdir(requesterCwd.c_str()) != 0) ::_exit(127);
+  if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(127);
+  // exec's signal state: handlers back to the default, what the requester ignores stays ignored;
+  // the mask empty, as Process gives an exec'd child.
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig == SIGKILL || sig == SIGSTOP) continue;
+    struct sigaction a {};
+    a.sa_handler = sig <= 64 && (m.header.ignored >> (sig - 1) & 1) ? SIG_IGN : SIG_DFL;
+    sigemptyset(&a.sa_mask);
+    ::sigaction(sig, &a, nullptr);  // the C library's own signals refuse: nothing to do there
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::clearenv();
+  for (int i = 0; i < envc; ++i) {
+    const std::string& kv = m.strings[2 + argc + i];
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) ::setenv(kv.substr(0, eq).c_str(), kv.c_str() + eq + 1, 1);
+  }
+  s.onWorkerStart();  // what the test main does first
+  std::vector<std::string> args(m.strings.begin() + 2, m.strings.begin() + 2 + argc);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const auto rc = maybeRunWorker(argc, argv.data());
+  std::exit(rc ? *rc : 2);  // as main returning: stdio flushed, static objects destroyed
+}
+
+void forkWorker(Server& s, Message& m) {
+  const bool wellFormed = m.fd >= 0 && m.header.a >= 3 && m.header.b >= 0 &&
+                          m.strings.size() == static_cast<std::size_t>(2 + m.header.a + m.header.b);
+  Header reply;
+  reply.type = kSpawned;
+  if (!wellFormed) {
+    reply.pid = -EINVAL;
+  } else if (const pid_t pid = ::fork(); pid == 0) {
+    becomeWorker(s, m);
+  } else if (pid < 0) {
+    reply.pid = -errno;
+  } else {
+    ::setpgid(pid, pid);  // its group exists before the requester hears of it
+    s.running.insert(pid);
+    reply.pid = pid;
+  }
+  if (m.fd >= 0) ::close(m.fd);
+  sendHeader(s.sock, reply);
+}
+
+// Reports every child that ended; it stays a zombie until released (kRelease).
+void reportEnds(Server& s) {
+  for (auto it = s.running.begin(); it != s.running.end();) {
+    const pid_t pid = *it;
+    const bool released = s.reapOnExit.count(pid) > 0;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | (released ? 0 : WNOWAIT)) != 0 ||
+        info.si_pid != pid) {
+      ++it;
+      continue;
+    }
+    it = s.running.erase(it);
+    if (released) {
+      s.reapOnExit.erase(pid);
+      continue;
+    }
+    Header h;
+    h.type = kExited;
+    h.pid = pid;
+    h.a = info.si_code == CLD_EXITED ? (info.si_status & 0xff) << 8
+                                     : (info.si_status & 0x7f) | (info.si_code == CLD_DUMPED ? 0x80 : 0);
+    s.unreleased.insert(pid);
+    sendHeader(s.sock, h);
+  }
+}
+
+void releaseChild(Server& s, pid_t pid) {
+  if (s.unreleased.erase(pid)) {
+    while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  } else if (s.running.count(pid)) {
+    s.reapOnExit.insert(pid);
+  }
+}
+
+// Kills what is left (its test process has ended or closed the socket) and reaps it, bounded.
+[[noreturn]] void stopServing(Server& s) {
+  std::set<pid_t> all = s.running;
+  all.insert(s.unreleased.begin(), s.unreleased.end());
+  for (pid_t pid : all) {
+    ::kill(-pid, SIGKILL);
+    ::kill(pid, SIGKILL);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!all.empty() && std::chrono::steady_clock::now() < until) {
+    for (auto it = all.begin(); it != all.end();) {
+      const pid_t r = ::waitpid(*it, nullptr, WNOHANG);
+      it = r == *it || (r < 0 && errno != EINTR) ? all.erase(it) : std::next(it);
+    }
+    if (!all.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::_exit(0);
+}
+
+// Re-executes this binary as the zygote with `env`: what a worker with that environment loads.
+// Only while it has no child. Answers kReady from the new image, or with -errno here.
+void adopt(Server& s, const Message& m) {
+  Header refused;
+  refused.type = kReady;
+  if (!s.running.empty() || !s.unreleased.empty()) {
+    refused.a = -EBUSY;
+    sendHeader(s.sock, refused);
+    return;
+  }
+  std::vector<char*> envp;
+  std::vector<std::string> strings = m.strings;
+  for (auto& kv : strings) envp.push_back(kv.data());
+  envp.push_back(nullptr);
+  std::string exe = selfExe().string(), flag = kZygoteFlag, sock = std::to_string(s.sock),
+              client = std::to_string(s.client);
+  char* argv[] = {exe.data(), flag.data(), sock.data(), client.data(), nullptr};
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);  // as an exec'd worker starts
+  ::fcntl(s.sock, F_SETFD, 0);
+  ::execve(exe.c_str(), argv, envp.data());
+  refused.a = -errno;
+  sendHeader(s.sock, refused);
+  ::_exit(127);
+}
+
+[[noreturn]] void serve(Server& s) {
+  sigset_t chld;
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  ::sigprocmask(SIG_BLOCK, &chld, nullptr);
+  s.sigchld = ::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (s.sigchld < 0) ::_exit(1);  // the client reads EOF and execs from then on
+  for (;;) {
+    pollfd fds[2] = {{s.sock, POLLIN, 0}, {s.sigchld, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      stopServing(s);
+    }
+    if (fds[1].revents) {
+      signalfd_siginfo info;
+      while (::read(s.sigchld, &info, sizeof info) > 0) {
+      }
+      reportEnds(s);
+    }
+    if (!fds[0].revents) continue;
+    Message m;
+    const Received r = receiveMessage(s.sock, m, false);
+    if (r == Received::kNone) continue;
+    if (r == Received::kClosed) stopServing(s);
+    switch (m.header.type) {
+      case kSpawn: forkWorker(s, m); break;
+      case kRelease: releaseChild(s, m.header.pid); break;
+      case kAdopt: adopt(s, m); break;
+      default:
+        if (m.fd >= 0) ::close(m.fd);
+    }
+  }
+}
+
+// ---- The client ------------------------------------------------------------------------------------
+
+struct Client {
+  std::mutex mutex;
+  int fd = -1;
+  pid_t zygote = -1;
+  pid_t owner = -1;             // the process that forked the zygote (not a fork of it)
+  std::string trace;
+  Environment image;            // the environment the zygote's image loaded with
+  Inherited inheritedAtStart;   // this process's attributes when the zygote was forked
+  std::map<pid_t, int> ended;   // wait statuses reported and not yet collected
+  std::set<pid_t> live;         // spawned, end not yet reported
+  Status status;
+
+  ~Client() {
+    std::lock_guard<std::mutex> lock(mutex);
+    stop("");
+  }
+
+  // CTORCH_TEST_ZYGOTE_TRACE=1: to stderr; another value: appended to that file (one write a line).
+  void say(const std::string& line) const {
+    if (trace.empty()) return;
+    const std::string text = "ctorch test zygote: [" + std::to_string(::getpid()) + "] " + line + "\n";
+    if (trace == "1") {
+      std::fputs(text.c_str(), stderr);
+      return;
+    }
+    const int fd = ::open(trace.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    [[maybe_unused]] auto n = ::write(fd, text.data(), text.size());
+    ::close(fd);
+  }
+
+  // Closes the socket (the zygote then kills and reaps what is left, and exits) and reaps the zygote.
+  void stop(const std::string& why) {
+    if (fd < 0 || owner != ::getpid()) return;
+    ::close(fd);
+    fd = -1;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (::waitpid(zygote, nullptr, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= until) {
+        ::kill(zygote, SIGKILL);
+        while (::waitpid(zygote, nullptr, 0) < 0 && errno == EINTR) {
+        }
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    // Its children died with it (PR_SET_PDEATHSIG) or by its hand.
+    for (pid_t pid : live) ended[pid] = SIGKILL;
+    live.clear();
+    status.running = false;
+    if (!why.empty()) {
+      status.unavailable = why;
+      say("unavailable: " + why);
+    }
+  }
+
+  void take(const Message& m) {
+    if (m.fd >= 0) ::close(m.fd);
+    if (m.header.type == kExited && live.erase(m.header.pid)) ended[m.header.pid] = m.header.a;
+  }
+
+  // Takes every report waiting (never blocks).
+  void drain() {
+    while (fd >= 0) {
+      Message m;
+      const Received r = receiveMessage(fd, m, false);
+      if (r == Received::kNone) return;
+      if (r == Received::kClosed) return stop("the zygote ended");
+      take(m);
+    }
+  }
+
+  // Waits (bounded) for the answer of type `type`, taking reports meanwhile.
+  std::optional<Message> await(std::uint32_t type, std::chrono::milliseconds bound) {
+    const auto until = std::chrono::steady_clock::now() + bound;
+    while (fd >= 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        ::kill(zygote, SIGKILL);
+        stop("the zygote did not answer within " + std::to_string(bound.count()) + " ms");
+        return std::nullopt;
+      }
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(std::min<long long>(left.count(), 1000))) <= 0) continue;
+      Message m;
+      const Received r = receiveMessage(fd, m, false);
+      if (r == Received::kNone) continue;
+      if (r == Received::kClosed) {
+        stop("the zygote ended");
+        return std::nullopt;
+      }
+      if (m.header.type == type) return m;
+      take(m);
+    }
+    return std::nullopt;
+  }
+
+  bool adoptEnvironment(const Environment& env) {
+    if (!sendMessage(fd, encode({kAdopt, 0, 0, static_cast<std::int32_t>(env.size()), 0}, environmentStrings(env)))) {
+      stop(std::string("cannot reach the zygote: ") + std::strerror(errno));
+      return false;
+    }
+    // The new image starts as a worker does (LibTorch's start-up, under whatever load there is).
+    const auto ready = await(kReady, std::chrono::seconds(120));
+    if (!ready) return false;
+    if (ready->header.a == -EBUSY) return false;  // a child not yet released: exec this one
+    if (ready->header.a < 0) {
+      stop(std::string("re-executing the zygote failed: ") + std::strerror(-ready->header.a));
+      return false;
+    }
+    status.zygoteThreads = ready->header.a;
+    if (ready->header.b != 1) {
+      stop("the re-executed zygote has " + std::to_string(ready->header.a) + " threads (" +
+           std::to_string(ready->header.b) + " after a fork): forking it is not safe");
+      return false;
+    }
+    ++status.reexecuted;
+    image = env;
+    say("re-executed with the workers' environment: " + std::to_string(ready->header.a) + " thread(s) at start");
+    return true;
+  }
+};
+
+Client& client() {
+  static Client c;
+  return c;
+}
+
+std::string describe(const std::vector<std::string>& argv) {
+  return argv.size() >= 3 ? argv[1] + " " + argv[2] : argv.empty() ? std::string() : argv[0];
+}
+
+bool noZygoteRequested() {
+  const char* v = std::getenv("CTORCH_TEST_NO_ZYGOTE");
+  return v && std::string(v) == "1";
+}
+
+} // namespace
+
+bool readOnlyAtRuntime(std::string_view name) {
+  static const std::set<std::string_view> exact = {
+      "RANK",           "LOCAL_RANK",      "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+      "GROUP_WORLD_SIZE", "ROLE_RANK",     "ROLE_WORLD_SIZE", "ROLE_NAME",   "MASTER_ADDR",
+      "MASTER_PORT"};
+  if (exact.count(name)) return true;
+  for (std::string_view prefix : {"TORCHELASTIC_", "CTORCH_", "SLURM_", "PET_"})
+    if (name.substr(0, prefix.size()) == prefix) return true;
+  return false;
+}
+
+std::optional<std::string> loadTimeDifference(const Environment& image, const Environment& requested) {
+  auto i = image.begin();
+  auto r = requested.begin();
+  while (i != image.end() || r != requested.end()) {
+    std::string_view name;
+    if (r == requested.end() || (i != image.end() && i->first < r->first)) {
+      name = (i++)->first;
+    } else if (i == image.end() || r->first < i->first) {
+      name = (r++)->first;
+    } else {
+      const bool same = i->second == r->second;
+      name = i->first;
+      ++i, ++r;
+      if (same) continue;
+    }
+    if (!readOnlyAtRuntime(name)) return std::string(name);
+  }
+  return std::nullopt;
+}
+
+RouteChoice chooseRoute(const RouteFacts& facts) {
+  if (facts.disabled) return {Route::kExec, "no zygote"};
+  if (!facts.selfWorker) return {Route::kExec, "not a worker of this binary"};
+  if (!facts.processDifference.empty()) return {Route::kExec, facts.processDifference};
+  if (facts.envDifference) {
+    const std::string why = *facts.envDifference + " differs from the zygote's";
+    return facts.adoptable ? RouteChoice{Route::kAdopt, why} : RouteChoice{Route::kExec, why};
+  }
+  return {Route::kFork, ""};
+}
+
+std::optional<int> start(int argc, char** argv, void (*onWorkerStart)()) {
+  if (argc >= 4 && std::string(argv[1]) == kZygoteFlag) {
+    // Re-executed by adopt(): serve if forking this image is safe.
+    Server s;
+    s.sock = std::atoi(argv[2]);
+    s.client = static_cast<pid_t>(std::atoi(argv[3]));
+    s.self = ::getpid();
+    s.onWorkerStart = onWorkerStart;
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != s.client) return 1;
+    ::fcntl(s.sock, F_SETFD, FD_CLOEXEC);
+    Header ready;
+    ready.type = kReady;
+    ready.a = countThreads();
+    ready.b = ready.a == 1 ? 1 : threadsAfterAFork();
+    sendHeader(s.sock, ready);
+    if (ready.b != 1) return 0;
+    serve(s);
+  }
+  if (argc >= 2 && std::string(argv[1]) == "--ctorch-worker") return std::nullopt;  // workers exec theirs
+  Client& c = client();
+  if (const char* trace = std::getenv("CTORCH_TEST_ZYGOTE_TRACE")) c.trace = trace;
+  if (noZygoteRequested()) {
+    c.status.unavailable = "CTORCH_TEST_NO_ZYGOTE=1";
+    return std::nullopt;
+  }
+  c.status.threadsBeforeFork = countThreads();
+  c.image = currentEnvironment();
+  c.inheritedAtStart = inheritedNow();
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0) {
+    c.status.unavailable = std::string("socketpair: ") + std::strerror(errno);
+    return std::nullopt;
+  }
+  std::fflush(nullptr);  // nothing buffered is written twice
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(0);
+    Server s;
+    s.sock = fds[1];
+    s.self = ::getpid();
+    s.client = parent;
+    s.onWorkerStart = onWorkerStart;
+    serve(s);
+  }
+  ::close(fds[1]);
+  if (pid < 0) {
+    ::close(fds[0]);
+    c.status.unavailable = std::string("fork: ") + std::strerror(errno);
+    return std::nullopt;
+  }
+  c.fd = fds[0];
+  c.zygote = pid;
+  c.owner = parent;
+  c.status.running = true;
+  // The zygote is a copy of this process at the fork: sound only if no other thread was running then
+  // (a fork handler may have ended one: OpenBLAS joins its pool).
+  c.status.threadsAfterFork = countThreads();
+  if (c.status.threadsAfterFork != 1) {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.stop(std::to_string(c.status.threadsAfterFork) + " threads at the start of main(): forking is not safe");
+  } else {
+    c.say("pid " + std::to_string(pid) + " serves this process (" + std::to_string(c.status.threadsBeforeFork) +
+          " thread(s) at the start of main(), 1 after the fork)");
+  }
+  return std::nullopt;
+}
+
+std::optional<int> spawn(const SpawnRequest& request) {
+  Client& c = client();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.drain();
+  RouteFacts facts;
+  facts.disabled = c.fd < 0 || c.owner != ::getpid() || noZygoteRequested();
+  facts.selfWorker = request.argv.size() >= 3 && request.argv[1] == "--ctorch-worker" &&
+                     request.argv[0] == selfExe().string();
+  if (!facts.disabled && facts.selfWorker) {
+    facts.processDifference = inheritedDifference(c.inheritedAtStart, inheritedNow());
+    facts.envDifference = loadTimeDifference(c.image, request.env);
+    facts.adoptable = c.live.empty() && c.ended.empty();
+  }
+  RouteChoice choice = chooseRoute(facts);
+  std::error_code ec;
+  const fs::path here = fs::current_path(ec);
+  if (choice.route != Route::kExec && ec) choice = {Route::kExec, "no working directory"};
+  if (choice.route == Route::kAdopt) {
+    c.say("re-executing: " + choice.reason);
+    if (!c.adoptEnvironment(request.env)) choice = {Route::kExec, choice.reason + ", and re-executing failed"};
+  }
+  if (choice.route == Route::kExec) {
+    ++c.status.execed;
+    if (facts.selfWorker) c.say("exec " + describe(request.argv) + ": " + choice.reason);
+    return std::nullopt;
+  }
+  std::vector<std::string> strings = {here.string(), request.cwd};
+  strings.insert(strings.end(), request.argv.begin(), request.argv.end());
+  for (auto& kv : environmentStrings(request.env)) strings.push_back(std::move(kv));
+  const std::string bytes = encode({kSpawn, 0, static_cast<std::int32_t>(request.argv.size()),
+                                    static_cast<std::int32_t>(request.env.size()), ignoredSignals()},
+                                   strings);
+  if (bytes.size() > kMaxMessage || !sendMessage(c.fd, bytes, request.outputFd)) {
+    ++c.status.execed;
+    c.say("exec " + describe(request.argv) + ": the request (" + std::to_string(bytes.size()) +
+          " bytes) did not reach the zygote");
+    return std::nullopt;
+  }
+  const auto reply = c.await(kSpawned, std::chrono::seconds(60));
+  if (!reply || reply->header.pid <= 0) {
+    ++c.status.execed;
+    c.say("exec " + describe(request.argv) + ": the zygote could not fork" +
+          (reply ? std::string(": ") + std::strerror(-reply->header.pid) : std::string()));
+    return std::nullopt;
+  }
+  ++c.status.forked;
+  c.live.insert(reply->header.pid);
+  c.say("forked pid " + std::to_string(reply->header.pid) + ": " + describe(request.argv));
+  return reply->header.pid;
+}
+
+std::optional<int> exitStatus(int pid) {
+  Client& c = client();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.drain();
+  const auto it = c.ended.find(pid);
+  if (it == c.ended.end()) return std::nullopt;
+  const int status = it->second;
+  c.ended.erase(it);
+  return status;
+}
+
+int awaitExit(int pid, std::chrono::milliseconds bound) {
+  const auto until = std::chrono::steady_clock::now() + bound;
+  for (;;) {
+    if (const auto status = exitStatus(pid)) return *status;
+    if (std::chrono::steady_clock::now() >= until) return SIGKILL;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+void release(int pid) {
+  Client& c = client();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.ended.erase(pid);
+  c.live.erase(pid);
+  if (c.fd >= 0) sendHeader(c.fd, {kRelease, pid, 0, 0, 0});
+}
+
+Status status() {
+  Client& c = client();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.status;
+}
+
+} // namespace ctorch::test::zygote

@@ -73,9 +73,14 @@ class Process {
   ProcessResult wait();
   // Current content of the output file (for tests that watch progress).
   std::string outputSoFar() const;
+  // Whether the test program's fork server forked it (zygote.hpp) instead of fork and exec.
+  bool viaZygote() const { return viaZygote_; }
 
  private:
+  void reapKilled();
+
   int pid_ = -1;
+  bool viaZygote_ = false;
   bool reaped_ = false;
   ProcessResult result_;
   std::filesystem::path outputPath_;
