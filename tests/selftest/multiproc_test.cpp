@@ -2,19 +2,27 @@
 #include "ctorch_catch.hpp"
 
 #include "multiproc.hpp"
+#include "zygote.hpp"
 
 #include "ctorch/store/tcp_store_client.hpp"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 #include <thread>
+
+extern char** environ;
 
 using namespace ctorch::test;
 
@@ -138,4 +146,230 @@ TEST_CASE("selftest: a reserved port refuses connections and cannot be bound by 
   CHECK(::bind(b, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0);
   CHECK(errno == EADDRINUSE);
   ::close(b);
+}
+
+// ---- The fork server (zygote.hpp) ----------------------------------------------------------------------
+
+namespace {
+
+namespace zygote = ctorch::test::zygote;
+
+// Prints what a test can compare between a forked and an exec'd worker, then does what args[0] says:
+// "exit" exits 7, "hang" sleeps, "wait" says "ready" and sleeps (for a signal), "raise" raises SIGTERM.
+CTORCH_TEST_WORKER(zygote_probe) {
+  std::set<std::string> env(environ, environ + std::distance(environ, std::find(environ, environ + (1 << 20), nullptr)));
+  for (const auto& kv : env) std::printf("env %s\n", kv.c_str());
+  std::printf("cwd %s\n", std::filesystem::current_path().c_str());
+  std::printf("own group %d\n", ::getpgrp() == ::getpid() ? 1 : 0);
+  struct sigaction usr2 {};
+  ::sigaction(SIGUSR2, nullptr, &usr2);
+  std::printf("SIGUSR2 ignored %d\n", usr2.sa_handler == SIG_IGN ? 1 : 0);
+  sigset_t mask;
+  ::sigprocmask(SIG_SETMASK, nullptr, &mask);
+  std::printf("SIGCHLD blocked %d\n", sigismember(&mask, SIGCHLD));
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (target.rfind("/proc/", 0) != 0)  // the listing's own descriptor
+      std::printf("fd %s %s\n", fd.path().filename().c_str(),
+                  target[0] == '/' ? "file" : target.substr(0, target.find(':')).c_str());
+  }
+  std::fflush(stdout);
+  const std::string what = args.empty() ? "exit" : args[0];
+  if (what == "raise") std::raise(SIGTERM);
+  if (what == "hang" || what == "wait") {
+    if (what == "wait") std::printf("ready\n");
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  return 7;
+}
+
+std::set<std::string> linesStartingWith(const std::string& output, const std::string& prefix) {
+  std::set<std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(prefix, 0) == 0) out.insert(line.substr(prefix.size()));
+  return out;
+}
+
+SpawnOptions probe(const std::string& what, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  SpawnOptions so;
+  so.argv = {selfExe().string(), "--ctorch-worker", "zygote_probe", what};
+  so.timeout = timeout;
+  return so;
+}
+
+// What each check below observes of one worker, through whichever route the harness took.
+struct Observed {
+  bool viaZygote = false;
+  ProcessResult exited, timedOut, signalled, raised;
+  std::set<std::string> env, expectedEnv;
+  std::string cwd, expectedCwd;
+  bool groupAtOnce = false;
+};
+
+Observed observeWorkers() {
+  Observed o;
+  TempDir dir("ctorch-zygote-cwd");
+  SpawnOptions so = probe("exit");
+  so.cwd = dir.path();
+  so.setEnv = {{"CTORCH_TEST_MARK", "zygote probe"}, {"RANK", "5"}};
+  so.unsetEnv = {"CTORCH_TEST_PROBE_UNSET"};
+  ::setenv("CTORCH_TEST_PROBE_UNSET", "in the test's environment only", 1);
+  for (char** e = environ; *e; ++e) {
+    const std::string kv(*e);
+    const std::string name = kv.substr(0, kv.find('='));
+    if (name != "CTORCH_TEST_PROBE_UNSET" && name != "CTORCH_TEST_MARK" && name != "RANK") o.expectedEnv.insert(kv);
+  }
+  o.expectedEnv.insert("CTORCH_TEST_MARK=zygote probe");
+  o.expectedEnv.insert("RANK=5");
+  o.expectedCwd = std::filesystem::canonical(dir.path()).string();
+  {
+    Process p(so);
+    o.viaZygote = p.viaZygote();
+    o.groupAtOnce = ::getpgid(p.pid()) == p.pid();  // no race with signalGroup: the group is there
+    o.exited = p.wait();
+  }
+  o.env = linesStartingWith(o.exited.output, "env ");
+  const auto cwd = linesStartingWith(o.exited.output, "cwd ");
+  o.cwd = cwd.empty() ? "" : *cwd.begin();
+  o.timedOut = run(probe("hang", std::chrono::milliseconds(300)));
+  {
+    Process p(probe("wait"));
+    for (int i = 0; i < 6000 && p.outputSoFar().find("ready") == std::string::npos && p.running(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    p.signalGroup(SIGUSR1);
+    o.signalled = p.wait();
+  }
+  o.raised = run(probe("raise"));
+  ::unsetenv("CTORCH_TEST_PROBE_UNSET");
+  return o;
+}
+
+void requireSameAsExec(const Observed& o) {
+  INFO(o.exited.output);
+  CHECK(o.env == o.expectedEnv);
+  CHECK(o.cwd == o.expectedCwd);
+  CHECK(o.groupAtOnce);
+  CHECK_THAT(o.exited.output, Catch::Contains("own group 1"));
+  CHECK_THAT(o.exited.output, Catch::Contains("SIGCHLD blocked 0"));
+  CHECK(o.exited.exitCode == 7);
+  CHECK(o.exited.termSignal == 0);
+  CHECK(o.timedOut.timedOut);
+  CHECK(o.signalled.termSignal == SIGUSR1);
+  CHECK_FALSE(o.signalled.timedOut);
+  CHECK(o.raised.termSignal == SIGTERM);
+}
+
+// Sets CTORCH_TEST_NO_ZYGOTE=1 for its lifetime.
+struct NoZygote {
+  NoZygote() { ::setenv("CTORCH_TEST_NO_ZYGOTE", "1", 1); }
+  ~NoZygote() { ::unsetenv("CTORCH_TEST_NO_ZYGOTE"); }
+};
+
+} // namespace
+
+TEST_CASE("selftest: a forked worker sees exactly its environment and cwd, leads its group, times out, takes a "
+          "signal and reports its exit as an exec'd one does, and CTORCH_TEST_NO_ZYGOTE=1 execs") {
+  if (!zygote::status().running) CTORCH_SKIP("no fork server in this process: " << zygote::status().unavailable);
+  const Observed forked = observeWorkers();
+  CHECK(forked.viaZygote);
+  requireSameAsExec(forked);
+  Observed execed;
+  {
+    NoZygote off;
+    execed = observeWorkers();
+  }
+  CHECK_FALSE(execed.viaZygote);
+  requireSameAsExec(execed);
+  // What else a worker inherits: the same descriptors (not the zygote's socket), the same signals.
+  CHECK(linesStartingWith(forked.exited.output, "fd ") == linesStartingWith(execed.exited.output, "fd "));
+  CHECK(zygote::status().running);
+}
+
+TEST_CASE("selftest: what the requester ignores stays ignored in a forked worker, as across exec") {
+  if (!zygote::status().running) CTORCH_SKIP("no fork server in this process: " << zygote::status().unavailable);
+  ::signal(SIGUSR2, SIG_IGN);
+  Process forked(probe("exit"));
+  const ProcessResult f = forked.wait();
+  ProcessResult e;
+  {
+    NoZygote off;
+    e = run(probe("exit"));
+  }
+  ::signal(SIGUSR2, SIG_DFL);
+  CHECK(forked.viaZygote());
+  CHECK_THAT(f.output, Catch::Contains("SIGUSR2 ignored 1"));
+  CHECK_THAT(e.output, Catch::Contains("SIGUSR2 ignored 1"));
+  Process plain(probe("exit"));
+  CHECK_THAT(plain.wait().output, Catch::Contains("SIGUSR2 ignored 0"));
+}
+
+TEST_CASE("selftest: a load-time variable, a changed resource limit or another program is exec'd") {
+  if (!zygote::status().running) CTORCH_SKIP("no fork server in this process: " << zygote::status().unavailable);
+  Process first(probe("hang"));  // alive throughout: the zygote may not re-execute itself
+  CHECK(first.viaZygote());
+  SpawnOptions loadTime = probe("exit");
+  loadTime.setEnv = {{"MALLOC_ARENA_MAX", "1"}};  // glibc reads it when it starts
+  Process withMalloc(loadTime);
+  CHECK_FALSE(withMalloc.viaZygote());
+  const ProcessResult m = withMalloc.wait();
+  CHECK(m.exitCode == 7);
+  CHECK_THAT(m.output, Catch::Contains("env MALLOC_ARENA_MAX=1"));
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_CORE, &saved) == 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = saved.rlim_cur == 0 ? 1 : 0;
+  if (lowered.rlim_cur <= saved.rlim_max && ::setrlimit(RLIMIT_CORE, &lowered) == 0) {
+    Process limited(probe("exit"));
+    CHECK_FALSE(limited.viaZygote());
+    CHECK(limited.wait().exitCode == 7);
+    ::setrlimit(RLIMIT_CORE, &saved);
+  }
+  Process sh({.argv = {"sh", "-c", "exit 3"}});
+  CHECK_FALSE(sh.viaZygote());
+  CHECK(sh.wait().exitCode == 3);
+  Process again(probe("exit"));
+  CHECK(again.viaZygote());
+  CHECK(again.wait().exitCode == 7);
+  CHECK(first.running());
+}
+
+TEST_CASE("selftest: the fork server's decisions - runtime variables may differ, a load-time one re-executes an "
+          "idle zygote and is exec'd beside a running worker") {
+  using zygote::Route;
+  CHECK(zygote::readOnlyAtRuntime("RANK"));
+  CHECK(zygote::readOnlyAtRuntime("MASTER_PORT"));
+  CHECK(zygote::readOnlyAtRuntime("TORCHELASTIC_RESTART_COUNT"));
+  CHECK(zygote::readOnlyAtRuntime("CTORCH_TEST_IO_FAULT"));
+  for (const char* loadTime : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "MALLOC_ARENA_MAX",
+                               "GLIBC_TUNABLES", "TORCH_CPP_LOG_LEVEL", "ASAN_OPTIONS", "PATH", "RANKS"})
+    CHECK_FALSE(zygote::readOnlyAtRuntime(loadTime));
+  const zygote::Environment image = {{"HOME", "/root"}, {"PATH", "/bin"}};
+  CHECK_FALSE(zygote::loadTimeDifference(image, image));
+  CHECK_FALSE(zygote::loadTimeDifference(image, {{"HOME", "/root"}, {"PATH", "/bin"}, {"RANK", "1"}}));
+  CHECK(zygote::loadTimeDifference(image, {{"HOME", "/root"}, {"PATH", "/bin"}, {"OMP_NUM_THREADS", "1"}}) ==
+        "OMP_NUM_THREADS");
+  CHECK(zygote::loadTimeDifference(image, {{"PATH", "/bin"}}) == "HOME");
+  CHECK(zygote::loadTimeDifference(image, {{"HOME", "/root"}, {"PATH", "/usr/bin"}}) == "PATH");
+
+  zygote::RouteFacts facts;
+  facts.selfWorker = true;
+  CHECK(zygote::chooseRoute(facts).route == Route::kFork);
+  facts.envDifference = "OMP_NUM_THREADS";
+  facts.adoptable = true;
+  CHECK(zygote::chooseRoute(facts).route == Route::kAdopt);
+  facts.adoptable = false;
+  CHECK(zygote::chooseRoute(facts).route == Route::kExec);
+  CHECK_THAT(zygote::chooseRoute(facts).reason, Catch::Contains("OMP_NUM_THREADS"));
+  facts.envDifference.reset();
+  facts.processDifference = "resource limit 4 changed";
+  CHECK(zygote::chooseRoute(facts).route == Route::kExec);
+  facts.processDifference.clear();
+  facts.selfWorker = false;
+  CHECK(zygote::chooseRoute(facts).route == Route::kExec);
+  facts.selfWorker = true;
+  facts.disabled = true;
+  CHECK(zygote::chooseRoute(facts).route == Route::kExec);
 }
