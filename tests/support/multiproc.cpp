@@ -547,8 +547,8 @@ bool sendHeader(int sock, const Header& header) { return sendMessage(sock, encod
 
 enum class Received { kMessage, kNone, kClosed };
 
-// One message; kNone when `block` is false and none is there; kClosed at EOF or on a broken message.
-Received receiveMessage(int sock, Message& out, bool block) {
+// One message if one is there (never blocks: callers poll); kClosed at EOF or on a broken message.
+Received receiveMessage(int sock, Message& out) {
   static std::vector<char> buffer(kMaxMessage + 1);
   iovec iov{buffer.data(), buffer.size()};
   msghdr msg{};
@@ -558,7 +558,7 @@ Received receiveMessage(int sock, Message& out, bool block) {
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
   ssize_t n;
-  while ((n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | (block ? 0 : MSG_DONTWAIT))) < 0 && errno == EINTR) {
+  while ((n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT)) < 0 && errno == EINTR) {
   }
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Received::kNone;
   out = Message{};
@@ -869,7 +869,7 @@ void adopt(Server& s, const Message& m) {
     }
     if (!fds[0].revents) continue;
     Message m;
-    const Received r = receiveMessage(s.sock, m, false);
+    const Received r = receiveMessage(s.sock, m);
     if (r == Received::kNone) continue;
     if (r == Received::kClosed) stopServing(s);
     switch (m.header.type) {
@@ -949,7 +949,7 @@ struct Client {
   void drain() {
     while (fd >= 0) {
       Message m;
-      const Received r = receiveMessage(fd, m, false);
+      const Received r = receiveMessage(fd, m);
       if (r == Received::kNone) return;
       if (r == Received::kClosed) return stop("the zygote ended");
       take(m);
@@ -969,7 +969,7 @@ struct Client {
       pollfd p{fd, POLLIN, 0};
       if (::poll(&p, 1, static_cast<int>(std::min<long long>(left.count(), 1000))) <= 0) continue;
       Message m;
-      const Received r = receiveMessage(fd, m, false);
+      const Received r = receiveMessage(fd, m);
       if (r == Received::kNone) continue;
       if (r == Received::kClosed) {
         stop("the zygote ended");
