@@ -143,6 +143,20 @@ void waitAll(std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>>& works,
   works.clear();
 }
 
+// Posts one message to or from `peer` (a send or a receive): Gloo throws at once when the peer's
+// connection is closed already (it exited), which fails like a wait: DistributedError naming the peer.
+template <class Post>
+c10::intrusive_ptr<c10d::Work> posted(int rank, int peer, const char* what, Post&& post) {
+  try {
+    return post();
+  } catch (const std::exception& e) {
+    const std::string message = detail::messageOf(e);
+    detail::throwDistributed("rank " + std::to_string(rank) + ": parameter server: " + what + " rank " + std::to_string(peer) +
+                                 " failed: " + message,
+                             message);
+  }
+}
+
 } // namespace
 
 at::Tensor ParameterServer::packShare(int server, bool gradients) const {
@@ -163,7 +177,8 @@ void ParameterServer::sendCommand(Command command) {
   for (int s = 0; s < servers_; ++s) {
     // What is asked; this worker's steps pushed; the version of the server's share it holds.
     messages.push_back({at::tensor(std::vector<std::int64_t>{command, clock_, versions_[static_cast<std::size_t>(s)]}, at::kLong)});
-    works.emplace_back(workers_ + s, group_->send(messages.back(), workers_ + s, kCommandTag));
+    works.emplace_back(workers_ + s, posted(rank_, workers_ + s, "sending a command to",
+                                    [&] { return group_->send(messages.back(), workers_ + s, kCommandTag); }));
   }
   waitAll(works, timeout_, rank_, "sending a command to");
 }
@@ -177,7 +192,8 @@ void ParameterServer::receiveWeights() {
     std::int64_t numel = 0;
     for (std::size_t i : share) numel += parameters_[i].numel();
     buffers[static_cast<std::size_t>(s)] = {at::empty({numel}, hostOptions(parameters_[share.front()]))};
-    works.emplace_back(workers_ + s, group_->recv(buffers[static_cast<std::size_t>(s)], workers_ + s, kWeightsTag));
+    works.emplace_back(workers_ + s, posted(rank_, workers_ + s, "receiving weights from",
+                                    [&] { return group_->recv(buffers[static_cast<std::size_t>(s)], workers_ + s, kWeightsTag); }));
   }
   waitAll(works, timeout_, rank_, "receiving weights from");
   for (int s = 0; s < servers_; ++s) {
@@ -196,7 +212,8 @@ void ParameterServer::receiveAnswers() {
   std::vector<std::vector<at::Tensor>> infos(static_cast<std::size_t>(servers_));
   for (int s = 0; s < servers_; ++s) {
     infos[static_cast<std::size_t>(s)] = {at::zeros({2}, at::kLong)};
-    works.emplace_back(workers_ + s, group_->recv(infos[static_cast<std::size_t>(s)], workers_ + s, kInfoTag));
+    works.emplace_back(workers_ + s, posted(rank_, workers_ + s, "waiting for the answer of",
+                                    [&] { return group_->recv(infos[static_cast<std::size_t>(s)], workers_ + s, kInfoTag); }));
   }
   waitAll(works, timeout_, rank_, "waiting for the answer of");
   receiveWeights();
@@ -214,7 +231,8 @@ void ParameterServer::pushGradients() {
   messages.reserve(static_cast<std::size_t>(servers_));
   for (int s = 0; s < servers_; ++s) {
     messages.push_back({onHost(packShare(s, /*gradients=*/true))});
-    works.emplace_back(workers_ + s, group_->send(messages.back(), workers_ + s, kGradientTag));
+    works.emplace_back(workers_ + s, posted(rank_, workers_ + s, "pushing gradients to",
+                                    [&] { return group_->send(messages.back(), workers_ + s, kGradientTag); }));
   }
   waitAll(works, timeout_, rank_, "pushing gradients to");
 }
@@ -265,7 +283,8 @@ ParameterServer::Command ParameterServer::receiveCommands() {
   std::vector<std::vector<at::Tensor>> commands(static_cast<std::size_t>(workers_));
   for (int w = 0; w < workers_; ++w) {
     commands[static_cast<std::size_t>(w)] = {at::zeros({3}, at::kLong)};
-    works.emplace_back(w, group_->recv(commands[static_cast<std::size_t>(w)], w, kCommandTag));
+    works.emplace_back(w, posted(rank_, w, "waiting for a command from",
+                                    [&] { return group_->recv(commands[static_cast<std::size_t>(w)], w, kCommandTag); }));
   }
   waitAll(works, timeout_, rank_, "waiting for a command from");
   const std::int64_t first = commands[0][0][0].item<std::int64_t>();
@@ -284,7 +303,8 @@ ParameterServer::Command ParameterServer::receiveCommands() {
 void ParameterServer::sendWeights() {
   std::vector<at::Tensor> flat{onHost(packShare(serverIndex(), /*gradients=*/false))};
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
-  for (int w = 0; w < workers_; ++w) works.emplace_back(w, group_->send(flat, w, kWeightsTag));
+  for (int w = 0; w < workers_; ++w)
+    works.emplace_back(w, posted(rank_, w, "sending weights to", [&] { return group_->send(flat, w, kWeightsTag); }));
   waitAll(works, timeout_, rank_, "sending weights to");
 }
 
@@ -296,7 +316,8 @@ void ParameterServer::aggregateAndStep() {
   std::vector<std::vector<at::Tensor>> gradients(static_cast<std::size_t>(workers_));
   for (int w = 0; w < workers_; ++w) {
     gradients[static_cast<std::size_t>(w)] = {at::empty({numel}, hostOptions(parameters_[share.front()]))};
-    works.emplace_back(w, group_->recv(gradients[static_cast<std::size_t>(w)], w, kGradientTag));
+    works.emplace_back(w, posted(rank_, w, "receiving gradients from",
+                                    [&] { return group_->recv(gradients[static_cast<std::size_t>(w)], w, kGradientTag); }));
   }
   waitAll(works, timeout_, rank_, "receiving gradients from");
   // DDP's average, operation for operation: c10d's Reducer multiplies each rank's gradient by
@@ -386,8 +407,9 @@ void ParameterServer::answer(int worker) {
   std::vector<at::Tensor> info{at::tensor(std::vector<std::int64_t>{version_, slowest == std::numeric_limits<std::int64_t>::max() ? 0 : std::max<std::int64_t>(0, clock - slowest)}, at::kLong)};
   std::vector<at::Tensor> flat{onHost(packShare(serverIndex(), /*gradients=*/false))};
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
-  works.emplace_back(worker, group_->send(info, worker, kInfoTag));
-  works.emplace_back(worker, group_->send(flat, worker, kWeightsTag));
+  works.emplace_back(worker, posted(rank_, worker, "answering", [&] { return group_->send(info, worker, kInfoTag); }));
+  works.emplace_back(worker, posted(rank_, worker, "answering",
+                                  [&] { return group_->send(flat, worker, kWeightsTag); }));
   waitAll(works, timeout_, rank_, "answering");
 }
 
@@ -428,8 +450,9 @@ bool ParameterServer::serveAsync(bool untilSync) {
       continue;
     }
     std::vector<at::Tensor> command{at::zeros({3}, at::kLong)};
-    auto work = group_->recvAnysource(command, kCommandTag);
+    c10::intrusive_ptr<c10d::Work> work;
     try {
+      work = group_->recvAnysource(command, kCommandTag);
       work->wait(timeout_);
     } catch (const std::exception& e) {
       std::string waiting;
@@ -453,7 +476,8 @@ bool ParameterServer::serveAsync(bool untilSync) {
       case kStep: {
         std::vector<at::Tensor> gradient{at::empty({numel}, hostOptions(parameters_[share.front()]))};
         std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
-        works.emplace_back(w, group_->recv(gradient, w, kGradientTag));
+        works.emplace_back(w, posted(rank_, w, "receiving gradients from",
+                                        [&] { return group_->recv(gradient, w, kGradientTag); }));
         waitAll(works, timeout_, rank_, "receiving gradients from");
         // This worker's gradients weigh 1/N, as each does in the synchronous average.
         applyGradient(gradient[0].to(parameters_[share.front()].device()).mul(1.0 / static_cast<double>(workers_)));
