@@ -89,7 +89,7 @@ ParameterServerRole parameterServerRole(int rank, int worldSize, int servers);
 // A checkpoint sees it as a Stateful (parameter_server/parameter_server_state.cpp): the run's
 // optimizer, the servers' shards of its state in their shard files (a worker's holds nothing),
 // resharded over another number of servers on resume. It cannot follow a re-formed group.
-class ParameterServer : public Stateful {
+class ParameterServer : public ShardedOptimizerState {
  public:
   // Builds a server's optimizer over its share of the parameters.
   using OptimizerFactory = ZeroRedundancyOptimizer::OptimizerFactory;
@@ -166,18 +166,13 @@ class ParameterServer : public Stateful {
 
   // This rank's shard of the optimizer state, in ZeroRedundancyOptimizer's shard layout (global
   // parameter indices); a worker's is empty. What a snapshot keeps per rank.
-  ItemDict shardStateDict() const;
+  ItemDict shardStateDict() const override;
   // Restores this server's share from shards saved with any number of servers (ConfigError naming
   // what does not fit). Does nothing on a worker.
-  void loadShardStateDicts(const std::vector<ItemDict>& shards);
+  void loadShardStateDicts(const std::vector<ItemDict>& shards) override;
 
   // ---- Stateful
   std::string stateName() const override { return "ParameterServer"; }
-  bool tracksOptimizer() const override { return true; }
-  bool sharded() const override { return true; }
-  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
-  Snapshot shardFile(const ShardContext& context) const override;
-  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
   std::string whyNotInPlace() const override;
 
  private:

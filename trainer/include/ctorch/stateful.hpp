@@ -118,4 +118,22 @@ class Stateful {
   }
 };
 
+// A sharded optimizer (ZeroRedundancyOptimizer, ParameterServer): the run's optimizer, each rank's
+// share of its state in its shard file, in ZeroRedundancyOptimizer's shard layout (global parameter
+// indices), restored over another world size; a snapshot saved with a whole optimizer resumes too
+// (its state as one shard). What differs is the in-place part.
+class ShardedOptimizerState : public Stateful {
+ public:
+  // This rank's shard of the optimizer state, and the restore of this rank's share from every
+  // rank's (ConfigError naming what does not fit).
+  virtual ItemDict shardStateDict() const = 0;
+  virtual void loadShardStateDicts(const std::vector<ItemDict>& shards) = 0;
+
+  bool tracksOptimizer() const override { return true; }
+  bool sharded() const override { return true; }
+  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
+  Snapshot shardFile(const ShardContext& context) const override;
+  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
+};
+
 } // namespace ctorch

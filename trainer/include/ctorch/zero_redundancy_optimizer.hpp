@@ -47,7 +47,7 @@ std::vector<int> partitionParameters(const std::vector<std::int64_t>& numels, in
 
 // A checkpoint sees it as a Stateful (zero/zero_state.cpp): the run's optimizer, its state in
 // every rank's shard file, resharded on resume when the world size changed.
-class ZeroRedundancyOptimizer : public Stateful {
+class ZeroRedundancyOptimizer : public ShardedOptimizerState {
  public:
   // Builds this rank's optimizer over its share (an empty share builds none).
   using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> share)>;
@@ -79,12 +79,12 @@ class ZeroRedundancyOptimizer : public Stateful {
   // GLOBAL indices (their places in parameters()): {"state": {index: {...}}, "param_groups": [{...,
   // "params": [index, ...]}], "optimizer_type": "Adam", "world_size": N, "rank": r}. What a sharded
   // snapshot keeps per rank.
-  ItemDict shardStateDict() const;
+  ItemDict shardStateDict() const override;
   // Restores this rank's share from shards saved at any world size (each rank passes every shard it
   // has, at least those holding its parameters): the states of the parameters it owns now are taken
   // from whichever shard holds them, so a run resumes on another number of ranks. Throws ConfigError
   // naming what does not fit (another optimizer, a parameter no shard holds, a shape).
-  void loadShardStateDicts(const std::vector<ItemDict>& shards);
+  void loadShardStateDicts(const std::vector<ItemDict>& shards) override;
 
   // In-place recovery of a sharded run (ResilientTraining::recover, ResilienceOptions::shardCopies):
   // releaseGroup() lets go of the failed group, rejoin() continues on the re-formed one (the same
@@ -95,11 +95,6 @@ class ZeroRedundancyOptimizer : public Stateful {
 
   // ---- Stateful
   std::string stateName() const override { return "ZeroRedundancyOptimizer"; }
-  bool tracksOptimizer() const override { return true; }
-  bool sharded() const override { return true; }
-  ItemDict shardState(torch::optim::Optimizer* optimizer) const override;
-  Snapshot shardFile(const ShardContext& context) const override;
-  void loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) override;
   std::string whyNotInPlace() const override;
   void leaveGroup() override;
   void joinGroup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const ItemDict* userState) override;

@@ -22,6 +22,19 @@ Snapshot Stateful::shardFile(const ShardContext& context) const {
   return s;
 }
 
+ItemDict ShardedOptimizerState::shardState(torch::optim::Optimizer* optimizer) const {
+  (void)optimizer;
+  return shardStateDict();
+}
+
+Snapshot ShardedOptimizerState::shardFile(const ShardContext& context) const {
+  return detail::captureShard(shardStateDict(), context.identity, context.progress);
+}
+
+void ShardedOptimizerState::loadState(const Snapshot& snapshot, const std::vector<ItemDict>& shards, StateLoad& load) {
+  if (load.options.optimizer) loadShardStateDicts(detail::optimizerShardsOf(snapshot, shards, stateName()));
+}
+
 std::string Stateful::whyNotInPlace() const {
   return "its " + stateName() + " does not say how it follows a re-formed process group (Stateful::joinGroup)";
 }
